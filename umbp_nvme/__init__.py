@@ -1,0 +1,1 @@
+"""umbp_nvme: asyncio KV-cache page store on local NVMe."""
