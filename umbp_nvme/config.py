@@ -1,11 +1,35 @@
-"""StoreConfig: defaults -> UMBP_* environment -> extra_config, validated strictly."""
+"""StoreConfig: defaults -> UMBP_* environment -> extra_config, validated strictly.
+
+The key names are UMBP's (sglang-interface.md §6.11), so an `extra_config` written for SGLang's
+UMBP store works here unchanged, with two exceptions that are refused with a clear error:
+remote modes (`master_address`, `standalone_*`) and SPDK (`ssd_backend` other than `file`,
+`spdk_*`). This backend is one process writing to a local NVMe file system.
+
+Layering: field defaults, then `UMBP_*` environment variables, then `extra_config`. Each
+layer is parsed with the same rules; errors name where the value came from
+(`extra_config['key']` or the environment variable), the value, and what is allowed.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 MiB = 1 << 20
+SEGMENT_ALIGN_BYTES = 4096  # segments are written with O_DIRECT; offsets stay block-aligned
+
+IO_BACKENDS = ("posix", "io_uring")
+DURABILITY_ALIASES = {"strict": "strict", "sync": "strict", "relaxed": "relaxed", "async": "relaxed"}
+SSD_BACKENDS = ("file", "spdk", "spdk_proxy")
+EVICTION_POLICIES = ("lru", "prefix_aware")
 
 
 @dataclass
@@ -24,3 +48,332 @@ class StoreConfig:
     io_timeout_s: float = 30.0  # bound on every wait for the disk; a stuck device becomes a failure
     o_direct: bool = True  # used when the file system allows it (probed once per store)
     extra_backend_tag: str | None = None
+    # UMBP knobs kept for compatibility and stats; they change nothing in this store.
+    ssd_enabled: bool = True  # UMBP's SSD-tier switch; False leaves the backend nothing to store
+    dram_capacity_bytes: int = 4 * GiB  # UMBP's DRAM tier; we have none (the OS page cache is it)
+    eviction_candidate_window: int = 16
+    auto_promote_on_read: bool = True
+
+    def validate(self) -> "StoreConfig":
+        """Check cross-field rules; raise ValueError naming the fields and values. Returns self."""
+        if not isinstance(self.ssd_storage_dir, str) or not self.ssd_storage_dir.strip():
+            raise ValueError(f"ssd_storage_dir must be a non-empty path, got {self.ssd_storage_dir!r}")
+        for name in ("ssd_capacity_bytes", "ssd_segment_size_bytes", "ssd_queue_depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.ssd_segment_size_bytes % SEGMENT_ALIGN_BYTES:
+            raise ValueError(
+                f"ssd_segment_size_bytes must be a multiple of {SEGMENT_ALIGN_BYTES} "
+                f"(O_DIRECT alignment), got {self.ssd_segment_size_bytes}"
+            )
+        if self.ssd_capacity_bytes < self.ssd_segment_size_bytes:
+            raise ValueError(
+                f"ssd_capacity_bytes ({self.ssd_capacity_bytes}) must be at least "
+                f"ssd_segment_size_bytes ({self.ssd_segment_size_bytes}): the store needs room "
+                "for one segment; lower ssd_segment_size_bytes or raise ssd_capacity_bytes"
+            )
+        if self.ssd_io_backend not in IO_BACKENDS:
+            raise ValueError(f"ssd_io_backend must be one of: {', '.join(IO_BACKENDS)}; got {self.ssd_io_backend!r}")
+        if self.ssd_durability_mode not in ("strict", "relaxed"):
+            raise ValueError(f"ssd_durability_mode must be 'strict' or 'relaxed', got {self.ssd_durability_mode!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of: {', '.join(EVICTION_POLICIES)}; got {self.eviction_policy!r}"
+            )
+        low, high = self.ssd_low_watermark, self.ssd_high_watermark
+        if not (0.0 < low < high <= 1.0):
+            raise ValueError(
+                f"SSD watermarks must satisfy 0 < ssd_low_watermark < ssd_high_watermark <= 1, "
+                f"got ssd_low_watermark={low!r}, ssd_high_watermark={high!r}"
+            )
+        if not (isinstance(self.io_timeout_s, (int, float)) and math.isfinite(self.io_timeout_s) and self.io_timeout_s > 0):
+            raise ValueError(f"io_timeout_s must be a positive number of seconds, got {self.io_timeout_s!r}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Value parsers. Each takes (value, label) where label is how the error names the source.
+
+_TRUE_STRINGS = frozenset({"1", "true", "yes", "on"})
+_FALSE_STRINGS = frozenset({"0", "false", "no", "off"})
+_INT_RE = re.compile(r"^\+?\d+$")
+
+
+def parse_bool(value: Any, label: str) -> bool:
+    """Strict boolean: bool, 0/1, or 1/true/yes/on and 0/false/no/off (any case, stripped).
+
+    bool("false") is True, which is exactly the bug this exists to prevent.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value in (0, 1):
+            return bool(value)
+    elif isinstance(value, str):
+        norm = value.strip().lower()
+        if norm in _TRUE_STRINGS:
+            return True
+        if norm in _FALSE_STRINGS:
+            return False
+    raise ValueError(f"{label} must be a boolean-like value (true/false, 1/0, yes/no, on/off), got {value!r}")
+
+
+def _int_parser(minimum: int) -> Callable[[Any, str], int]:
+    def parse(value: Any, label: str) -> int:
+        parsed: int | None = None
+        if isinstance(value, bool):
+            parsed = None  # True is an int in Python, never a byte count
+        elif isinstance(value, int):
+            parsed = value
+        elif isinstance(value, float) and value.is_integer():
+            parsed = int(value)
+        elif isinstance(value, str) and _INT_RE.match(value.strip()):
+            parsed = int(value.strip())
+        if parsed is None:
+            raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
+        if parsed < minimum:
+            raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
+        return parsed
+
+    return parse
+
+
+def _parse_float(value: Any, label: str) -> float:
+    parsed: float | None = None
+    if isinstance(value, bool):
+        parsed = None
+    elif isinstance(value, (int, float)):
+        parsed = float(value)
+    elif isinstance(value, str):
+        try:
+            parsed = float(value.strip())
+        except ValueError:
+            parsed = None
+    if parsed is None or not math.isfinite(parsed):
+        raise ValueError(f"{label} must be a finite number, got {value!r}")
+    return parsed
+
+
+def _parse_positive_float(value: Any, label: str) -> float:
+    parsed = _parse_float(value, label)
+    if parsed <= 0:
+        raise ValueError(f"{label} must be a positive number, got {value!r}")
+    return parsed
+
+
+def _parse_dir(value: Any, label: str) -> str:
+    if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip():
+        raise ValueError(f"{label} must be a non-empty directory path, got {value!r}")
+    return os.fspath(value)
+
+
+def _parse_io_backend(value: Any, label: str) -> str:
+    norm = str(value).strip().lower()
+    if norm not in IO_BACKENDS:
+        # The text up to ';' is UMBP's message, so logs and tests written for it still match.
+        raise ValueError(f"{label} must be one of: posix, io_uring; got {value!r}")
+    return norm
+
+
+def _parse_durability(value: Any, label: str) -> str:
+    norm = str(value).strip().lower()
+    if norm not in DURABILITY_ALIASES:
+        raise ValueError(f"{label} must be one of: strict, sync, relaxed, async; got {value!r}")
+    return DURABILITY_ALIASES[norm]
+
+
+def _parse_ssd_backend(value: Any, label: str) -> str:
+    norm = str(value).strip().lower()
+    if norm not in SSD_BACKENDS:
+        raise ValueError(f"{label} must be one of: file, spdk, spdk_proxy; got {value!r}")
+    if norm != "file":
+        raise ValueError(
+            f"{label} is {value!r}, but umbp_nvme is a local-NVMe backend that stores pages in "
+            "files on a mounted file system; SPDK is not supported. Remove the key or set it to "
+            "'file', and drop any spdk_* keys."
+        )
+    return norm
+
+
+def _parse_eviction_policy(value: Any, label: str) -> str:
+    norm = str(value).strip().lower()
+    if norm not in EVICTION_POLICIES:
+        raise ValueError(f"{label} must be one of: lru, prefix_aware; got {value!r}")
+    return norm
+
+
+def _warn_kv_events(value: Any, label: str) -> Any:
+    if value:
+        logger.warning("umbp_nvme: %s is set, but this backend publishes no KV events; ignored.", label)
+    return value
+
+
+def _parse_tag(value: Any, label: str) -> str | None:
+    return None if value is None else str(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Key tables.
+
+# extra_config key -> (StoreConfig field or None when accepted and ignored, parser)
+_FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
+    "ssd_storage_dir": ("ssd_storage_dir", _parse_dir),
+    "ssd_capacity_bytes": ("ssd_capacity_bytes", _int_parser(1)),
+    "ssd_segment_size_bytes": ("ssd_segment_size_bytes", _int_parser(1)),
+    "ssd_queue_depth": ("ssd_queue_depth", _int_parser(1)),
+    "ssd_io_backend": ("ssd_io_backend", _parse_io_backend),
+    "ssd_durability_mode": ("ssd_durability_mode", _parse_durability),
+    "ssd_high_watermark": ("ssd_high_watermark", _parse_float),
+    "ssd_low_watermark": ("ssd_low_watermark", _parse_float),
+    "eviction_policy": ("eviction_policy", _parse_eviction_policy),
+    "verify_crc": ("verify_crc", parse_bool),
+    "io_timeout_s": ("io_timeout_s", _parse_positive_float),
+    "o_direct": ("o_direct", parse_bool),
+    "extra_backend_tag": ("extra_backend_tag", _parse_tag),
+    "ssd_enabled": ("ssd_enabled", parse_bool),
+    "dram_capacity_bytes": ("dram_capacity_bytes", _int_parser(0)),
+    "eviction_candidate_window": ("eviction_candidate_window", _int_parser(0)),
+    "auto_promote_on_read": ("auto_promote_on_read", parse_bool),
+    # Accepted, type-checked, and ignored: UMBP's DRAM->SSD copy pipeline and RDMA registration.
+    "ssd_backend": (None, _parse_ssd_backend),
+    "ssd_copy_async": (None, parse_bool),
+    "ssd_copy_queue_depth": (None, _int_parser(0)),
+    "ssd_copy_worker_threads": (None, _int_parser(0)),
+    "ssd_copy_batch_max_ops": (None, _int_parser(0)),
+    "disable_zero_copy_register": (None, parse_bool),
+    "kv_events_subscriber": (None, _warn_kv_events),
+    "kv_events_endpoint": (None, lambda v, label: v),
+    "kv_events_topic": (None, lambda v, label: v),
+}
+
+# Keys SGLang's dynamic loader and controller put in the same dict; accepted silently.
+LOADER_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        # SGLang pops these before the backend sees the dict; harmless if a version does not.
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+    }
+)
+
+# UMBP keys that only mean something in its distributed mode; ignored with a warning.
+DISTRIBUTED_ONLY_KEYS = frozenset(
+    {
+        "node_address",
+        "node_id",
+        "node_tags",
+        "tags",
+        "auto_heartbeat",
+        "io_engine_host",
+        "io_engine_port",
+        "staging_buffer_size",
+        "ranged_scratch_size",
+        "ssd_staging_buffer_size",
+        "ssd_staging_buffer_slots",
+        "peer_service_port",
+        "cache_remote_fetches",
+        "dram_page_size",
+    }
+)
+
+_REMOTE_KEYS = ("master_address", "standalone_address")
+
+
+def _is_remote_key(key: str) -> bool:
+    return key in _REMOTE_KEYS or key.startswith("standalone_") or key.startswith("spdk_")
+
+
+def _refuse_remote(label: str, value: Any) -> None:
+    if label.startswith("extra_config['spdk") or label.startswith("UMBP_SPDK"):
+        what = "SPDK"
+    else:
+        what = "UMBP's remote (master / standalone-process) modes"
+    raise ValueError(
+        f"{label}={value!r} selects {what}, but umbp_nvme is a local-NVMe backend: each "
+        "process stores its pages in files under ssd_storage_dir. Remove this key "
+        "(and any other master_address / standalone_* / spdk_* keys) from the config."
+    )
+
+
+# Environment variable -> extra_config key. UMBP's names (mori runtime-env-vars.md) first, then ours.
+ENV_KEYS: dict[str, str] = {
+    "UMBP_SSD_DIR": "ssd_storage_dir",
+    "UMBP_SSD_CAPACITY": "ssd_capacity_bytes",
+    "UMBP_SSD_ENABLED": "ssd_enabled",
+    "UMBP_SSD_HIGH_WM": "ssd_high_watermark",
+    "UMBP_SSD_LOW_WM": "ssd_low_watermark",
+    "UMBP_EVICTION_POLICY": "eviction_policy",
+    "UMBP_DRAM_CAPACITY": "dram_capacity_bytes",
+    "UMBP_SSD_BACKEND": "ssd_backend",
+    "UMBP_DISABLE_ZERO_COPY_REGISTER": "disable_zero_copy_register",
+    "UMBP_SSD_SEGMENT_SIZE": "ssd_segment_size_bytes",
+    "UMBP_SSD_IO_BACKEND": "ssd_io_backend",
+    "UMBP_SSD_DURABILITY": "ssd_durability_mode",
+    "UMBP_VERIFY_CRC": "verify_crc",
+    "UMBP_SSD_QUEUE_DEPTH": "ssd_queue_depth",
+    "UMBP_IO_TIMEOUT_S": "io_timeout_s",
+    "UMBP_O_DIRECT": "o_direct",
+}
+
+# Environment variables that select a remote mode or SPDK in UMBP.
+_REMOTE_ENV = ("UMBP_MASTER_ADDRESS", "UMBP_STANDALONE_ADDRESS", "UMBP_SPDK_NVME_PCI")
+
+
+def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | None = None) -> StoreConfig:
+    """Build and validate a StoreConfig: defaults, then `UMBP_*` from `env`, then `extra_config`.
+
+    `env` defaults to os.environ. Unknown extra_config keys log one warning each and are
+    ignored; SGLang's loader keys are accepted silently; remote and SPDK keys raise.
+    """
+    env = os.environ if env is None else env
+    extra = dict(extra_config or {})
+    cfg = StoreConfig()
+    valid_fields = {f.name for f in fields(StoreConfig)}
+
+    for var in _REMOTE_ENV:
+        value = env.get(var)
+        if value is not None and value.strip():
+            _refuse_remote(var, value)
+    for var, key in ENV_KEYS.items():
+        raw = env.get(var)
+        if raw is None or raw == "":  # unset or empty means "use the default", as in mori
+            continue
+        field, parse = _FIELD_KEYS[key]
+        parsed = parse(raw, var)
+        if field is not None:
+            setattr(cfg, field, parsed)
+
+    for key, value in extra.items():
+        label = f"extra_config[{key!r}]"
+        if key in LOADER_KEYS:
+            continue
+        if _is_remote_key(key):
+            if value is None or value == "":  # UMBP treats an empty address as "not set"
+                continue
+            _refuse_remote(label, value)
+        if key in _FIELD_KEYS:
+            field, parse = _FIELD_KEYS[key]
+            parsed = parse(value, label)
+            if field is not None:
+                assert field in valid_fields
+                setattr(cfg, field, parsed)
+        elif key in DISTRIBUTED_ONLY_KEYS:
+            logger.warning(
+                "umbp_nvme: extra_config[%r] only applies to UMBP's distributed mode and is ignored "
+                "by this local-NVMe backend.",
+                key,
+            )
+        else:
+            logger.warning(
+                "umbp_nvme: unknown extra_config key %r is ignored. Check for a typo; known keys "
+                "are UMBP's (ssd_storage_dir, ssd_capacity_bytes, ssd_io_backend, ...).",
+                key,
+            )
+    return cfg.validate()

@@ -1,0 +1,31 @@
+# Two entry points for a fresh Debian machine with Python 3.11: `make demo` and `make test`.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch comes from its CPU wheel first so that nothing pulls a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: venv demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python setup.py setup.cfg pyproject.toml $(wildcard native/*.c native/*.h)
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/umbp-nvme demo
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: $(VENV)/.installed
+	$(BIN)/umbp-nvme bench engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info umbp_nvme/*.so
