@@ -1,0 +1,564 @@
+"""UringEngine: batched reads/writes over one io_uring (umbp_nvme._uring), completions on the loop.
+
+One batch = one ``ring.submit`` (one io_uring_enter) of numpy descriptor arrays; completions
+are reaped in bulk when the ring's eventfd turns readable (``loop.add_reader``), so there is no
+thread and no Python object per op. In flight stays <= the ring's SQ entries (the CQ is twice
+that, so it can never overflow); the rest of a large batch waits in a Python queue and is
+submitted as completions free slots.
+
+``user_data`` = (batch slot << 32) | op index, so results scatter straight into the batch's
+arrays.
+
+Memory safety: the kernel writes into caller memory until an op's CQE is posted. A batch's
+await therefore returns only once none of its ops is in flight: a cancelled await stops the
+batch's queued ops and still waits for the running ones; ``close()`` cancels, waits (bounded)
+and, if the kernel still holds ops after that, leaks the ring instead of unmapping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import threading
+from collections import deque
+
+import numpy as np
+
+from .base import (
+    ADDR_DTYPE,
+    MAX_OP_BYTES,
+    RESULT_DTYPE,
+    Capabilities,
+    EngineClosed,
+    EngineUnavailable,
+    IoBatch,
+)
+
+log = logging.getLogger(__name__)
+
+FORCE_NO_URING_ENV = "UMBP_NVME_FORCE_NO_URING"
+DEFAULT_QUEUE_DEPTH = 256
+# Page-cache copies of at least this many bytes go to io-wq workers (IOSQE_ASYNC) instead of
+# running inline in io_uring_enter on the loop's core; O_DIRECT ops are never affected.
+DEFAULT_ASYNC_MIN_BYTES = 64 << 10
+MAX_RETRIES = 8  # EAGAIN/EINTR resubmissions per op
+CLOSE_TIMEOUT_S = 5.0
+DRAIN_TIMEOUT_S = 30.0  # a cancelled await waits this long for its running ops
+_SLOT_SHIFT = 32
+_IDX_MASK = (1 << _SLOT_SHIFT) - 1
+_U64 = np.uint64
+
+
+def _load_native():
+    try:
+        from .. import _uring
+    except ImportError as e:
+        raise EngineUnavailable(
+            errno.ENOSYS, f"umbp_nvme._uring is not built ({e}); run: python setup.py build_ext --inplace"
+        ) from None
+    return _uring
+
+
+class _Batch:
+    __slots__ = (
+        "op", "n", "fds", "offs", "addrs", "lens", "ud", "done", "next", "left", "fut", "slot",
+        "idx_map", "n_total", "abandoned", "drained", "retries",
+    )  # fmt: skip
+
+    def __init__(self, op, slot, fds, offs, addrs, lens, fut, idx_map, n_total):
+        self.op = op
+        self.slot = slot
+        self.fds, self.offs, self.addrs, self.lens = fds, offs, addrs, lens
+        self.n = len(lens)
+        self.ud = np.arange(self.n, dtype=_U64)
+        self.ud |= _U64(slot << _SLOT_SHIFT)
+        self.done = np.zeros(self.n, dtype=RESULT_DTYPE)  # bytes so far, or -errno once failed
+        self.next = 0  # first op not yet submitted
+        self.left = self.n  # ops without a final result
+        self.fut = fut
+        self.idx_map = idx_map  # compact index -> caller index, when zero-length ops were dropped
+        self.n_total = n_total
+        self.abandoned = False
+        self.drained = None  # future set when left reaches 0 after a cancelled await
+        self.retries = None  # {op index: count}, only on the rare retry path
+
+    def results(self) -> np.ndarray:
+        if self.idx_map is None:
+            return self.done
+        out = np.zeros(self.n_total, dtype=RESULT_DTYPE)
+        out[self.idx_map] = self.done
+        return out
+
+
+class UringEngine:
+    """IoEngine over io_uring. Create with ``await UringEngine.open(queue_depth)``."""
+
+    def __init__(self, ring, loop: asyncio.AbstractEventLoop, queue_depth: int, *, async_min_bytes: int):
+        self._u = _load_native()
+        self._ring = ring
+        self._loop = loop
+        self._thread = threading.get_ident()
+        self._depth = min(int(queue_depth), ring.entries)
+        self._async_min = int(async_min_bytes)
+        self._batches: dict[int, _Batch] = {}
+        self._next_slot = 0
+        self._queue: deque[_Batch] = deque()  # batches with ops not yet submitted, in order
+        self._retry: deque[tuple[_Batch, int]] = deque()  # remainders of short ops, EAGAIN
+        self._out_ud = np.empty(ring.cq_entries, dtype=_U64)
+        self._out_res = np.empty(ring.cq_entries, dtype=np.int32)
+        self._efd = ring.eventfd
+        self._flush_handle = None
+        self._closed = False
+        self._reg_starts = None  # sorted registered ranges, for READ_FIXED/WRITE_FIXED
+        self._reg_ends = None
+        self._reg_ranges: list[tuple[int, int]] = []
+        self._reg_warned = False
+        self.capabilities = Capabilities(
+            name="io_uring", native_async=True, fixed_buffers=False, thread_safe=False, queue_depth=self._depth
+        )
+        loop.add_reader(self._efd, self._on_ready)
+
+    @classmethod
+    async def open(
+        cls, queue_depth: int = DEFAULT_QUEUE_DEPTH, *, async_min_bytes: int = DEFAULT_ASYNC_MIN_BYTES
+    ) -> "UringEngine":
+        if os.environ.get(FORCE_NO_URING_ENV, "") not in ("", "0"):
+            raise EngineUnavailable(errno.EPERM, f"io_uring disabled by {FORCE_NO_URING_ENV}=1")
+        u = _load_native()
+        if not 1 <= int(queue_depth) <= u.MAX_ENTRIES:
+            raise ValueError(f"queue_depth must be in [1, {u.MAX_ENTRIES}], got {queue_depth}")
+        try:
+            ring = u.Ring(int(queue_depth))
+        except OSError as e:
+            raise EngineUnavailable(e.errno or errno.ENOSYS, f"io_uring unavailable: {e.strerror or e}") from None
+        return cls(ring, asyncio.get_running_loop(), queue_depth, async_min_bytes=async_min_bytes)
+
+    # ------------------------------------------------------------------ IoEngine
+
+    async def read_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
+        return await self._run(self._u.OP_READ, fds, offsets, addrs, lengths)
+
+    async def write_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
+        return await self._run(self._u.OP_WRITE, fds, offsets, addrs, lengths)
+
+    async def sync(self, fd: int, *, datasync: bool = True) -> None:
+        self._check_open()
+        op = self._u.OP_FDATASYNC if datasync else self._u.OP_FSYNC
+        z = np.zeros(1, dtype=np.int64)
+        b = self._new_batch(op, np.array([fd], dtype=np.int32), z, z.view(ADDR_DTYPE), z, None, 1)
+        self._start(b, validate=False)
+        res = int((await self._wait(b))[0])
+        if res < 0:
+            raise OSError(-res, f"{'fdatasync' if datasync else 'fsync'}(fd {fd}) failed: {os.strerror(-res)}")
+
+    def register_buffers(self, ranges) -> bool:
+        """Register (address, nbytes) ranges (added to earlier ones) for fixed-buffer ops.
+
+        Ranges over 1 GiB are split into 1 GiB pieces (the kernel's per-buffer limit). Returns
+        False, logged once, when the kernel refuses (ENOMEM under RLIMIT_MEMLOCK, file-backed
+        memory): ops then use plain reads/writes into the same memory.
+        """
+        if self._closed:
+            return False
+        new = [(int(a), int(n)) for a, n in ranges if int(n) > 0]
+        pieces = _split_ranges(self._reg_ranges + new)
+        if not pieces:
+            return bool(self._reg_ranges)
+        if len(pieces) > self._u.MAX_FIXED_BUFFERS:
+            return self._reg_failed(f"{len(pieces)} ranges exceed the {self._u.MAX_FIXED_BUFFERS} fixed-buffer limit")
+        self._flush_pending()  # queued SQEs name buffer indexes of the current table
+        try:
+            self._ring.register_buffers(pieces)
+        except (OSError, ValueError) as e:
+            self._set_registered([], [])
+            return self._reg_failed(str(e))
+        self._set_registered(self._reg_ranges + new, pieces)
+        return True
+
+    def close(self) -> None:
+        """Fail pending awaits with EngineClosed; bounded wait for ops the kernel holds. Idempotent."""
+        if self._closed:
+            return
+        if threading.get_ident() != self._thread and self._loop.is_running():
+            # The ring has one owner: hand the close to the loop's thread.
+            self._loop.call_soon_threadsafe(self.close)
+            return
+        self._closed = True
+        inflight = self._ring.inflight
+        try:
+            self._loop.remove_reader(self._efd)
+        except Exception:  # the loop may already be closed
+            pass
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+        clean = self._ring.close(timeout_s=CLOSE_TIMEOUT_S)
+        if not clean:
+            log.error(
+                "io_uring engine closed with %d ops still owned by the kernel after %.0f s; "
+                "the ring is leaked so the kernel never writes into freed memory",
+                self._ring.inflight,
+                CLOSE_TIMEOUT_S,
+            )
+        exc_msg = f"io_uring engine closed ({inflight} ops were in flight)"
+        for b in list(self._batches.values()):
+            if not b.fut.done():
+                b.fut.set_exception(EngineClosed(exc_msg))
+            if b.drained is not None and not b.drained.done():
+                b.drained.set_result(None)
+        self._batches.clear()
+        self._queue.clear()
+        self._retry.clear()
+
+    # ------------------------------------------------------------------ batches
+
+    def _check_open(self):
+        if self._closed:
+            raise EngineClosed("io_uring engine is closed")
+
+    def _new_batch(self, op, fds, offs, addrs, lens, idx_map, n_total) -> _Batch:
+        slot = self._next_slot
+        while slot in self._batches:
+            slot = (slot + 1) & 0x7FFFFFFF
+        self._next_slot = (slot + 1) & 0x7FFFFFFF
+        b = _Batch(op, slot, fds, offs, addrs, lens, self._loop.create_future(), idx_map, n_total)
+        return b
+
+    async def _run(self, op, fds, offsets, addrs, lengths) -> np.ndarray:
+        self._check_open()
+        batch = IoBatch.of(fds, offsets, addrs, lengths)
+        n = len(batch)
+        if n == 0:
+            return np.zeros(0, dtype=RESULT_DTYPE)
+        f, o, a, ln = batch.fds, batch.offsets, batch.addrs, batch.lengths
+        idx_map = None
+        if ln.min() == 0:  # zero-length ops complete at once with 0 bytes
+            idx_map = np.flatnonzero(ln)
+            if len(idx_map) == 0:
+                return np.zeros(n, dtype=RESULT_DTYPE)
+            f, o, a, ln = f[idx_map], o[idx_map], a[idx_map], ln[idx_map]
+        b = self._new_batch(op, f, o, a, ln, idx_map, n)
+        self._start(b, validate=True)
+        return await self._wait(b)
+
+    def _start(self, b: _Batch, *, validate: bool) -> None:
+        free = self._depth - self._ring.inflight
+        if self._queue or self._retry or b.n > free:
+            if validate:  # the whole batch is refused up front, before any of it is queued
+                self._ring.check(b.op, b.fds, b.offs, b.addrs, b.lens, self._fixed_index(b.addrs, b.lens))
+            self._batches[b.slot] = b
+            self._queue.append(b)
+            self._pump()
+            return
+        # Common case: the batch fits; submit() validates it and queues all of it or nothing.
+        self._batches[b.slot] = b
+        try:
+            q = self._ring.submit(
+                b.op, b.fds, b.offs, b.addrs, b.lens, self._fixed_index(b.addrs, b.lens), b.ud, None, self._async_min
+            )
+        except BaseException:
+            del self._batches[b.slot]
+            raise
+        b.next = q
+        if q < b.n:  # cannot happen while in flight <= depth; kept correct anyway
+            self._queue.append(b)
+        if self._ring.sq_pending:
+            self._schedule_flush()
+
+    async def _wait(self, b: _Batch) -> np.ndarray:
+        try:
+            return await b.fut
+        except asyncio.CancelledError:
+            await self._drain_after_cancel(b)
+            raise
+
+    async def _drain_after_cancel(self, b: _Batch) -> None:
+        """The caller gave up, but the kernel may still write its memory: wait for its ops."""
+        if b.left == 0 or self._closed:
+            return
+        b.abandoned = True
+        self._drop_unsubmitted(b)
+        if b.left == 0:
+            self._finish(b)
+            return
+        b.drained = self._loop.create_future()
+        deadline = self._loop.time() + DRAIN_TIMEOUT_S
+        while not b.drained.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(b.drained), max(0.0, deadline - self._loop.time()))
+            except asyncio.CancelledError:
+                continue  # cancelled again: still may not return while the kernel holds the memory
+            except asyncio.TimeoutError:
+                log.error(
+                    "io_uring: %d ops of a cancelled batch still in flight after %.0f s", b.left, DRAIN_TIMEOUT_S
+                )
+                return
+
+    def _drop_unsubmitted(self, b: _Batch) -> None:
+        k = b.n - b.next
+        if k > 0:
+            b.done[b.next :] = -errno.ECANCELED
+            b.left -= k
+            b.next = b.n
+        if self._queue and b in self._queue:
+            self._queue.remove(b)
+
+    def _finish(self, b: _Batch) -> None:
+        self._batches.pop(b.slot, None)
+        if not b.fut.done():
+            b.fut.set_result(b.results())
+        if b.drained is not None and not b.drained.done():
+            b.drained.set_result(None)
+
+    # ------------------------------------------------------------------ submission
+
+    def _fixed_index(self, addrs: np.ndarray, lens: np.ndarray):
+        """int16 registered-buffer index per op (-1 = plain op), or None with none registered."""
+        starts = self._reg_starts
+        if starts is None:
+            return None
+        i = np.searchsorted(starts, addrs, side="right") - 1
+        np.maximum(i, 0, out=i)
+        inside = (addrs >= starts[i]) & (addrs + lens.view(ADDR_DTYPE) <= self._reg_ends[i])
+        return np.where(inside, i, -1).astype(np.int16)
+
+    def _pump(self) -> None:
+        """Submit retries and queued ops while in-flight slots are free; one enter at the end."""
+        ring = self._ring
+        free = self._depth - ring.inflight
+        if free <= 0 or self._closed:
+            return
+        while self._retry and free > 0:
+            b, i = self._retry.popleft()
+            self._resubmit(b, i)
+            free -= 1
+        chunks = []
+        while self._queue and free > 0:
+            b = self._queue[0]
+            k = min(free, b.n - b.next)
+            chunks.append((b, b.next, b.next + k))
+            b.next += k
+            free -= k
+            if b.next >= b.n:
+                self._queue.popleft()
+        last = len(chunks) - 1
+        for j, (b, s, e) in enumerate(chunks):
+            try:
+                q = ring.submit(
+                    b.op, b.fds[s:e], b.offs[s:e], b.addrs[s:e], b.lens[s:e],
+                    self._fixed_index(b.addrs[s:e], b.lens[s:e]), b.ud[s:e], None, self._async_min, j == last,
+                )  # fmt: skip
+            except (ValueError, OSError) as exc:
+                # Validated when queued; only a changed fd (closed, reopened O_DIRECT) gets here.
+                self._fail_unsubmitted(b, s, exc)
+                continue
+            if q < e - s:  # the ring was full after all: put the rest back in front
+                b.next = s + q
+                if b not in self._queue:
+                    self._queue.appendleft(b)
+        if ring.sq_pending:
+            self._schedule_flush()
+
+    def _fail_unsubmitted(self, b: _Batch, s: int, exc: BaseException) -> None:
+        err = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EINVAL
+        log.warning("io_uring: submitting ops %d.. of a batch failed: %s", s, exc)
+        b.done[s:] = -err  # none of ops s.. was submitted
+        b.left -= b.n - s
+        b.next = b.n
+        if self._queue and b in self._queue:
+            self._queue.remove(b)
+        if b.left == 0:
+            self._finish(b)
+
+    def _resubmit(self, b: _Batch, i: int) -> None:
+        """Submit the remainder of op i (after a short transfer, or again after EAGAIN)."""
+        d = max(int(b.done[i]), 0)
+        off = np.array([b.offs[i] + d], dtype=np.int64)
+        addr = np.array([int(b.addrs[i]) + d], dtype=ADDR_DTYPE)
+        ln = np.array([b.lens[i] - d], dtype=np.int64)
+        try:
+            self._ring.submit(
+                b.op, b.fds[i : i + 1], off, addr, ln, self._fixed_index(addr, ln), b.ud[i : i + 1], None, self._async_min
+            )
+        except (ValueError, OSError) as exc:
+            self._final(b, i, d if d else -(getattr(exc, "errno", None) or errno.EINVAL))
+
+    def _schedule_flush(self) -> None:
+        if self._flush_handle is None and not self._closed:
+            self._flush_handle = self._loop.call_later(0.0005, self._flush_retry)
+
+    def _flush_retry(self) -> None:
+        self._flush_handle = None
+        if not self._closed and self._flush_pending():
+            self._schedule_flush()
+
+    def _flush_pending(self) -> int:
+        try:
+            return self._ring.flush() if self._ring.sq_pending else 0
+        except OSError as e:
+            log.warning("io_uring: flushing queued SQEs failed: %s", e)
+            return self._ring.sq_pending
+
+    # ------------------------------------------------------------------ completions
+
+    def _on_ready(self) -> None:
+        try:
+            os.read(self._efd, 8)
+        except BlockingIOError:
+            pass
+        if self._closed:
+            return
+        ring, out_ud, out_res, batches = self._ring, self._out_ud, self._out_res, self._batches
+        while True:
+            n = ring.reap(out_ud, out_res)
+            if n == 0:
+                break
+            if n <= 4:
+                # A few CQEs: plain Python beats the fixed cost of numpy calls.
+                for u, r in zip(out_ud[:n].tolist(), out_res[:n].tolist()):
+                    b = batches.get(u >> _SLOT_SHIFT)
+                    if b is not None:
+                        self._complete_one(b, u & _IDX_MASK, r)
+            else:
+                ud = out_ud[:n]
+                res = out_res[:n].astype(RESULT_DTYPE)
+                slots = ud >> _U64(_SLOT_SHIFT)
+                s0 = int(slots[0])
+                if (slots == slots[0]).all():
+                    b = batches.get(s0)
+                    if b is not None:
+                        self._complete_many(b, (ud & _U64(_IDX_MASK)).astype(np.intp), res)
+                else:
+                    for s in np.unique(slots).tolist():
+                        m = slots == s
+                        b = batches.get(s)
+                        if b is not None:
+                            self._complete_many(b, (ud[m] & _U64(_IDX_MASK)).astype(np.intp), res[m])
+            if n < len(out_ud):
+                break
+        self._pump()
+
+    def _complete_many(self, b: _Batch, idx: np.ndarray, res: np.ndarray) -> None:
+        done = b.done
+        want = b.lens[idx] - done[idx]
+        full = res == want
+        if full.all():
+            done[idx] = b.lens[idx]
+            b.left -= len(idx)
+        else:
+            ok = idx[full]
+            done[ok] = b.lens[ok]
+            b.left -= len(ok)
+            for i, r in zip(idx[~full].tolist(), res[~full].tolist()):
+                self._odd_completion(b, i, r)
+        if b.left == 0:
+            self._finish(b)
+
+    def _complete_one(self, b: _Batch, i: int, r: int) -> None:
+        ln = int(b.lens[i])
+        if r == ln - b.done[i]:
+            b.done[i] = ln
+            b.left -= 1
+            if b.left == 0:
+                self._finish(b)
+        else:
+            self._odd_completion(b, i, r)
+            if b.left == 0:
+                self._finish(b)
+
+    def _odd_completion(self, b: _Batch, i: int, r: int) -> None:
+        """Short transfer, EOF, or an error: resubmit, or record the final result."""
+        done = int(b.done[i])
+        if r < 0:
+            if r in (-errno.EAGAIN, -errno.EINTR) and not b.abandoned and not self._closed:
+                b.retries = b.retries or {}
+                c = b.retries.get(i, 0)
+                if c < MAX_RETRIES:
+                    b.retries[i] = c + 1
+                    self._retry.append((b, i))
+                    return
+            self._final(b, i, r)
+            return
+        if b.op not in (self._u.OP_READ, self._u.OP_WRITE):
+            self._final(b, i, r)
+            return
+        done += r
+        b.done[i] = done
+        remaining = int(b.lens[i]) - done
+        if remaining <= 0:
+            self._final(b, i, done)
+        elif r == 0 or b.abandoned or self._closed or not self._may_continue(b, i, done):
+            self._final(b, i, done)  # EOF (reads), or a remainder O_DIRECT cannot express
+        else:
+            self._retry.append((b, i))
+
+    def _may_continue(self, b: _Batch, i: int, done: int) -> bool:
+        """A remainder that starts unaligned on an O_DIRECT file would be refused: stop there."""
+        try:
+            direct = fcntl.fcntl(int(b.fds[i]), fcntl.F_GETFL) & os.O_DIRECT
+        except OSError:
+            return False
+        return not direct or (done % 512 == 0 and (int(b.addrs[i]) + done) % 512 == 0)
+
+    def _final(self, b: _Batch, i: int, value: int) -> None:
+        b.done[i] = value
+        b.left -= 1
+
+    # ------------------------------------------------------------------ registration
+
+    def _set_registered(self, ranges, pieces) -> None:
+        self._reg_ranges = list(ranges)
+        if pieces:
+            self._reg_starts = np.array([a for a, _ in pieces], dtype=ADDR_DTYPE)
+            self._reg_ends = np.array([a + n for a, n in pieces], dtype=ADDR_DTYPE)
+        else:
+            self._reg_starts = self._reg_ends = None
+        self.capabilities = dataclasses.replace(self.capabilities, fixed_buffers=bool(pieces))
+
+    def _reg_failed(self, why: str) -> bool:
+        if not self._reg_warned:
+            self._reg_warned = True
+            log.warning(
+                "io_uring: cannot register buffers (%s); using plain reads/writes into the same memory. "
+                "Raise RLIMIT_MEMLOCK (ulimit -l) to enable fixed buffers.",
+                why,
+            )
+        return False
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def inflight(self) -> int:
+        return 0 if self._closed else self._ring.inflight
+
+    @property
+    def ring(self):
+        return self._ring
+
+
+def _split_ranges(ranges) -> list[tuple[int, int]]:
+    """Sorted, overlap-merged ranges cut into pieces of at most 1 GiB."""
+    spans = sorted((a, a + n) for a, n in ranges if n > 0)
+    merged: list[list[int]] = []
+    for s, e in spans:
+        if merged and s < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    out = []
+    for s, e in merged:
+        while s < e:
+            k = min(MAX_OP_BYTES, e - s)
+            out.append((s, k))
+            s += k
+    return out
+
+
+async def open_uring_engine(
+    queue_depth: int = DEFAULT_QUEUE_DEPTH, *, async_min_bytes: int = DEFAULT_ASYNC_MIN_BYTES
+) -> UringEngine:
+    """Open a UringEngine in the running loop; EngineUnavailable when io_uring cannot start."""
+    return await UringEngine.open(queue_depth, async_min_bytes=async_min_bytes)
