@@ -1,0 +1,176 @@
+"""Opening data files for the engines: O_DIRECT when the file system takes it, buffered otherwise.
+
+``open_data_file`` is the one place that decides how a data file is opened:
+
+* O_DIRECT is tried first (unless ``direct=False``). A file system that refuses it (EINVAL at
+  open, e.g. tmpfs before Linux 6.6, some FUSE and overlay mounts) gets a buffered file instead,
+  logged once per file system; the refusal is remembered per device so later opens skip the probe.
+* The DIO alignment comes from ``statx(STATX_DIOALIGN)`` (Linux 6.1+), read through libc with
+  ctypes because Python has no statx; without it, 4096 (the page size, safe for every device).
+* Files are created 0600, never through a symlink (O_NOFOLLOW: a store directory must not be
+  redirectable), with O_CLOEXEC so forked workers do not inherit them.
+* ``size`` preallocates with ``posix_fallocate`` so later writes do not allocate blocks on the
+  hot path and ENOSPC shows up at open time, not mid-batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import stat
+import threading
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIO_ALIGN_BYTES = 4096
+
+_AT_EMPTY_PATH = 0x1000
+_STATX_DIOALIGN = 0x2000
+# struct statx: stx_mask at 0, stx_dio_mem_align at 152, stx_dio_offset_align at 156 (256 bytes).
+_STATX_SIZE = 256
+_STATX_DIO_MEM_OFF = 152
+_STATX_DIO_OFFSET_OFF = 156
+
+_lock = threading.Lock()
+_no_direct_devices: set[int] = set()  # st_dev values whose file system refused O_DIRECT
+_libc = None
+_statx = None
+
+
+def _statx_fn():
+    global _libc, _statx
+    if _statx is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fn = _libc.statx
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _statx = fn
+        except (OSError, AttributeError):
+            _statx = False  # glibc < 2.28: no wrapper; keep the default alignment
+    return _statx
+
+
+def dio_alignment(fd: int) -> tuple[int, int]:
+    """(memory alignment, file offset alignment) for O_DIRECT on fd; (0, 0) when unknown."""
+    fn = _statx_fn()
+    if not fn:
+        return 0, 0
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    if fn(fd, b"", _AT_EMPTY_PATH, _STATX_DIOALIGN, buf) != 0:
+        return 0, 0
+    mask = int.from_bytes(buf.raw[0:4], "little")
+    if not mask & _STATX_DIOALIGN:
+        return 0, 0
+    mem = int.from_bytes(buf.raw[_STATX_DIO_MEM_OFF : _STATX_DIO_MEM_OFF + 4], "little")
+    off = int.from_bytes(buf.raw[_STATX_DIO_OFFSET_OFF : _STATX_DIO_OFFSET_OFF + 4], "little")
+    return mem, off
+
+
+@dataclass
+class DataFile:
+    fd: int
+    path: str
+    direct: bool  # opened with O_DIRECT: memory, offsets and lengths must be aligned to ``align``
+    align: int  # bytes; the larger of the DIO memory and offset alignments (4096 when unknown)
+    readonly: bool = False
+    _closed: bool = field(default=False, repr=False)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self.fd)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _parent_dev(path: str) -> int | None:
+    try:
+        return os.stat(os.path.dirname(os.path.abspath(path)) or ".").st_dev
+    except OSError:
+        return None
+
+
+def open_data_file(
+    path: str | os.PathLike,
+    *,
+    create: bool = False,
+    size: int | None = None,
+    direct: bool = True,
+    readonly: bool = False,
+) -> DataFile:
+    """Open (or create) a data file for engine I/O. Raises OSError with the path on failure."""
+    path = os.fspath(path)
+    if size is not None and size < 0:
+        raise ValueError(f"size must be >= 0 bytes, got {size}")
+    if readonly and (create or size):
+        raise ValueError(f"{path}: readonly open cannot create or preallocate")
+    flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
+    if create:
+        flags |= os.O_CREAT
+    dev = _parent_dev(path)
+    want_direct = direct and dev not in _no_direct_devices
+    fd = -1
+    is_direct = False
+    try:
+        if want_direct:
+            try:
+                fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                is_direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                with _lock:
+                    first = dev not in _no_direct_devices
+                    if dev is not None:
+                        _no_direct_devices.add(dev)
+                if first:
+                    log.warning(
+                        "O_DIRECT refused on the file system of %s (%s); using buffered I/O there",
+                        path,
+                        os.strerror(e.errno),
+                    )
+        if fd < 0:
+            fd = os.open(path, flags, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, f"{path} is a symlink; data files are never opened through symlinks") from None
+        raise OSError(e.errno, f"cannot open data file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if size is not None and st.st_size < size:
+            _preallocate(fd, path, size)
+        mem, off = dio_alignment(fd) if is_direct else (0, 0)
+        align = max(mem, off) or DEFAULT_DIO_ALIGN_BYTES
+        return DataFile(fd=fd, path=path, direct=is_direct, align=align, readonly=readonly)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _preallocate(fd: int, path: str, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        # EINVAL: glibc emulates a missing fallocate with 1-byte writes, which O_DIRECT refuses.
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            os.ftruncate(fd, size)  # sparse: blocks are allocated at write time instead
+        else:
+            raise OSError(e.errno, f"cannot preallocate {size} bytes for {path}: {e.strerror}") from None
