@@ -31,7 +31,6 @@ Rules it keeps (each has a test):
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
@@ -687,7 +686,9 @@ def _legacy_buffer(loc, size, *, writable: bool = True):
         if size is None:
             return None
         size = int(size if not isinstance(size, (list, tuple)) else size[0])
-        return (ctypes.c_char * size).from_address(loc)
+        # An (address, nbytes) pair, so the store's registered-range check applies: a raw
+        # pointer outside the registered host pool is refused, never written through.
+        return (int(loc), size)
     if hasattr(loc, "is_contiguous") and not loc.is_contiguous():
         if writable:
             return None  # reading into a copy would lose the bytes

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Crash, fault and abuse suite over the whole stack (UMBPNvmeStore -> PageStore -> engine).
+
+    python tools/chaos_report.py --quick --json /tmp/chaos.json     # CI: <= 60 s
+    python tools/chaos_report.py --json chaos.json                  # full: <= 5 min
+    python tools/chaos_report.py --minutes 30 --json soak.json      # a longer soak
+
+Prints the figures and writes them as JSON:
+{"kills", "kills_survived", "faults_injected", "bad_inputs_tried", "wrong_bytes",
+ "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds"} plus the details of each part.
+Exit status 1 when a must-be-zero figure is not zero or a kill was not survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")  # forkserver children
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CI mode: about a minute")
+    ap.add_argument("--minutes", type=float, default=None, help="soak length in minutes (default 1, quick 0.2)")
+    ap.add_argument("--kills", type=int, default=None, help="kills per durability mode (default 56, quick 8)")
+    ap.add_argument("--json", metavar="PATH", help="write the figures here")
+    ap.add_argument("--dir", help="work directory (default: a temporary one, removed afterwards)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    a = ap.parse_args(argv)
+
+    logging.basicConfig(level=logging.WARNING if a.verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s")
+    from umbp_nvme.testing import check_legacy_pointer, crash_run, fault_run, fuzz_run, hygiene_run, soak_run
+
+    kills = a.kills if a.kills is not None else (8 if a.quick else 56)
+    soak_s = 60.0 * (a.minutes if a.minutes is not None else (0.2 if a.quick else 1.0))
+    fuzz_cases = 150 if a.quick else 1200
+    fault_rounds = 20 if a.quick else 120
+    work = a.dir or tempfile.mkdtemp(prefix="umbp-chaos-")
+    os.makedirs(work, exist_ok=True)
+    say = (lambda s: print(s, flush=True)) if a.verbose else (lambda s: None)
+    t0 = time.monotonic()
+    report: dict = {}
+    parts: dict = {}
+    try:
+        # 1. crash survival: both durability modes, without and with eviction
+        crash = []
+        for mode in ("strict", "relaxed"):
+            keep = kills // 2
+            for evicting, n in ((False, keep), (True, kills - keep)):
+                d = os.path.join(work, f"crash-{mode}-{'evict' if evicting else 'keep'}")
+                os.makedirs(d, exist_ok=True)
+                r = crash_run(d, mode=mode, kills=n, evicting=evicting, seed=a.seed, log=say)
+                r.update(mode=mode, evicting=evicting)
+                crash.append(r)
+                print(f"crash {mode:7s} {'evicting' if evicting else 'no-evict'}: {r['kills_survived']}/{r['kills']} survived, "
+                      f"wrong={r['wrong_bytes']} lost={r['lost_acknowledged']} unreadable={r['unreadable']} "
+                      f"phases={r['phases']}", flush=True)
+        parts["crash"] = crash
+        # 2. faults
+        fr = fault_run(os.path.join(work, "faults"), rounds=fault_rounds, seed=a.seed, log=say)
+        parts["faults"] = fr
+        print(f"faults: {fr['faults_injected']} injected, wrong={fr['wrong_bytes']} hangs={fr['hangs']} "
+              f"raised={fr['raised_from_v1']}; corrupt index: {fr.get('corrupt_index_outcome')}", flush=True)
+        # 3. races
+        sr = soak_run(os.path.join(work, "soak"), seconds=soak_s, log=say)
+        parts["soak"] = sr
+        print(f"soak: {sr['soak_seconds']} s, calls={sr['calls']}, evictions={sr['evictions']}, "
+              f"follower hits={sr['follower'].get('hits')}, rss +{sr['rss_growth_mib']} MiB, "
+              f"wrong={sr['wrong_bytes']} hangs={sr['hangs']} raised={sr['raised_from_v1']}", flush=True)
+        # 4. bad input
+        zr = fuzz_run(os.path.join(work, "fuzz"), cases=fuzz_cases, seed=a.seed, log=say)
+        legacy = check_legacy_pointer(os.path.join(work, "fuzz"))
+        zr["bad_inputs_tried"] += 1
+        zr["findings"] += legacy
+        zr["n_findings"] += len(legacy)
+        parts["fuzz"] = zr
+        print(f"bad input: {zr['bad_inputs_tried']} tried, {zr['n_findings']} findings", flush=True)
+        # 5. hygiene
+        hr = hygiene_run(os.path.join(work, "hygiene"), log=say)
+        parts["hygiene"] = hr
+        print(f"hygiene: {hr['checks']} checks, {len(hr['findings'])} findings", flush=True)
+    finally:
+        if not a.dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+    report = {
+        "kills": sum(r["kills"] for r in crash),
+        "kills_survived": sum(r["kills_survived"] for r in crash),
+        "faults_injected": fr["faults_injected"],
+        "bad_inputs_tried": zr["bad_inputs_tried"],
+        "wrong_bytes": sum(r["wrong_bytes"] for r in crash) + fr["wrong_bytes"] + sr["wrong_bytes"],
+        "lost_acknowledged": sum(r["lost_acknowledged"] for r in crash),
+        "hangs": sum(r["hangs"] for r in crash) + fr["hangs"] + sr["hangs"],
+        "raised_from_v1": sum(r["raised_from_v1"] for r in crash) + fr["raised_from_v1"] + sr["raised_from_v1"],
+        "soak_seconds": sr["soak_seconds"],
+    }
+    extra = {
+        "mode": "quick" if a.quick else "full",
+        "seconds": round(time.monotonic() - t0, 1),
+        "kills_by_mode": {f"{r['mode']}{'-evicting' if r['evicting'] else ''}": r["kills"] for r in crash},
+        "kills_by_phase": _sum_dicts(r["phases"] for r in crash),
+        "unreadable_after_crash": sum(r["unreadable"] for r in crash),
+        "over_capacity": sum(r["over_capacity"] for r in crash),
+        "fill_after_crash_failed_batches": sum(r["fill_failed_batches"] for r in crash),
+        "soak_rss_growth_mib": sr["rss_growth_mib"],
+        "soak_threads_leaked": sr["threads_leaked"],
+        "bad_input_findings": zr["findings"],
+        "hygiene_findings": hr["findings"],
+        "corrupt_index_outcome": fr.get("corrupt_index_outcome"),
+        "errors": [e for r in crash for e in r["errors"]][:10] + fr["errors"][:5] + sr["errors"][:5],
+    }
+    print(json.dumps(report))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(report, details=extra, parts=parts), f, indent=1, default=str)
+    bad = (report["wrong_bytes"] or report["lost_acknowledged"] or report["hangs"] or report["raised_from_v1"]
+           or report["kills_survived"] != report["kills"])
+    return 1 if bad else 0
+
+
+def _sum_dicts(ds) -> dict:
+    out: dict = {}
+    for d in ds:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
