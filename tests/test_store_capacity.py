@@ -1,0 +1,206 @@
+"""Capacity is real: bytes on disk, watermarks, eviction order, durable eviction, ENOSPC, pins."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import KiB, MiB, payload, small_config
+from umbp_nvme.store import PageStore
+
+
+def disk_bytes(path: str) -> int:
+    return sum(os.stat(os.path.join(path, n)).st_blocks * 512 for n in os.listdir(path) if n.startswith("seg-"))
+
+
+async def fill(st, prefix: str, count: int, nbytes: int, batch: int = 16, depths=None) -> list[str]:
+    keys = [f"{prefix}{i}" for i in range(count)]
+    for lo in range(0, count, batch):
+        ks = keys[lo : lo + batch]
+        d = None if depths is None else depths[lo : lo + batch]
+        assert await st.put_many(ks, [payload(k, nbytes) for k in ks], depths=d) == [True] * len(ks)
+    return keys
+
+
+async def test_bytes_on_disk_stay_under_capacity_and_space_is_reused(store_dir):
+    cap = 8 * MiB
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB))
+    keys = await fill(st, "k", 3 * cap // (64 * KiB), 64 * KiB)  # three times the capacity
+    s = st.stats()
+    assert disk_bytes(store_dir) <= cap
+    assert s["bytes_used"] <= 0.9 * cap and s["evictions"] > 0
+    assert s["objects"] * 64 * KiB == s["bytes_used"]
+    present = await st.exists_many(keys)
+    assert present[-1] and not present[0]  # LRU: the oldest went first
+    outs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
+    res = await st.get_many(keys, outs)
+    assert res == present
+    assert all(bytes(o) == bytes(payload(k, 64 * KiB)) for o, k, ok in zip(outs, keys, res) if ok)
+    await st.close()
+    # evictions are durable: nothing evicted comes back
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB))
+    assert await st.exists_many(keys) == present
+    await st.close()
+
+
+async def test_eviction_runs_from_high_to_low_watermark(store_dir):
+    cap = 4 * MiB
+    cfg = small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB, ssd_high_watermark=0.9, ssd_low_watermark=0.5)
+    st = await PageStore.open(store_dir, cfg)
+    await fill(st, "a", int(0.9 * cap) // (64 * KiB), 64 * KiB, batch=1)
+    assert st.stats()["evictions"] == 0
+    before = st.stats()["bytes_used"]
+    await fill(st, "b", 1, 64 * KiB)
+    s = st.stats()
+    assert s["evictions"] > 0
+    assert s["bytes_used"] <= 0.5 * cap + 64 * KiB < before
+    await st.close()
+
+
+async def test_lru_keeps_recently_read_objects(store_dir):
+    cap = 4 * MiB
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB))
+    old = await fill(st, "old", 40, 64 * KiB)
+    assert await st.get_many(old[:5], [np.zeros(64 * KiB, np.uint8) for _ in range(5)]) == [True] * 5
+    await fill(st, "new", 30, 64 * KiB)
+    assert await st.exists_many(old[:5]) == [True] * 5
+    assert not all(await st.exists_many(old[5:]))
+    await st.close()
+
+
+async def test_prefix_aware_evicts_deepest_pages_with_all_their_components(store_dir):
+    cap = 4 * MiB
+    cfg = small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB, eviction_policy="prefix_aware",
+                       ssd_high_watermark=0.9, ssd_low_watermark=0.7)
+    st = await PageStore.open(store_dir, cfg)
+    # one chain of 28 pages, two components (k, v) per page, 64 KiB each = 3.5 MiB
+    pages = 28
+    keys = [f"h{p}_{c}" for p in range(pages) for c in "kv"]
+    depths = [p for p in range(pages) for _ in "kv"]
+    for lo in range(0, len(keys), 8):
+        ks = keys[lo : lo + 8]
+        assert await st.put_many(ks, [payload(k, 64 * KiB) for k in ks], depths=depths[lo : lo + 8]) == [True] * 8
+    # touch the deep pages: prefix_aware must still evict them before the shallow ones
+    await st.get_many(keys[-8:], [np.zeros(64 * KiB, np.uint8) for _ in range(8)])
+    await fill(st, "z", 4, 64 * KiB, depths=[0, 0, 1, 1])
+    present = await st.exists_many(keys)
+    n_present = sum(present)
+    assert 0 < n_present < len(keys)
+    assert present == [True] * n_present + [False] * (len(keys) - n_present)  # a clean prefix survives
+    assert n_present % 2 == 0  # k and v of a page leave together
+    await st.close()
+
+
+async def test_size_class_without_room_reclaims_a_whole_segment(store_dir):
+    cap = 4 * MiB
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB,
+                                                      ssd_high_watermark=1.0, ssd_low_watermark=1.0))
+    small = await fill(st, "s", cap // (64 * KiB), 64 * KiB)  # every segment now belongs to 64 KiB
+    assert st.stats()["segments_free"] == 0
+    assert await st.put_many(["big"], [payload("big", 512 * KiB)]) == [True]
+    out = np.zeros(512 * KiB, np.uint8)
+    assert await st.get_many(["big"], [out]) == [True] and bytes(out) == bytes(payload("big", 512 * KiB))
+    s = st.stats()
+    assert s["evictions"] == 1 * MiB // (64 * KiB)  # exactly one segment's worth
+    assert s["size_classes"] == {64 * KiB: len(small) - 16, 512 * KiB: 1}
+    await st.close()
+
+
+async def test_pinned_slot_is_not_reused_while_a_read_is_in_flight(store_dir):
+    cap = 2 * MiB
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB))
+    await st.put_many(["victim"], [payload("victim", 64 * KiB)])
+    row = st._keys["victim"]
+    slot = (int(st._rows_seg[row]), int(st._rows_off[row]))
+    real = st._read_engine.read_many
+    started = asyncio.Event()
+
+    async def slow_read(*a):
+        started.set()
+        await asyncio.sleep(0.3)
+        return await real(*a)
+
+    st._read_engine.read_many = slow_read
+    out = np.zeros(64 * KiB, np.uint8)
+    reader = asyncio.ensure_future(st.get_many(["victim"], [out]))
+    await started.wait()
+    assert await st.delete_many(["victim"]) == [True]
+    st._read_engine.read_many = real
+    # fill the store so every free slot is taken; the pinned one must stay out of use
+    for i in range(40):
+        await st.put_many([f"f{i}"], [payload(f"f{i}", 64 * KiB)])
+        slots = {(int(st._rows_seg[r]), int(st._rows_off[r])) for r in st._keys.values()}
+        assert slot not in slots
+    assert await reader == [True]
+    assert bytes(out) == bytes(payload("victim", 64 * KiB))
+    assert slot in st._alloc._class_free.get(64 * KiB, {}).get(slot[0], []) or st.stats()["pinned_slots"] == 0
+    await st.close()
+
+
+async def test_put_that_cannot_get_space_fails_only_that_key(store_dir):
+    cap = 1 * MiB
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB))
+    # all 16 slots pinned by an in-flight read: nothing can be evicted
+    keys = await fill(st, "p", 16, 64 * KiB)
+    real = st._read_engine.read_many
+    gate = asyncio.Event()
+
+    async def held_read(*a):
+        await gate.wait()
+        return await real(*a)
+
+    st._read_engine.read_many = held_read
+    reader = asyncio.ensure_future(st.get_many(keys, [np.zeros(64 * KiB, np.uint8) for _ in keys]))
+    await asyncio.sleep(0.05)
+    r = await st.put_many(["x", "tiny"], [payload("x", 64 * KiB), payload("tiny", 64 * KiB)])
+    assert r == [False, False]
+    gate.set()
+    assert await reader == [True] * 16
+    st._read_engine.read_many = real
+    assert await st.put_many(["x"], [payload("x", 64 * KiB)]) == [True]  # usable again
+    await st.close()
+
+
+def _mount_tmpfs(path: str, size: str) -> str | None:
+    os.makedirs(path, exist_ok=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return "needs root and mount(8)"
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"mount -t tmpfs failed: {r.stderr.strip() or r.returncode}"
+
+
+async def test_enospc_gives_false_and_keeps_older_data(tmp_path):
+    mnt = str(tmp_path / "small")
+    why = _mount_tmpfs(mnt, "8m")
+    if why:
+        pytest.skip(why)
+    try:
+        path = os.path.join(mnt, "store")
+        cfg = small_config(ssd_capacity_bytes=64 * MiB, ssd_segment_size_bytes=1 * MiB, o_direct=True)
+        st = await PageStore.open(path, cfg)
+        assert st.stats()["engine"]
+        written, failed = [], 0
+        for i in range(20):  # 20 MiB into an 8 MiB file system
+            ks = [f"e{i}-{j}" for j in range(8)]
+            r = await st.put_many(ks, [payload(k, 128 * KiB) for k in ks])
+            written += [k for k, ok in zip(ks, r) if ok]
+            failed += r.count(False)
+        assert failed > 0 and len(written) >= 16
+        assert st.stats()["o_direct"] in (True, False)  # tmpfs takes O_DIRECT only since Linux 6.6
+        outs = [np.zeros(128 * KiB, np.uint8) for _ in written]
+        assert await st.get_many(written, outs) == [True] * len(written)
+        assert all(bytes(o) == bytes(payload(k, 128 * KiB)) for o, k in zip(outs, written))
+        # still usable: delete some, the freed space takes new puts
+        assert all(await st.delete_many(written[:8]))
+        assert await st.put_many(["after"], [payload("after", 128 * KiB)]) == [True]
+        await st.close()
+        st = await PageStore.open(path, cfg)
+        assert await st.exists_many(written[8:] + ["after"]) == [True] * (len(written) - 8 + 1)
+        await st.close()
+    finally:
+        subprocess.run(["umount", "-l", mnt], capture_output=True)

@@ -1,0 +1,53 @@
+"""Restart keeps the cache, fast: reopening a store of 1 M objects takes <= 2 s."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from conftest import small_config
+from umbp_nvme.index import INDEX_FILE, REC_DTYPE, Index
+from umbp_nvme.segments import segment_name
+from umbp_nvme.store import PageStore
+
+N = 1_000_000
+SEG = 256 << 20
+
+
+def _fabricate(path: str) -> list[str]:
+    """1 M committed 4 KiB records, written straight into the index (writing 4 GiB takes minutes)."""
+    per = SEG // 4096
+    recs = np.zeros(N, REC_DTYPE)
+    i = np.arange(N)
+    recs["segment"], recs["offset"], recs["length"] = i // per, (i % per) * 4096, 4096
+    recs["generation"] = recs["group"] = 1 + i // 256
+    recs["depth"], recs["flags"] = -1, 1
+    blob = recs.tobytes()
+    keys = [f"{j:064x}_k" for j in range(N)]
+    ix = Index(os.path.join(path, INDEX_FILE), readonly=False, map_size=1 << 32, durable=False)
+    ix.commit([(k.encode(), blob[j * 48 : (j + 1) * 48]) for j, k in enumerate(keys)])
+    ix.close()
+    for s in range(int(recs["segment"].max()) + 1):
+        with open(os.path.join(path, segment_name(s)), "wb") as f:
+            f.truncate(SEG)  # sparse: the allocator only needs the files to exist at full size
+    return keys
+
+
+async def test_reopen_of_1m_objects_under_2s(store_dir):
+    cfg = small_config(ssd_capacity_bytes=16 * SEG, ssd_segment_size_bytes=SEG)
+    st = await PageStore.open(store_dir, cfg)
+    await st.close()
+    keys = _fabricate(store_dir)
+    best = float("inf")
+    for _ in range(2):  # best of two: the CI machine is shared
+        t = time.perf_counter()
+        st = await PageStore.open(store_dir, cfg)
+        best = min(best, time.perf_counter() - t)
+        assert st.stats()["objects"] == N
+        assert st.exists_prefix_nowait(keys[:128]) == 128
+        assert st.stats()["bytes_used"] == N * 4096
+        await st.close()
+    print(f"reopen of {N} objects: {best:.3f} s")
+    assert best <= 2.0, f"reopen took {best:.2f} s"

@@ -1,0 +1,87 @@
+"""SyncPageStore: the store on a private loop thread, safe from many threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import KiB, payload, small_config
+from umbp_nvme.errors import StoreLockedError
+from umbp_nvme.sync_store import SyncPageStore
+
+
+def test_sync_calls_from_many_threads(store_dir):
+    st = SyncPageStore(store_dir, small_config())
+    errors = []
+
+    def worker(w):
+        try:
+            keys = [f"t{w}-{i}" for i in range(16)]
+            data = [payload(k, 8 * KiB + w) for k in keys]
+            assert st.put_many(keys, data) == [True] * 16
+            assert st.exists_prefix(keys) == 16
+            outs = [np.zeros(len(d), np.uint8) for d in data]
+            assert st.get_many(keys, outs) == [True] * 16
+            assert all(bytes(o) == bytes(d) for o, d in zip(outs, data))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert st.stats()["objects"] == 8 * 16
+    st.close()
+
+
+def test_exists_prefix_of_128_keys_is_well_under_100us(store_dir):
+    st = SyncPageStore(store_dir, small_config())
+    keys = [f"{i:064x}_{r}" for i in range(128) for r in ("k",)]
+    assert st.put_many(keys, [payload(k, 4096) for k in keys]) == [True] * 128
+    lat = []
+    for _ in range(2000):
+        t = time.perf_counter_ns()
+        n = st.exists_prefix(keys)
+        lat.append(time.perf_counter_ns() - t)
+    assert n == 128
+    assert np.median(lat) < 100_000, f"median {np.median(lat) / 1000:.1f} us"
+    st.close()
+
+
+def test_close_stops_the_loop_thread_and_later_calls_fail_softly(store_dir):
+    st = SyncPageStore(store_dir, small_config())
+    st.put_many(["k"], [payload("k", 4096)])
+    thread = st._thread
+    st.close()
+    st.close()
+    assert not thread.is_alive()
+    assert st.put_many(["x"], [payload("x", 4096)]) == [False]
+    st2 = SyncPageStore(store_dir, small_config())  # lock released
+    assert st2.exists_many(["k"]) == [True]
+    st2.close()
+
+
+def test_open_errors_surface_and_leave_no_thread(store_dir):
+    st = SyncPageStore(store_dir, small_config())
+    before = threading.active_count()
+    with pytest.raises(StoreLockedError):
+        SyncPageStore(store_dir, small_config())
+    time.sleep(0.05)
+    assert threading.active_count() <= before
+    st.close()
+
+
+def test_readonly_follower_via_sync_wrapper(store_dir):
+    st = SyncPageStore(store_dir, small_config())
+    ro = SyncPageStore(store_dir, small_config(), readonly=True)
+    st.put_many(["a", "b"], [payload("a", 4096), payload("b", 4096)])
+    assert ro.exists_prefix(["a", "b", "c"]) == 2
+    out = np.zeros(4096, np.uint8)
+    assert ro.get_many(["b"], [out]) == [True] and bytes(out) == bytes(payload("b", 4096))
+    ro.close()
+    st.close()

@@ -1,0 +1,208 @@
+"""The persistent index: component key -> extent record, in LMDB.
+
+LMDB because other processes (follower ranks) must read it while the writer runs: every read
+transaction sees the latest committed snapshot, writers never block readers, and a commit is
+atomic, so a record is visible only together with everything committed beside it.
+
+One record (``REC_DTYPE``, 48 bytes little endian) per key in the ``objects`` database; the
+``meta`` database holds the generation high-water mark. The writer keeps its own in-memory view
+(see ``store.py``) built from one ``scan()`` at open; readers query LMDB directly.
+
+LMDB must not be opened twice in one process (closing a second handle drops the first one's
+POSIX locks), so environments are shared per process through ``_ENVS`` with a reference count.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import os
+import struct
+import threading
+
+import lmdb
+import numpy as np
+
+from .errors import StoreError
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "index.lmdb"
+
+REC_DTYPE = np.dtype(
+    [
+        ("segment", "<u4"),
+        ("length", "<u4"),  # object bytes (the slot is length rounded up to the size class)
+        ("offset", "<u8"),  # byte offset in the segment file
+        ("generation", "<u8"),  # unique per put batch, monotonic: tells reuse apart cross-process
+        ("group", "<u8"),  # put batch id: components of one page (same depth) evict together
+        ("crc", "<u4"),  # CRC32C of the object bytes
+        ("depth", "<i4"),  # prefix depth given to put_many, -1 when none
+        ("flags", "<u4"),
+        ("reserved", "<u4"),
+    ]
+)
+REC_BYTES = REC_DTYPE.itemsize
+assert REC_BYTES == 48
+_REC = struct.Struct("<IIQQQIiII")
+FLAG_CRC = 1  # crc field is valid
+
+_META_NEXT_GEN = b"next_generation"
+_U64 = struct.Struct("<Q")
+
+_ENVS: dict[str, list] = {}  # realpath -> [env, refcount, writable]
+_ENVS_LOCK = threading.Lock()
+
+
+def pack_record(segment, length, offset, generation, group, crc, depth, flags) -> bytes:
+    return _REC.pack(segment, length, offset, generation, group, crc, depth, flags, 0)
+
+
+def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> lmdb.Environment:
+    real = os.path.realpath(path)
+    with _ENVS_LOCK:
+        entry = _ENVS.get(real)
+        if entry is not None:
+            if not readonly and not entry[2]:
+                raise StoreError(
+                    f"{path} is open read-only in this process; close those handles before opening it for writing"
+                )
+            entry[1] += 1
+            return entry[0]
+        if readonly and not os.path.exists(path):
+            raise FileNotFoundError(f"no store index at {path}; a writer must create the store first")
+        env = lmdb.open(
+            path,
+            subdir=False,
+            readonly=readonly,
+            lock=True,
+            map_size=map_size,
+            max_dbs=4,
+            max_readers=1024,
+            mode=0o600,
+            create=not readonly,
+            # relaxed: no fsync per commit; a process crash still loses nothing committed because
+            # the pages are in the OS page cache. strict: fsync at every commit.
+            sync=durable,
+            metasync=durable,
+            readahead=False,
+        )
+        _ENVS[real] = [env, 1, not readonly]
+        return env
+
+
+def _release_env(env: lmdb.Environment) -> None:
+    with _ENVS_LOCK:
+        for real, entry in list(_ENVS.items()):
+            if entry[0] is env:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _ENVS[real]
+                    env.close()
+                return
+
+
+class Index:
+    def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool):
+        self.path = path
+        self.readonly = readonly
+        self.durable = durable
+        self._env = _acquire_env(path, readonly=readonly, map_size=map_size, durable=durable)
+        try:
+            if readonly:
+                self._objects = self._env.open_db(b"objects", create=False)
+                self._meta = self._env.open_db(b"meta", create=False)
+            else:
+                self._objects = self._env.open_db(b"objects")
+                self._meta = self._env.open_db(b"meta")
+                self._env.reader_check()  # clear reader slots of killed follower processes
+        except BaseException:
+            _release_env(self._env)
+            raise
+        self.max_key_bytes = self._env.max_key_size()
+        self._closed = False
+
+    # --- reads (any thread; py-lmdb read transactions are not bound to a thread) ---
+
+    def scan(self) -> tuple[list[str], np.ndarray]:
+        """Every (key, record) in one read transaction: keys as str, records as one structured array."""
+        # A million tuples trip the cyclic GC many times over; none of them can form a cycle.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with self._env.begin(db=self._objects) as txn:
+                flat = list(itertools.chain.from_iterable(txn.cursor().iternext(keys=True, values=True)))
+            keys, vals = flat[::2], flat[1::2]
+            del flat
+            if not keys:
+                return [], np.zeros(0, dtype=REC_DTYPE)
+            blob = b"".join(vals)
+            if len(blob) != len(vals) * REC_BYTES:
+                good = [i for i, v in enumerate(vals) if len(v) == REC_BYTES]
+                log.warning("%s: %d index records have a bad size; ignoring them", self.path, len(vals) - len(good))
+                keys = [keys[i] for i in good]
+                blob = b"".join(vals[i] for i in good)
+            del vals
+            # 0xFF never occurs in UTF-8, and decodes to a lone surrogate that no str key can hold:
+            # one C-level decode + split instead of a million bytes.decode calls.
+            str_keys = b"\xff".join(keys).decode("utf-8", "surrogateescape").split("\udcff")
+            return str_keys, np.frombuffer(blob, dtype=REC_DTYPE)  # read-only view
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def get_records(self, keys: list[bytes]) -> list[bytes | None]:
+        with self._env.begin(db=self._objects) as txn:
+            get = txn.get
+            return [get(k) for k in keys]
+
+    def exists_prefix(self, keys: list[bytes]) -> int:
+        n = 0
+        with self._env.begin(db=self._objects) as txn:
+            get = txn.get
+            for k in keys:
+                if get(k) is None:
+                    break
+                n += 1
+        return n
+
+    def next_generation(self) -> int:
+        with self._env.begin(db=self._meta) as txn:
+            v = txn.get(_META_NEXT_GEN)
+        return _U64.unpack(v)[0] if v else 1
+
+    def count(self) -> int:
+        with self._env.begin(db=self._objects) as txn:
+            return txn.stat(self._objects)["entries"]
+
+    # --- writes (writer only; one thread at a time) ---
+
+    def commit(self, puts=(), deletes=(), *, next_generation: int | None = None) -> None:
+        """One atomic transaction: deletes first, then puts (a key may be in both)."""
+        with self._env.begin(write=True) as txn:
+            for k in deletes:
+                txn.delete(k, db=self._objects)
+            if puts:
+                txn.cursor(db=self._objects).putmulti(puts, overwrite=True)
+            if next_generation is not None:
+                txn.put(_META_NEXT_GEN, _U64.pack(next_generation), db=self._meta)
+
+    def drop_all(self, *, next_generation: int) -> None:
+        with self._env.begin(write=True) as txn:
+            txn.drop(self._objects, delete=False)
+            txn.put(_META_NEXT_GEN, _U64.pack(next_generation), db=self._meta)
+
+    def sync(self) -> None:
+        self._env.sync(True)
+
+    def file_bytes(self) -> int:
+        try:
+            return os.stat(self.path).st_size
+        except OSError:
+            return 0
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            _release_env(self._env)

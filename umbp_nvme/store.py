@@ -1,0 +1,1428 @@
+"""PageStore: the asyncio key -> object store on local NVMe.
+
+One call = one index pass, one engine submission, one CRC pass off the loop thread, one index
+commit. The lifecycle of a put is reserve (slot) -> write -> [fdatasync] -> publish (index
+commit); of a get: look up + pin -> read -> verify -> unpin. An entry is visible only after its
+bytes are on the file (publish after write); a slot is reused only after the delete of its old
+entry is committed (durable eviction) and no read of it is in flight here (pins). A reader in
+another process cannot pin, so it checks the CRC and that the key still has the generation it
+looked up once the read is done.
+
+Directory layout: ``LOCK`` (writer pid, flock), ``MANIFEST.json`` (format, layout, namespace),
+``index.lmdb`` (see index.py), ``seg-NNNNN.dat`` (see segments.py).
+
+Reads never wait behind writes: reads and writes go to two engine instances (two rings or two
+thread pools), and at most ``_WRITE_BATCHES_IN_FLIGHT`` put batches submit at a time, so the
+device queue always has room for reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import ctypes
+import fcntl
+import gc
+import json
+import logging
+import os
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .buffers import AlignedBuffer, address_of
+from .config import StoreConfig
+from .engine import open_engine
+from .engine.base import errno_name
+from .errors import NamespaceMismatchError, ReadOnlyStoreError, StoreError, StoreLockedError, UnsafeStorePathError
+from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
+from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, SegmentFiles, size_class, size_classes
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "MANIFEST.json"
+LOCK_FILE = "LOCK"
+
+_WRITE_BATCHES_IN_FLIGHT = 2
+_BOUNCE_IDLE_MAX_BYTES = 256 << 20
+_RECLAIM_ROUNDS_MAX = 16  # segments reclaimed for one batch whose size class has no room
+
+
+def _crc32c_fn():
+    try:
+        from ._uring import crc32c
+    except ImportError as e:
+        raise ImportError(
+            f"umbp_nvme._uring (the native extension) is required for CRC32C: {e}; build it with "
+            "`pip install -e .` (needs a C compiler)"
+        ) from None
+    return crc32c
+
+
+def _is_strict(mode: str) -> bool:
+    m = (mode or "strict").strip().lower()
+    if m in ("strict", "sync"):
+        return True
+    if m in ("relaxed", "async"):
+        return False
+    raise ValueError(f"ssd_durability_mode must be one of: strict, sync, relaxed, async; got {mode!r}")
+
+
+def _map_size_bytes(capacity_bytes: int) -> int:
+    # ~200 bytes of LMDB per record at worst (key <= 511 B is rare; typical keys ~100 B), one
+    # record per 4 KiB slot at most, doubled for copy-on-write: the file stays sparse anyway.
+    slots = max(1, capacity_bytes // SLOT_ALIGN_BYTES)
+    return int(min(max(1 << 30, slots * 1024), 1 << 40))
+
+
+# --- the store directory: path checks, lock, manifest ----------------------------------------
+
+
+def _prepare_dir(path: str, *, readonly: bool) -> str:
+    path = os.path.abspath(os.fspath(path))
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if readonly:
+            raise FileNotFoundError(f"store directory {path} does not exist; open it for writing first") from None
+        # every directory we create is private (the configured root too, when the store lives in
+        # a per-rank subdirectory); existing parents are left as the operator made them
+        missing = []
+        p = path
+        while not os.path.lexists(p):
+            missing.append(p)
+            p = os.path.dirname(p)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                pass
+        st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeStorePathError(f"store directory {path} is a symlink; give the real directory path")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeStorePathError(f"store path {path} exists and is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeStorePathError(
+            f"store directory {path} is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()}); "
+            "use a directory of your own"
+        )
+    for name in (INDEX_FILE, MANIFEST_FILE, LOCK_FILE):
+        p = os.path.join(path, name)
+        if os.path.islink(p):
+            raise UnsafeStorePathError(f"{p} is a symlink; refusing to use it")
+    return path
+
+
+def _take_lock(path: str) -> int:
+    lock_path = os.path.join(path, LOCK_FILE)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        except OSError:
+            holder = "unknown"
+        os.close(fd)
+        raise StoreLockedError(
+            f"store {path} is locked by pid {holder} (a writer holds {lock_path}); "
+            "open it read-only or stop that process"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _read_manifest(path: str) -> dict | None:
+    p = os.path.join(path, MANIFEST_FILE)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read()
+    try:
+        m = json.loads(data)
+    except ValueError as e:
+        raise StoreError(f"{p} is not valid JSON ({e}); the store directory is damaged") from None
+    if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION:
+        raise StoreError(
+            f"{p}: format_version {m.get('format_version') if isinstance(m, dict) else None!r} "
+            f"is not supported (expected {FORMAT_VERSION})"
+        )
+    return m
+
+
+def _check_namespace(path: str, stored: dict, requested: dict | None) -> None:
+    if requested is None or not stored:
+        return
+    for field in sorted(set(stored) | set(requested)):
+        a, b = stored.get(field, "<absent>"), requested.get(field, "<absent>")
+        if json.loads(json.dumps(a)) != json.loads(json.dumps(b)):
+            raise NamespaceMismatchError(
+                f"store {path} was created for {field}={a!r}, but this open declares {field}={b!r}; "
+                "use another directory for this model/layout or clear this one"
+            )
+
+
+# --- bounce buffers --------------------------------------------------------------------------
+
+
+class _BouncePool:
+    """Page-aligned staging memory for callers whose memory O_DIRECT cannot use as is."""
+
+    def __init__(self):
+        self._idle: list[AlignedBuffer] = []
+        self._idle_bytes = 0
+
+    def get(self, nbytes: int) -> AlignedBuffer:
+        for i, b in enumerate(self._idle):
+            if nbytes <= b.nbytes <= 4 * nbytes:
+                self._idle_bytes -= b.nbytes
+                return self._idle.pop(i)
+        return AlignedBuffer(max(nbytes, 1 << 20))
+
+    def put(self, buf: AlignedBuffer) -> None:
+        if self._idle_bytes + buf.nbytes <= _BOUNCE_IDLE_MAX_BYTES:
+            self._idle.append(buf)
+            self._idle_bytes += buf.nbytes
+        else:
+            buf.close()
+
+    def close(self) -> None:
+        for b in self._idle:
+            b.close()
+        self._idle.clear()
+        self._idle_bytes = 0
+
+
+class _Refusals:
+    """One log line per call for the keys it refused, naming the first reason."""
+
+    __slots__ = ("op", "count", "first")
+
+    def __init__(self, op: str):
+        self.op, self.count, self.first = op, 0, None
+
+    def add(self, key: str, reason: str) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first = f"key {key!r}: {reason}"
+
+    def log(self, total: int) -> None:
+        if self.count:
+            log.warning("%s: %d of %d keys failed (first: %s)", self.op, self.count, total, self.first)
+
+
+_memmove = ctypes.memmove
+
+
+class PageStore:
+    """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
+
+    # ----------------------------------------------------------------------------- open/close
+
+    @classmethod
+    async def open(
+        cls, path, config: StoreConfig | None = None, *, readonly: bool = False, namespace: dict | None = None
+    ) -> "PageStore":
+        self = cls.__new__(cls)
+        await self._open(path, config or StoreConfig(), readonly, namespace)
+        return self
+
+    async def _open(self, path, cfg: StoreConfig, readonly: bool, namespace: dict | None) -> None:
+        t0 = time.perf_counter()
+        self.config = cfg
+        self.readonly = readonly
+        self.strict = _is_strict(cfg.ssd_durability_mode)
+        self.verify_crc = bool(cfg.verify_crc)
+        self.timeout_s = float(cfg.io_timeout_s)
+        if not 0 < cfg.ssd_low_watermark <= cfg.ssd_high_watermark <= 1:
+            raise ValueError(
+                f"watermarks must satisfy 0 < low <= high <= 1; got low={cfg.ssd_low_watermark} "
+                f"high={cfg.ssd_high_watermark}"
+            )
+        if cfg.eviction_policy not in ("lru", "prefix_aware"):
+            raise ValueError(f"eviction_policy must be 'lru' or 'prefix_aware'; got {cfg.eviction_policy!r}")
+        self._crc32c = _crc32c_fn()
+        self._closed = False
+        self._lock_fd = -1
+        self._index = None
+        self._files = None
+        self._engines = []
+        self._index_pool = None
+        self._bounce = _BouncePool()
+        self._gds_gate = None  # opened on the first CUDA buffer (engine/gds.py)
+        self._ranges: list[tuple[int, int]] = []  # sorted registered (start, end)
+        self._range_starts: list[int] = []
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._counters = dict.fromkeys(
+            (
+                "puts",
+                "put_dedup",
+                "put_failed",
+                "gets",
+                "hits",
+                "misses",
+                "crc_errors",
+                "evictions",
+                "deletes",
+                "bytes_written",
+                "bytes_read",
+                "timeouts",
+            ),
+            0,
+        )
+        try:
+            self.path = _prepare_dir(path, readonly=readonly)
+            if not readonly:
+                self._lock_fd = _take_lock(self.path)
+            self._open_manifest(cfg, namespace)
+            self._index = Index(
+                os.path.join(self.path, INDEX_FILE),
+                readonly=readonly,
+                map_size=_map_size_bytes(cfg.ssd_capacity_bytes),
+                durable=self.strict,
+            )
+            self._files = SegmentFiles(
+                self.path,
+                self.segment_bytes,
+                readonly=readonly,
+                o_direct=bool(cfg.o_direct),
+                n_segments=max(1, self.capacity_bytes // self.segment_bytes),
+            )
+            if not readonly:
+                self._load_writer_state()
+                self._index_pool = ThreadPoolExecutor(1, thread_name_prefix="umbp-index")
+                self._write_sem = asyncio.Semaphore(_WRITE_BATCHES_IN_FLIGHT)
+                self._commit_lock = asyncio.Lock()
+            qd = int(cfg.ssd_queue_depth)
+            self._read_engine = await open_engine(cfg.ssd_io_backend, qd)
+            self._engines.append(self._read_engine)
+            if not readonly:
+                self._write_engine = await open_engine(cfg.ssd_io_backend, qd)
+                self._engines.append(self._write_engine)
+        except BaseException:
+            self._release_resources()
+            raise
+        self.open_seconds = time.perf_counter() - t0
+        log.info(
+            "opened store %s (%s, %s, %d objects, %.3f s, engine %s)",
+            self.path,
+            "read-only" if readonly else "writer",
+            "strict" if self.strict else "relaxed",
+            self._object_count(),
+            self.open_seconds,
+            self._read_engine.capabilities.name,
+        )
+
+    def _open_manifest(self, cfg: StoreConfig, namespace: dict | None) -> None:
+        if namespace is not None and not isinstance(namespace, dict):
+            raise TypeError(f"namespace must be a dict of JSON values, got {type(namespace).__name__}")
+        m = _read_manifest(self.path)
+        if m is None:
+            if self.readonly:
+                raise FileNotFoundError(f"{self.path} has no {MANIFEST_FILE}; it is not a store (open it for writing first)")
+            seg = min(int(cfg.ssd_segment_size_bytes), int(cfg.ssd_capacity_bytes))
+            seg -= seg % SLOT_ALIGN_BYTES
+            if seg <= 0:
+                raise ValueError(
+                    f"ssd_capacity_bytes={cfg.ssd_capacity_bytes} and ssd_segment_size_bytes="
+                    f"{cfg.ssd_segment_size_bytes} leave no room for one {SLOT_ALIGN_BYTES}-byte slot"
+                )
+            m = {
+                "format_version": FORMAT_VERSION,
+                "layout": {"segment_bytes": seg, "slot_align_bytes": SLOT_ALIGN_BYTES},
+                "namespace": namespace or {},
+            }
+            _write_json_atomic(os.path.join(self.path, MANIFEST_FILE), m)
+        else:
+            stored = m.get("namespace") or {}
+            _check_namespace(self.path, stored, namespace)
+            if not stored and namespace and not self.readonly:
+                m["namespace"] = namespace  # first declaration on a store created without one
+                _write_json_atomic(os.path.join(self.path, MANIFEST_FILE), m)
+        self.manifest = m
+        self.segment_bytes = int(m["layout"]["segment_bytes"])
+        if self.segment_bytes != cfg.ssd_segment_size_bytes and not self.readonly:
+            log.info("%s keeps its segment size of %d bytes (config asks %d)", self.path, self.segment_bytes, cfg.ssd_segment_size_bytes)
+        self.capacity_bytes = int(cfg.ssd_capacity_bytes)
+
+    def _load_writer_state(self) -> None:
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # a million fresh dict entries and strs would trigger useless full collections
+        try:
+            self._load_writer_state_nogc()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _load_writer_state_nogc(self) -> None:
+        n_segments = max(1, self.capacity_bytes // self.segment_bytes) if self.capacity_bytes >= self.segment_bytes else 0
+        if n_segments == 0:
+            raise ValueError(
+                f"ssd_capacity_bytes={self.capacity_bytes} is smaller than this store's segment size "
+                f"({self.segment_bytes} bytes)"
+            )
+        self._alloc = SegmentAllocator(n_segments, self.segment_bytes)
+        self._high_bytes = int(self._alloc.capacity_bytes * self.config.ssd_high_watermark)
+        self._low_bytes = int(self._alloc.capacity_bytes * self.config.ssd_low_watermark)
+        keys, recs = self._index.scan()
+        n = len(keys)
+        segs = recs["segment"]
+        keep = self._alloc.rebuild(segs, recs["offset"], recs["length"], recs["generation"])
+        # a record whose segment file is missing or short cannot be read back
+        if n:
+            for s in np.unique(segs[keep]).tolist():
+                if not (self._files.exists(s) and self._files.ensure(s)):
+                    keep &= segs != s
+            if not keep.all():
+                drop = [keys[i].encode() for i in np.flatnonzero(~keep).tolist()]
+                log.warning("%s: dropping %d index records that point outside the segments", self.path, len(drop))
+                self._index.commit(deletes=drop)
+                idx = np.flatnonzero(keep)
+                keys = [keys[i] for i in idx.tolist()]
+                recs = recs[idx]
+                self._alloc.rebuild(recs["segment"], recs["offset"], recs["length"], recs["generation"])
+        self._files.unlink_beyond(n_segments)
+        n = len(keys)
+        cap = max(1024, int(n * 1.25))
+        self._rows_seg = np.zeros(cap, np.int64)
+        self._rows_off = np.zeros(cap, np.int64)
+        self._rows_len = np.zeros(cap, np.int64)
+        self._rows_crc = np.zeros(cap, np.uint32)
+        self._rows_flags = np.zeros(cap, np.uint32)
+        self._rows_gen = np.zeros(cap, np.uint64)
+        self._rows_depth = np.zeros(cap, np.int32)
+        self._rows_tick = np.zeros(cap, np.uint64)
+        self._rows_pins = np.zeros(cap, np.int32)
+        self._rows_live = np.zeros(cap, bool)
+        if n:
+            self._rows_seg[:n] = recs["segment"]
+            self._rows_off[:n] = recs["offset"]
+            self._rows_len[:n] = recs["length"]
+            self._rows_crc[:n] = recs["crc"]
+            self._rows_flags[:n] = recs["flags"]
+            self._rows_gen[:n] = recs["generation"]
+            self._rows_depth[:n] = recs["depth"]
+            self._rows_tick[:n] = recs["generation"]  # LRU order after a restart: put order
+            self._rows_live[:n] = True
+        self._row_key: list[str | None] = keys
+        self._keys: dict[str, int] = dict(zip(self._row_key, range(n)))
+        self._nrows = n
+        self._free_rows: list[int] = []
+        self._dead_pinned: set[int] = set()  # deleted rows whose slot waits for a read to finish
+        gen_max = int(recs["generation"].max()) if n else 0
+        self._clock = max(self._index.next_generation(), gen_max + 1)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._inflight:
+            try:
+                await asyncio.wait_for(self._idle.wait(), self.timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("%s: closing with %d operations still in flight", self.path, self._inflight)
+        if not self.readonly and self._index is not None and not self.strict:
+            await self.flush_for_close()
+        self._release_resources()
+
+    def _release_resources(self) -> None:
+        for e in self._engines:
+            try:
+                e.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._engines = []
+        gate, self._gds_gate = getattr(self, "_gds_gate", None), None
+        if gate is not None:
+            if gate.engine is not None and self._files is not None:
+                for f in self._files.files.values():
+                    gate.engine.forget_fd(f.fd)
+            gate.close()
+        if self._files is not None:
+            self._files.close()
+        if self._index_pool is not None:
+            # A commit stuck on a slow fsync must not block the loop thread: the index closes on
+            # its own thread after whatever is queued there (the env is refcounted per process,
+            # so a reopen meanwhile shares it safely).
+            if self._index is not None:
+                self._index_pool.submit(self._index.close)
+                self._index = None
+            self._index_pool.shutdown(wait=False)
+            self._index_pool = None
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        self._bounce.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ----------------------------------------------------------------------------- memory
+
+    def register_memory(self, address: int, nbytes: int) -> bool:
+        """Allow (address, nbytes) buffers inside this range; offer it to the engines as fixed buffers."""
+        address, nbytes = int(address), int(nbytes)
+        if address <= 0 or nbytes <= 0:
+            raise ValueError(f"register_memory needs address > 0 and nbytes > 0; got {address:#x}, {nbytes}")
+        i = bisect.bisect_left(self._range_starts, address)
+        self._ranges.insert(i, (address, address + nbytes))
+        self._range_starts.insert(i, address)
+        fixed = False
+        for e in self._engines:
+            try:
+                fixed = bool(e.register_buffers([(a, b - a) for a, b in self._ranges])) or fixed
+            except Exception as ex:  # noqa: BLE001 - registration is an optimisation
+                log.info("engine %s did not take registered buffers: %s", e.capabilities.name, ex)
+        return fixed
+
+    def _in_registered(self, addr: int, nbytes: int) -> bool:
+        i = bisect.bisect_right(self._range_starts, addr) - 1
+        if i >= 0:
+            a, b = self._ranges[i]
+            if a <= addr and addr + nbytes <= b:
+                return True
+        while i >= 0:
+            a, b = self._ranges[i]
+            if a <= addr and addr + nbytes <= b:
+                return True
+            if b <= addr and i > 0 and self._ranges[i - 1][1] <= addr:
+                break
+            i -= 1
+        return False
+
+    def _resolve(self, buf, *, writable: bool) -> tuple[int, int, bool] | str:
+        """(address, nbytes, is_device) or the reason the buffer is refused."""
+        if type(buf) is tuple and len(buf) == 2 and type(buf[0]) is int and type(buf[1]) is int:
+            addr, n = buf  # the hot path of the SGLang backend: host-pool pointers
+            if n > 0 and self._in_registered(addr, n):
+                return addr, n, False
+            return f"address range {addr:#x}+{n} is not inside a registered range (register_memory)"
+        if isinstance(buf, tuple):
+            if len(buf) != 2 or not all(isinstance(x, (int, np.integer)) for x in buf):
+                return "a tuple buffer must be (address, nbytes) of ints"
+            addr, n = int(buf[0]), int(buf[1])
+            if n <= 0 or not self._in_registered(addr, n):
+                return f"address range {addr:#x}+{n} is not inside a registered range (register_memory)"
+            return addr, n, False
+        try:
+            a, n = address_of(buf, writable=writable)
+            return a, n, False
+        except TypeError as e:
+            host_error = str(e)
+        # not host memory: a CUDA buffer goes to the GDS engine (or staging), if this machine has one
+        try:
+            from .engine.gds import cuda_buffer_address
+
+            dev = cuda_buffer_address(buf, writable=writable)
+        except TypeError as e:
+            return str(e)
+        except ImportError:
+            dev = None
+        if dev is None:
+            return host_error
+        return dev[0], dev[1], True
+
+    async def _gds_route(self) -> str:
+        """'gds' | 'staging'; raises EngineUnavailable (the caller reports per-key False)."""
+        from .engine import gds
+
+        if self._gds_gate is None:
+            self._gds_gate = gds.GdsGate(
+                queue_depth=int(self.config.ssd_queue_depth),
+                probe_dir=self.path,
+                staging=bool(getattr(self.config, "gds_staging", False)),
+            )
+        return await self._gds_gate.route()
+
+    # ----------------------------------------------------------------------------- rows
+
+    def _new_rows(self, k: int) -> np.ndarray:
+        take = min(k, len(self._free_rows))
+        rows = [self._free_rows.pop() for _ in range(take)]
+        need = k - take
+        if need:
+            if self._nrows + need > len(self._rows_seg):
+                self._grow_rows(self._nrows + need)
+            rows.extend(range(self._nrows, self._nrows + need))
+            self._nrows += need
+            self._row_key.extend([None] * need)
+        return np.asarray(rows, dtype=np.int64)
+
+    def _grow_rows(self, n: int) -> None:
+        cap = max(n, 2 * len(self._rows_seg))
+        for name in ("seg", "off", "len", "crc", "flags", "gen", "depth", "tick", "pins", "live"):
+            a = getattr(self, f"_rows_{name}")
+            b = np.zeros(cap, a.dtype)
+            b[: len(a)] = a
+            setattr(self, f"_rows_{name}", b)
+
+    def _release_rows(self, rows) -> None:
+        """Give back the slots of rows already gone from the index (deferred while pinned)."""
+        for r in rows:
+            if self._rows_pins[r] > 0:
+                self._dead_pinned.add(r)
+            else:
+                self._alloc.free(int(self._rows_seg[r]), int(self._rows_off[r]))
+                self._row_key[r] = None
+                self._free_rows.append(r)
+
+    def _unpin(self, rows: np.ndarray) -> None:
+        np.subtract.at(self._rows_pins, rows, 1)
+        if self._dead_pinned:
+            done = [r for r in set(rows.tolist()) if r in self._dead_pinned and self._rows_pins[r] == 0]
+            for r in done:
+                self._dead_pinned.discard(r)
+            self._release_rows(done)
+
+    def _object_count(self) -> int:
+        if self.readonly:
+            try:
+                return self._index.count()
+            except Exception:  # noqa: BLE001
+                return -1
+        return len(self._keys)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # ----------------------------------------------------------------------------- index commits
+
+    async def _commit(self, puts=(), deletes=()) -> bool:
+        """One index transaction; strict commits fsync, so they run on the index thread."""
+        try:
+            ix, nxt = self._index, self._clock + 1
+            if self.strict:
+                fut = asyncio.get_running_loop().run_in_executor(
+                    self._index_pool, lambda: ix.commit(puts, deletes, next_generation=nxt)
+                )
+                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            else:
+                ix.commit(puts, deletes, next_generation=nxt)
+            return True
+        except asyncio.TimeoutError:
+            self._counters["timeouts"] += 1
+            log.error("%s: index commit took longer than io_timeout_s=%.1f s", self.path, self.timeout_s)
+            raise
+        except Exception as e:  # noqa: BLE001 - lmdb.Error (ENOSPC, MapFull) becomes a failed batch
+            log.error("%s: index commit of %d puts / %d deletes failed: %s", self.path, len(puts), len(deletes), e)
+            return False
+
+    async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
+        """Durably remove rows' keys from the index, then free their slots. Caller holds no lock."""
+        if not rows:
+            return True
+        keys = [self._row_key[r] for r in rows]
+        for k in keys:
+            del self._keys[k]  # invisible to new readers first: nothing new pins these rows
+        self._rows_live[rows] = False
+        async with self._commit_lock:
+            try:
+                ok = await self._commit(deletes=[k.encode() for k in keys])
+            except asyncio.TimeoutError:
+                ok = None  # the commit may still land: keep the slots out of use
+        if ok:
+            self._release_rows(rows)
+            self._counters["evictions" if evicted else "deletes"] += len(rows)
+            return True
+        if ok is False:  # nothing committed: the entries stand, keep serving them
+            orphans = []
+            for r, k in zip(rows, keys):
+                if k not in self._keys:
+                    self._keys[k] = r
+                    self._rows_live[r] = True
+                else:
+                    orphans.append(r)  # re-put meanwhile: the index holds the new record, not this one
+            self._release_rows(orphans)
+        return False
+
+    # ----------------------------------------------------------------------------- eviction
+
+    def _pick_victims(self, bytes_needed: int) -> list[int]:
+        n = self._nrows
+        cand = np.flatnonzero(self._rows_live[:n] & (self._rows_pins[:n] == 0))
+        if not len(cand) or bytes_needed <= 0:
+            return []
+        cls = size_classes(self._rows_len[cand])
+        tick = self._rows_tick[cand]
+        depth = self._rows_depth[cand].astype(np.int64)
+        if self.config.eviction_policy == "prefix_aware":
+            # A page's components share (put batch generation, depth): they leave together.
+            # unit = (generation, depth) for rows put with depths; a row of its own otherwise
+            gen = self._rows_gen[cand]
+            solo = depth < 0
+            k1 = np.where(solo, cand.astype(np.uint64), gen)
+            k2 = np.where(solo, -1, depth)
+            k0 = solo.astype(np.int8)
+            order0 = np.lexsort((k2, k1, k0))
+            s0, s1, s2 = k0[order0], k1[order0], k2[order0]
+            new_unit = np.ones(len(order0), bool)
+            new_unit[1:] = (s0[1:] != s0[:-1]) | (s1[1:] != s1[:-1]) | (s2[1:] != s2[:-1])
+            unit_sorted = np.cumsum(new_unit) - 1
+            inv = np.empty(len(cand), np.int64)
+            inv[order0] = unit_sorted
+            first = order0[new_unit]
+            u_bytes = np.bincount(inv, weights=cls)
+            u_tick = np.zeros(len(first), np.uint64)
+            np.maximum.at(u_tick, inv, tick)
+            u_depth = depth[first]
+            order = np.lexsort((u_tick, -u_depth))  # deepest first, then least recently used
+            csum = np.cumsum(u_bytes[order])
+            m = int(np.searchsorted(csum, bytes_needed)) + 1
+            chosen = np.zeros(len(first), bool)
+            chosen[order[:m]] = True
+            return cand[chosen[inv]].tolist()
+        order = np.argsort(tick, kind="stable")
+        csum = np.cumsum(cls[order])
+        m = int(np.searchsorted(csum, bytes_needed)) + 1
+        return cand[order[:m]].tolist()
+
+    async def _make_room(self, need_bytes: int) -> None:
+        used = self._alloc.used_bytes
+        if used + need_bytes <= self._high_bytes:
+            return
+        victims = self._pick_victims(used + need_bytes - self._low_bytes)
+        if victims:
+            await self._drop_rows(victims, evicted=True)
+
+    async def _reclaim_segment(self) -> bool:
+        """Empty the least recently used segment whose slots are all published and unpinned."""
+        n = self._nrows
+        live = np.flatnonzero(self._rows_live[:n])
+        if not len(live):
+            return False
+        segs = self._rows_seg[live]
+        nseg = self._alloc.n_segments
+        count = np.bincount(segs, minlength=nseg)
+        pinned = np.bincount(segs, weights=self._rows_pins[live] > 0, minlength=nseg)
+        recent = np.zeros(nseg, np.uint64)
+        np.maximum.at(recent, segs, self._rows_tick[live])
+        ok = (count > 0) & (pinned == 0) & (count == np.asarray(self._alloc.seg_used))
+        if not ok.any():
+            return False
+        cand = np.flatnonzero(ok)
+        seg = int(cand[np.argmin(recent[cand])])
+        return await self._drop_rows(live[segs == seg].tolist(), evicted=True)
+
+    # ----------------------------------------------------------------------------- put
+
+    async def put_many(self, keys: list[str], buffers: list, *, depths: list[int] | None = None) -> list[bool]:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; put_many is not allowed")
+        n = len(keys)
+        if len(buffers) != n or (depths is not None and len(depths) != n):
+            raise ValueError(
+                f"put_many needs one buffer (and depth) per key: {n} keys, {len(buffers)} buffers, "
+                f"{'no' if depths is None else len(depths)} depths"
+            )
+        results = [False] * n
+        if self._closed:
+            log.warning("put_many on closed store %s", self.path)
+            return results
+        self._enter()
+        try:
+            await self._put(keys, buffers, depths, results)
+        except Exception:  # noqa: BLE001 - never an exception for an I/O problem
+            log.exception("%s: put_many failed", self.path)
+        finally:
+            self._leave()
+        self._counters["puts"] += sum(results)
+        self._counters["put_failed"] += n - sum(results)
+        return results
+
+    async def _put(self, keys, buffers, depths, results) -> None:
+        n = len(keys)
+        refused = _Refusals("put_many")
+        todo: list[int] = []
+        addrs: list[int] = []
+        lens: list[int] = []
+        dev_todo: list[int] = []
+        dev_addrs: list[int] = []
+        dev_lens: list[int] = []
+        first_of: dict[str, int] = {}
+        dups: list[tuple[int, int]] = []
+        max_key = self._index.max_key_bytes
+        for i, k in enumerate(keys):
+            if k in self._keys:
+                results[i] = True
+                self._counters["put_dedup"] += 1
+                continue
+            if k in first_of:
+                dups.append((i, first_of[k]))
+                continue
+            first_of[k] = i
+            r = self._resolve(buffers[i], writable=False)
+            if isinstance(r, str):
+                refused.add(k, r)
+                continue
+            addr, nb, on_device = r
+            if nb <= 0 or nb > self.segment_bytes or nb >= 1 << 32:
+                refused.add(k, f"object of {nb} bytes; must be 1..{min(self.segment_bytes, (1 << 32) - 1)}")
+                continue
+            if len(k) * 4 > max_key and len(k.encode()) > max_key:
+                refused.add(k, f"key longer than {max_key} bytes")
+                continue
+            if on_device:
+                dev_todo.append(i)
+                dev_addrs.append(addr)
+                dev_lens.append(nb)
+            else:
+                todo.append(i)
+                addrs.append(addr)
+                lens.append(nb)
+        if todo:
+            await self._write_objects(keys, todo, addrs, lens, depths, results, refused)
+        if dev_todo:
+            try:
+                route = await self._gds_route()
+            except OSError as e:  # EngineUnavailable: this machine cannot do GPU I/O
+                route = None
+                for i in dev_todo:
+                    refused.add(keys[i], str(e))
+            if route:
+                await self._write_objects(keys, dev_todo, dev_addrs, dev_lens, depths, results, refused, route=route)
+        for i, j in dups:
+            results[i] = results[j]
+        refused.log(n)
+
+    async def _write_objects(self, keys, todo, addrs, lens, depths, results, refused, route: str | None = None) -> None:
+        """Reserve slots, write, [fdatasync], publish. ``route``: None (host memory), 'gds' or 'staging'."""
+        classes = [size_class(x) for x in lens]
+        await self._make_room(sum(classes))
+        slots: list[tuple[int, int] | None] = [None] * len(todo)
+        failed_create = False
+
+        def ensure(seg: int) -> bool:
+            nonlocal failed_create
+            if failed_create:
+                return False
+            ok = self._files.ensure(seg)
+            failed_create = not ok
+            return ok
+
+        by_class: dict[int, list[int]] = {}
+        for j, c in enumerate(classes):
+            by_class.setdefault(c, []).append(j)
+        for c, js in by_class.items():
+            for j, slot in zip(js, self._alloc.alloc_many(c, len(js), ensure)):
+                slots[j] = slot
+        rounds = 0
+        while any(s is None for s in slots) and not failed_create and rounds < _RECLAIM_ROUNDS_MAX:
+            # every segment is taken and this size class has no free slot: empty a whole segment
+            rounds += 1
+            if not await self._reclaim_segment():
+                break
+            for j, c in enumerate(classes):
+                if slots[j] is None:
+                    slots[j] = self._alloc.alloc(c, ensure)
+        nxt = self._alloc.next_free_segment()
+        if nxt is not None and not failed_create and self._files.want_precreate(nxt):
+            asyncio.get_running_loop().run_in_executor(None, self._files.precreate, nxt)
+        ok_j = []
+        for j, s in enumerate(slots):
+            if s is None:
+                refused.add(keys[todo[j]], "no space" + (" (segment file could not be created)" if failed_create else ""))
+            else:
+                ok_j.append(j)
+        if not ok_j:
+            return
+        m = len(ok_j)
+        segs = np.fromiter((slots[j][0] for j in ok_j), np.int64, m)
+        offs = np.fromiter((slots[j][1] for j in ok_j), np.int64, m)
+        src = np.fromiter((addrs[j] for j in ok_j), np.uint64, m)
+        nbytes = np.fromiter((lens[j] for j in ok_j), np.int64, m)
+        fds = self._files.fds[segs]
+        align = self._files.align[segs]
+        # O_DIRECT needs aligned memory and whole blocks: stage the rest through a bounce buffer
+        bounce_mask = self._files.direct[segs] & (((src % align.astype(np.uint64)) != 0) | (nbytes % align != 0))
+        if route is not None:
+            bounce_mask[:] = False  # device memory: kvikio / staging do their own alignment
+        io_addr = src.copy()
+        io_len = nbytes.copy()
+        bounce = None
+        copies = []
+        if bounce_mask.any():
+            bj = np.flatnonzero(bounce_mask)
+            blen = -(-nbytes[bj] // align[bj]) * align[bj]
+            starts = np.concatenate([[0], np.cumsum(blen)[:-1]])
+            bounce = self._bounce.get(int(blen.sum()))
+            io_addr[bj] = np.uint64(bounce.address) + starts.astype(np.uint64)
+            io_len[bj] = blen
+            copies = list(zip(io_addr[bj].tolist(), src[bj].tolist(), nbytes[bj].tolist(), blen.tolist()))
+        crc32c = self._crc32c
+        src_l, nb_l = src.tolist(), nbytes.tolist()
+
+        def stage() -> None:
+            for dst, s, nb, bl in copies:
+                _memmove(dst, s, nb)
+                if bl > nb:
+                    ctypes.memset(dst + nb, 0, bl - nb)
+
+        def checksums() -> list[int]:
+            return [crc32c((a, b)) for a, b in zip(src_l, nb_l)]
+
+        loop = asyncio.get_running_loop()
+        good = np.zeros(m, bool)
+        timed_out = False
+        crc_job = None
+        if route is None:
+            # The CRC reads the caller's memory while the disk reads it too: it costs no wall time.
+            crc_job = loop.run_in_executor(None, checksums)
+        try:
+            if copies:
+                await loop.run_in_executor(None, stage)
+            async with self._write_sem:
+                try:
+                    if route is None:
+                        write = self._write_engine.write_many(fds, offs, io_addr, io_len)
+                    else:
+                        write = self._write_device(route, fds, offs, io_addr, io_len)
+                    res = await asyncio.wait_for(write, self.timeout_s)
+                    if route is not None:
+                        res, dev_crcs = res
+                        crc_job = loop.create_future()
+                        crc_job.set_result([int(c) for c in dev_crcs])
+                    good = res == io_len
+                    if not good.all():
+                        bad = np.flatnonzero(~good)
+                        for b in bad[:1].tolist():
+                            refused.add(keys[todo[ok_j[b]]], f"write failed: {errno_name(int(res[b]))}")
+                        for b in bad[1:].tolist():
+                            refused.add(keys[todo[ok_j[b]]], "write failed")
+                except asyncio.TimeoutError:
+                    timed_out = True
+                    self._counters["timeouts"] += 1
+                    log.error("%s: write of %d objects took longer than io_timeout_s=%.1f s", self.path, m, self.timeout_s)
+                except Exception as e:  # noqa: BLE001 - EngineClosed, validation: the batch fails
+                    log.error("%s: write batch failed: %s", self.path, e)
+            if self.strict and good.any():
+                touched = np.unique(segs[good]).tolist()
+                done = await asyncio.gather(
+                    *(asyncio.wait_for(self._write_engine.sync(int(self._files.fds[s])), self.timeout_s) for s in touched),
+                    return_exceptions=True,
+                )
+                for s, r in zip(touched, done):
+                    if isinstance(r, BaseException):  # incl. timeout: nothing in that segment is durable
+                        log.error("%s: fdatasync of segment %d failed: %r", self.path, s, r)
+                        good &= segs != s
+            crcs = await crc_job if crc_job is not None else [0] * m  # None: the device write failed
+        finally:
+            if bounce is not None and not timed_out:
+                self._bounce.put(bounce)
+        if timed_out:
+            return  # the writes may still land: leave those slots allocated until restart
+        # publish: one commit for the batch, only for keys not published meanwhile
+        gen = self._tick()
+        async with self._commit_lock:
+            pub = [j for j in np.flatnonzero(good).tolist() if keys[todo[ok_j[j]]] not in self._keys]
+            pj = np.asarray(pub, np.int64)
+            pub_keys = [keys[todo[ok_j[j]]] for j in pub]
+            pub_depths = [-1] * len(pub) if depths is None else [int(depths[todo[ok_j[j]]]) for j in pub]
+            pub_crcs = np.asarray([crcs[j] for j in pub], np.uint32)
+            recs = np.zeros(len(pub), REC_DTYPE)
+            recs["segment"], recs["length"], recs["offset"] = segs[pj], nbytes[pj], offs[pj]
+            recs["generation"] = recs["group"] = gen
+            recs["crc"], recs["depth"], recs["flags"] = pub_crcs, pub_depths, FLAG_CRC
+            blob = recs.tobytes()
+            puts = [(k.encode(), blob[t * REC_BYTES : (t + 1) * REC_BYTES]) for t, k in enumerate(pub_keys)]
+            try:
+                committed = await self._commit(puts) if puts else True
+            except asyncio.TimeoutError:
+                return  # may still land: keep the slots out of use
+            if committed and pub:
+                rows = self._new_rows(len(pub))
+                self._rows_seg[rows] = segs[pj]
+                self._rows_off[rows] = offs[pj]
+                self._rows_len[rows] = nbytes[pj]
+                self._rows_crc[rows] = pub_crcs
+                self._rows_flags[rows] = FLAG_CRC
+                self._rows_gen[rows] = gen
+                self._rows_depth[rows] = pub_depths
+                self._rows_tick[rows] = gen
+                self._rows_pins[rows] = 0
+                self._rows_live[rows] = True
+                row_key = self._row_key
+                for r, k in zip(rows.tolist(), pub_keys):
+                    row_key[r] = k
+                self._keys.update(zip(pub_keys, rows.tolist()))
+                self._counters["bytes_written"] += int(nbytes[pj].sum())
+        published = set(pub) if committed else set()
+        free = self._alloc.free
+        for j in range(m):
+            i = todo[ok_j[j]]
+            if j in published:
+                results[i] = True
+            else:
+                free(int(segs[j]), int(offs[j]))
+                if good[j] and not committed:
+                    refused.add(keys[i], "index commit failed")
+                elif good[j]:
+                    results[i] = True  # another put of the same key published first: keep its bytes
+
+    async def _write_device(self, route: str, fds, offs, addrs, lens):
+        """(results, crcs) for a write from CUDA memory; the CRC is computed on a host copy."""
+        from .engine import gds
+
+        if route == "gds":
+            crcs = await gds.device_crc32c_many(addrs, lens)
+            return await self._gds_gate.engine.write_many(fds, offs, addrs, lens), crcs
+        # staging: device -> aligned host bounce -> O_DIRECT write of whole blocks
+        blen, starts, bounce = self._stage_layout(lens)
+        try:
+            host = np.uint64(bounce.address) + starts.astype(np.uint64)
+            crc32c = self._crc32c
+            pairs = list(zip(addrs.tolist(), host.tolist(), lens.tolist()))
+
+            def stage() -> list[int]:
+                gds._device_ops.copy_d2h(pairs)
+                for _, h, n in pairs:
+                    ctypes.memset(h + n, 0, -n % SLOT_ALIGN_BYTES)
+                return [crc32c((h, n)) for _, h, n in pairs]
+
+            crcs = await asyncio.get_running_loop().run_in_executor(None, stage)
+            res = await self._write_engine.write_many(fds, offs, host, blen)
+            return np.where(res == blen, lens, np.minimum(res, lens)), np.asarray(crcs, np.uint32)
+        finally:
+            self._bounce.put(bounce)
+
+    def _stage_layout(self, lens: np.ndarray):
+        blen = size_classes(lens)
+        starts = np.concatenate([[0], np.cumsum(blen)[:-1]]).astype(np.int64)
+        return blen, starts, self._bounce.get(int(blen.sum()))
+
+    async def _read_device(self, route: str, fds, offs, addrs, lens, crcs, flags) -> tuple[np.ndarray, np.ndarray]:
+        """(complete, verified) per op for a read into CUDA memory."""
+        from .engine import gds
+
+        gate = self._gds_gate
+        verify = self.verify_crc
+        got = None
+        if route == "gds":
+            res = await gate.engine.read_many(fds, offs, addrs, lens)
+            if verify:
+                got = await gds.device_crc32c_many(addrs, lens)
+        else:
+            # staging: O_DIRECT read of whole blocks into a host bounce, check, then copy to the device
+            blen, starts, bounce = self._stage_layout(lens)
+            try:
+                host = np.uint64(bounce.address) + starts.astype(np.uint64)
+                res = await self._read_engine.read_many(fds, offs, host, blen)
+                ok = res >= lens
+                crc32c = self._crc32c
+                host_l, len_l = host.tolist(), lens.tolist()
+                good_l = ok.tolist()
+
+                def check_and_copy() -> list[bool]:
+                    out = list(good_l)
+                    if verify:
+                        for j, (h, n) in enumerate(zip(host_l, len_l)):
+                            if out[j] and flags[j] & FLAG_CRC and crc32c((h, n)) != int(crcs[j]):
+                                out[j] = False
+                    gds._device_ops.copy_h2d([(h, int(a), n) for h, a, n, o in zip(host_l, addrs.tolist(), len_l, out) if o])
+                    return out
+
+                checked = np.asarray(await asyncio.get_running_loop().run_in_executor(None, check_and_copy), bool)
+                return ok, checked
+            finally:
+                self._bounce.put(bounce)
+        ok = res >= lens
+        checked = ok.copy()
+        if got is not None:
+            checked &= (got.astype(np.uint32) == crcs) | ((flags & FLAG_CRC) == 0)
+        return ok, checked
+
+    # ----------------------------------------------------------------------------- get
+
+    async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
+        n = len(keys)
+        if len(buffers) != n:
+            raise ValueError(f"get_many needs one buffer per key: {n} keys, {len(buffers)} buffers")
+        results = [False] * n
+        if self._closed:
+            log.warning("get_many on closed store %s", self.path)
+            return results
+        self._enter()
+        try:
+            await self._get(keys, buffers, results)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: get_many failed", self.path)
+        finally:
+            self._leave()
+        hits = sum(results)
+        self._counters["gets"] += n
+        self._counters["hits"] += hits
+        self._counters["misses"] += n - hits
+        return results
+
+    def _lookup_reader(self, keys: list[str]):
+        """Readers: records from LMDB -> (idx, seg, off, len, crc, flags, gen) arrays for present keys."""
+        vals = self._index.get_records([k.encode() for k in keys])
+        idx = [i for i, v in enumerate(vals) if v is not None and len(v) == REC_BYTES]
+        if not idx:
+            return None
+        recs = np.frombuffer(b"".join(vals[i] for i in idx), dtype=REC_DTYPE)
+        return (
+            np.asarray(idx, np.int64),
+            recs["segment"].astype(np.int64),
+            recs["offset"].astype(np.int64),
+            recs["length"].astype(np.int64),
+            recs["crc"].astype(np.uint32),
+            recs["flags"].astype(np.uint32),
+            recs["generation"].astype(np.uint64),
+        )
+
+    async def _get(self, keys, buffers, results) -> None:
+        refused = _Refusals("get_many")
+        writer = not self.readonly
+        rows = None
+        if writer:
+            get = self._keys.get
+            idx_l, rows_l = [], []
+            for i, k in enumerate(keys):
+                r = get(k)
+                if r is not None:
+                    idx_l.append(i)
+                    rows_l.append(r)
+            if not idx_l:
+                return
+            idx = np.asarray(idx_l, np.int64)
+            rows = np.asarray(rows_l, np.int64)
+            segs, offs, lens = self._rows_seg[rows], self._rows_off[rows], self._rows_len[rows]
+            crcs, flags, gens = self._rows_crc[rows], self._rows_flags[rows], self._rows_gen[rows]
+        else:
+            found = self._lookup_reader(keys)
+            if found is None:
+                return
+            idx, segs, offs, lens, crcs, flags, gens = found
+            for s in np.unique(segs).tolist():
+                if not self._files.ensure(s):
+                    keep = segs != s
+                    idx, segs, offs, lens, crcs, flags, gens = (a[keep] for a in (idx, segs, offs, lens, crcs, flags, gens))
+            if not len(idx):
+                return
+        # caller memory
+        dst = np.zeros(len(idx), np.uint64)
+        ok = np.ones(len(idx), bool)
+        devm = np.zeros(len(idx), bool)
+        idx_list = idx.tolist()
+        for j, i in enumerate(idx_list):
+            r = self._resolve(buffers[i], writable=True)
+            if isinstance(r, str):
+                refused.add(keys[i], r)
+                ok[j] = False
+                continue
+            if r[1] < lens[j]:
+                refused.add(keys[i], f"buffer of {r[1]} bytes is smaller than the {int(lens[j])}-byte object")
+                ok[j] = False
+                continue
+            dst[j] = r[0]
+            devm[j] = r[2]
+        if not ok.all() or devm.any():
+            # keep the usable ops, host memory first and CUDA memory last
+            keep = np.concatenate([np.flatnonzero(ok & ~devm), np.flatnonzero(ok & devm)])
+            idx, segs, offs, lens, crcs, flags, gens, dst, devm = (
+                a[keep] for a in (idx, segs, offs, lens, crcs, flags, gens, dst, devm)
+            )
+            if rows is not None:
+                rows = rows[keep]
+            idx_list = idx.tolist()
+        m = len(idx)
+        if not m:
+            refused.log(len(keys))
+            return
+        m_host = m - int(devm.sum())
+        route = None
+        if m_host < m:
+            try:
+                route = await self._gds_route()
+            except OSError as e:
+                for j in range(m_host, m):
+                    refused.add(keys[idx_list[j]], str(e))
+        if rows is not None:
+            np.add.at(self._rows_pins, rows, 1)
+        timed_out = False
+        bounce = None
+        try:
+            fds = self._files.fds[segs]
+            align = self._files.align[segs]
+            bounce_mask = self._files.direct[segs] & (((dst % align.astype(np.uint64)) != 0) | (lens % align != 0))
+            bounce_mask &= ~devm
+            io_addr = dst.copy()
+            io_len = lens.copy()
+            copies = []
+            if bounce_mask.any():
+                bj = np.flatnonzero(bounce_mask)
+                blen = -(-lens[bj] // align[bj]) * align[bj]
+                starts = np.concatenate([[0], np.cumsum(blen)[:-1]])
+                bounce = self._bounce.get(int(blen.sum()))
+                io_addr[bj] = np.uint64(bounce.address) + starts.astype(np.uint64)
+                io_len[bj] = blen
+                copies = bj.tolist()
+            verify = self.verify_crc
+            crc32c = self._crc32c
+            dst_l, io_l, len_l = dst.tolist(), io_addr.tolist(), lens.tolist()
+            crc_l, flag_l, bm = crcs.tolist(), flags.tolist(), bounce_mask.tolist()
+            need_cpu = verify or bool(copies)
+            good = np.zeros(m, bool)
+            verified = [False] * m
+
+            def finish(lo: int, ok: list[bool]) -> list[bool]:
+                for t in range(len(ok)):
+                    j = lo + t
+                    if not ok[t]:
+                        continue
+                    if bm[j]:
+                        _memmove(dst_l[j], io_l[j], len_l[j])
+                    if verify and flag_l[j] & FLAG_CRC and crc32c((dst_l[j], len_l[j])) != crc_l[j]:
+                        ok[t] = False
+                return ok
+
+            loop = asyncio.get_running_loop()
+
+            async def part(lo: int, hi: int) -> None:
+                res = await asyncio.wait_for(
+                    self._read_engine.read_many(fds[lo:hi], offs[lo:hi], io_addr[lo:hi], io_len[lo:hi]), self.timeout_s
+                )
+                ok = res >= lens[lo:hi]  # the object must come back whole; more is padding
+                good[lo:hi] = ok
+                verified[lo:hi] = await loop.run_in_executor(None, finish, lo, ok.tolist()) if need_cpu else ok.tolist()
+
+            async def device_part(lo: int, hi: int) -> None:
+                sl = slice(lo, hi)
+                ok, checked = await asyncio.wait_for(
+                    self._read_device(route, fds[sl], offs[sl], dst[sl], lens[sl], crcs[sl], flags[sl]), self.timeout_s
+                )
+                good[sl] = ok
+                verified[lo:hi] = checked.tolist()
+
+            # A few sub-batches, all in flight at once: the CRC of the first overlaps the I/O of the rest.
+            n_parts = 0 if m_host == 0 else 1 if m_host < 32 else min(4, m_host // 16)
+            bounds = np.linspace(0, m_host, n_parts + 1).astype(int).tolist()
+            jobs = [part(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+            if route is not None:
+                jobs.append(device_part(m_host, m))
+            outcome = await asyncio.gather(*jobs, return_exceptions=True)
+            for r in outcome:
+                if isinstance(r, asyncio.TimeoutError):
+                    timed_out = True
+                elif isinstance(r, BaseException):
+                    log.error("%s: read batch failed: %r", self.path, r)
+                    verified = [False] * m
+            if timed_out:
+                self._counters["timeouts"] += 1
+                log.error("%s: read of %d objects took longer than io_timeout_s=%.1f s", self.path, m, self.timeout_s)
+                return
+        finally:
+            if rows is not None and not timed_out:
+                self._unpin(rows)
+            if bounce is not None and not timed_out:
+                self._bounce.put(bounce)
+        if not writer:
+            # another process may have evicted and reused the slot while we read it
+            after = self._lookup_reader([keys[i] for i in idx_list])
+            now = {}
+            if after is not None:
+                for a, g in zip(after[0].tolist(), after[6].tolist()):
+                    now[a] = g
+            for j in range(m):
+                if verified[j] and now.get(j) != int(gens[j]):
+                    verified[j] = False
+        bad_crc = [j for j in range(m) if good[j] and not verified[j]]
+        for j in range(m):
+            if verified[j]:
+                results[idx_list[j]] = True
+        self._counters["bytes_read"] += int(lens[np.asarray(verified, bool)].sum())
+        if bad_crc:
+            self._counters["crc_errors"] += len(bad_crc)
+            for j in bad_crc[:1]:
+                refused.add(keys[idx_list[j]], "checksum mismatch (entry dropped)" if writer else "checksum or generation mismatch")
+        if writer:
+            if bad_crc:
+                drop = [int(rows[j]) for j in bad_crc if self._rows_live[rows[j]] and self._row_key[rows[j]] == keys[idx_list[j]]]
+                await self._drop_rows(sorted(set(drop)), evicted=False)
+            hit_rows = rows[np.asarray(verified, bool)]
+            if len(hit_rows):
+                self._rows_tick[hit_rows] = self._tick()
+        refused.log(len(keys))
+
+    # ----------------------------------------------------------------------------- exists / delete
+
+    def exists_many_nowait(self, keys: list[str]) -> list[bool]:
+        """Thread-safe: dict reads are atomic under the GIL; LMDB read txns are per call."""
+        if self.readonly:
+            if self._closed:
+                return [False] * len(keys)
+            return [v is not None for v in self._index.get_records([k.encode() for k in keys])]
+        d = self._keys
+        return [k in d for k in keys]
+
+    def exists_prefix_nowait(self, keys: list[str]) -> int:
+        if self.readonly:
+            return 0 if self._closed else self._index.exists_prefix([k.encode() for k in keys])
+        d = self._keys
+        n = 0
+        for k in keys:
+            if k not in d:
+                break
+            n += 1
+        return n
+
+    async def exists_many(self, keys: list[str]) -> list[bool]:
+        return self.exists_many_nowait(keys)
+
+    async def exists_prefix(self, keys: list[str]) -> int:
+        return self.exists_prefix_nowait(keys)
+
+    async def delete_many(self, keys: list[str]) -> list[bool]:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; delete_many is not allowed")
+        results = [False] * len(keys)
+        if self._closed:
+            return results
+        rows, where = [], []
+        seen = set()
+        for i, k in enumerate(keys):
+            r = self._keys.get(k)
+            if r is not None and r not in seen:
+                seen.add(r)
+                rows.append(r)
+                where.append(i)
+        if rows and await self._drop_rows(rows, evicted=False):
+            for i in where:
+                results[i] = True
+        return results
+
+    async def clear(self) -> None:
+        """Drop every entry durably and free all space (slots being read are freed after the read)."""
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; clear is not allowed")
+        if self._closed:
+            return
+        async with self._commit_lock:
+            rows = list(self._keys.values())
+            self._keys.clear()
+            self._rows_live[rows] = False
+            ix, nxt = self._index, self._clock + 1
+            if self.strict:
+                fut = asyncio.get_running_loop().run_in_executor(self._index_pool, lambda: ix.drop_all(next_generation=nxt))
+                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            else:
+                ix.drop_all(next_generation=nxt)
+            self._release_rows(rows)
+            self._counters["deletes"] += len(rows)
+
+    async def flush(self) -> bool:
+        """fdatasync every segment and the index. True when all of it is durable."""
+        if self._closed or self.readonly:
+            return not self._closed
+        return await self._flush()
+
+    async def flush_for_close(self) -> None:
+        # relaxed mode: a clean close still leaves data and index durable
+        try:
+            await self._flush()
+        except Exception as e:  # noqa: BLE001 - closing must not raise for a flush
+            log.warning("%s: flush at close failed: %s", self.path, e)
+
+    async def _flush(self) -> bool:
+        # all segments at once: a slow disk costs one io_timeout_s, not one per segment
+        segs = list(self._files.files)
+        done = await asyncio.gather(
+            *(asyncio.wait_for(self._write_engine.sync(int(self._files.fds[s])), self.timeout_s) for s in segs),
+            return_exceptions=True,
+        )
+        ok = True
+        for s, r in zip(segs, done):
+            if isinstance(r, BaseException):
+                log.error("%s: fdatasync of segment %d failed: %r", self.path, s, r)
+                ok = False
+        try:
+            await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._index_pool, self._index.sync), self.timeout_s
+            )
+        except Exception as e:  # noqa: BLE001
+            log.error("%s: index sync failed: %s", self.path, e)
+            ok = False
+        return ok
+
+    # ----------------------------------------------------------------------------- stats
+
+    def stats(self) -> dict:
+        s = dict(self._counters)
+        s.update(
+            path=self.path,
+            readonly=self.readonly,
+            durability="strict" if self.strict else "relaxed",
+            capacity_bytes=self.capacity_bytes,
+            segment_bytes=self.segment_bytes,
+            high_watermark=self.config.ssd_high_watermark,
+            low_watermark=self.config.ssd_low_watermark,
+            eviction_policy=self.config.eviction_policy,
+            verify_crc=self.verify_crc,
+            engine=self._read_engine.capabilities.name if self._engines else None,
+            o_direct=self._files.any_direct if self._files is not None else None,
+            open_seconds=round(self.open_seconds, 4) if hasattr(self, "open_seconds") else None,
+            index_bytes=self._index.file_bytes() if self._index is not None else 0,
+        )
+        if not self.readonly and hasattr(self, "_alloc"):
+            s.update(
+                objects=len(self._keys),
+                bytes_used=self._alloc.used_bytes,
+                usable_bytes=self._alloc.capacity_bytes,
+                segments=self._alloc.n_segments,
+                segments_free=self._alloc.free_segments(),
+                segment_files=len(self._files.files),
+                disk_bytes=self._files.disk_bytes(),
+                size_classes=self._alloc.class_counts(),
+                pinned_slots=int((self._rows_pins[: self._nrows] > 0).sum()),
+            )
+        else:
+            s.update(objects=self._object_count())
+        return s
+
+    # ----------------------------------------------------------------------------- in-flight tracking
+
+    def _enter(self) -> None:
+        self._inflight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        if not self._inflight:
+            self._idle.set()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

@@ -1,0 +1,141 @@
+"""SyncPageStore: a PageStore on a private event-loop thread, callable from any thread.
+
+SGLang calls storage synchronously from several controller threads; none of them has (or may
+rely on) a running loop. Every call here is one ``run_coroutine_threadsafe`` hop bounded by the
+store's ``io_timeout_s``; a call that runs past it returns all-False instead of hanging. The
+exists calls skip the hop: they read the index directly (see ``PageStore.exists_*_nowait``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+
+from .config import StoreConfig
+from .store import PageStore
+
+log = logging.getLogger(__name__)
+
+_CALL_SLACK_S = 5.0  # a call may wait on a few io_timeout_s-bounded steps (evict, write, sync, commit)
+
+
+class SyncPageStore:
+    def __init__(self, path, config: StoreConfig | None = None, *, readonly: bool = False, namespace: dict | None = None):
+        config = config or StoreConfig()
+        self._timeout_s = float(config.io_timeout_s) * 4 + _CALL_SLACK_S
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="umbp-store-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self.store: PageStore = self._call(PageStore.open(path, config, readonly=readonly, namespace=namespace))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def open(cls, path, config: StoreConfig | None = None, **kw) -> "SyncPageStore":
+        return cls(path, config, **kw)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _call(self, coro, timeout: float | None = None):
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout if timeout is not None else self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    def _bounded(self, coro, n: int, what: str) -> list[bool]:
+        if self._closed:
+            coro.close()
+            log.warning("%s on a closed store", what)
+            return [False] * n
+        try:
+            return self._call(coro)
+        except concurrent.futures.TimeoutError:
+            log.error("%s of %d keys did not finish within %.1f s; reporting misses", what, n, self._timeout_s)
+            return [False] * n
+
+    # --- data path ---
+
+    def put_many(self, keys, buffers, *, depths=None) -> list[bool]:
+        return self._bounded(self.store.put_many(keys, buffers, depths=depths), len(keys), "put_many")
+
+    def get_many(self, keys, buffers) -> list[bool]:
+        return self._bounded(self.store.get_many(keys, buffers), len(keys), "get_many")
+
+    def delete_many(self, keys) -> list[bool]:
+        return self._bounded(self.store.delete_many(keys), len(keys), "delete_many")
+
+    def exists_many(self, keys) -> list[bool]:
+        return self.store.exists_many_nowait(keys)
+
+    def exists_prefix(self, keys) -> int:
+        return self.store.exists_prefix_nowait(keys)
+
+    exists_many_nowait = exists_many
+    exists_prefix_nowait = exists_prefix
+
+    # --- management ---
+
+    def register_memory(self, address: int, nbytes: int) -> bool:
+        async def reg():
+            return self.store.register_memory(address, nbytes)
+
+        return self._call(reg())
+
+    def stats(self) -> dict:
+        async def st():
+            return self.store.stats()
+
+        return self._call(st())
+
+    def flush(self) -> bool:
+        try:
+            return self._call(self.store.flush())
+        except concurrent.futures.TimeoutError:
+            return False
+
+    def clear(self) -> None:
+        self._call(self.store.clear())
+
+    @property
+    def readonly(self) -> bool:
+        return self.store.readonly
+
+    @property
+    def path(self) -> str:
+        return self.store.path
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self.store.close())
+        except concurrent.futures.TimeoutError:
+            log.error("closing %s timed out", self.store.path)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=self._timeout_s)
+        if not self._thread.is_alive():
+            try:
+                self._loop.close()
+            except RuntimeError as e:  # never fail a close over the loop's own bookkeeping
+                log.warning("event loop of %s not closed: %s", getattr(self, "store", None) and self.store.path, e)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
