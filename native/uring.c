@@ -135,6 +135,7 @@ typedef struct {
     /* registered buffers, for the fixed-op range check */
     unsigned nbufs;
     uint64_t *buf_addr, *buf_len;
+    int bufs_sorted; /* ascending, non-overlapping: auto_fixed may binary-search */
     /* registered files: index -> facts at registration time */
     unsigned nfiles;
     FdInfo *files;
@@ -443,13 +444,16 @@ static Py_ssize_t arr_len(const Arr *a) { return a->held ? a->view.len / a->view
 typedef struct {
     int opcode;
     Py_ssize_t n;
-    const int32_t *fds;
+    const int32_t *fds; /* NULL: every op uses fd_value */
+    int32_t fd_value;
     const int64_t *offs;
     const uint64_t *addrs;
     const int64_t *lens;
     const int16_t *bidx;
-    const uint64_t *ud;
+    const uint64_t *ud; /* NULL: op i gets ud_base + i */
+    uint64_t ud_base;
     const uint8_t *flags;
+    int auto_fixed; /* bidx NULL and auto_fixed: the registered buffer holding the op, if any */
     uint64_t async_min_bytes;
     int enter;
     /* results */
@@ -457,6 +461,29 @@ typedef struct {
     int sys_err;
     char msg[320];
 } SubmitArgs;
+
+#define OP_FD(a, i) ((a)->fds ? (a)->fds[i] : (a)->fd_value)
+#define OP_UD(a, i) ((a)->ud ? (a)->ud[i] : (a)->ud_base + (uint64_t)(i))
+
+/* Index of the registered buffer holding [addr, addr + len), or -1. */
+static int find_fixed(RingObject *self, uint64_t addr, uint64_t len) {
+    unsigned nb = self->nbufs;
+    if (!nb) return -1;
+    if (self->bufs_sorted) {
+        unsigned lo = 0, hi = nb; /* first buffer starting after addr */
+        while (lo < hi) {
+            unsigned mid = (lo + hi) / 2;
+            if (self->buf_addr[mid] <= addr) lo = mid + 1;
+            else hi = mid;
+        }
+        if (lo == 0) return -1;
+        unsigned b = lo - 1;
+        return addr + len <= self->buf_addr[b] + self->buf_len[b] ? (int)b : -1;
+    }
+    for (unsigned b = 0; b < nb; b++)
+        if (addr >= self->buf_addr[b] && addr + len <= self->buf_addr[b] + self->buf_len[b]) return (int)b;
+    return -1;
+}
 
 static const FdInfo *op_fd_info(RingObject *self, FdCache *cache, int fd, uint8_t fl) {
     if (fl & UMBP_SQE_FIXED_FILE) return &self->files[fd];
@@ -467,7 +494,7 @@ static const FdInfo *op_fd_info(RingObject *self, FdCache *cache, int fd, uint8_
 static int validate_ops(RingObject *self, SubmitArgs *a, FdCache *cache) {
     int rw = a->opcode == OP_READ || a->opcode == OP_WRITE;
     for (Py_ssize_t i = 0; i < a->n; i++) {
-        int fd = a->fds[i];
+        int fd = OP_FD(a, i);
         uint8_t fl = a->flags ? a->flags[i] : 0;
         if (fl & ~USER_FLAGS_ALLOWED) {
             snprintf(a->msg, sizeof a->msg, "op %zd: flags 0x%x has bits outside F_FIXED_FILE|F_DRAIN|F_LINK|F_HARDLINK|F_ASYNC", i, fl);
@@ -529,17 +556,17 @@ static int validate_ops(RingObject *self, SubmitArgs *a, FdCache *cache) {
 
 static void fill_sqe(RingObject *self, SubmitArgs *a, FdCache *cache, Py_ssize_t i, struct umbp_sqe *sqe) {
     uint8_t fl = a->flags ? a->flags[i] : 0;
-    int fd = a->fds[i];
+    int fd = OP_FD(a, i);
     memset(sqe, 0, sizeof *sqe);
     sqe->fd = fd;
-    sqe->user_data = a->ud[i];
+    sqe->user_data = OP_UD(a, i);
     if (a->opcode == OP_FSYNC || a->opcode == OP_FDATASYNC) {
         sqe->opcode = UMBP_OP_FSYNC;
         sqe->op_flags = a->opcode == OP_FDATASYNC ? UMBP_FSYNC_DATASYNC : 0;
         sqe->flags = fl;
         return;
     }
-    int b = a->bidx ? a->bidx[i] : -1;
+    int b = a->bidx ? a->bidx[i] : (a->auto_fixed ? find_fixed(self, a->addrs[i], (uint64_t)a->lens[i]) : -1);
     int write = a->opcode == OP_WRITE;
     sqe->opcode = b >= 0 ? (write ? UMBP_OP_WRITE_FIXED : UMBP_OP_READ_FIXED) : (write ? UMBP_OP_WRITE : UMBP_OP_READ);
     if (b >= 0) sqe->buf_index = (uint16_t)b;
@@ -594,15 +621,15 @@ static int do_submit(RingObject *self, SubmitArgs *a) {
 }
 
 static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"opcode", "fds",   "offsets",         "addrs", "lengths", "buf_index",
-                             "user_data", "flags", "async_min_bytes", "enter", NULL};
+    static char *kwlist[] = {"opcode",          "fds",   "offsets", "addrs",   "lengths",    "buf_index", "user_data",
+                             "flags",           "async_min_bytes",  "enter",   "ud_base", "auto_fixed", NULL};
     int opcode;
-    PyObject *o_fds, *o_offs = Py_None, *o_addrs = Py_None, *o_lens = Py_None, *o_bidx = Py_None, *o_ud,
+    PyObject *o_fds, *o_offs = Py_None, *o_addrs = Py_None, *o_lens = Py_None, *o_bidx = Py_None, *o_ud = Py_None,
                      *o_flags = Py_None;
-    unsigned long long async_min = 0;
-    int enter = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOOOO|OKp", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens,
-                                     &o_bidx, &o_ud, &o_flags, &async_min, &enter))
+    unsigned long long async_min = 0, ud_base = 0;
+    int enter = 1, auto_fixed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OOOKpKp", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens,
+                                     &o_bidx, &o_ud, &o_flags, &async_min, &enter, &ud_base, &auto_fixed))
         return NULL;
     if (opcode < OP_READ || opcode > OP_FDATASYNC) {
         PyErr_Format(PyExc_ValueError, "opcode must be OP_READ, OP_WRITE, OP_FSYNC or OP_FDATASYNC, got %d", opcode);
@@ -612,12 +639,29 @@ static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
     Arr fds, offs, addrs, lens, bidx, ud, flags;
     fds.held = offs.held = addrs.held = lens.held = bidx.held = ud.held = flags.held = 0;
     PyObject *ret = NULL;
-    if (arr_get(o_fds, &fds, "fds", 4, "i", 0, 0) < 0 || arr_get(o_offs, &offs, "offsets", 8, "lq", 0, !rw) < 0 ||
-        arr_get(o_addrs, &addrs, "addrs", 8, "LQ", 0, !rw) < 0 || arr_get(o_lens, &lens, "lengths", 8, "lq", 0, !rw) < 0 ||
-        arr_get(o_bidx, &bidx, "buf_index", 2, "h", 0, 1) < 0 || arr_get(o_ud, &ud, "user_data", 8, "LQ", 0, 0) < 0 ||
-        arr_get(o_flags, &flags, "flags", 1, "B", 0, 1) < 0)
+    /* fds: an int (every op), a 1-entry array (broadcast) or one per op. user_data: None means
+     * ud_base + op index. */
+    int fd_scalar = PyLong_Check(o_fds);
+    long fd_value = 0;
+    if (fd_scalar) {
+        fd_value = PyLong_AsLong(o_fds);
+        if (fd_value == -1 && PyErr_Occurred()) return NULL;
+        if (fd_value < INT32_MIN || fd_value > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "fd %ld is out of range", fd_value);
+            return NULL;
+        }
+    }
+    if ((!fd_scalar && arr_get(o_fds, &fds, "fds", 4, "i", 0, 0) < 0) ||
+        arr_get(o_offs, &offs, "offsets", 8, "lq", 0, !rw) < 0 || arr_get(o_addrs, &addrs, "addrs", 8, "LQ", 0, !rw) < 0 ||
+        arr_get(o_lens, &lens, "lengths", 8, "lq", 0, !rw) < 0 || arr_get(o_bidx, &bidx, "buf_index", 2, "h", 0, 1) < 0 ||
+        arr_get(o_ud, &ud, "user_data", 8, "LQ", 0, 1) < 0 || arr_get(o_flags, &flags, "flags", 1, "B", 0, 1) < 0)
         goto done;
-    Py_ssize_t n = arr_len(&fds);
+    Py_ssize_t nf = fd_scalar ? 1 : arr_len(&fds);
+    Py_ssize_t n = nf == 1 && lens.held ? arr_len(&lens) : nf; /* one fd broadcasts */
+    if (nf == 1 && !fd_scalar) {
+        fd_scalar = 1;
+        fd_value = ((const int32_t *)fds.view.buf)[0];
+    }
     const char *names[] = {"offsets", "addrs", "lengths", "buf_index", "user_data", "flags"};
     Arr *others[] = {&offs, &addrs, &lens, &bidx, &ud, &flags};
     for (int j = 0; j < 6; j++) {
@@ -632,21 +676,28 @@ static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
     memset(&a, 0, sizeof a);
     a.opcode = opcode;
     a.n = n;
-    a.fds = fds.view.buf;
+    a.fds = fd_scalar ? NULL : fds.view.buf;
+    a.fd_value = (int32_t)fd_value;
     a.offs = offs.held ? offs.view.buf : NULL;
     a.addrs = addrs.held ? addrs.view.buf : NULL;
     a.lens = lens.held ? lens.view.buf : NULL;
     a.bidx = bidx.held && rw ? bidx.view.buf : NULL;
-    a.ud = ud.view.buf;
+    a.auto_fixed = auto_fixed && rw && !bidx.held;
+    a.ud = ud.held ? ud.view.buf : NULL;
+    a.ud_base = ud_base;
     a.flags = flags.held ? flags.view.buf : NULL;
     a.async_min_bytes = async_min;
     a.enter = enter;
     a.sys_err = 0;
     a.msg[0] = 0;
     int r;
-    Py_BEGIN_ALLOW_THREADS
-    r = do_submit(self, &a);
-    Py_END_ALLOW_THREADS
+    if (n <= 64 && !enter) {
+        r = do_submit(self, &a); /* no system call: not worth a GIL round trip */
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        r = do_submit(self, &a);
+        Py_END_ALLOW_THREADS
+    }
     ring_release(self);
     if (r == -1) {
         PyErr_SetString(PyExc_ValueError, a.msg);
@@ -682,11 +733,21 @@ static PyObject *Ring_check(RingObject *self, PyObject *args, PyObject *kwds) {
     Arr fds, offs, addrs, lens, bidx, flags;
     fds.held = offs.held = addrs.held = lens.held = bidx.held = flags.held = 0;
     PyObject *ret = NULL;
-    if (arr_get(o_fds, &fds, "fds", 4, "i", 0, 0) < 0 || arr_get(o_offs, &offs, "offsets", 8, "lq", 0, 0) < 0 ||
+    int fd_scalar = PyLong_Check(o_fds);
+    long fd_value = fd_scalar ? PyLong_AsLong(o_fds) : 0;
+    if (fd_scalar && ((fd_value == -1 && PyErr_Occurred()) || fd_value < INT32_MIN || fd_value > INT32_MAX)) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "fd %ld is out of range", fd_value);
+        return NULL;
+    }
+    if ((!fd_scalar && arr_get(o_fds, &fds, "fds", 4, "i", 0, 0) < 0) || arr_get(o_offs, &offs, "offsets", 8, "lq", 0, 0) < 0 ||
         arr_get(o_addrs, &addrs, "addrs", 8, "LQ", 0, 0) < 0 || arr_get(o_lens, &lens, "lengths", 8, "lq", 0, 0) < 0 ||
         arr_get(o_bidx, &bidx, "buf_index", 2, "h", 0, 1) < 0 || arr_get(o_flags, &flags, "flags", 1, "B", 0, 1) < 0)
         goto done;
-    Py_ssize_t n = arr_len(&fds);
+    Py_ssize_t n = fd_scalar || arr_len(&fds) == 1 ? arr_len(&lens) : arr_len(&fds);
+    if (!fd_scalar && arr_len(&fds) == 1) {
+        fd_scalar = 1;
+        fd_value = ((const int32_t *)fds.view.buf)[0];
+    }
     if (arr_len(&offs) != n || arr_len(&addrs) != n || arr_len(&lens) != n || (bidx.held && arr_len(&bidx) != n) ||
         (flags.held && arr_len(&flags) != n)) {
         PyErr_Format(PyExc_ValueError, "arrays differ in length (fds has %zd entries)", n);
@@ -697,7 +758,8 @@ static PyObject *Ring_check(RingObject *self, PyObject *args, PyObject *kwds) {
     memset(&a, 0, sizeof a);
     a.opcode = opcode;
     a.n = n;
-    a.fds = fds.view.buf;
+    a.fds = fd_scalar ? NULL : fds.view.buf;
+    a.fd_value = (int32_t)fd_value;
     a.offs = offs.view.buf;
     a.addrs = addrs.view.buf;
     a.lens = lens.view.buf;
@@ -786,6 +848,167 @@ static PyObject *Ring_reap(RingObject *self, PyObject *args) {
 done:
     arr_release(&ud);
     arr_release(&res);
+    return ret;
+}
+
+/* reap_batches(batches: dict) -> (n, touched, odd): reap ready CQEs and complete them in place.
+ *
+ * user_data = (slot << 32) | op index; batches maps slot -> an object with int64 arrays
+ * ``done`` (writable) and ``lens``. An op whose result equals what it still had to move
+ * (lens[i] - done[i]) is finished here: done[i] = lens[i]. Anything else (short, error) is
+ * left untouched and reported in ``odd`` as (batch, index, res) for the engine's policy.
+ * ``touched`` lists (batch, ops finished here) for every batch that got a CQE. CQEs of slots
+ * not in the dict are dropped (their batch is gone). Non-blocking; no system call on the
+ * common path. At most REAP_MAX_BATCHES distinct batches per call (the rest stays queued).
+ */
+#define REAP_MAX_BATCHES 64
+typedef struct {
+    uint64_t slot;
+    PyObject *batch; /* borrowed from the dict, which we do not mutate */
+    Py_buffer done, lens;
+    int ok; /* 0: arrays unusable, every CQE of this batch goes to odd */
+    Py_ssize_t nfull;
+} ReapEntry;
+
+static int reap_entry_init(ReapEntry *e, PyObject *batch, uint64_t slot) {
+    static PyObject *s_done = NULL, *s_lens = NULL;
+    if (!s_done) s_done = PyUnicode_InternFromString("done");
+    if (!s_lens) s_lens = PyUnicode_InternFromString("lens");
+    e->slot = slot;
+    e->batch = batch;
+    e->nfull = 0;
+    e->ok = 0;
+    PyObject *d = PyObject_GetAttr(batch, s_done);
+    PyObject *l = d ? PyObject_GetAttr(batch, s_lens) : NULL;
+    if (!d || !l) {
+        Py_XDECREF(d);
+        PyErr_Clear();
+        return 0;
+    }
+    int got_d = PyObject_GetBuffer(d, &e->done, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) == 0;
+    int got_l = got_d && PyObject_GetBuffer(l, &e->lens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0;
+    Py_DECREF(d);
+    Py_DECREF(l);
+    if (!got_l) {
+        if (got_d) PyBuffer_Release(&e->done);
+        PyErr_Clear();
+        return 0;
+    }
+    if (e->done.itemsize != 8 || e->lens.itemsize != 8 || e->done.len != e->lens.len) {
+        PyBuffer_Release(&e->done);
+        PyBuffer_Release(&e->lens);
+        return 0;
+    }
+    e->ok = 1;
+    return 0;
+}
+
+static PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
+    if (!PyDict_Check(batches)) {
+        PyErr_SetString(PyExc_TypeError, "reap_batches takes a dict slot -> batch");
+        return NULL;
+    }
+    if (ring_acquire(self) < 0) return NULL;
+    ReapEntry ents[REAP_MAX_BATCHES];
+    int nents = 0;
+    PyObject *odd = NULL, *touched = NULL, *ret = NULL;
+    Py_ssize_t n = 0;
+    int last = -1, err = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        unsigned head = *self->cq_head, tail = load_acquire(self->cq_tail), mask = *self->cq_mask;
+        while (head != tail) {
+            const struct umbp_cqe *c = &self->cqes[head & mask];
+            uint64_t u = c->user_data;
+            if (u == CANCEL_USER_DATA) {
+                head++;
+                continue;
+            }
+            uint64_t slot = u >> 32, idx = u & 0xFFFFFFFFULL;
+            int k = -1;
+            if (last >= 0 && ents[last].slot == slot) {
+                k = last;
+            } else {
+                for (int j = 0; j < nents; j++)
+                    if (ents[j].slot == slot) {
+                        k = j;
+                        break;
+                    }
+            }
+            if (k < 0) {
+                PyObject *key = PyLong_FromUnsignedLongLong(slot);
+                if (!key) {
+                    err = 1;
+                    break;
+                }
+                PyObject *b = PyDict_GetItemWithError(batches, key);
+                Py_DECREF(key);
+                if (!b) {
+                    if (PyErr_Occurred()) {
+                        err = 1;
+                        break;
+                    }
+                    head++; /* its batch is gone */
+                    n++;
+                    self->inflight--;
+                    continue;
+                }
+                if (nents == REAP_MAX_BATCHES) break; /* the rest on the next call */
+                k = nents++;
+                reap_entry_init(&ents[k], b, slot);
+            }
+            last = k;
+            ReapEntry *e = &ents[k];
+            int32_t res = c->res;
+            int handled = 0;
+            if (e->ok && idx < (uint64_t)(e->done.len / 8)) {
+                int64_t *done = e->done.buf;
+                const int64_t *lens = e->lens.buf;
+                if (done[idx] >= 0 && (int64_t)res == lens[idx] - done[idx]) {
+                    done[idx] = lens[idx];
+                    e->nfull++;
+                    handled = 1;
+                }
+            }
+            if (!handled) { /* this CQE stays in the ring if it cannot be reported */
+                PyObject *t = NULL;
+                if ((!odd && !(odd = PyList_New(0))) ||
+                    !(t = Py_BuildValue("(OKi)", e->batch, (unsigned long long)idx, (int)res)) || PyList_Append(odd, t) < 0) {
+                    Py_XDECREF(t);
+                    err = 1;
+                    break;
+                }
+                Py_DECREF(t);
+            }
+            head++;
+            n++;
+            self->inflight--;
+        }
+        store_release(self->cq_head, head);
+        if (err) goto fail;
+        if (n || !(load_acquire(self->sq_flags) & UMBP_SQ_CQ_OVERFLOW)) break;
+        Py_BEGIN_ALLOW_THREADS
+        sys_enter(self->ring_fd, 0, 0, UMBP_ENTER_GETEVENTS, NULL, 0);
+        Py_END_ALLOW_THREADS
+    }
+    if (!(touched = PyList_New(nents))) goto fail;
+    for (int j = 0; j < nents; j++) {
+        PyObject *t = Py_BuildValue("(On)", ents[j].batch, ents[j].nfull);
+        if (!t) goto fail;
+        PyList_SET_ITEM(touched, j, t);
+    }
+    ret = Py_BuildValue("(nOO)", n, touched, odd ? odd : Py_None);
+fail:
+    /* A failure mid-way (memory) still consumed the CQEs before it: the ring stays coherent,
+     * and the caller sees the exception. */
+    for (int j = 0; j < nents; j++) {
+        if (ents[j].ok) {
+            PyBuffer_Release(&ents[j].done);
+            PyBuffer_Release(&ents[j].lens);
+        }
+    }
+    Py_XDECREF(touched);
+    Py_XDECREF(odd);
+    ring_release(self);
     return ret;
 }
 
@@ -890,6 +1113,9 @@ static PyObject *Ring_register_buffers(RingObject *self, PyObject *ranges) {
     self->buf_addr = ba;
     self->buf_len = bl;
     self->nbufs = (unsigned)n;
+    self->bufs_sorted = 1;
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (ba[i] < ba[i - 1] + bl[i - 1]) self->bufs_sorted = 0;
     ring_release(self);
     free(iov);
     Py_RETURN_NONE;
@@ -1039,6 +1265,8 @@ static PyMethodDef Ring_methods[] = {
      "check(opcode, fds, offsets, addrs, lengths, buf_index=None, flags=None): submit()'s validation only"},
     {"flush", (PyCFunction)Ring_flush, METH_NOARGS, "submit SQEs left unconsumed; returns those still pending"},
     {"reap", (PyCFunction)Ring_reap, METH_VARARGS, "reap(out_user_data: uint64[], out_res: int32[]) -> n, non-blocking"},
+    {"reap_batches", (PyCFunction)Ring_reap_batches, METH_O,
+     "reap_batches(batches: dict) -> (n, [(batch, finished)], [(batch, index, res)] | None); non-blocking"},
     {"wait", (PyCFunction)(void (*)(void))Ring_wait, METH_VARARGS | METH_KEYWORDS,
      "wait(min_complete=1, timeout_s=None) -> CQEs ready (GIL released)"},
     {"register_buffers", (PyCFunction)Ring_register_buffers, METH_O, "register_buffers([(addr, nbytes), ...])"},

@@ -6,15 +6,31 @@
 Systems (each on plain 4 KiB pages, "4k", and on 2 MiB hugetlb pages, "huge"):
   umbp_uring        UringEngine, ops into plain memory
   umbp_uring_fixed  UringEngine with the whole buffer registered (fixed buffers)
-  umbp_posix        PosixEngine with one worker thread per op in flight
+  umbp_posix        PosixEngine with one worker thread per op in flight (only with --systems)
   preadv_threads    the plain baseline: QD threads, each looping os.preadv/pwritev on its own slot
   fio / fio_huge    fio --ioengine=io_uring --direct=1 (fio_huge: --iomem=shmhuge), same file,
                     block size and iodepth
 
+Memory of each row. "4k": ours is one anonymous private mmap (4 KiB pages, THP not requested;
+the machine's THP mode is madvise), faulted in once, sequentially, before the first cell; fio's
+is its default --iomem=malloc, which glibc serves from an anonymous private mmap of QD x bs, a
+fresh one per fio run, faulted in by the first O_DIRECT ops. Same route, same page size: what
+differs is the physical contiguity the page allocator happens to hand out, and for >= 1 MiB ops
+that, not the engine, sets the throughput (a request takes at most 254 segments here). The
+``phys_segs`` column gives the mean physically contiguous runs per op buffer for every row (fio:
+sampled from its buffer in every run; see phys_runs). Compare 4k rows only with that column in
+view. "huge": ours is MAP_HUGETLB 2 MiB pages, fio_huge is --iomem=shmhuge (SysV shm on 2 MiB
+hugetlb pages): one segment per op up to 2 MiB.
+
+Durations: --duration per measurement (0.5 s), --large-duration (1.0 s) for >= 1 MiB at QD > 1,
+where the disk's throughput wanders most; 3 rounds.
+
 How queue depth is driven. fio keeps exactly QD ops in flight, refilling one per completion. A
-batch engine's natural unit is a batch, so each engine run keeps ``--tasks`` (default 4, at most
-QD) asyncio tasks, each submitting a batch of QD/tasks ops and resubmitting as soon as it
-completes. In flight is then between QD*(tasks-1)/tasks and QD (QD when all batches are out),
+batch engine's natural unit is a batch (the store submits one batch per SGLang call), so each
+engine run keeps ``--tasks`` (default 4, at most QD) asyncio tasks, each submitting a batch of
+QD/tasks ops and resubmitting as soon as it completes. (Measured at 1 MiB QD32: 32 tasks of one
+op, i.e. fio's exact refill, moved the same GB/s within noise but cost 10-20 us more CPU per op,
+the per-batch asyncio round trip; 4 tasks it is.) In flight is then between QD*(tasks-1)/tasks and QD (QD when all batches are out),
 close to fio's steady QD while keeping the per-batch Python cost amortised the way the store
 uses the engine (one batch per call). At QD 1 it is one task with batches of one op, exactly
 fio's QD 1. preadv_threads and umbp_posix run QD threads, so "equal threads" holds as well.
@@ -40,6 +56,7 @@ import ctypes
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +80,8 @@ from umbp_nvme.engine import open_data_file, open_engine  # noqa: E402
 
 BENCH = "engine"
 ALL_SYSTEMS = ("umbp_uring", "umbp_uring_fixed", "umbp_posix", "preadv_threads", "fio", "fio_huge")
+# umbp_posix (the fallback engine) only on request: it keeps the full run under ~8 minutes.
+DEFAULT_SYSTEMS = ("umbp_uring", "umbp_uring_fixed", "preadv_threads", "fio", "fio_huge")
 OUR_SYSTEMS = ALL_SYSTEMS[:4]
 OFFSETS_PER_SLOT = 256  # precomputed random offsets per in-flight slot, cycled
 
@@ -74,10 +93,21 @@ def parse_args(argv):
     p.add_argument("--sizes", default=None, help="object sizes (default 4k,64k,1m,4m; --quick 4k,1m)")
     p.add_argument("--qd", default=None, help="queue depths (default 1,32,128; --quick 32)")
     p.add_argument("--ops", default="read,write", help="read,write")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="subset of " + ",".join(ALL_SYSTEMS))
+    p.add_argument(
+        "--systems", default=",".join(DEFAULT_SYSTEMS),
+        help=f"subset of {','.join(ALL_SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})",
+    )  # fmt: skip
     p.add_argument("--buffers", default="4k,huge", help="memory kinds for our systems: 4k,huge")
     p.add_argument("--runs", type=int, default=None, help="rounds per configuration (default 3; --quick 2)")
-    p.add_argument("--duration", type=float, default=None, help="seconds per measurement (default 0.5; --quick 0.2)")
+    p.add_argument(
+        "--duration", type=float, default=None,
+        help="seconds per measurement below 1 MiB objects (default 0.5; --quick 0.2)",
+    )  # fmt: skip
+    p.add_argument(
+        "--large-duration", type=float, default=None,
+        help="seconds per measurement for >= 1 MiB objects at QD > 1 (default 1.0; --quick 0.4): "
+        "the disk's throughput wanders, so short windows make the medians noise",
+    )  # fmt: skip
     p.add_argument("--tasks", type=int, default=4, help="concurrent batches per engine run (QD split among them)")
     p.add_argument("--quick", action="store_true", help="small matrix, finishes in under a minute")
     p.add_argument("--json", help="write the rows as JSON here")
@@ -93,6 +123,7 @@ def parse_args(argv):
     a.buffers = [b for b in a.buffers.split(",") if b]
     a.runs = a.runs or (2 if q else 3)
     a.duration = a.duration or (0.2 if q else 0.5)
+    a.large_duration = a.large_duration or (0.4 if q else 1.0)
     for s in a.systems:
         if s not in ALL_SYSTEMS:
             p.error(f"unknown system {s!r}; expected some of {', '.join(ALL_SYSTEMS)}")
@@ -180,6 +211,86 @@ class HugePages:
             except OSError:
                 pass
             self.saved = None
+
+
+# -- physical layout of op buffers --------------------------------------------------------------
+#
+# A large O_DIRECT op becomes one scatter-gather segment per physically contiguous run of its
+# buffer; this disk takes at most /sys/block/<dev>/queue/max_segments (254 here) per request, so a
+# 1 MiB op on 256 scattered 4 KiB pages is split in two and a 4 MiB op in five or more, while the
+# same op on 2 MiB hugetlb pages is one request. Plain anonymous memory (ours via mmap, fio's via
+# malloc -> glibc mmap; THP is "madvise" and neither side madvises) gets whatever the page
+# allocator hands out on first touch: sometimes pairs of contiguous pages (~128 runs per MiB),
+# sometimes none (256), now and then long runs. Every row therefore reports ``phys_segs``: the
+# mean number of physically contiguous runs per op buffer, read from /proc/PID/pagemap (root only;
+# absent otherwise). For fio it is sampled from the running job's buffer in every run.
+
+
+def phys_runs(pid, addr: int, nbytes: int, chunk: int) -> float | None:
+    """Mean physically contiguous runs per ``chunk`` bytes of [addr, addr+nbytes); None if unknown."""
+    try:
+        with open(f"/proc/{pid}/pagemap", "rb") as f:
+            f.seek((addr // 4096) * 8)
+            raw = f.read((nbytes // 4096) * 8)
+    except OSError:
+        return None
+    ent = np.frombuffer(raw, dtype=np.uint64)
+    present = (ent >> np.uint64(63)) & np.uint64(1)
+    pfn = (ent & np.uint64((1 << 55) - 1)).astype(np.int64)
+    if not len(pfn) or not present.all() or not pfn.any():  # not root: PFNs read as 0
+        return None
+    per = max(1, chunk // 4096)
+    runs = [1 + int((np.diff(pfn[c : c + per]) != 1).sum()) for c in range(0, len(pfn) - per + 1, per)]
+    return float(np.mean(runs)) if runs else None
+
+
+def _fio_buffer_runs(fio_pid: int, nbytes: int, chunk: int) -> float | None:
+    """phys_runs of the fio job's I/O buffer (the job is a child process of fio)."""
+    kids = []
+    try:
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == fio_pid:
+                            kids.append(int(d))
+                except (OSError, ValueError, IndexError):
+                    pass
+    except OSError:
+        return None
+    if nbytes < (1 << 20):
+        return None  # small buffers live in the heap among other data: not identifiable
+    for pid in kids + [fio_pid]:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.readlines()
+        except OSError:
+            continue
+        cands = []
+        for line in maps:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if hi - lo < nbytes or len(parts) > 5 and not parts[5].startswith("/SYSV"):
+                continue  # file mappings other than fio's shm segments
+            cands.append((hi - lo, lo, hi))
+        for _, lo, hi in sorted(cands):  # the smallest mapping that holds QD x bs: the buffer
+            start = _first_present(pid, lo, hi)
+            if start is not None and start + nbytes <= hi:
+                r = phys_runs(pid, start, nbytes, chunk)
+                if r is not None:
+                    return r
+    return None
+
+
+def _first_present(pid: int, lo: int, hi: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/pagemap", "rb") as f:
+            f.seek((lo // 4096) * 8)
+            ent = np.frombuffer(f.read(((hi - lo) // 4096) * 8), dtype=np.uint64)
+    except OSError:
+        return None
+    idx = np.flatnonzero((ent >> np.uint64(63)) & np.uint64(1))
+    return None if not len(idx) else lo + int(idx[0]) * 4096
 
 
 # -- systems -----------------------------------------------------------------------------------
@@ -286,11 +397,26 @@ def run_fio(path: str, file_size: int, op: str, size: int, qd: int, huge: bool, 
     ]
     if huge:
         cmd += ["--iomem=shmhuge", "--hugepage-size=2m"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.duration * 10 + 60)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = None
+    if os.geteuid() == 0 and size > 4096 and qd * size >= (1 << 20):
+        time.sleep(0.3 + cfg.duration / 2)  # fio's setup, then its buffer is faulted in
+        for _ in range(5):
+            runs = _fio_buffer_runs(proc.pid, qd * size, size)
+            if runs is not None or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+    try:
+        out, err = proc.communicate(timeout=cfg.duration * 10 + 60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
     if proc.returncode != 0:
-        msg = (proc.stderr or proc.stdout).strip().splitlines()
+        msg = (err or out).strip().splitlines()
         raise Skip(f"fio exited {proc.returncode}: {msg[-1] if msg else ''}")
-    text = proc.stdout
+    if runs is not None:
+        cfg.fio_runs.append(runs)
+    text = out
     job = json.loads(text[text.index("{") :])["jobs"][0]  # fio may print warnings before the JSON
     side = job["read" if op == "read" else "write"]
     ops = int(side["total_ios"])
@@ -385,7 +511,15 @@ async def open_engines(cfg, systems, mem: Memory, engines: dict, notes: list[str
         engines["umbp_posix"] = await open_engine("posix", queue_depth=max(cfg.qd), workers=max(cfg.qd))
 
 
+def cell_duration(cfg, size: int, qd: int) -> float:
+    return cfg.large_duration if size >= (1 << 20) and qd > 1 else cfg.duration
+
+
 async def bench_cell(cfg, systems, mem, engines, data, path, op, size, qd, slots, notes) -> list[dict]:
+    cfg = argparse.Namespace(**vars(cfg))
+    cfg.duration = cell_duration(cfg, size, qd)
+    fio_segs: dict[str, list[float]] = {"fio": [], "fio_huge": []}
+    our_segs = {kind: phys_runs("self", buf.address, qd * size, size) for kind, buf in mem.bufs.items()}
     variants = []  # (label, system, buffers, thunk returning an awaitable or a Sample)
     for system in systems:
         if system in ("fio", "fio_huge"):
@@ -412,6 +546,7 @@ async def bench_cell(cfg, systems, mem, engines, data, path, op, size, qd, slots
             if label in dropped:
                 continue
             try:
+                cfg.fio_runs = fio_segs.get(label, [])
                 out = fn()
                 if asyncio.iscoroutine(out):
                     out = await out
@@ -429,8 +564,15 @@ async def bench_cell(cfg, systems, mem, engines, data, path, op, size, qd, slots
             vs = paired_ratio(samples[label], samples[base])
         pre = samples.get(f"preadv_threads/{kind}")
         vs_pre = paired_ratio(samples[label], pre) if pre and system != "preadv_threads" else None
+        segs = fio_segs[system] if system.startswith("fio") else ([our_segs[kind]] if our_segs.get(kind) else [])
+        seg_fields = {}
+        if segs:
+            seg_fields = {"phys_segs": statistics.median(segs), "phys_segs_min": min(segs), "phys_segs_max": max(segs)}
         rows.append(
-            make_row(BENCH, system, op, size, qd, samples[label], buffers=kind, vs_fio=vs, vs_preadv_threads=vs_pre)
+            make_row(
+                BENCH, system, op, size, qd, samples[label], buffers=kind, vs_fio=vs, vs_preadv_threads=vs_pre,
+                duration_s=cfg.duration, **seg_fields,
+            )
         )
     return rows
 
@@ -440,10 +582,11 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     rows, notes = asyncio.run(bench(cfg))
     print(
-        f"engine benchmark: {len(rows)} rows, {cfg.runs} alternating runs x {cfg.duration:g} s, "
+        f"engine benchmark: {len(rows)} rows, {cfg.runs} alternating runs x {cfg.duration:g} s "
+        f"({cfg.large_duration:g} s for >= 1 MiB at QD > 1), load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
         f"file {cfg.file_size >> 20} MiB, {time.perf_counter() - started:.0f} s total"
     )
-    print_table(rows, ratio_keys=("vs_fio", "vs_preadv_threads"))
+    print_table(rows, ratio_keys=("vs_fio", "vs_preadv_threads", "phys_segs"))
     for note in notes:
         print("note:", note)
     if cfg.json:

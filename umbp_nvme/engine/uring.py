@@ -7,7 +7,15 @@ that, so it can never overflow); the rest of a large batch waits in a Python que
 submitted as completions free slots.
 
 ``user_data`` = (batch slot << 32) | op index, so results scatter straight into the batch's
-arrays.
+arrays: ``ring.reap_batches`` finishes every op that moved all its bytes in C (``done[i] =
+lens[i]``) and hands back only the odd ones (short, errors) and per-batch counts, so a reap costs
+a few Python operations per batch, none per op.
+
+Hot path cost (per batch, not per op): when the caller's arrays already have the contract's
+dtypes (fd int or int32[], int64, uint64, int64) they go to ``ring.submit`` as they are (no
+conversion, no copy; the C side validates them, computes user_data from the slot and looks up
+the registered buffer of each op); anything else, or a batch the C check refuses, takes the
+general path through ``IoBatch.of`` (conversions, zero-length ops, exact error messages).
 
 Memory safety: the kernel writes into caller memory until an op's CQE is posted. A batch's
 await therefore returns only once none of its ops is in flight: a cancelled await stops the
@@ -51,6 +59,7 @@ DRAIN_TIMEOUT_S = 30.0  # a cancelled await waits this long for its running ops
 _SLOT_SHIFT = 32
 _IDX_MASK = (1 << _SLOT_SHIFT) - 1
 _U64 = np.uint64
+_REAP_MAX_BATCHES = 64  # native reap_batches handles at most this many batches per call
 
 
 def _load_native():
@@ -65,17 +74,15 @@ def _load_native():
 
 class _Batch:
     __slots__ = (
-        "op", "n", "fds", "offs", "addrs", "lens", "ud", "done", "next", "left", "fut", "slot",
+        "op", "n", "fds", "offs", "addrs", "lens", "done", "next", "left", "fut", "slot",
         "idx_map", "n_total", "abandoned", "drained", "retries",
     )  # fmt: skip
 
-    def __init__(self, op, slot, fds, offs, addrs, lens, fut, idx_map, n_total):
+    def __init__(self, op, slot, fds, offs, addrs, lens, fut, idx_map, n_total, n=None):
         self.op = op
         self.slot = slot
-        self.fds, self.offs, self.addrs, self.lens = fds, offs, addrs, lens
-        self.n = len(lens)
-        self.ud = np.arange(self.n, dtype=_U64)
-        self.ud |= _U64(slot << _SLOT_SHIFT)
+        self.fds, self.offs, self.addrs, self.lens = fds, offs, addrs, lens  # fds: int or int32[]
+        self.n = len(lens) if n is None else n
         self.done = np.zeros(self.n, dtype=RESULT_DTYPE)  # bytes so far, or -errno once failed
         self.next = 0  # first op not yet submitted
         self.left = self.n  # ops without a final result
@@ -93,6 +100,14 @@ class _Batch:
         out[self.idx_map] = self.done
         return out
 
+    def fd(self, i: int) -> int:
+        f = self.fds
+        return f if type(f) is int else int(f[0] if len(f) == 1 else f[i])
+
+    def fds_slice(self, s: int, e: int):
+        f = self.fds
+        return f if type(f) is int or len(f) == 1 else f[s:e]
+
 
 class UringEngine:
     """IoEngine over io_uring. Create with ``await UringEngine.open(queue_depth)``."""
@@ -108,14 +123,13 @@ class UringEngine:
         self._next_slot = 0
         self._queue: deque[_Batch] = deque()  # batches with ops not yet submitted, in order
         self._retry: deque[tuple[_Batch, int]] = deque()  # remainders of short ops, EAGAIN
-        self._out_ud = np.empty(ring.cq_entries, dtype=_U64)
-        self._out_res = np.empty(ring.cq_entries, dtype=np.int32)
         self._efd = ring.eventfd
         self._flush_handle = None
         self._closed = False
         self._reg_starts = None  # sorted registered ranges, for READ_FIXED/WRITE_FIXED
         self._reg_ends = None
         self._reg_ranges: list[tuple[int, int]] = []
+        self._fixed_on = False
         self._reg_warned = False
         self.capabilities = Capabilities(
             name="io_uring", native_async=True, fixed_buffers=False, thread_safe=False, queue_depth=self._depth
@@ -219,15 +233,53 @@ class UringEngine:
         if self._closed:
             raise EngineClosed("io_uring engine is closed")
 
-    def _new_batch(self, op, fds, offs, addrs, lens, idx_map, n_total) -> _Batch:
+    def _new_slot(self) -> int:
         slot = self._next_slot
-        while slot in self._batches:
+        batches = self._batches
+        while slot in batches:
             slot = (slot + 1) & 0x7FFFFFFF
         self._next_slot = (slot + 1) & 0x7FFFFFFF
-        b = _Batch(op, slot, fds, offs, addrs, lens, self._loop.create_future(), idx_map, n_total)
-        return b
+        return slot
+
+    def _new_batch(self, op, fds, offs, addrs, lens, idx_map, n_total) -> _Batch:
+        return _Batch(op, self._new_slot(), fds, offs, addrs, lens, self._loop.create_future(), idx_map, n_total)
 
     async def _run(self, op, fds, offsets, addrs, lengths) -> np.ndarray:
+        if self._closed:
+            raise EngineClosed("io_uring engine is closed")
+        # Fast path: the whole batch fits in the ring now and the arrays already have the right
+        # dtypes: hand them to C as they are. C validates everything before writing any SQE, so
+        # a TypeError/ValueError means nothing was queued and the general path takes over.
+        ring = self._ring
+        try:
+            n = len(lengths)
+        except TypeError:
+            n = 0
+        if 0 < n <= self._depth - ring.inflight and not self._queue and not self._retry:
+            slot = self._new_slot()
+            try:
+                q = ring.submit(
+                    op, fds, offsets, addrs, lengths, None, None, None, self._async_min, True,
+                    slot << _SLOT_SHIFT, self._fixed_on,
+                )  # fmt: skip
+            except (TypeError, ValueError):
+                q = -1
+            if q >= 0:
+                b = _Batch(op, slot, fds, offsets, addrs, lengths, self._loop.create_future(), None, n, n)
+                self._batches[slot] = b
+                b.next = q
+                if q < n:  # SQ full of unconsumed SQEs: the rest waits for the pump
+                    self._queue.append(b)
+                if ring.sq_pending:
+                    self._schedule_flush()
+                try:
+                    return await b.fut
+                except asyncio.CancelledError:
+                    await self._drain_after_cancel(b)
+                    raise
+        return await self._run_general(op, fds, offsets, addrs, lengths)
+
+    async def _run_general(self, op, fds, offsets, addrs, lengths) -> np.ndarray:
         self._check_open()
         batch = IoBatch.of(fds, offsets, addrs, lengths)
         n = len(batch)
@@ -257,8 +309,9 @@ class UringEngine:
         self._batches[b.slot] = b
         try:
             q = self._ring.submit(
-                b.op, b.fds, b.offs, b.addrs, b.lens, self._fixed_index(b.addrs, b.lens), b.ud, None, self._async_min
-            )
+                b.op, b.fds, b.offs, b.addrs, b.lens, None, None, None, self._async_min, True,
+                b.slot << _SLOT_SHIFT, self._fixed_on,
+            )  # fmt: skip
         except BaseException:
             del self._batches[b.slot]
             raise
@@ -327,6 +380,8 @@ class UringEngine:
 
     def _pump(self) -> None:
         """Submit retries and queued ops while in-flight slots are free; one enter at the end."""
+        if not self._queue and not self._retry:
+            return
         ring = self._ring
         free = self._depth - ring.inflight
         if free <= 0 or self._closed:
@@ -348,8 +403,8 @@ class UringEngine:
         for j, (b, s, e) in enumerate(chunks):
             try:
                 q = ring.submit(
-                    b.op, b.fds[s:e], b.offs[s:e], b.addrs[s:e], b.lens[s:e],
-                    self._fixed_index(b.addrs[s:e], b.lens[s:e]), b.ud[s:e], None, self._async_min, j == last,
+                    b.op, b.fds_slice(s, e), b.offs[s:e], b.addrs[s:e], b.lens[s:e], None, None, None,
+                    self._async_min, j == last, (b.slot << _SLOT_SHIFT) + s, self._fixed_on,
                 )  # fmt: skip
             except (ValueError, OSError) as exc:
                 # Validated when queued; only a changed fd (closed, reopened O_DIRECT) gets here.
@@ -381,8 +436,9 @@ class UringEngine:
         ln = np.array([b.lens[i] - d], dtype=np.int64)
         try:
             self._ring.submit(
-                b.op, b.fds[i : i + 1], off, addr, ln, self._fixed_index(addr, ln), b.ud[i : i + 1], None, self._async_min
-            )
+                b.op, b.fd(i), off, addr, ln, None, None, None, self._async_min, True,
+                (b.slot << _SLOT_SHIFT) + i, self._fixed_on,
+            )  # fmt: skip
         except (ValueError, OSError) as exc:
             self._final(b, i, d if d else -(getattr(exc, "errno", None) or errno.EINVAL))
 
@@ -411,63 +467,26 @@ class UringEngine:
             pass
         if self._closed:
             return
-        ring, out_ud, out_res, batches = self._ring, self._out_ud, self._out_res, self._batches
-        while True:
-            n = ring.reap(out_ud, out_res)
-            if n == 0:
-                break
-            if n <= 4:
-                # A few CQEs: plain Python beats the fixed cost of numpy calls.
-                for u, r in zip(out_ud[:n].tolist(), out_res[:n].tolist()):
-                    b = batches.get(u >> _SLOT_SHIFT)
-                    if b is not None:
-                        self._complete_one(b, u & _IDX_MASK, r)
-            else:
-                ud = out_ud[:n]
-                res = out_res[:n].astype(RESULT_DTYPE)
-                slots = ud >> _U64(_SLOT_SHIFT)
-                s0 = int(slots[0])
-                if (slots == slots[0]).all():
-                    b = batches.get(s0)
-                    if b is not None:
-                        self._complete_many(b, (ud & _U64(_IDX_MASK)).astype(np.intp), res)
-                else:
-                    for s in np.unique(slots).tolist():
-                        m = slots == s
-                        b = batches.get(s)
-                        if b is not None:
-                            self._complete_many(b, (ud[m] & _U64(_IDX_MASK)).astype(np.intp), res[m])
-            if n < len(out_ud):
-                break
+        self._reap()
         self._pump()
 
-    def _complete_many(self, b: _Batch, idx: np.ndarray, res: np.ndarray) -> None:
-        done = b.done
-        want = b.lens[idx] - done[idx]
-        full = res == want
-        if full.all():
-            done[idx] = b.lens[idx]
-            b.left -= len(idx)
-        else:
-            ok = idx[full]
-            done[ok] = b.lens[ok]
-            b.left -= len(ok)
-            for i, r in zip(idx[~full].tolist(), res[~full].tolist()):
-                self._odd_completion(b, i, r)
-        if b.left == 0:
-            self._finish(b)
-
-    def _complete_one(self, b: _Batch, i: int, r: int) -> None:
-        ln = int(b.lens[i])
-        if r == ln - b.done[i]:
-            b.done[i] = ln
-            b.left -= 1
-            if b.left == 0:
-                self._finish(b)
-        else:
-            self._odd_completion(b, i, r)
-            if b.left == 0:
-                self._finish(b)
+    def _reap(self) -> None:
+        """Complete every ready CQE: full transfers in C, the odd ones through _odd_completion."""
+        reap, batches = self._ring.reap_batches, self._batches
+        while True:
+            n, touched, odd = reap(batches)
+            if n == 0:
+                return
+            for b, k in touched:
+                b.left -= k
+            if odd is not None:
+                for b, i, r in odd:
+                    self._odd_completion(b, i, r)
+            for b, _ in touched:
+                if b.left == 0:
+                    self._finish(b)
+            if len(touched) < _REAP_MAX_BATCHES:
+                return
 
     def _odd_completion(self, b: _Batch, i: int, r: int) -> None:
         """Short transfer, EOF, or an error: resubmit, or record the final result."""
@@ -498,7 +517,7 @@ class UringEngine:
     def _may_continue(self, b: _Batch, i: int, done: int) -> bool:
         """A remainder that starts unaligned on an O_DIRECT file would be refused: stop there."""
         try:
-            direct = fcntl.fcntl(int(b.fds[i]), fcntl.F_GETFL) & os.O_DIRECT
+            direct = fcntl.fcntl(b.fd(i), fcntl.F_GETFL) & os.O_DIRECT
         except OSError:
             return False
         return not direct or (done % 512 == 0 and (int(b.addrs[i]) + done) % 512 == 0)
@@ -511,6 +530,7 @@ class UringEngine:
 
     def _set_registered(self, ranges, pieces) -> None:
         self._reg_ranges = list(ranges)
+        self._fixed_on = bool(pieces)  # submit(auto_fixed=...): C finds each op's registered buffer
         if pieces:
             self._reg_starts = np.array([a for a, _ in pieces], dtype=ADDR_DTYPE)
             self._reg_ends = np.array([a + n for a, n in pieces], dtype=ADDR_DTYPE)
