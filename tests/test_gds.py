@@ -376,6 +376,63 @@ async def test_gate_stages_when_configured_and_cuda_copies_work(monkeypatch):
         gate.close()
 
 
+async def test_gate_allocates_its_staging_buffer_only_when_used(monkeypatch, data_file):
+    from umbp_nvme.engine.posix import PosixEngine
+
+    monkeypatch.setattr(gds, "gds_available", lambda: (False, "kvikio is not importable"))
+    monkeypatch.setattr(gds, "_device_ops", HostDeviceOps())
+    made = []
+    real = gds.StagingBuffer
+    monkeypatch.setattr(gds, "StagingBuffer", lambda n, **kw: made.append(n) or real(n, **kw))
+    gate = gds.GdsGate(staging=True, staging_bytes=1 << 20)
+    host = PosixEngine(4)
+    try:
+        for _ in range(3):
+            assert await gate.route() == "staging"
+        assert made == []  # deciding the route pins nothing
+        fd, payload, _ = data_file
+        dst = np.zeros(PAGE, np.uint8)
+        assert (await gds.staged_read(host, fd, [0], [addr(dst)], [PAGE], gate.staging)).tolist() == [PAGE]
+        assert dst.tobytes() == payload[:PAGE]
+        assert gate.staging is gate.staging and made == [1 << 20]  # allocated once, on first use
+    finally:
+        gate.close()
+        host.close()
+    assert gate._staging is None
+    gate.close()  # idempotent, allocates nothing
+    assert made == [1 << 20]
+
+
+async def test_gate_in_gds_mode_has_no_staging_buffer(fake_cuda, tmp_path):
+    gate = gds.GdsGate(queue_depth=8, probe_dir=str(tmp_path), staging=True)
+    try:
+        assert await gate.route() == "gds" and gate.staging is None
+    finally:
+        gate.close()
+
+
+async def test_store_staging_route_never_allocates_the_gate_buffer(monkeypatch, store_dir):
+    from conftest import payload as make_payload
+    from conftest import small_config
+    from umbp_nvme.store import PageStore
+
+    async def unavailable(queue_depth, probe_dir=None):
+        raise gds.gds_unavailable_error("no GPU in this test")
+
+    monkeypatch.setattr(gds, "_device_ops", HostDeviceOps())
+    st = await PageStore.open(store_dir, small_config())
+    gate = st._gds_gate = gds.GdsGate(queue_depth=8, opener=unavailable, staging=True)
+    try:
+        src = make_payload("k", 5000)
+        assert await st.put_many(["k"], [gds.CudaPointer(addr(src), src.nbytes)]) == [True]
+        out = np.zeros_like(src)
+        assert await st.get_many(["k"], [gds.CudaPointer(addr(out), out.nbytes)]) == [True]
+        assert out.tobytes() == src.tobytes()
+        assert gate.mode == "staging" and gate._staging is None  # the store uses its own bounce buffers
+    finally:
+        await st.close()
+
+
 async def test_gate_staging_without_cuda_is_refused(monkeypatch):
     monkeypatch.setattr(gds, "gds_available", lambda: (False, "no driver"))
     gate = gds.GdsGate(staging=True)
@@ -681,6 +738,107 @@ async def test_staged_op_larger_than_staging_is_enobufs(monkeypatch, data_file):
     finally:
         staging.close()
         host.close()
+
+
+class DirectOnlyEngine:
+    """A host engine with O_DIRECT's rule: a misaligned offset, length or address is -EINVAL."""
+
+    def __init__(self):
+        from umbp_nvme.engine.posix import PosixEngine
+
+        self._posix = PosixEngine(4)
+        self.lengths_seen: list[int] = []
+
+    async def _direct(self, fn, fds, offsets, addrs, lengths):
+        from umbp_nvme.engine.base import IoBatch
+
+        b = IoBatch.of(fds, offsets, addrs, lengths)
+        self.lengths_seen += b.lengths.tolist()
+        bad = (b.offsets % PAGE != 0) | (b.lengths % PAGE != 0) | (b.addrs % PAGE != 0)
+        res = np.full(len(b), -errno.EINVAL, np.int64)
+        good = np.flatnonzero(~bad)
+        if len(good):
+            res[good] = await fn(b.fds[good], b.offsets[good], b.addrs[good], b.lengths[good])
+        return res
+
+    async def read_many(self, *args):
+        return await self._direct(self._posix.read_many, *args)
+
+    async def write_many(self, *args):
+        return await self._direct(self._posix.write_many, *args)
+
+    def close(self):
+        self._posix.close()
+
+
+@pytest.fixture
+def direct_host(monkeypatch):
+    monkeypatch.setattr(gds, "_device_ops", HostDeviceOps())
+    host = DirectOnlyEngine()
+    staging = gds.StagingBuffer(4 * PAGE)
+    yield host, staging
+    staging.close()
+    host.close()
+
+
+async def test_staged_unaligned_objects_round_trip_on_o_direct_files(direct_host, data_file):
+    host, staging = direct_host
+    fd, payload, path = data_file
+    lens = [100, PAGE + 1, 3 * PAGE - 5, PAGE]  # slots: 1, 2, 3 and 1 pages
+    offs = [0, 2 * PAGE, 6 * PAGE, 10 * PAGE]
+    src = [np.random.default_rng(20 + i).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(lens)]
+    res, wcrc = await gds.staged_write(host, fd, offs, [addr(a) for a in src], lens, staging, with_crc=True)
+    assert res.tolist() == lens  # clipped to the object, not the padded block count
+    assert set(n % PAGE for n in host.lengths_seen) == {0}
+    assert wcrc.tolist() == [gds._py_crc32c(addr(a), a.nbytes) for a in src]
+    disk = path.read_bytes()
+    for o, a in zip(offs, src):
+        end = o + a.nbytes
+        assert disk[o:end] == a.tobytes()
+        assert disk[end : gds._round_up(end)] == bytes(gds._round_up(end) - end)  # zeroed padding
+    for o in (PAGE, 5 * PAGE, 9 * PAGE, 11 * PAGE):  # the neighbours' pages are untouched
+        assert disk[o : o + PAGE] == payload[o : o + PAGE]
+    dst = [np.full(n + 64, 0xEE, np.uint8) for n in lens]  # a guard after each destination
+    res, rcrc = await gds.staged_read(host, fd, offs, [addr(d) for d in dst], lens, staging, with_crc=True)
+    assert res.tolist() == lens and rcrc.tolist() == wcrc.tolist()
+    for d, a in zip(dst, src):
+        assert d[: a.nbytes].tobytes() == a.tobytes()
+        assert (d[a.nbytes :] == 0xEE).all()  # only `lengths` bytes reach the device
+
+
+async def test_staged_write_padding_never_carries_stale_staging_bytes(direct_host, data_file):
+    host, staging = direct_host
+    fd, payload, path = data_file
+    ctypes.memset(staging.address, 0xAA, staging.nbytes)  # what an earlier, larger op leaves behind
+    src = np.arange(100, dtype=np.uint8)
+    assert (await gds.staged_write(host, fd, [PAGE], [addr(src)], [100], staging)).tolist() == [100]
+    disk = path.read_bytes()
+    assert disk[PAGE : PAGE + 100] == src.tobytes()
+    assert disk[PAGE + 100 : 2 * PAGE] == bytes(PAGE - 100)
+    assert disk[2 * PAGE :] == payload[2 * PAGE :] and disk[:PAGE] == payload[:PAGE]
+
+
+async def test_staged_read_of_an_unaligned_tail_at_eof_is_clipped(direct_host, tmp_path):
+    host, staging = direct_host
+    path = tmp_path / "tail"
+    data = np.random.default_rng(9).integers(0, 256, PAGE + 300, dtype=np.uint8)
+    path.write_bytes(data.tobytes())  # the file ends inside the object's last block
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dst = np.full(PAGE + 300, 0xEE, np.uint8)
+        res = await gds.staged_read(host, fd, [0, PAGE], [addr(dst), addr(dst) + PAGE], [PAGE, 300 + 50], staging)
+        assert res.tolist() == [PAGE, 300]  # short at EOF, as the protocol says
+        assert dst.tobytes() == data.tobytes()
+    finally:
+        os.close(fd)
+
+
+async def test_staged_op_whose_padded_length_exceeds_staging_is_enobufs(direct_host, data_file):
+    host, staging = direct_host
+    fd, payload, _ = data_file
+    big, small = np.zeros(4 * PAGE + 1, np.uint8), np.zeros(10, np.uint8)
+    res = await gds.staged_read(host, fd, [0, 0], [addr(big), addr(small)], [4 * PAGE + 1, 10], staging)
+    assert res.tolist() == [-errno.ENOBUFS, 10] and small.tobytes() == payload[:10]
 
 
 async def test_device_crc32c_many_matches_host_crc(monkeypatch):

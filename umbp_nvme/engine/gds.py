@@ -17,9 +17,10 @@ Pieces, in the order a caller meets them:
   ``GDS_UNAVAILABLE`` otherwise. ``GdsGate`` wraps that for the store: opened on the first CUDA
   buffer, the failure cached and logged once.
 * ``KvikioEngine``: the IoEngine protocol over ``kvikio.CuFile.pread/pwrite`` futures.
-* ``StagingBuffer`` + ``staged_read/staged_write``: the ``gds_staging=True`` path (io_uring into
-  pinned host memory, then a device copy), and ``device_crc32c_many`` (CRC32C of device ranges via a
-  pinned host copy; see docs/gpu.md for why the CRC is computed on the host).
+* ``StagingBuffer`` + ``staged_read/staged_write``: staging for callers outside the store (io_uring
+  into pinned host memory, then a device copy; lengths padded to whole blocks for O_DIRECT), and
+  ``device_crc32c_many`` (CRC32C of device ranges via a pinned host copy; see docs/gpu.md for why
+  the CRC is computed on the host).
 
 fd -> CuFile. kvikio opens files by path (it keeps two descriptors, one with O_DIRECT for cuFile),
 never by fd. The engine opens ``/proc/self/fd/<fd>`` -- the magic link reaches the very inode the
@@ -257,49 +258,37 @@ def gds_unavailable_error(reason: str) -> EngineUnavailable:
 # kvikio settings across versions (24.x: compat_mode()/*_reset(); 25.x+: defaults.get/set)
 
 
-def kvikio_get(kv, name: str):
-    d = getattr(kv, "defaults", None)
-    if d is None:
-        return None
-    getter = getattr(d, "get", None)
-    if callable(getter):
-        try:
-            return getter(name)
-        except Exception:
-            pass
-    legacy = {"compat_mode": ("compat_mode",), "num_threads": ("get_num_threads", "num_threads"),
-              "gds_threshold": ("gds_threshold",), "task_size": ("task_size",)}
-    for attr in legacy.get(name, ()):
-        fn = getattr(d, attr, None)
+# name -> (24.x getters, in preference order; 24.x setter)
+_LEGACY = {"compat_mode": (("compat_mode",), "compat_mode_reset"),
+           "num_threads": (("get_num_threads", "num_threads"), "num_threads_reset"),
+           "gds_threshold": (("gds_threshold",), "gds_threshold_reset"),
+           "task_size": (("task_size",), "task_size_reset")}
+
+
+def _try_call(obj, attrs, *args) -> tuple[bool, object]:
+    """(True, result) of the first callable among obj's attrs; (False, None) if none is or it raised."""
+    for attr in attrs:
+        fn = getattr(obj, attr, None)
         if callable(fn):
             try:
-                return fn()
+                return True, fn(*args)
             except Exception:
-                return None
-    return None
+                return False, None
+    return False, None
+
+
+def kvikio_get(kv, name: str):
+    d = getattr(kv, "defaults", None)
+    ok, value = _try_call(d, ("get",), name)
+    return value if ok else _try_call(d, _LEGACY.get(name, ((), ""))[0])[1]
 
 
 def kvikio_set(kv, name: str, value) -> bool:
     d = getattr(kv, "defaults", None)
-    if d is None:
-        return False
-    setter = getattr(d, "set", None)
-    if callable(setter) and callable(getattr(d, "get", None)):
-        try:
-            setter(name, value)  # applies at once; the returned context manager is only for `with`
-            return True
-        except Exception:
-            pass
-    legacy = {"compat_mode": "compat_mode_reset", "num_threads": "num_threads_reset",
-              "gds_threshold": "gds_threshold_reset", "task_size": "task_size_reset"}
-    fn = getattr(d, legacy.get(name, ""), None)
-    if callable(fn):
-        try:
-            fn(value)
-            return True
-        except Exception:
-            return False
-    return False
+    # defaults.set applies at once; the context manager it returns is only for `with`
+    if callable(getattr(d, "get", None)) and _try_call(d, ("set",), name, value)[0]:
+        return True
+    return _try_call(d, (_LEGACY.get(name, ((), ""))[1],), value)[0]
 
 
 def _compat_value(kv, mode: str):
@@ -311,13 +300,9 @@ def _compat_value(kv, mode: str):
 
 def kvikio_compat_preferred(kv) -> bool | None:
     """True when kvikio does POSIX I/O + copies (its compat mode), False when cuFile is used."""
-    d = getattr(kv, "defaults", None)
-    fn = getattr(d, "is_compat_mode_preferred", None) if d is not None else None
-    if callable(fn):
-        try:
-            return bool(fn())
-        except Exception:
-            pass
+    ok, preferred = _try_call(getattr(kv, "defaults", None), ("is_compat_mode_preferred",))
+    if ok:
+        return bool(preferred)
     mode = kvikio_get(kv, "compat_mode")
     if mode is None:
         return None
@@ -366,15 +351,13 @@ def _errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
+@dataclass(slots=True, eq=False)
 class _CuFileEntry:
-    __slots__ = ("cufile", "key", "writable", "refs", "dead")
-
-    def __init__(self, cufile, key, writable):
-        self.cufile = cufile
-        self.key = key
-        self.writable = writable
-        self.refs = 0
-        self.dead = False
+    cufile: object
+    key: tuple
+    writable: bool
+    refs: int = 0
+    dead: bool = False
 
 
 def _close_quietly(cufile) -> None:
@@ -424,14 +407,12 @@ class KvikioEngine:
     async def sync(self, fd: int, *, datasync: bool = True) -> None:
         # cuFile writes go through kvikio's own descriptors of the same inode: fdatasync on ours
         # flushes that inode's data all the same.
-        self._check_open()
         fn = os.fdatasync if datasync else os.fsync
         await self._run_in_worker(fn, int(fd))
 
     def register_buffers(self, ranges: list[tuple[int, int]]) -> bool:
         """cuFileBufRegister the device ranges (kvikio.memory_register); False when unsupported."""
-        reg = getattr(self._kv, "memory_register", None) or getattr(
-            getattr(self._kv, "buffer", None), "memory_register", None)
+        reg = self._kv_fn("memory_register")
         if self._closed or reg is None or kvikio_compat_preferred(self._kv):
             return False
         done = []
@@ -453,12 +434,8 @@ class KvikioEngine:
                 return
             self._closed = True
             pending, self._pending = list(self._pending), set()
-            entries = list(self._files.values())
+            idle = [e for e in self._files.values() if self._retire(e)]
             self._files.clear()
-            for e in entries:
-                e.dead = True
-            idle = [e for e in entries if e.refs == 0]
-            self._retired.extend(e for e in entries if e.refs)
         for loop, fut in pending:
             _fail_future(loop, fut, EngineClosed("KvikioEngine closed with I/O pending"))
         for e in idle:
@@ -479,11 +456,7 @@ class KvikioEngine:
         """Drop the CuFile cached for fd; call before the store closes that file descriptor."""
         with self._lock:
             e = self._files.pop(int(fd), None)
-            if e is None:
-                return
-            e.dead = True
-            if e.refs:
-                self._retired.append(e)
+            if e is None or not self._retire(e):
                 return
         _close_quietly(e.cufile)
 
@@ -505,9 +478,12 @@ class KvikioEngine:
         if self._closed:
             raise EngineClosed("KvikioEngine is closed")
 
+    def _kv_fn(self, name: str):
+        """kvikio.<name>, or kvikio.buffer.<name> where older releases keep it; None if neither."""
+        return getattr(self._kv, name, None) or getattr(getattr(self._kv, "buffer", None), name, None)
+
     def _deregister(self, spans) -> None:
-        dereg = getattr(self._kv, "memory_deregister", None) or getattr(
-            getattr(self._kv, "buffer", None), "memory_deregister", None)
+        dereg = self._kv_fn("memory_deregister")
         for span in spans:
             try:
                 dereg(span)
@@ -524,8 +500,7 @@ class KvikioEngine:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:
-            if self._closed:
-                raise EngineClosed("KvikioEngine is closed")
+            self._check_open()
             self._pending.add((loop, fut))
             try:
                 cf = self._executor.submit(fn, *args)
@@ -561,10 +536,7 @@ class KvikioEngine:
             e = self._files.get(fd)
             if e is not None and (e.key != key or (want_write and not e.writable)):
                 stale = self._files.pop(fd)  # fd number reused for another file, or reopened rw
-                stale.dead = True
-                if stale.refs:
-                    self._retired.append(stale)
-                    stale = None
+                stale = stale if self._retire(stale) else None
                 e = None
             if e is not None:
                 e.refs += 1
@@ -589,15 +561,22 @@ class KvikioEngine:
                 return -errno.ECANCELED
             e = self._files.get(fd)
             if e is None or e.key != key:  # another batch may have raced us to it
-                if e is not None:
-                    e.dead = True
-                    (self._retired.append(e) if e.refs else _close_quietly(e.cufile))
+                if e is not None and self._retire(e):
+                    _close_quietly(e.cufile)
                 e = _CuFileEntry(cufile, key, writable)
                 self._files[fd] = e
             else:
                 _close_quietly(cufile)
             e.refs += 1
             return e, st.st_size
+
+    def _retire(self, e: _CuFileEntry) -> bool:
+        """Under self._lock: mark e dead; True when idle (the caller closes it), else the last
+        batch holding it closes it in _release."""
+        e.dead = True
+        if e.refs:
+            self._retired.append(e)
+        return not e.refs
 
     def _release(self, entries) -> None:
         to_close = []
@@ -663,9 +642,7 @@ class KvikioEngine:
 
     def _start(self, cufile, op: int, addr: int, size: int, off: int):
         span = _DeviceSpan(addr, size, readonly=(op == _WRITE))
-        if op == _READ:
-            return cufile.pread(span, size, off)
-        return cufile.pwrite(span, size, off)
+        return (cufile.pread if op == _READ else cufile.pwrite)(span, size, off)
 
     def _finish_one(self, window, res, files) -> None:
         i, fut, size, cufile, op, addr, off = window.popleft()
@@ -691,19 +668,11 @@ class KvikioEngine:
 
 
 def _resolve_future(loop, fut, value) -> None:
-    def set_():
-        if not fut.done():
-            fut.set_result(value)
-
-    _call_in_loop(loop, set_)
+    _call_in_loop(loop, lambda: fut.done() or fut.set_result(value))
 
 
 def _fail_future(loop, fut, exc) -> None:
-    def set_():
-        if not fut.done():
-            fut.set_exception(exc)
-
-    _call_in_loop(loop, set_)
+    _call_in_loop(loop, lambda: fut.done() or fut.set_exception(exc))
 
 
 def _call_in_loop(loop, fn) -> None:
@@ -745,27 +714,20 @@ class _TorchDeviceOps:
 
     def copy_d2h(self, pairs) -> None:
         """pairs: (device addr, host addr, nbytes); returns when all bytes are on the host."""
-        torch = self._torch()
-        last = None
-        for dev, host, n in pairs:
-            if n > 0:
-                src = self._dev_view(dev, n)
-                self._host_view(host, n).copy_(src, non_blocking=True)
-                last = src.device
-        if last is not None:
-            torch.cuda.current_stream(last).synchronize()
+        self._copy((self._dev_view(d, n), self._host_view(h, n)) for d, h, n in pairs if n > 0)
 
     def copy_h2d(self, pairs) -> None:
         """pairs: (host addr, device addr, nbytes); returns when all bytes are on the device."""
-        torch = self._torch()
-        last = None
-        for host, dev, n in pairs:
-            if n > 0:
-                dst = self._dev_view(dev, n)
-                dst.copy_(self._host_view(host, n), non_blocking=True)
-                last = dst.device
-        if last is not None:
-            torch.cuda.current_stream(last).synchronize()
+        self._copy((self._host_view(h, n), self._dev_view(d, n)) for h, d, n in pairs if n > 0)
+
+    def _copy(self, views) -> None:
+        """(src, dst) tensor views: queued non-blocking on the current stream, then one sync."""
+        device = None
+        for src, dst in views:
+            dst.copy_(src, non_blocking=True)
+            device = src.device if src.is_cuda else dst.device
+        if device is not None:
+            self._torch().cuda.current_stream(device).synchronize()
 
     def pin(self, addr: int, nbytes: int) -> bool:
         try:
@@ -928,6 +890,10 @@ class GdsGate:
     ``await gate.route()`` -> ``"gds"`` (use ``gate.engine``) or ``"staging"`` (use ``staged_read``
     / ``staged_write`` with the host engine and ``gate.staging``), or raises EngineUnavailable with
     the GDS_UNAVAILABLE message (the store turns that into a per-key False).
+
+    ``gate.staging`` is allocated on first access in staging mode, not when the route is decided:
+    the store stages through its own aligned bounce buffers and never touches it, so no pinned
+    memory is held for nothing.
     """
 
     def __init__(self, *, queue_depth: int = DEFAULT_QUEUE_DEPTH, probe_dir: str | None = None,
@@ -938,10 +904,17 @@ class GdsGate:
         self.staging_bytes = staging_bytes
         self._opener = opener or open_gds_engine
         self.engine: KvikioEngine | None = None
-        self.staging: StagingBuffer | None = None
+        self._staging: StagingBuffer | None = None
         self.mode: str | None = None  # None until decided; then "gds" | "staging" | "off"
         self.reason: str = ""
         self._lock: asyncio.Lock | None = None
+
+    @property
+    def staging(self) -> StagingBuffer | None:
+        """The pinned staging buffer for staged_read/staged_write in "staging" mode, else None."""
+        if self._staging is None and self.mode == "staging":
+            self._staging = StagingBuffer(self.staging_bytes)
+        return self._staging
 
     async def route(self) -> str:
         if self.mode is None:
@@ -964,7 +937,6 @@ class GdsGate:
         if self.staging_allowed:
             ok, why = _device_ops.available()
             if ok:
-                self.staging = StagingBuffer(self.staging_bytes)
                 self.mode = "staging"
                 log.warning("GPUDirect Storage unavailable (%s); CUDA buffers are staged through "
                             "pinned host memory (gds_staging=True)", gds_reason)
@@ -977,15 +949,17 @@ class GdsGate:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
-        if self.staging is not None:
-            self.staging.close()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
 
 # --------------------------------------------------------------------------------------------
 # Staging through pinned host memory (gds_staging=True), and CRC of device ranges
 
 
-def _round_up(n: int, unit: int) -> int:
+def _round_up(n, unit: int = STAGING_ALIGN_BYTES):
+    """n (an int or an int array) rounded up to a multiple of unit."""
     return -(-n // unit) * unit
 
 
@@ -1000,7 +974,7 @@ class StagingBuffer:
 
         if nbytes <= 0:
             raise ValueError(f"staging nbytes must be > 0, got {nbytes}")
-        self.nbytes = _round_up(nbytes, STAGING_ALIGN_BYTES)
+        self.nbytes = _round_up(nbytes)
         self._buf = AlignedBuffer(self.nbytes)
         self.address = self._buf.address
         self.pinned = _device_ops.pin(self.address, self.nbytes) if pin else False
@@ -1021,82 +995,92 @@ class StagingBuffer:
         self._buf = None
 
 
-def _plan_groups(lengths: np.ndarray, capacity: int):
-    """Yield (indices, host offsets) groups that fit the staging buffer, in op order."""
+def _plan_groups(io_lengths: np.ndarray, capacity: int, base: int):
+    """Yield (indices, host addresses) groups that fit a staging buffer at base, in op order.
+
+    io_lengths are multiples of STAGING_ALIGN_BYTES, so every op starts block-aligned.
+    """
     idx: list[int] = []
-    offs: list[int] = []
+    host: list[int] = []
     used = 0
-    for k, ln in enumerate(lengths.tolist()):
-        need = _round_up(int(ln), STAGING_ALIGN_BYTES)
-        if used + need > capacity and idx:
-            yield idx, offs
-            idx, offs, used = [], [], 0
+    for k, ln in enumerate(io_lengths.tolist()):
+        if used + ln > capacity and idx:
+            yield idx, host
+            idx, host, used = [], [], 0
         idx.append(k)
-        offs.append(used)
-        used += need
+        host.append(base + used)
+        used += ln
     if idx:
-        yield idx, offs
+        yield idx, host
+
+
+def _to_host(dev, host, lens, io_lens) -> None:
+    """Device ranges -> host, then zero each host range from lens up to io_lens."""
+    _device_ops.copy_d2h([(d, h, n) for d, h, n in zip(dev, host, lens) if n > 0])
+    for h, n, p in zip(host, lens, io_lens):
+        if p > n:
+            ctypes.memset(h + n, 0, p - n)
+
+
+def _crcs_into(out: np.ndarray, idx, host, lens) -> None:
+    for k, h, n in zip(idx, host, lens):
+        out[k] = host_crc32c(h, n)
 
 
 async def _in_thread(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+async def _staged(op: int, host_engine, fds, offsets, dev_addrs, lengths, staging: StagingBuffer,
+                  with_crc: bool):
+    b = IoBatch.of(fds, offsets, dev_addrs, lengths)
+    res = np.zeros(len(b), dtype=RESULT_DTYPE)
+    crcs = np.zeros(len(b), dtype=np.uint32)
+    io_lens = _round_up(b.lengths)  # O_DIRECT files take whole blocks only
+    too_big = io_lens > staging.nbytes
+    res[too_big] = -errno.ENOBUFS
+    ok = np.flatnonzero(~too_big)
+    transfer = host_engine.write_many if op == _WRITE else host_engine.read_many
+    async with staging.lock():
+        for idx, host in _plan_groups(io_lens[ok], staging.nbytes, staging.address):
+            sel = ok[idx]
+            dev, want = b.addrs[sel].tolist(), b.lengths[sel]
+            if op == _WRITE:
+                await _in_thread(_to_host, dev, host, want.tolist(), io_lens[sel].tolist())
+            r = await transfer(b.fds[sel], b.offsets[sel], np.asarray(host, dtype=ADDR_DTYPE), io_lens[sel])
+            res[sel] = r = np.minimum(r, want)  # the bytes past the object are not the caller's
+            moved = want.tolist() if op == _WRITE else np.maximum(r, 0).tolist()
+            if with_crc:
+                _crcs_into(crcs, sel, host, moved)
+            if op == _READ:
+                pairs = [(h, d, n) for h, d, n in zip(host, dev, moved) if n > 0]
+                await _in_thread(_device_ops.copy_h2d, pairs)
+    return (res, crcs) if with_crc else res
+
+
 async def staged_read(host_engine, fds, offsets, dev_addrs, lengths, staging: StagingBuffer, *,
                       with_crc: bool = False):
     """Read extents into device memory via host_engine (io_uring) and the pinned staging buffer.
 
+    The host engine reads each op rounded up to STAGING_ALIGN_BYTES (O_DIRECT files refuse other
+    lengths); only ``lengths`` bytes reach the device and the results are clipped to them.
     Returns the per-op results (the protocol's convention), and with ``with_crc`` also the CRC32C of
     the bytes read (computed on the host copy, before the device copy) as uint32.
     """
-    b = IoBatch.of(fds, offsets, dev_addrs, lengths)
-    n = len(b)
-    res = np.zeros(n, dtype=RESULT_DTYPE)
-    crcs = np.zeros(n, dtype=np.uint32)
-    too_big = b.lengths > staging.nbytes
-    res[too_big] = -errno.ENOBUFS
-    ok = np.flatnonzero(~too_big)
-    async with staging.lock():
-        for idx, hoffs in _plan_groups(b.lengths[ok], staging.nbytes):
-            sel = ok[idx]
-            host = (staging.address + np.asarray(hoffs, dtype=np.int64)).astype(ADDR_DTYPE)
-            r = await host_engine.read_many(b.fds[sel], b.offsets[sel], host, b.lengths[sel])
-            res[sel] = r
-            pairs = [(int(host[j]), int(b.addrs[sel[j]]), int(r[j])) for j in range(len(sel)) if r[j] > 0]
-            if with_crc:
-                for j in range(len(sel)):
-                    if r[j] > 0:
-                        crcs[sel[j]] = host_crc32c(int(host[j]), int(r[j]))
-            if pairs:
-                await _in_thread(_device_ops.copy_h2d, pairs)
-    return (res, crcs) if with_crc else res
+    return await _staged(_READ, host_engine, fds, offsets, dev_addrs, lengths, staging, with_crc)
 
 
 async def staged_write(host_engine, fds, offsets, dev_addrs, lengths, staging: StagingBuffer, *,
                        with_crc: bool = False):
     """Copy device ranges to the pinned staging buffer, then write them with host_engine.
 
-    The device copy runs on torch's current stream after the caller's queued work on it; work
-    on other streams must be synchronised by the caller first.
+    Each op is written rounded up to STAGING_ALIGN_BYTES, the padding zeroed (no stale staging
+    bytes reach the disk): the extent at each offset must be reserved rounded up too, as the
+    store's slots are (slot-sized, 4 KiB aligned). Results are clipped to ``lengths``. The device
+    copy runs on torch's current stream after the caller's queued work on it; work on other streams
+    must be synchronised by the caller first.
     """
-    b = IoBatch.of(fds, offsets, dev_addrs, lengths)
-    n = len(b)
-    res = np.zeros(n, dtype=RESULT_DTYPE)
-    crcs = np.zeros(n, dtype=np.uint32)
-    too_big = b.lengths > staging.nbytes
-    res[too_big] = -errno.ENOBUFS
-    ok = np.flatnonzero(~too_big)
-    async with staging.lock():
-        for idx, hoffs in _plan_groups(b.lengths[ok], staging.nbytes):
-            sel = ok[idx]
-            host = (staging.address + np.asarray(hoffs, dtype=np.int64)).astype(ADDR_DTYPE)
-            pairs = [(int(b.addrs[sel[j]]), int(host[j]), int(b.lengths[sel[j]])) for j in range(len(sel))]
-            await _in_thread(_device_ops.copy_d2h, pairs)
-            if with_crc:
-                for j in range(len(sel)):
-                    crcs[sel[j]] = host_crc32c(int(host[j]), int(b.lengths[sel[j]]))
-            res[sel] = await host_engine.write_many(b.fds[sel], b.offsets[sel], host, b.lengths[sel])
-    return (res, crcs) if with_crc else res
+    return await _staged(_WRITE, host_engine, fds, offsets, dev_addrs, lengths, staging, with_crc)
 
 
 async def device_crc32c_many(dev_addrs, lengths, staging: StagingBuffer | None = None) -> np.ndarray:
@@ -1115,11 +1099,10 @@ async def device_crc32c_many(dev_addrs, lengths, staging: StagingBuffer | None =
         raise ValueError(f"a range of {int(lens.max())} bytes exceeds the staging buffer ({staging.nbytes} bytes)")
 
     def work():
-        for idx, hoffs in _plan_groups(lens, staging.nbytes):
-            pairs = [(int(addrs[k]), staging.address + o, int(lens[k])) for k, o in zip(idx, hoffs)]
-            _device_ops.copy_d2h(pairs)
-            for k, o in zip(idx, hoffs):
-                crcs[k] = host_crc32c(staging.address + o, int(lens[k]))
+        for idx, host in _plan_groups(_round_up(lens), staging.nbytes, staging.address):
+            n = lens[idx].tolist()
+            _to_host(addrs[idx].tolist(), host, n, n)
+            _crcs_into(crcs, idx, host, n)
 
     try:
         async with staging.lock():
