@@ -510,6 +510,15 @@ static int validate_ops(RingObject *self, SubmitArgs *a, FdCache *cache) {
             snprintf(a->msg, sizeof a->msg, "op %zd: fd must be >= 0, got %d", i, fd);
             return -1;
         }
+        /* reap()/reap_batches() drop CQEs carrying the cancel op's tag: such an op would stay in
+         * flight forever. Checked in op order, this also stops ud_base + i before it can wrap. */
+        if (OP_UD(a, i) == CANCEL_USER_DATA) {
+            snprintf(a->msg, sizeof a->msg,
+                     "op %zd: user_data 0x%llx is reserved for the ring's own cancel op (ud_base + op index must stay "
+                     "below it)",
+                     i, (unsigned long long)OP_UD(a, i));
+            return -1;
+        }
         if (!rw) continue;
         int64_t off = a->offs[i], len = a->lens[i];
         uint64_t addr = a->addrs[i];
@@ -627,10 +636,18 @@ static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
     PyObject *o_fds, *o_offs = Py_None, *o_addrs = Py_None, *o_lens = Py_None, *o_bidx = Py_None, *o_ud = Py_None,
                      *o_flags = Py_None;
     unsigned long long async_min = 0, ud_base = 0;
+    PyObject *o_ud_base = Py_None;
     int enter = 1, auto_fixed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OOOKpKp", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens,
-                                     &o_bidx, &o_ud, &o_flags, &async_min, &enter, &ud_base, &auto_fixed))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OOOKpOp", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens,
+                                     &o_bidx, &o_ud, &o_flags, &async_min, &enter, &o_ud_base, &auto_fixed))
         return NULL;
+    if (o_ud_base != Py_None) { /* checked: a negative or oversized base must not wrap silently */
+        PyObject *ix = PyNumber_Index(o_ud_base);
+        if (!ix) return NULL;
+        ud_base = PyLong_AsUnsignedLongLong(ix);
+        Py_DECREF(ix);
+        if (ud_base == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
     if (opcode < OP_READ || opcode > OP_FDATASYNC) {
         PyErr_Format(PyExc_ValueError, "opcode must be OP_READ, OP_WRITE, OP_FSYNC or OP_FDATASYNC, got %d", opcode);
         return NULL;
@@ -864,17 +881,26 @@ done:
 #define REAP_MAX_BATCHES 64
 typedef struct {
     uint64_t slot;
-    PyObject *batch; /* borrowed from the dict, which we do not mutate */
+    PyObject *batch; /* a strong reference: attribute lookups and allocations may run Python code
+                      * that removes the batch from the dict */
     Py_buffer done, lens;
     int ok; /* 0: arrays unusable, every CQE of this batch goes to odd */
     Py_ssize_t nfull;
 } ReapEntry;
 
-static int reap_entry_init(ReapEntry *e, PyObject *batch, uint64_t slot) {
+static int is_int64(const Py_buffer *v) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    return v->itemsize == 8 && (f[0] == 'q' || f[0] == 'l') && f[1] == 0;
+}
+
+/* Takes a new reference to batch; an unusable batch (ok = 0) is not an error. */
+static void reap_entry_init(ReapEntry *e, PyObject *batch, uint64_t slot) {
     static PyObject *s_done = NULL, *s_lens = NULL;
     if (!s_done) s_done = PyUnicode_InternFromString("done");
     if (!s_lens) s_lens = PyUnicode_InternFromString("lens");
     e->slot = slot;
+    Py_INCREF(batch);
     e->batch = batch;
     e->nfull = 0;
     e->ok = 0;
@@ -883,7 +909,7 @@ static int reap_entry_init(ReapEntry *e, PyObject *batch, uint64_t slot) {
     if (!d || !l) {
         Py_XDECREF(d);
         PyErr_Clear();
-        return 0;
+        return;
     }
     int got_d = PyObject_GetBuffer(d, &e->done, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) == 0;
     int got_l = got_d && PyObject_GetBuffer(l, &e->lens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0;
@@ -892,15 +918,14 @@ static int reap_entry_init(ReapEntry *e, PyObject *batch, uint64_t slot) {
     if (!got_l) {
         if (got_d) PyBuffer_Release(&e->done);
         PyErr_Clear();
-        return 0;
+        return;
     }
-    if (e->done.itemsize != 8 || e->lens.itemsize != 8 || e->done.len != e->lens.len) {
+    if (!is_int64(&e->done) || !is_int64(&e->lens) || e->done.len != e->lens.len) {
         PyBuffer_Release(&e->done);
         PyBuffer_Release(&e->lens);
-        return 0;
+        return;
     }
     e->ok = 1;
-    return 0;
 }
 
 static PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
@@ -984,7 +1009,14 @@ static PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
             self->inflight--;
         }
         store_release(self->cq_head, head);
-        if (err) goto fail;
+        if (err) {
+            /* The CQE that failed stays in the ring. Those consumed before it already changed
+             * done[] and inflight: report them (the error comes back on the next call, with
+             * nothing consumed) rather than lose their counts and odd results. */
+            if (!n) goto fail;
+            PyErr_Clear();
+            break;
+        }
         if (n || !(load_acquire(self->sq_flags) & UMBP_SQ_CQ_OVERFLOW)) break;
         Py_BEGIN_ALLOW_THREADS
         sys_enter(self->ring_fd, 0, 0, UMBP_ENTER_GETEVENTS, NULL, 0);
@@ -998,13 +1030,13 @@ static PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
     }
     ret = Py_BuildValue("(nOO)", n, touched, odd ? odd : Py_None);
 fail:
-    /* A failure mid-way (memory) still consumed the CQEs before it: the ring stays coherent,
-     * and the caller sees the exception. */
+    /* Only building the result can fail after CQEs were consumed (no memory for the lists). */
     for (int j = 0; j < nents; j++) {
         if (ents[j].ok) {
             PyBuffer_Release(&ents[j].done);
             PyBuffer_Release(&ents[j].lens);
         }
+        Py_DECREF(ents[j].batch);
     }
     Py_XDECREF(touched);
     Py_XDECREF(odd);
