@@ -145,7 +145,8 @@ def test_bench_engine_smoke(tmp_path):
             assert isinstance(row[key], typ), (key, row)
         assert row["bench"] == "engine" and row["op"] in ("read", "write")
         assert row["object_bytes"] in (4096, 65536) and row["queue_depth"] in (1, 4)
-        assert row["gbps"] > 0 and row["iops"] > 0 and row["cpu_us_per_op"] > 0 and row["runs"] == 2
+        # CPU time is tick-granular on some kernels: a tiny, slow cell can measure 0.
+        assert row["gbps"] > 0 and row["iops"] > 0 and row["cpu_us_per_op"] >= 0 and row["runs"] == 2
         assert row["gbps_min"] <= row["gbps"] <= row["gbps_max"]
         if "fio" in got and not row["system"].startswith("fio"):
             assert row["vs_fio"] > 0
