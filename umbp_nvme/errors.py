@@ -21,3 +21,19 @@ class ReadOnlyStoreError(StoreError):
 
 class UnsafeStorePathError(StoreError, PermissionError):
     """The store directory is a symlink, not a directory, or owned by another user."""
+
+
+class NotAStoreError(StoreError, FileNotFoundError):
+    """The path is not a store directory (missing, no MANIFEST.json, or a damaged manifest)."""
+
+
+class IndexDamagedError(StoreError):
+    """index.lmdb is not a readable LMDB file (truncated, overwritten, wrong version).
+
+    A writer moves the file aside and starts empty (the index is a cache of what the segments
+    hold); a read-only opener raises this with the path.
+    """
+
+
+class CapacityShrinkError(StoreError):
+    """A writer asked for less capacity than the store records, without asking to shrink."""

@@ -20,11 +20,12 @@ import logging
 import os
 import struct
 import threading
+import time
 
 import lmdb
 import numpy as np
 
-from .errors import StoreError
+from .errors import IndexDamagedError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,23 @@ assert REC_BYTES == 48
 _REC = struct.Struct("<IIQQQIiII")
 FLAG_CRC = 1  # crc field is valid
 
+_CREATING_WAIT_S = 2.0  # how long a reader waits for a new store's writer to create its databases
+_NEW_ENV_BYTES = 2 * 4096  # an environment whose two meta pages are not written yet is being created
 _META_NEXT_GEN = b"next_generation"
 _U64 = struct.Struct("<Q")
+
+# LMDB's answers for a file that is not (or no longer) a readable LMDB environment
+_DAMAGED = (
+    lmdb.InvalidError,
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.VersionMismatchError,
+    lmdb.PanicError,
+    lmdb.BadRslotError,
+    lmdb.BadTxnError,
+    lmdb.BadValsizeError,
+    lmdb.IncompatibleError,
+)
 
 _ENVS: dict[str, list] = {}  # realpath -> [env, refcount, writable]
 _ENVS_LOCK = threading.Lock()
@@ -92,6 +108,53 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
         return env
 
 
+def wrap_lmdb_error(path: str, e: BaseException, what: str) -> StoreError:
+    """A StoreError naming the index file and what to do, for an lmdb.Error."""
+    if isinstance(e, StoreError):
+        return e
+    if isinstance(e, _DAMAGED):
+        return IndexDamagedError(
+            f"store index {path} is damaged ({type(e).__name__}: {e}) while {what}; a writer moves it aside "
+            f"and starts empty on its next open (or remove {path} and {path}-lock yourself)"
+        )
+    if isinstance(e, lmdb.ReadersFullError):
+        remedy = "too many processes read this store; close some followers (stale slots clear when the writer reopens)"
+    elif isinstance(e, lmdb.MapFullError):
+        remedy = "the index map is full; raise ssd_capacity_bytes (the map is sized from it) or clear the store"
+    elif isinstance(e, (lmdb.DiskError, lmdb.MemoryError)):
+        remedy = "check the file system (free space, I/O errors) and memory"
+    else:
+        remedy = f"check that {path} and its directory are readable and writable by this user and the disk is healthy"
+    return StoreError(f"store index {path}: {type(e).__name__}: {e} while {what}; {remedy}")
+
+
+def quarantine(path: str) -> str:
+    """Move a damaged index file aside (``<path>.corrupt-<timestamp>``); returns the new name.
+
+    The LMDB lock file beside it is removed: it describes the old environment. Only the writer
+    calls this, holding the store's LOCK, with its own handle on the file closed.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = f"{path}.corrupt-{stamp}"
+    n = 1
+    while os.path.lexists(dest):
+        dest = f"{path}.corrupt-{stamp}.{n}"
+        n += 1
+    os.rename(path, dest)
+    try:
+        os.unlink(f"{path}-lock")
+    except FileNotFoundError:
+        pass
+    return dest
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
 def _release_env(env: lmdb.Environment) -> None:
     with _ENVS_LOCK:
         for real, entry in list(_ENVS.items()):
@@ -108,15 +171,39 @@ class Index:
         self.path = path
         self.readonly = readonly
         self.durable = durable
-        self._env = _acquire_env(path, readonly=readonly, map_size=map_size, durable=durable)
+        # a writer creating the store makes the file, then its meta pages, then its databases:
+        # a reader that races it waits that moment instead of failing
+        deadline = time.monotonic() + _CREATING_WAIT_S
+        while True:
+            try:
+                self._env = _acquire_env(path, readonly=readonly, map_size=map_size, durable=durable)
+                break
+            except lmdb.InvalidError as e:
+                if not readonly or time.monotonic() >= deadline or _file_size(path) >= _NEW_ENV_BYTES:
+                    raise wrap_lmdb_error(path, e, "opening it") from None
+                time.sleep(0.01)
+            except lmdb.Error as e:
+                raise wrap_lmdb_error(path, e, "opening it") from None
         try:
             if readonly:
-                self._objects = self._env.open_db(b"objects", create=False)
-                self._meta = self._env.open_db(b"meta", create=False)
+                while True:
+                    try:
+                        self._objects = self._env.open_db(b"objects", create=False)
+                        self._meta = self._env.open_db(b"meta", create=False)
+                        break
+                    except lmdb.NotFoundError:
+                        if time.monotonic() >= deadline:
+                            raise FileNotFoundError(
+                                f"store index {path} has no databases yet; a writer must create the store first"
+                            ) from None
+                        time.sleep(0.01)
             else:
                 self._objects = self._env.open_db(b"objects")
                 self._meta = self._env.open_db(b"meta")
                 self._env.reader_check()  # clear reader slots of killed follower processes
+        except lmdb.Error as e:
+            _release_env(self._env)
+            raise wrap_lmdb_error(path, e, "opening its databases") from None
         except BaseException:
             _release_env(self._env)
             raise
@@ -131,8 +218,11 @@ class Index:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            with self._env.begin(db=self._objects) as txn:
-                flat = list(itertools.chain.from_iterable(txn.cursor().iternext(keys=True, values=True)))
+            try:
+                with self._env.begin(db=self._objects) as txn:
+                    flat = list(itertools.chain.from_iterable(txn.cursor().iternext(keys=True, values=True)))
+            except lmdb.Error as e:
+                raise wrap_lmdb_error(self.path, e, "reading every record") from None
             keys, vals = flat[::2], flat[1::2]
             del flat
             if not keys:
@@ -168,8 +258,13 @@ class Index:
         return n
 
     def next_generation(self) -> int:
-        with self._env.begin(db=self._meta) as txn:
-            v = txn.get(_META_NEXT_GEN)
+        try:
+            with self._env.begin(db=self._meta) as txn:
+                v = txn.get(_META_NEXT_GEN)
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(self.path, e, "reading the generation") from None
+        if v is not None and len(v) != _U64.size:
+            raise IndexDamagedError(f"store index {self.path} is damaged (generation record of {len(v)} bytes)")
         return _U64.unpack(v)[0] if v else 1
 
     def count(self) -> int:

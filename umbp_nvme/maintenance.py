@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
-import json
 import os
 import re
 from collections import Counter, defaultdict
@@ -25,16 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import NotAStoreError
 from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
 from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, segment_name, size_classes
+from .store import LOCK_FILE, MANIFEST_FILE, lock_holder, read_manifest
 
-MANIFEST_FILE = "MANIFEST.json"
-LOCK_FILE = "LOCK"
 _READONLY_MAP_BYTES = 1 << 30  # LMDB grows a read-only map to the file's own size
-
-
-class NotAStoreError(FileNotFoundError):
-    pass
 
 
 def _crc32c():
@@ -44,40 +38,6 @@ def _crc32c():
 
 
 # --- the directory ---------------------------------------------------------------------------
-
-
-def read_manifest(path: str) -> dict:
-    p = os.path.join(path, MANIFEST_FILE)
-    if not os.path.isdir(path):
-        raise NotAStoreError(f"store directory {path} does not exist; check --store (or create it with `umbp-nvme warmup`)")
-    try:
-        with open(p, "rb") as f:
-            m = json.loads(f.read())
-    except FileNotFoundError:
-        raise NotAStoreError(f"{path} is not a umbp_nvme store (no {MANIFEST_FILE}); check --store") from None
-    except ValueError as e:
-        raise NotAStoreError(f"{p} is not valid JSON ({e}); the store directory is damaged") from None
-    if not isinstance(m, dict) or "layout" not in m:
-        raise NotAStoreError(f"{p} is not a umbp_nvme manifest")
-    return m
-
-
-def lock_holder(path: str) -> str | None:
-    """The pid written in LOCK when a writer holds the store, else None (probes with a shared flock)."""
-    p = os.path.join(path, LOCK_FILE)
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
 
 
 def segment_files_on_disk(path: str) -> dict[int, str]:
@@ -299,7 +259,7 @@ def store_stats(path: str, capacity_bytes: int | None = None, high_wm: float = 0
     out = {
         "store": os.path.abspath(path),
         "namespace": namespace,
-        "writer_pid": lock_holder(path),
+        "writer_pid": None if (pid := lock_holder(path)) is None else str(pid),  # JSON kept: a string
         "capacity_bytes": int(cap),
         "usable_bytes": int(usable),
         "segment_bytes": seg_bytes,

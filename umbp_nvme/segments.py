@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from .engine.files import DataFile, open_data_file
+from .engine.files import DataFile, _preallocate, open_data_file
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,25 @@ class SegmentFiles:
         self._precreating.add(i)
         return True
 
+    def open_existing(self, i: int) -> None:
+        """Open segment i, which must exist (the writer's load path). Raises OSError; never creates
+        or removes anything. A short file is extended to full size when the disk allows it."""
+        with self._lock:
+            if i in self.files:
+                return
+            if self._closed:
+                raise OSError(errno.EBADF, "segment files are closed")
+            if self.readonly:
+                f = open_data_file(self.path(i), readonly=True, direct=self.o_direct)
+            else:
+                f = open_data_file(self.path(i), direct=self.o_direct)
+                try:
+                    if os.fstat(f.fd).st_size < self.segment_bytes:
+                        _preallocate(f.fd, self.path(i), self.segment_bytes)
+                except OSError as e:  # slots past the end are written (and allocated) on use instead
+                    log.warning("segment %s is short and cannot be extended now: %s", self.path(i), e)
+            self._install(i, f)
+
     def _ensure_locked(self, i: int) -> bool:
         if i in self.files:
             return True
@@ -286,6 +305,10 @@ class SegmentFiles:
                     pass
             return False
         self._failed_errno = None
+        self._install(i, f)
+        return True
+
+    def _install(self, i: int, f: DataFile) -> None:
         if i >= len(self.fds):
             n = max(i + 1, 2 * len(self.fds))
             self.fds = np.concatenate([self.fds, np.full(n - len(self.fds), -1, dtype=np.int32)])
@@ -295,7 +318,6 @@ class SegmentFiles:
         self.fds[i] = f.fd
         self.direct[i] = f.direct
         self.align[i] = max(f.align, 1)
-        return True
 
     @property
     def any_direct(self) -> bool | None:
@@ -313,7 +335,8 @@ class SegmentFiles:
         return total
 
     def unlink_beyond(self, n_segments: int) -> None:
-        """Remove segment files past the current capacity (the store was reopened smaller)."""
+        """Remove segment files past the current capacity (a deliberate shrink, after the index
+        entries pointing into them were deleted durably). The store calls it only then."""
         try:
             names = os.listdir(self.directory)
         except OSError:

@@ -30,15 +30,25 @@ import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import lmdb
 import numpy as np
 
 from .buffers import AlignedBuffer, address_of
 from .config import StoreConfig
 from .engine import open_engine
 from .engine.base import errno_name
-from .errors import NamespaceMismatchError, ReadOnlyStoreError, StoreError, StoreLockedError, UnsafeStorePathError
-from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
-from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, SegmentFiles, size_class, size_classes
+from .errors import (
+    CapacityShrinkError,
+    IndexDamagedError,
+    NamespaceMismatchError,
+    NotAStoreError,
+    ReadOnlyStoreError,
+    StoreError,
+    StoreLockedError,
+    UnsafeStorePathError,
+)
+from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index, quarantine, wrap_lmdb_error
+from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, SegmentFiles, segment_name, size_class, size_classes
 
 log = logging.getLogger(__name__)
 
@@ -153,24 +163,89 @@ def _write_json_atomic(path: str, obj) -> None:
         os.close(dfd)
 
 
-def _read_manifest(path: str) -> dict | None:
+def _read_manifest(path: str, *, error=StoreError) -> dict | None:
+    """The manifest, or None when the directory has none; ``error`` for a damaged one."""
     p = os.path.join(path, MANIFEST_FILE)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise error(f"cannot read {p}: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as f:
         data = f.read()
     try:
         m = json.loads(data)
     except ValueError as e:
-        raise StoreError(f"{p} is not valid JSON ({e}); the store directory is damaged") from None
-    if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION:
-        raise StoreError(
-            f"{p}: format_version {m.get('format_version') if isinstance(m, dict) else None!r} "
-            f"is not supported (expected {FORMAT_VERSION})"
-        )
+        raise error(f"{p} is not valid JSON ({e}); the store directory is damaged") from None
+    if not isinstance(m, dict) or not isinstance(m.get("layout"), dict) or "segment_bytes" not in m["layout"]:
+        raise error(f"{p} is not a umbp_nvme manifest (no layout.segment_bytes); the store directory is damaged")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise error(f"{p}: format_version {m.get('format_version')!r} is not supported (expected {FORMAT_VERSION})")
     return m
+
+
+def read_manifest(path) -> dict:
+    """The store's MANIFEST.json as a dict (format_version, layout, namespace, ssd_capacity_bytes).
+
+    Raises NotAStoreError (a FileNotFoundError and a StoreError) when ``path`` is not a store
+    directory, has no manifest, or the manifest is damaged. Takes no lock; safe beside a writer
+    (the manifest is replaced atomically).
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise NotAStoreError(f"store directory {path} does not exist; check the path (--store), or create the store first")
+    m = _read_manifest(path, error=NotAStoreError)
+    if m is None:
+        raise NotAStoreError(f"{path} is not a umbp_nvme store (no {MANIFEST_FILE}); check the path (--store)")
+    return m
+
+
+def recorded_capacity_bytes(manifest: dict) -> int | None:
+    """ssd_capacity_bytes the store's writer last ran with (None for stores made before it was recorded)."""
+    v = manifest.get("ssd_capacity_bytes")
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def lock_holder(path) -> int | None:
+    """The pid of the writer holding the store's LOCK, or None when no writer holds it.
+
+    Probes with a shared, non-blocking flock and never takes the lock. -1 when the lock is held
+    but the pid cannot be read yet (a writer between its flock and writing its pid).
+    """
+    p = os.path.join(os.fspath(path), LOCK_FILE)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return int(os.pread(fd, 32, 0).decode(errors="replace").strip())
+            except (OSError, ValueError):
+                return -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _segment_files_extent(path: str) -> int:
+    """1 + the highest segment index with a file in ``path`` (0 when none)."""
+    top = -1
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return 0
+    for name in names:
+        if name.startswith("seg-") and name.endswith(".dat"):
+            try:
+                top = max(top, int(name[4:-4]))
+            except ValueError:
+                pass
+    return top + 1
 
 
 def _check_namespace(path: str, stored: dict, requested: dict | None) -> None:
@@ -244,13 +319,33 @@ class PageStore:
 
     @classmethod
     async def open(
-        cls, path, config: StoreConfig | None = None, *, readonly: bool = False, namespace: dict | None = None
+        cls,
+        path,
+        config: StoreConfig | None = None,
+        *,
+        readonly: bool = False,
+        namespace: dict | None = None,
+        capacity_from_manifest: bool = False,
+        shrink: bool = False,
     ) -> "PageStore":
+        """Open (a writer creates) the store at ``path``.
+
+        Capacity (writers): the manifest records the ``ssd_capacity_bytes`` the store runs with.
+        ``capacity_from_manifest=True`` adopts the recorded capacity and ignores the config's
+        (tools that open a store they did not size: the CLI without --capacity). Otherwise the
+        config's capacity is used: a larger one grows the store; a smaller one that would take
+        segments away raises CapacityShrinkError naming both values, unless ``shrink=True``, which
+        evicts everything stored in the removed segments durably (index entries deleted and
+        synced first, then the files) and records the new capacity.
+        """
         self = cls.__new__(cls)
-        await self._open(path, config or StoreConfig(), readonly, namespace)
+        await self._open(path, config or StoreConfig(), readonly, namespace, capacity_from_manifest, shrink)
         return self
 
-    async def _open(self, path, cfg: StoreConfig, readonly: bool, namespace: dict | None) -> None:
+    async def _open(
+        self, path, cfg: StoreConfig, readonly: bool, namespace: dict | None, capacity_from_manifest: bool = False,
+        shrink: bool = False,
+    ) -> None:  # fmt: skip
         t0 = time.perf_counter()
         self.config = cfg
         self.readonly = readonly
@@ -276,6 +371,7 @@ class PageStore:
         self._ranges: list[tuple[int, int]] = []  # sorted registered (start, end)
         self._range_starts: list[int] = []
         self._inflight = 0
+        self._late_writes = 0  # write batches that outlived io_timeout_s and still hold slots
         self._idle = asyncio.Event()
         self._idle.set()
         self._counters = dict.fromkeys(
@@ -299,13 +395,8 @@ class PageStore:
             self.path = _prepare_dir(path, readonly=readonly)
             if not readonly:
                 self._lock_fd = _take_lock(self.path)
-            self._open_manifest(cfg, namespace)
-            self._index = Index(
-                os.path.join(self.path, INDEX_FILE),
-                readonly=readonly,
-                map_size=_map_size_bytes(cfg.ssd_capacity_bytes),
-                durable=self.strict,
-            )
+            self._open_manifest(cfg, namespace, capacity_from_manifest, shrink)
+            self._open_index()
             self._files = SegmentFiles(
                 self.path,
                 self.segment_bytes,
@@ -338,10 +429,12 @@ class PageStore:
             self._read_engine.capabilities.name,
         )
 
-    def _open_manifest(self, cfg: StoreConfig, namespace: dict | None) -> None:
+    def _open_manifest(self, cfg: StoreConfig, namespace: dict | None, capacity_from_manifest: bool = False,
+                       shrink: bool = False) -> None:  # fmt: skip
         if namespace is not None and not isinstance(namespace, dict):
             raise TypeError(f"namespace must be a dict of JSON values, got {type(namespace).__name__}")
         m = _read_manifest(self.path)
+        self._shrink_from = None  # (old capacity, old segment count) while a permitted shrink runs
         if m is None:
             if self.readonly:
                 raise FileNotFoundError(f"{self.path} has no {MANIFEST_FILE}; it is not a store (open it for writing first)")
@@ -356,6 +449,7 @@ class PageStore:
                 "format_version": FORMAT_VERSION,
                 "layout": {"segment_bytes": seg, "slot_align_bytes": SLOT_ALIGN_BYTES},
                 "namespace": namespace or {},
+                "ssd_capacity_bytes": int(cfg.ssd_capacity_bytes),
             }
             _write_json_atomic(os.path.join(self.path, MANIFEST_FILE), m)
         else:
@@ -368,7 +462,86 @@ class PageStore:
         self.segment_bytes = int(m["layout"]["segment_bytes"])
         if self.segment_bytes != cfg.ssd_segment_size_bytes and not self.readonly:
             log.info("%s keeps its segment size of %d bytes (config asks %d)", self.path, self.segment_bytes, cfg.ssd_segment_size_bytes)
-        self.capacity_bytes = int(cfg.ssd_capacity_bytes)
+        recorded = recorded_capacity_bytes(m)
+        if self.readonly:
+            self.capacity_bytes = recorded or int(cfg.ssd_capacity_bytes)
+            return
+        self.capacity_bytes = self._writer_capacity(m, recorded, int(cfg.ssd_capacity_bytes), capacity_from_manifest, shrink)
+
+    def _writer_capacity(self, m: dict, recorded: int | None, requested: int, from_manifest: bool, shrink: bool) -> int:
+        """The capacity this writer runs with; records it in the manifest unless it shrinks (then later)."""
+        seg = self.segment_bytes
+        if recorded is None:
+            # a store made before the manifest recorded its capacity: what is on disk is the floor
+            floor = _segment_files_extent(self.path) * seg
+            if from_manifest:
+                requested = max(requested, floor)
+            recorded = floor
+        elif from_manifest:
+            requested = recorded
+        if requested < seg:
+            raise ValueError(
+                f"ssd_capacity_bytes={requested} is smaller than this store's segment size ({seg} bytes)"
+            )
+        old_n, new_n = recorded // seg, requested // seg
+        if new_n < old_n:
+            if not shrink:
+                raise CapacityShrinkError(
+                    f"store {self.path} has ssd_capacity_bytes={recorded} ({old_n} segments of {seg} bytes), but this "
+                    f"open asks for ssd_capacity_bytes={requested} ({new_n} segments): that would drop what is stored "
+                    f"in segments {new_n}..{old_n - 1}. Open it with ssd_capacity_bytes={recorded} (or "
+                    "PageStore.open(..., capacity_from_manifest=True); the CLI: --capacity), or shrink it "
+                    "deliberately with PageStore.open(..., shrink=True) (SGLang: lowering ssd_capacity_bytes in "
+                    "its config does this), which evicts those objects"
+                )
+            self._shrink_from = (recorded, old_n)
+            return requested  # recorded once the evictions are durable (_load_writer_state)
+        if m.get("ssd_capacity_bytes") != requested:
+            if recorded_capacity_bytes(m) is not None:
+                log.info("%s: capacity %d -> %d bytes", self.path, recorded, requested)
+            m["ssd_capacity_bytes"] = requested
+            _write_json_atomic(os.path.join(self.path, MANIFEST_FILE), m)
+        return requested
+
+    def _open_index(self) -> None:
+        """Open index.lmdb; a writer also reads every record (``self._scan``).
+
+        The index is a cache of what the segments hold: a writer that finds it damaged moves it
+        aside (``index.lmdb.corrupt-<time>``) and starts empty, so the segments' space is reused.
+        A read-only opener raises IndexDamagedError naming the file.
+        """
+        ipath = os.path.join(self.path, INDEX_FILE)
+        map_size = _map_size_bytes(self.capacity_bytes)
+        self._scan = None
+        try:
+            self._index = Index(ipath, readonly=self.readonly, map_size=map_size, durable=self.strict)
+            if not self.readonly:
+                self._scan = self._index.scan()
+                self._scan_next_gen = self._index.next_generation()
+            return
+        except IndexDamagedError as e:
+            if self.readonly:
+                raise
+            if self._index is not None:
+                self._index.close()
+                self._index = None
+            reason = e
+        try:
+            dest = quarantine(ipath)
+        except OSError as e:
+            raise StoreError(
+                f"store index {ipath} is damaged ({reason}) and cannot be moved aside ({e.strerror or e}); remove it"
+            ) from None
+        log.warning(
+            "%s: the store index is damaged (%s); moved it to %s and starting with an empty index "
+            "(the objects it listed are lost; their space is reused)",
+            self.path, reason, dest,
+        )  # fmt: skip
+        self._index = Index(ipath, readonly=False, map_size=map_size, durable=self.strict)
+        self._scan = self._index.scan()
+        # generations keep growing across the reset: a follower still reading the old index
+        # can never match a new record's generation to an old one
+        self._scan_next_gen = time.time_ns() // 1000
 
     def _load_writer_state(self) -> None:
         gc_was_enabled = gc.isenabled()
@@ -380,7 +553,7 @@ class PageStore:
                 gc.enable()
 
     def _load_writer_state_nogc(self) -> None:
-        n_segments = max(1, self.capacity_bytes // self.segment_bytes) if self.capacity_bytes >= self.segment_bytes else 0
+        n_segments = self.capacity_bytes // self.segment_bytes
         if n_segments == 0:
             raise ValueError(
                 f"ssd_capacity_bytes={self.capacity_bytes} is smaller than this store's segment size "
@@ -389,24 +562,59 @@ class PageStore:
         self._alloc = SegmentAllocator(n_segments, self.segment_bytes)
         self._high_bytes = int(self._alloc.capacity_bytes * self.config.ssd_high_watermark)
         self._low_bytes = int(self._alloc.capacity_bytes * self.config.ssd_low_watermark)
-        keys, recs = self._index.scan()
+        keys, recs = self._scan
+        self._scan = None
         n = len(keys)
         segs = recs["segment"]
+        shrunk = 0
+        if n and self._shrink_from is not None:
+            shrunk = int((segs >= n_segments).sum())
         keep = self._alloc.rebuild(segs, recs["offset"], recs["length"], recs["generation"])
-        # a record whose segment file is missing or short cannot be read back
         if n:
+            # A record whose segment file is gone (ENOENT) or too short for its extent cannot be
+            # read back: drop it. Any other failure (EMFILE, EACCES, EIO...) may be transient:
+            # refuse to open rather than destroy the index over it.
+            kk = np.flatnonzero(keep)
+            ks = segs[kk].astype(np.int64)
+            sizes = np.full(n_segments, -1, np.int64)  # -1: the file is gone
+            for s in np.unique(ks).tolist():
+                size = self._segment_size(s)
+                sizes[s] = -1 if size is None else size
+            ends = recs["offset"][kk].astype(np.int64) + recs["length"][kk].astype(np.int64)
+            keep[kk] = ends <= sizes[ks]
             for s in np.unique(segs[keep]).tolist():
-                if not (self._files.exists(s) and self._files.ensure(s)):
-                    keep &= segs != s
+                self._open_segment_for_load(s)
             if not keep.all():
                 drop = [keys[i].encode() for i in np.flatnonzero(~keep).tolist()]
-                log.warning("%s: dropping %d index records that point outside the segments", self.path, len(drop))
-                self._index.commit(deletes=drop)
+                if shrunk:
+                    log.warning(
+                        "%s: shrinking from ssd_capacity_bytes=%d to %d (%d -> %d segments): evicting %d objects "
+                        "stored in the removed segments",
+                        self.path, self._shrink_from[0], self.capacity_bytes, self._shrink_from[1], n_segments, shrunk,
+                    )  # fmt: skip
+                if len(drop) > shrunk:
+                    log.warning(
+                        "%s: dropping %d index records whose data is gone (segment file missing or short) or damaged",
+                        self.path, len(drop) - shrunk,
+                    )  # fmt: skip
+                try:
+                    self._index.commit(deletes=drop)
+                except lmdb.Error as e:
+                    raise wrap_lmdb_error(self._index.path, e, f"deleting {len(drop)} records at open") from None
                 idx = np.flatnonzero(keep)
                 keys = [keys[i] for i in idx.tolist()]
                 recs = recs[idx]
                 self._alloc.rebuild(recs["segment"], recs["offset"], recs["length"], recs["generation"])
-        self._files.unlink_beyond(n_segments)
+        if self._shrink_from is not None:
+            # durable order: index entries gone (and synced) first, then the files, then the record
+            self._index.sync()
+            self._files.unlink_beyond(n_segments)
+            self.manifest["ssd_capacity_bytes"] = self.capacity_bytes
+            _write_json_atomic(os.path.join(self.path, MANIFEST_FILE), self.manifest)
+            log.warning(
+                "%s: shrunk to ssd_capacity_bytes=%d (%d segments)", self.path, self.capacity_bytes, n_segments
+            )
+            self._shrink_from = None
         n = len(keys)
         cap = max(1024, int(n * 1.25))
         self._rows_seg = np.zeros(cap, np.int64)
@@ -435,7 +643,37 @@ class PageStore:
         self._free_rows: list[int] = []
         self._dead_pinned: set[int] = set()  # deleted rows whose slot waits for a read to finish
         gen_max = int(recs["generation"].max()) if n else 0
-        self._clock = max(self._index.next_generation(), gen_max + 1)
+        self._clock = max(self._scan_next_gen, gen_max + 1)
+
+    def _segment_size(self, s: int) -> int | None:
+        """Size of segment file s; None when it is gone. Raises StoreError for any other failure."""
+        p = os.path.join(self.path, segment_name(s))
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(
+                f"cannot stat segment file {p} ({e.strerror or e}); refusing to open the store rather than drop "
+                "the index records of that segment: fix the cause and open it again"
+            ) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeStorePathError(
+                f"segment file {p} is not a regular file (a symlink or special file); remove it and open the store again"
+            )
+        return st.st_size
+
+    def _open_segment_for_load(self, s: int) -> None:
+        """Open segment s, which holds records; any failure refuses the open (nothing is dropped)."""
+        try:
+            self._files.open_existing(s)
+        except OSError as e:
+            p = os.path.join(self.path, segment_name(s))
+            raise StoreError(
+                f"cannot open segment file {p} ({errno_name(-e.errno) if e.errno else ''} {e.strerror or e}); the "
+                "store was not opened and its index was left as it is: fix the cause (open-file limit, "
+                "permissions, disk) and open it again"
+            ) from None
 
     async def close(self) -> None:
         if self._closed:
@@ -772,10 +1010,13 @@ class PageStore:
         first_of: dict[str, int] = {}
         dups: list[tuple[int, int]] = []
         max_key = self._index.max_key_bytes
+        known = self._keys.get
+        again: list[int] = []
         for i, k in enumerate(keys):
-            if k in self._keys:
-                results[i] = True
-                self._counters["put_dedup"] += 1
+            r = known(k)
+            if r is not None:
+                results[i] = True  # the first bytes stay; the re-put makes the key recently used
+                again.append(r)
                 continue
             if k in first_of:
                 dups.append((i, first_of[k]))
@@ -800,6 +1041,10 @@ class PageStore:
                 todo.append(i)
                 addrs.append(addr)
                 lens.append(nb)
+        if again:
+            # before this batch evicts anything: SGLang re-puts the prefixes it keeps hot
+            self._counters["put_dedup"] += len(again)
+            self._rows_tick[again] = self._tick()
         if todo:
             await self._write_objects(keys, todo, addrs, lens, depths, results, refused)
         if dev_todo:
@@ -902,12 +1147,22 @@ class PageStore:
             if copies:
                 await loop.run_in_executor(None, stage)
             async with self._write_sem:
+                task = None
                 try:
                     if route is None:
                         write = self._write_engine.write_many(fds, offs, io_addr, io_len)
                     else:
                         write = self._write_device(route, fds, offs, io_addr, io_len)
-                    res = await asyncio.wait_for(write, self.timeout_s)
+                    # shielded: a write that runs late is not cancelled but owned by the engine
+                    # until it completes, then _release_late_write frees its slots (below)
+                    task = asyncio.ensure_future(write)
+                    try:
+                        res = await asyncio.wait_for(asyncio.shield(task), self.timeout_s)
+                    except asyncio.CancelledError:
+                        if not task.done():  # our caller gave up: the engine still owns the slots
+                            timed_out = True
+                            self._hand_off_write(task, segs, offs, bounce)
+                        raise
                     if route is not None:
                         res, dev_crcs = res
                         crc_job = loop.create_future()
@@ -923,6 +1178,7 @@ class PageStore:
                     timed_out = True
                     self._counters["timeouts"] += 1
                     log.error("%s: write of %d objects took longer than io_timeout_s=%.1f s", self.path, m, self.timeout_s)
+                    self._hand_off_write(task, segs, offs, bounce)
                 except Exception as e:  # noqa: BLE001 - EngineClosed, validation: the batch fails
                     log.error("%s: write batch failed: %s", self.path, e)
             if self.strict and good.any():
@@ -940,7 +1196,7 @@ class PageStore:
             if bounce is not None and not timed_out:
                 self._bounce.put(bounce)
         if timed_out:
-            return  # the writes may still land: leave those slots allocated until restart
+            return  # the writes may still land: the slots are freed when the engine reports them done
         # publish: one commit for the batch, only for keys not published meanwhile
         gen = self._tick()
         async with self._commit_lock:
@@ -988,6 +1244,30 @@ class PageStore:
                     refused.add(keys[i], "index commit failed")
                 elif good[j]:
                     results[i] = True  # another put of the same key published first: keep its bytes
+
+    def _hand_off_write(self, task: asyncio.Future, segs: np.ndarray, offs: np.ndarray, bounce) -> None:
+        """A write batch outlived its wait: free its slots (and bounce) when the engine is done with it.
+
+        The engine resolves the task only once none of the batch's ops is in flight (or when it is
+        closed, with the store), so a slot is never handed out again while the kernel may still
+        write into it. Nothing of the batch was published.
+        """
+        seg_l, off_l = segs.tolist(), offs.tolist()
+        self._late_writes += 1
+
+        def done(t: asyncio.Future) -> None:
+            self._late_writes -= 1
+            if not t.cancelled() and t.exception() is not None:
+                log.debug("%s: late write batch ended with %r", self.path, t.exception())
+            free = self._alloc.free
+            for s, o in zip(seg_l, off_l):
+                free(s, o)
+            if bounce is not None and not self._closed:
+                self._bounce.put(bounce)
+            if not self._closed:
+                log.warning("%s: a timed-out write of %d objects completed late; its slots are free again", self.path, len(seg_l))
+
+        task.add_done_callback(done)
 
     async def _write_device(self, route: str, fds, offs, addrs, lens):
         """(results, crcs) for a write from CUDA memory; the CRC is computed on a host copy."""
@@ -1243,7 +1523,9 @@ class PageStore:
                 log.error("%s: read of %d objects took longer than io_timeout_s=%.1f s", self.path, m, self.timeout_s)
                 return
         finally:
-            if rows is not None and not timed_out:
+            # Every engine await above has returned, timed out or not: the engine drains a
+            # cancelled batch before it lets the await end, so no read of these slots is in flight.
+            if rows is not None:
                 self._unpin(rows)
             if bounce is not None and not timed_out:
                 self._bounce.put(bounce)
@@ -1405,6 +1687,7 @@ class PageStore:
                 disk_bytes=self._files.disk_bytes(),
                 size_classes=self._alloc.class_counts(),
                 pinned_slots=int((self._rows_pins[: self._nrows] > 0).sum()),
+                late_writes=self._late_writes,
             )
         else:
             s.update(objects=self._object_count())

@@ -22,7 +22,24 @@ _CALL_SLACK_S = 5.0  # a call may wait on a few io_timeout_s-bounded steps (evic
 
 
 class SyncPageStore:
-    def __init__(self, path, config: StoreConfig | None = None, *, readonly: bool = False, namespace: dict | None = None):
+    """The serving facade (the SGLang backend opens its stores through it).
+
+    Capacity: the config's ``ssd_capacity_bytes`` is the server's deliberate setting, so by
+    default (``shrink=True``) a writer opened with less than the store records shrinks it,
+    evicting the objects in the removed segments durably and logging it. Pass ``shrink=False`` to
+    be refused instead, or ``capacity_from_manifest=True`` to run with the recorded capacity.
+    """
+
+    def __init__(
+        self,
+        path,
+        config: StoreConfig | None = None,
+        *,
+        readonly: bool = False,
+        namespace: dict | None = None,
+        capacity_from_manifest: bool = False,
+        shrink: bool = True,
+    ):
         config = config or StoreConfig()
         self._timeout_s = float(config.io_timeout_s) * 4 + _CALL_SLACK_S
         self._loop = asyncio.new_event_loop()
@@ -30,7 +47,12 @@ class SyncPageStore:
         self._thread.start()
         self._closed = False
         try:
-            self.store: PageStore = self._call(PageStore.open(path, config, readonly=readonly, namespace=namespace))
+            self.store: PageStore = self._call(
+                PageStore.open(
+                    path, config, readonly=readonly, namespace=namespace,
+                    capacity_from_manifest=capacity_from_manifest, shrink=shrink,
+                )  # fmt: skip
+            )
         except BaseException:
             self._stop_loop()
             raise
