@@ -6,7 +6,6 @@ import json
 import os
 
 import numpy as np
-import pytest
 from test_cli_warmup import CAP, _cfg, items, make_store, read_store, run_cli
 
 from umbp_nvme.maintenance import StoreReader, classify_key

@@ -262,8 +262,7 @@ async def test_public_manifest_and_lock_helpers(store_dir, tmp_path):
     assert lock_holder(str(tmp_path / "empty")) is None
     import umbp_nvme.maintenance as maint
 
-    assert maint.read_manifest is read_manifest and maint.lock_holder is lock_holder
-    assert maint.MANIFEST_FILE == MANIFEST_FILE and maint.LOCK_FILE == LOCK_FILE
+    assert maint.read_manifest is read_manifest and maint.lock_holder is lock_holder  # no copies
 
 
 # --------------------------------------------------------------------------- 6. timed-out I/O

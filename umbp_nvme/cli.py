@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import sys
-import time
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -57,9 +56,9 @@ def _read_keys(path: str) -> list[str]:
 
 
 def _load_config(args, *, for_writer: bool):
-    """StoreConfig from UMBP_* env and --config; for a writer, a capacity that keeps what is on disk."""
+    """StoreConfig from UMBP_* env and --config (a writer without --capacity adopts the store's own)."""
     from .config import load_config
-    from .maintenance import read_manifest, safe_capacity_bytes
+    from .maintenance import read_manifest
 
     extra: dict = {}
     if getattr(args, "config", None):
@@ -85,8 +84,6 @@ def _load_config(args, *, for_writer: bool):
         cfg = load_config(extra)
     except ValueError as e:
         raise CliError(str(e)) from None
-    if for_writer:
-        cfg.ssd_capacity_bytes = safe_capacity_bytes(args.store, cfg.ssd_capacity_bytes)
     return cfg
 
 
@@ -161,7 +158,8 @@ def cmd_warmup(args) -> int:
         s = asyncio.run(
             import_sources(args.store, args.sources, cfg, layout=layout, page_bytes=args.page_bytes, namespace=namespace,
                            keys=keys, max_gbps=args.max_gbps, progress=args.progress,
-                           batch_bytes=args.batch_size or BATCH_BYTES)
+                           batch_bytes=args.batch_size or BATCH_BYTES,
+                           capacity_from_manifest=not _capacity_given(args))
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -268,7 +266,7 @@ def _drop_keys(args, keys: list[str]) -> int:
     cfg = _load_config(args, for_writer=True)
 
     async def run() -> int:
-        store = await PageStore.open(args.store, cfg)
+        store = await PageStore.open(args.store, cfg, capacity_from_manifest=not _capacity_given(args))
         try:
             return sum(await store.delete_many(keys))
         finally:
@@ -285,7 +283,8 @@ def cmd_compact(args) -> int:
     cfg = _load_config(args, for_writer=True)
 
     async def run() -> dict:
-        store = await PageStore.open(args.store, cfg)  # holds the writer lock while we work
+        # holds the writer lock while we work
+        store = await PageStore.open(args.store, cfg, capacity_from_manifest=not _capacity_given(args))
         try:
             return compact_dir(store.path, interior=not args.tail_only)
         finally:

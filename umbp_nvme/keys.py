@@ -37,7 +37,7 @@ class UnregisteredPoolError(ValueError):
         self.pool_name = pool_name_str(name)
         listed = ", ".join(registered) if registered else "none"
         hint = (
-            f"Register it with register_mem_host_pool_v2(host_pool, name) before batch I/O."
+            "Register it with register_mem_host_pool_v2(host_pool, name) before batch I/O."
             if self.pool_name != KV_POOL
             else "The KV anchor is never a side pool: it is registered with register_mem_pool_host "
             "and read and written through batch_get_v1 / batch_set_v1."

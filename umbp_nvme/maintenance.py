@@ -26,7 +26,7 @@ import numpy as np
 from .errors import NotAStoreError
 from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
 from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, segment_name, size_classes
-from .store import LOCK_FILE, MANIFEST_FILE, lock_holder, read_manifest
+from .store import lock_holder, read_manifest
 
 _READONLY_MAP_BYTES = 1 << 30  # LMDB grows a read-only map to the file's own size
 
@@ -49,23 +49,6 @@ def segment_files_on_disk(path: str) -> dict[int, str]:
             except ValueError:
                 pass
     return out
-
-
-def safe_capacity_bytes(path: str, configured: int) -> int:
-    """A capacity that keeps every segment already on disk.
-
-    The store removes segment files beyond ``capacity // segment_bytes`` when it opens, and the
-    manifest does not record the capacity the server runs with; a maintenance command opening a
-    store as writer with a smaller default would destroy data. Never go below what is there.
-    """
-    try:
-        seg_bytes = int(read_manifest(path)["layout"]["segment_bytes"])
-        segs = segment_files_on_disk(path)
-    except (NotAStoreError, OSError, KeyError, ValueError):
-        return configured
-    if not segs:
-        return configured
-    return max(configured, (max(segs) + 1) * seg_bytes)
 
 
 # --- records ---------------------------------------------------------------------------------

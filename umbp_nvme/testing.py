@@ -583,7 +583,6 @@ def crash_run(
 # =============================================================================================
 # Fault injection through the whole stack (UMBPNvmeStore -> SyncPageStore -> PageStore -> engine)
 
-import contextlib as _contextlib  # noqa: E402
 import subprocess as _subprocess  # noqa: E402
 
 
@@ -1280,7 +1279,7 @@ def hygiene_run(root: str, log=None) -> dict:
     """Permissions, symlinks, the writer lock and foreign ownership. Returns findings and checks."""
     import pwd
 
-    from .errors import StoreLockedError, UnsafeStorePathError
+    from .errors import UnsafeStorePathError
 
     findings: list[str] = []
     checks = 0

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from .archive import ArchiveError, ArchiveReader
 from .buffers import AlignedBuffer
 from .keys import KeyScheme
-from .maintenance import MANIFEST_FILE, StoreReader
+from .maintenance import StoreReader
+from .store import MANIFEST_FILE
 
 log = logging.getLogger(__name__)
 
@@ -605,8 +606,12 @@ async def import_sources(
     progress: bool | None = None,
     handle_signals: bool = True,
     batch_bytes: int = BATCH_BYTES,
+    capacity_from_manifest: bool = False,
 ) -> Summary:
-    """Open store_path as writer and import every source into it (see module docstring)."""
+    """Open store_path as writer and import every source into it (see module docstring).
+
+    ``capacity_from_manifest``: an existing store keeps the capacity it records (a tool that was
+    not told the server's capacity must not shrink the store)."""
     from .store import PageStore
 
     summary = Summary()
@@ -632,7 +637,8 @@ async def import_sources(
                 ns = _merge_namespace(ns, a.namespace, src)
             else:
                 plan.append((src, kind, None))
-        store = await PageStore.open(store_path, config, namespace=ns or None)
+        store = await PageStore.open(store_path, config, namespace=ns or None,
+                                     capacity_from_manifest=capacity_from_manifest)
         try:
             target_ns = store.manifest.get("namespace") or {}
             expected = page_bytes or expected_page_bytes(target_ns, layout)
