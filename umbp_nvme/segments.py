@@ -116,6 +116,39 @@ class SegmentAllocator:
             segs = self._class_free.get(cls)
         return out
 
+    def alloc_array(self, cls: int, n: int, ensure_file=None) -> tuple[np.ndarray, np.ndarray]:
+        """alloc_many as two int64 arrays (segment, offset); -1 in both where there was no room."""
+        segs = np.full(n, -1, np.int64)
+        offs = np.full(n, -1, np.int64)
+        got = 0
+        classes = self._class_free
+        while got < n:
+            free_segs = classes.get(cls)
+            if free_segs:
+                seg = next(iter(free_segs))
+                stack = free_segs[seg]
+                k = min(n - got, len(stack))
+                offs[got : got + k] = stack[len(stack) - k :][::-1]  # lowest offsets first: sequential on disk
+                del stack[len(stack) - k :]
+                if not stack:
+                    del free_segs[seg]
+                segs[got : got + k] = seg
+                self.seg_used[seg] += k
+                self.used_bytes += cls * k
+                got += k
+                continue
+            slot = self.alloc(cls, ensure_file)  # assigns a fresh segment
+            if slot is None:
+                break
+            segs[got], offs[got] = slot
+            got += 1
+        return segs, offs
+
+    def free_many(self, segs, offs) -> None:
+        free = self.free
+        for s, o in zip(np.asarray(segs).tolist(), np.asarray(offs).tolist()):
+            free(s, o)
+
     def free(self, seg: int, off: int) -> None:
         cls = self.seg_class[seg]
         assert cls and self.seg_used[seg] > 0, (seg, off)

@@ -48,7 +48,7 @@ from .errors import (
     UnsafeStorePathError,
 )
 from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index, quarantine, wrap_lmdb_error
-from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, SegmentFiles, segment_name, size_class, size_classes
+from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, SegmentFiles, segment_name, size_classes
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,13 @@ _RECLAIM_ROUNDS_MAX = 16  # segments reclaimed for one batch whose size class ha
 
 def _crc32c_fn():
     try:
-        from ._uring import crc32c
+        from ._uring import crc32c, crc32c_many
     except ImportError as e:
         raise ImportError(
             f"umbp_nvme._uring (the native extension) is required for CRC32C: {e}; build it with "
             "`pip install -e .` (needs a C compiler)"
         ) from None
-    return crc32c
+    return crc32c, crc32c_many
 
 
 def _is_strict(mode: str) -> bool:
@@ -311,6 +311,23 @@ class _Refusals:
 
 _memmove = ctypes.memmove
 
+_PART_MIN_BYTES = 1 << 20  # a read sub-batch moves at least this much (its submit and wake-up cost ~tens of us)
+_PARTS_MAX = 8
+
+
+def _part_bounds(m: int, nbytes: int) -> list[int]:
+    """Split m reads into sub-batches verified as each completes: a few large ones, then smaller
+    ones, so the CRC left to do after the last completion is a small fraction of the batch."""
+    if m == 0:
+        return [0]
+    p = max(1, min(_PARTS_MAX, m // 8, nbytes // _PART_MIN_BYTES))
+    if p == 1:
+        return [0, m]
+    # weights 2,2,...,2,1,1: the last two parts are half size
+    w = np.array([2] * (p - 2) + [1, 1], np.float64)
+    edges = np.rint(np.concatenate([[0], np.cumsum(w)]) / w.sum() * m).astype(int)
+    return sorted(set(edges.tolist()))
+
 
 class PageStore:
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
@@ -359,7 +376,7 @@ class PageStore:
             )
         if cfg.eviction_policy not in ("lru", "prefix_aware"):
             raise ValueError(f"eviction_policy must be 'lru' or 'prefix_aware'; got {cfg.eviction_policy!r}")
-        self._crc32c = _crc32c_fn()
+        self._crc32c, self._crc32c_many = _crc32c_fn()
         self._closed = False
         self._lock_fd = -1
         self._index = None
@@ -370,6 +387,8 @@ class PageStore:
         self._gds_gate = None  # opened on the first CUDA buffer (engine/gds.py)
         self._ranges: list[tuple[int, int]] = []  # sorted registered (start, end)
         self._range_starts: list[int] = []
+        self._range_start_arr = np.zeros(0, np.int64)  # the same ranges as arrays, for _resolve_pairs
+        self._range_end_arr = np.zeros(0, np.int64)
         self._inflight = 0
         self._late_writes = 0  # write batches that outlived io_timeout_s and still hold slots
         self._idle = asyncio.Event()
@@ -735,6 +754,8 @@ class PageStore:
         i = bisect.bisect_left(self._range_starts, address)
         self._ranges.insert(i, (address, address + nbytes))
         self._range_starts.insert(i, address)
+        self._range_start_arr = np.asarray([a for a, _ in self._ranges], np.int64)
+        self._range_end_arr = np.asarray([b for _, b in self._ranges], np.int64)
         fixed = False
         for e in self._engines:
             try:
@@ -805,8 +826,10 @@ class PageStore:
     # ----------------------------------------------------------------------------- rows
 
     def _new_rows(self, k: int) -> np.ndarray:
-        take = min(k, len(self._free_rows))
-        rows = [self._free_rows.pop() for _ in range(take)]
+        free = self._free_rows
+        take = min(k, len(free))
+        rows = free[len(free) - take :][::-1]
+        del free[len(free) - take :]
         need = k - take
         if need:
             if self._nrows + need > len(self._rows_seg):
@@ -1001,6 +1024,12 @@ class PageStore:
     async def _put(self, keys, buffers, depths, results) -> None:
         n = len(keys)
         refused = _Refusals("put_many")
+        fast = self._put_fast_prep(keys, buffers)
+        if fast is not None:
+            # every key new and distinct, every buffer a registered (address, nbytes) pair
+            await self._write_objects(keys, np.arange(n, dtype=np.int64), fast[0], fast[1], depths, results, refused)
+            refused.log(n)
+            return
         todo: list[int] = []
         addrs: list[int] = []
         lens: list[int] = []
@@ -1046,7 +1075,10 @@ class PageStore:
             self._counters["put_dedup"] += len(again)
             self._rows_tick[again] = self._tick()
         if todo:
-            await self._write_objects(keys, todo, addrs, lens, depths, results, refused)
+            await self._write_objects(
+                keys, np.asarray(todo, np.int64), np.asarray(addrs, np.uint64), np.asarray(lens, np.int64),
+                depths, results, refused,
+            )  # fmt: skip
         if dev_todo:
             try:
                 route = await self._gds_route()
@@ -1055,16 +1087,63 @@ class PageStore:
                 for i in dev_todo:
                     refused.add(keys[i], str(e))
             if route:
-                await self._write_objects(keys, dev_todo, dev_addrs, dev_lens, depths, results, refused, route=route)
+                await self._write_objects(
+                    keys, np.asarray(dev_todo, np.int64), np.asarray(dev_addrs, np.uint64),
+                    np.asarray(dev_lens, np.int64), depths, results, refused, route=route,
+                )  # fmt: skip
         for i, j in dups:
             results[i] = results[j]
         refused.log(n)
 
+    def _put_fast_prep(self, keys, buffers):
+        """(addrs, lens) when the batch needs no per-key decisions: every key new and distinct, short
+        enough, every buffer an (address, nbytes) pair inside a registered range, sizes valid.
+        None otherwise (the general path decides key by key)."""
+        n = len(keys)
+        if not n:
+            return None
+        if not all([type(k) is str for k in keys]) or max(map(len, keys)) * 4 > self._index.max_key_bytes:
+            return None
+        known = self._keys
+        if any(map(known.__contains__, keys)) or len(set(keys)) != n:
+            return None
+        pair = self._resolve_pairs(buffers)
+        if pair is None:
+            return None
+        lens = pair[1]
+        if int(lens.max()) > min(self.segment_bytes, (1 << 32) - 1):
+            return None
+        return pair
+
+    def _resolve_pairs(self, buffers):
+        """(addrs uint64[], nbytes int64[]) when every buffer is an (address, nbytes) pair of ints wholly
+        inside one registered range (the SGLang backend's hot path), in a few numpy ops; else None."""
+        if not self._ranges or not buffers:
+            return None
+        if not all([type(b) is tuple for b in buffers]):
+            return None
+        try:
+            a = np.array(buffers)
+        except (ValueError, TypeError, OverflowError):
+            return None
+        if a.dtype != np.int64 or a.shape != (len(buffers), 2):
+            return None
+        addr, nb = a[:, 0], a[:, 1]
+        if int(addr.min()) <= 0 or int(nb.min()) <= 0:
+            return None
+        i = np.searchsorted(self._range_start_arr, addr, side="right") - 1
+        if int(i.min()) < 0 or (addr + nb > self._range_end_arr[i]).any():
+            return None  # maybe inside an overlapping earlier range: the general path walks them
+        return addr.astype(np.uint64), np.ascontiguousarray(nb)
+
     async def _write_objects(self, keys, todo, addrs, lens, depths, results, refused, route: str | None = None) -> None:
-        """Reserve slots, write, [fdatasync], publish. ``route``: None (host memory), 'gds' or 'staging'."""
-        classes = [size_class(x) for x in lens]
-        await self._make_room(sum(classes))
-        slots: list[tuple[int, int] | None] = [None] * len(todo)
+        """Reserve slots, write, [fdatasync], publish. ``route``: None (host memory), 'gds' or 'staging'.
+
+        ``todo``: int64 key index per object; ``addrs`` uint64, ``lens`` int64, one per object.
+        """
+        m0 = len(todo)
+        classes = size_classes(lens)
+        await self._make_room(int(classes.sum()))
         failed_create = False
 
         def ensure(seg: int) -> bool:
@@ -1075,48 +1154,54 @@ class PageStore:
             failed_create = not ok
             return ok
 
-        by_class: dict[int, list[int]] = {}
-        for j, c in enumerate(classes):
-            by_class.setdefault(c, []).append(j)
-        for c, js in by_class.items():
-            for j, slot in zip(js, self._alloc.alloc_many(c, len(js), ensure)):
-                slots[j] = slot
+        alloc = self._alloc
+        uc = np.unique(classes)
+        if len(uc) == 1:
+            segs, offs = alloc.alloc_array(int(uc[0]), m0, ensure)
+        else:
+            segs = np.full(m0, -1, np.int64)
+            offs = np.full(m0, -1, np.int64)
+            for c in uc.tolist():
+                js = np.flatnonzero(classes == c)
+                segs[js], offs[js] = alloc.alloc_array(c, len(js), ensure)
         rounds = 0
-        while any(s is None for s in slots) and not failed_create and rounds < _RECLAIM_ROUNDS_MAX:
+        while (segs < 0).any() and not failed_create and rounds < _RECLAIM_ROUNDS_MAX:
             # every segment is taken and this size class has no free slot: empty a whole segment
             rounds += 1
             if not await self._reclaim_segment():
                 break
-            for j, c in enumerate(classes):
-                if slots[j] is None:
-                    slots[j] = self._alloc.alloc(c, ensure)
-        nxt = self._alloc.next_free_segment()
+            for j in np.flatnonzero(segs < 0).tolist():
+                slot = alloc.alloc(int(classes[j]), ensure)
+                if slot is not None:
+                    segs[j], offs[j] = slot
+        nxt = alloc.next_free_segment()
         if nxt is not None and not failed_create and self._files.want_precreate(nxt):
             asyncio.get_running_loop().run_in_executor(None, self._files.precreate, nxt)
-        ok_j = []
-        for j, s in enumerate(slots):
-            if s is None:
-                refused.add(keys[todo[j]], "no space" + (" (segment file could not be created)" if failed_create else ""))
-            else:
-                ok_j.append(j)
-        if not ok_j:
-            return
-        m = len(ok_j)
-        segs = np.fromiter((slots[j][0] for j in ok_j), np.int64, m)
-        offs = np.fromiter((slots[j][1] for j in ok_j), np.int64, m)
-        src = np.fromiter((addrs[j] for j in ok_j), np.uint64, m)
-        nbytes = np.fromiter((lens[j] for j in ok_j), np.int64, m)
+        have = segs >= 0
+        if not have.all():
+            why = "no space" + (" (segment file could not be created)" if failed_create else "")
+            for j in np.flatnonzero(~have).tolist():
+                refused.add(keys[int(todo[j])], why)
+            ok_j = np.flatnonzero(have)
+            if not len(ok_j):
+                return
+            segs, offs, todo, addrs, lens = segs[ok_j], offs[ok_j], todo[ok_j], addrs[ok_j], lens[ok_j]
+        m = len(todo)
+        src = np.ascontiguousarray(addrs, np.uint64)
+        nbytes = np.ascontiguousarray(lens, np.int64)
         fds = self._files.fds[segs]
         align = self._files.align[segs]
         # O_DIRECT needs aligned memory and whole blocks: stage the rest through a bounce buffer
         bounce_mask = self._files.direct[segs] & (((src % align.astype(np.uint64)) != 0) | (nbytes % align != 0))
         if route is not None:
             bounce_mask[:] = False  # device memory: kvikio / staging do their own alignment
-        io_addr = src.copy()
-        io_len = nbytes.copy()
+        io_addr = src
+        io_len = nbytes
         bounce = None
         copies = []
         if bounce_mask.any():
+            io_addr = src.copy()
+            io_len = nbytes.copy()
             bj = np.flatnonzero(bounce_mask)
             blen = -(-nbytes[bj] // align[bj]) * align[bj]
             starts = np.concatenate([[0], np.cumsum(blen)[:-1]])
@@ -1124,8 +1209,6 @@ class PageStore:
             io_addr[bj] = np.uint64(bounce.address) + starts.astype(np.uint64)
             io_len[bj] = blen
             copies = list(zip(io_addr[bj].tolist(), src[bj].tolist(), nbytes[bj].tolist(), blen.tolist()))
-        crc32c = self._crc32c
-        src_l, nb_l = src.tolist(), nbytes.tolist()
 
         def stage() -> None:
             for dst, s, nb, bl in copies:
@@ -1133,16 +1216,16 @@ class PageStore:
                 if bl > nb:
                     ctypes.memset(dst + nb, 0, bl - nb)
 
-        def checksums() -> list[int]:
-            return [crc32c((a, b)) for a, b in zip(src_l, nb_l)]
-
         loop = asyncio.get_running_loop()
         good = np.zeros(m, bool)
         timed_out = False
         crc_job = None
+        crcs = None
         if route is None:
-            # The CRC reads the caller's memory while the disk reads it too: it costs no wall time.
-            crc_job = loop.run_in_executor(None, checksums)
+            # One C call over the caller's memory with the GIL released, on a worker thread, while
+            # the disk reads the same memory: it costs no wall time unless it outlasts the write.
+            crc_out = np.empty(m, np.uint32)
+            crc_job = loop.run_in_executor(None, self._crc32c_many, src, nbytes, crc_out)
         try:
             if copies:
                 await loop.run_in_executor(None, stage)
@@ -1165,15 +1248,14 @@ class PageStore:
                         raise
                     if route is not None:
                         res, dev_crcs = res
-                        crc_job = loop.create_future()
-                        crc_job.set_result([int(c) for c in dev_crcs])
+                        crcs = np.asarray(dev_crcs, np.uint32)
                     good = res == io_len
                     if not good.all():
                         bad = np.flatnonzero(~good)
                         for b in bad[:1].tolist():
-                            refused.add(keys[todo[ok_j[b]]], f"write failed: {errno_name(int(res[b]))}")
+                            refused.add(keys[int(todo[b])], f"write failed: {errno_name(int(res[b]))}")
                         for b in bad[1:].tolist():
-                            refused.add(keys[todo[ok_j[b]]], "write failed")
+                            refused.add(keys[int(todo[b])], "write failed")
                 except asyncio.TimeoutError:
                     timed_out = True
                     self._counters["timeouts"] += 1
@@ -1183,40 +1265,60 @@ class PageStore:
                     log.error("%s: write batch failed: %s", self.path, e)
             if self.strict and good.any():
                 touched = np.unique(segs[good]).tolist()
-                done = await asyncio.gather(
-                    *(asyncio.wait_for(self._write_engine.sync(int(self._files.fds[s])), self.timeout_s) for s in touched),
-                    return_exceptions=True,
-                )
+                sync = self._write_engine.sync
+                fdl = self._files.fds
+                if len(touched) == 1:
+                    try:
+                        await asyncio.wait_for(sync(int(fdl[touched[0]])), self.timeout_s)
+                        done = [None]
+                    except Exception as e:  # noqa: BLE001 - incl. timeout
+                        done = [e]
+                else:
+                    done = await asyncio.gather(
+                        *(asyncio.wait_for(sync(int(fdl[s])), self.timeout_s) for s in touched), return_exceptions=True
+                    )
                 for s, r in zip(touched, done):
                     if isinstance(r, BaseException):  # incl. timeout: nothing in that segment is durable
                         log.error("%s: fdatasync of segment %d failed: %r", self.path, s, r)
                         good &= segs != s
-            crcs = await crc_job if crc_job is not None else [0] * m  # None: the device write failed
+            if crc_job is not None:
+                await crc_job
+                crcs = crc_out
         finally:
             if bounce is not None and not timed_out:
                 self._bounce.put(bounce)
         if timed_out:
             return  # the writes may still land: the slots are freed when the engine reports them done
+        if crcs is None:  # the device write failed
+            crcs = np.zeros(m, np.uint32)
         # publish: one commit for the batch, only for keys not published meanwhile
         gen = self._tick()
+        committed = False
         async with self._commit_lock:
-            pub = [j for j in np.flatnonzero(good).tolist() if keys[todo[ok_j[j]]] not in self._keys]
-            pj = np.asarray(pub, np.int64)
-            pub_keys = [keys[todo[ok_j[j]]] for j in pub]
-            pub_depths = [-1] * len(pub) if depths is None else [int(depths[todo[ok_j[j]]]) for j in pub]
-            pub_crcs = np.asarray([crcs[j] for j in pub], np.uint32)
-            recs = np.zeros(len(pub), REC_DTYPE)
+            pj = np.flatnonzero(good)
+            pub_idx = todo[pj].tolist()
+            pub_keys = [keys[i] for i in pub_idx]
+            kd = self._keys
+            if any(map(kd.__contains__, pub_keys)):
+                keep = [t for t, k in enumerate(pub_keys) if k not in kd]
+                pj = pj[keep]
+                pub_idx = [pub_idx[t] for t in keep]
+                pub_keys = [pub_keys[t] for t in keep]
+            npub = len(pj)
+            pub_depths = -1 if depths is None else np.asarray([int(depths[i]) for i in pub_idx], np.int32)
+            pub_crcs = crcs[pj]
+            recs = np.zeros(npub, REC_DTYPE)
             recs["segment"], recs["length"], recs["offset"] = segs[pj], nbytes[pj], offs[pj]
             recs["generation"] = recs["group"] = gen
             recs["crc"], recs["depth"], recs["flags"] = pub_crcs, pub_depths, FLAG_CRC
             blob = recs.tobytes()
-            puts = [(k.encode(), blob[t * REC_BYTES : (t + 1) * REC_BYTES]) for t, k in enumerate(pub_keys)]
+            puts = list(zip(map(str.encode, pub_keys), [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
             try:
                 committed = await self._commit(puts) if puts else True
             except asyncio.TimeoutError:
                 return  # may still land: keep the slots out of use
-            if committed and pub:
-                rows = self._new_rows(len(pub))
+            if committed and npub:
+                rows = self._new_rows(npub)
                 self._rows_seg[rows] = segs[pj]
                 self._rows_off[rows] = offs[pj]
                 self._rows_len[rows] = nbytes[pj]
@@ -1227,23 +1329,27 @@ class PageStore:
                 self._rows_tick[rows] = gen
                 self._rows_pins[rows] = 0
                 self._rows_live[rows] = True
+                rows_l = rows.tolist()
                 row_key = self._row_key
-                for r, k in zip(rows.tolist(), pub_keys):
+                for r, k in zip(rows_l, pub_keys):
                     row_key[r] = k
-                self._keys.update(zip(pub_keys, rows.tolist()))
+                kd.update(zip(pub_keys, rows_l))
                 self._counters["bytes_written"] += int(nbytes[pj].sum())
-        published = set(pub) if committed else set()
-        free = self._alloc.free
-        for j in range(m):
-            i = todo[ok_j[j]]
-            if j in published:
+        published = np.zeros(m, bool)
+        if committed:
+            published[pj] = True
+            for i in pub_idx:
                 results[i] = True
-            else:
-                free(int(segs[j]), int(offs[j]))
-                if good[j] and not committed:
-                    refused.add(keys[i], "index commit failed")
-                elif good[j]:
-                    results[i] = True  # another put of the same key published first: keep its bytes
+        rest = np.flatnonzero(~published)
+        if len(rest):
+            self._alloc.free_many(segs[rest], offs[rest])
+            for j in rest.tolist():
+                if good[j]:
+                    i = int(todo[j])
+                    if not committed:
+                        refused.add(keys[i], "index commit failed")
+                    else:
+                        results[i] = True  # another put of the same key published first: keep its bytes
 
     def _hand_off_write(self, task: asyncio.Future, segs: np.ndarray, offs: np.ndarray, bounce) -> None:
         """A write batch outlived its wait: free its slots (and bounce) when the engine is done with it.
@@ -1385,18 +1491,20 @@ class PageStore:
         refused = _Refusals("get_many")
         writer = not self.readonly
         rows = None
+        n = len(keys)
         if writer:
-            get = self._keys.get
-            idx_l, rows_l = [], []
-            for i, k in enumerate(keys):
-                r = get(k)
-                if r is not None:
-                    idx_l.append(i)
-                    rows_l.append(r)
-            if not idx_l:
-                return
-            idx = np.asarray(idx_l, np.int64)
-            rows = np.asarray(rows_l, np.int64)
+            rows_l = list(map(self._keys.get, keys))
+            if None in rows_l:
+                idx_l = [i for i, r in enumerate(rows_l) if r is not None]
+                if not idx_l:
+                    return
+                idx = np.asarray(idx_l, np.int64)
+                rows = np.asarray([rows_l[i] for i in idx_l], np.int64)
+            else:
+                if not n:
+                    return
+                idx = np.arange(n, dtype=np.int64)
+                rows = np.asarray(rows_l, np.int64)
             segs, offs, lens = self._rows_seg[rows], self._rows_off[rows], self._rows_len[rows]
             crcs, flags, gens = self._rows_crc[rows], self._rows_flags[rows], self._rows_gen[rows]
         else:
@@ -1411,23 +1519,29 @@ class PageStore:
             if not len(idx):
                 return
         # caller memory
-        dst = np.zeros(len(idx), np.uint64)
-        ok = np.ones(len(idx), bool)
-        devm = np.zeros(len(idx), bool)
-        idx_list = idx.tolist()
-        for j, i in enumerate(idx_list):
-            r = self._resolve(buffers[i], writable=True)
-            if isinstance(r, str):
-                refused.add(keys[i], r)
-                ok[j] = False
-                continue
-            if r[1] < lens[j]:
-                refused.add(keys[i], f"buffer of {r[1]} bytes is smaller than the {int(lens[j])}-byte object")
-                ok[j] = False
-                continue
-            dst[j] = r[0]
-            devm[j] = r[2]
-        if not ok.all() or devm.any():
+        m = len(idx)
+        pair = self._resolve_pairs(buffers if m == n else [buffers[i] for i in idx.tolist()])
+        if pair is not None and not (pair[1] < lens).any():
+            dst = pair[0]
+            ok = None
+            devm = None
+        else:
+            dst = np.zeros(m, np.uint64)
+            ok = np.ones(m, bool)
+            devm = np.zeros(m, bool)
+            for j, i in enumerate(idx.tolist()):
+                r = self._resolve(buffers[i], writable=True)
+                if isinstance(r, str):
+                    refused.add(keys[i], r)
+                    ok[j] = False
+                    continue
+                if r[1] < lens[j]:
+                    refused.add(keys[i], f"buffer of {r[1]} bytes is smaller than the {int(lens[j])}-byte object")
+                    ok[j] = False
+                    continue
+                dst[j] = r[0]
+                devm[j] = r[2]
+        if ok is not None and (not ok.all() or devm.any()):
             # keep the usable ops, host memory first and CUDA memory last
             keep = np.concatenate([np.flatnonzero(ok & ~devm), np.flatnonzero(ok & devm)])
             idx, segs, offs, lens, crcs, flags, gens, dst, devm = (
@@ -1435,67 +1549,68 @@ class PageStore:
             )
             if rows is not None:
                 rows = rows[keep]
-            idx_list = idx.tolist()
         m = len(idx)
         if not m:
             refused.log(len(keys))
             return
-        m_host = m - int(devm.sum())
+        m_host = m if devm is None else m - int(devm.sum())
         route = None
         if m_host < m:
             try:
                 route = await self._gds_route()
             except OSError as e:
                 for j in range(m_host, m):
-                    refused.add(keys[idx_list[j]], str(e))
+                    refused.add(keys[int(idx[j])], str(e))
         if rows is not None:
             np.add.at(self._rows_pins, rows, 1)
         timed_out = False
         bounce = None
+        good = np.zeros(m, bool)
+        verified = np.zeros(m, bool)
         try:
             fds = self._files.fds[segs]
             align = self._files.align[segs]
             bounce_mask = self._files.direct[segs] & (((dst % align.astype(np.uint64)) != 0) | (lens % align != 0))
-            bounce_mask &= ~devm
-            io_addr = dst.copy()
-            io_len = lens.copy()
-            copies = []
-            if bounce_mask.any():
+            if devm is not None:
+                bounce_mask &= ~devm
+            io_addr = dst
+            io_len = lens
+            has_bounce = bool(bounce_mask.any())
+            if has_bounce:
+                io_addr = dst.copy()
+                io_len = lens.copy()
                 bj = np.flatnonzero(bounce_mask)
                 blen = -(-lens[bj] // align[bj]) * align[bj]
                 starts = np.concatenate([[0], np.cumsum(blen)[:-1]])
                 bounce = self._bounce.get(int(blen.sum()))
                 io_addr[bj] = np.uint64(bounce.address) + starts.astype(np.uint64)
                 io_len[bj] = blen
-                copies = bj.tolist()
             verify = self.verify_crc
-            crc32c = self._crc32c
-            dst_l, io_l, len_l = dst.tolist(), io_addr.tolist(), lens.tolist()
-            crc_l, flag_l, bm = crcs.tolist(), flags.tolist(), bounce_mask.tolist()
-            need_cpu = verify or bool(copies)
-            good = np.zeros(m, bool)
-            verified = [False] * m
+            crc32c_many = self._crc32c_many
+            need_cpu = verify or has_bounce
+            no_crc = (flags & FLAG_CRC) == 0
 
-            def finish(lo: int, ok: list[bool]) -> list[bool]:
-                for t in range(len(ok)):
-                    j = lo + t
-                    if not ok[t]:
-                        continue
-                    if bm[j]:
-                        _memmove(dst_l[j], io_l[j], len_l[j])
-                    if verify and flag_l[j] & FLAG_CRC and crc32c((dst_l[j], len_l[j])) != crc_l[j]:
-                        ok[t] = False
-                return ok
+            def finish(lo: int, hi: int, ok: np.ndarray) -> np.ndarray:
+                """Copy bounced objects out, then check the CRCs of [lo, hi) in one C call."""
+                if has_bounce:
+                    for j in (np.flatnonzero(bounce_mask[lo:hi] & ok) + lo).tolist():
+                        _memmove(int(dst[j]), int(io_addr[j]), int(lens[j]))
+                if not verify:
+                    return ok
+                got = np.empty(hi - lo, np.uint32)
+                crc32c_many(dst[lo:hi], lens[lo:hi], got)
+                return ok & ((got == crcs[lo:hi]) | no_crc[lo:hi])
 
             loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.timeout_s
+            engine = self._read_engine
 
             async def part(lo: int, hi: int) -> None:
-                res = await asyncio.wait_for(
-                    self._read_engine.read_many(fds[lo:hi], offs[lo:hi], io_addr[lo:hi], io_len[lo:hi]), self.timeout_s
-                )
+                async with asyncio.timeout_at(deadline):
+                    res = await engine.read_many(fds[lo:hi], offs[lo:hi], io_addr[lo:hi], io_len[lo:hi])
                 ok = res >= lens[lo:hi]  # the object must come back whole; more is padding
                 good[lo:hi] = ok
-                verified[lo:hi] = await loop.run_in_executor(None, finish, lo, ok.tolist()) if need_cpu else ok.tolist()
+                verified[lo:hi] = await loop.run_in_executor(None, finish, lo, hi, ok) if need_cpu else ok
 
             async def device_part(lo: int, hi: int) -> None:
                 sl = slice(lo, hi)
@@ -1503,21 +1618,28 @@ class PageStore:
                     self._read_device(route, fds[sl], offs[sl], dst[sl], lens[sl], crcs[sl], flags[sl]), self.timeout_s
                 )
                 good[sl] = ok
-                verified[lo:hi] = checked.tolist()
+                verified[sl] = checked
 
-            # A few sub-batches, all in flight at once: the CRC of the first overlaps the I/O of the rest.
-            n_parts = 0 if m_host == 0 else 1 if m_host < 32 else min(4, m_host // 16)
-            bounds = np.linspace(0, m_host, n_parts + 1).astype(int).tolist()
+            # Sub-batches, all in flight at once: each is verified as soon as it completes, so the
+            # CRC overlaps the I/O of the rest and only the last (small) one's CRC adds wall time.
+            bounds = _part_bounds(m_host, int(lens[:m_host].sum()) if m_host else 0)
             jobs = [part(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
             if route is not None:
                 jobs.append(device_part(m_host, m))
-            outcome = await asyncio.gather(*jobs, return_exceptions=True)
+            if len(jobs) == 1:
+                try:
+                    await jobs[0]
+                    outcome = ()
+                except Exception as e:  # noqa: BLE001
+                    outcome = (e,)
+            else:
+                outcome = await asyncio.gather(*jobs, return_exceptions=True)
             for r in outcome:
                 if isinstance(r, asyncio.TimeoutError):
                     timed_out = True
                 elif isinstance(r, BaseException):
                     log.error("%s: read batch failed: %r", self.path, r)
-                    verified = [False] * m
+                    verified[:] = False
             if timed_out:
                 self._counters["timeouts"] += 1
                 log.error("%s: read of %d objects took longer than io_timeout_s=%.1f s", self.path, m, self.timeout_s)
@@ -1531,28 +1653,38 @@ class PageStore:
                 self._bounce.put(bounce)
         if not writer:
             # another process may have evicted and reused the slot while we read it
+            idx_list = idx.tolist()
             after = self._lookup_reader([keys[i] for i in idx_list])
-            now = {}
+            now = np.zeros(m, np.uint64)
+            present = np.zeros(m, bool)
             if after is not None:
-                for a, g in zip(after[0].tolist(), after[6].tolist()):
-                    now[a] = g
-            for j in range(m):
-                if verified[j] and now.get(j) != int(gens[j]):
-                    verified[j] = False
-        bad_crc = [j for j in range(m) if good[j] and not verified[j]]
-        for j in range(m):
-            if verified[j]:
-                results[idx_list[j]] = True
-        self._counters["bytes_read"] += int(lens[np.asarray(verified, bool)].sum())
+                now[after[0]] = after[6]
+                present[after[0]] = True
+            verified &= present & (now == gens)
+        if verified.all():
+            if m == n:
+                results[:] = [True] * n
+            else:
+                for i in idx.tolist():
+                    results[i] = True
+            self._counters["bytes_read"] += int(lens.sum())
+        else:
+            for i in idx[verified].tolist():
+                results[i] = True
+            self._counters["bytes_read"] += int(lens[verified].sum())
+        bad_crc = np.flatnonzero(good & ~verified).tolist()
         if bad_crc:
             self._counters["crc_errors"] += len(bad_crc)
             for j in bad_crc[:1]:
-                refused.add(keys[idx_list[j]], "checksum mismatch (entry dropped)" if writer else "checksum or generation mismatch")
+                refused.add(keys[int(idx[j])], "checksum mismatch (entry dropped)" if writer else "checksum or generation mismatch")
         if writer:
             if bad_crc:
-                drop = [int(rows[j]) for j in bad_crc if self._rows_live[rows[j]] and self._row_key[rows[j]] == keys[idx_list[j]]]
+                drop = [
+                    int(rows[j]) for j in bad_crc
+                    if self._rows_live[rows[j]] and self._row_key[rows[j]] == keys[int(idx[j])]
+                ]  # fmt: skip
                 await self._drop_rows(sorted(set(drop)), evicted=False)
-            hit_rows = rows[np.asarray(verified, bool)]
+            hit_rows = rows[verified]
             if len(hit_rows):
                 self._rows_tick[hit_rows] = self._tick()
         refused.log(len(keys))
