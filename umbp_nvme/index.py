@@ -212,6 +212,14 @@ class Index:
 
     # --- reads (any thread; py-lmdb read transactions are not bound to a thread) ---
 
+    def _read_txn(self, db):
+        try:
+            return self._env.begin(db=db)
+        except lmdb.MapResizedError:
+            # Another process (a writer opened with a larger capacity) grew the map: adopt its size.
+            self._env.set_mapsize(0)
+            return self._env.begin(db=db)
+
     def scan(self) -> tuple[list[str], np.ndarray]:
         """Every (key, record) in one read transaction: keys as str, records as one structured array."""
         # A million tuples trip the cyclic GC many times over; none of them can form a cycle.
@@ -219,7 +227,7 @@ class Index:
         gc.disable()
         try:
             try:
-                with self._env.begin(db=self._objects) as txn:
+                with self._read_txn(self._objects) as txn:
                     flat = list(itertools.chain.from_iterable(txn.cursor().iternext(keys=True, values=True)))
             except lmdb.Error as e:
                 raise wrap_lmdb_error(self.path, e, "reading every record") from None
@@ -243,13 +251,13 @@ class Index:
                 gc.enable()
 
     def get_records(self, keys: list[bytes]) -> list[bytes | None]:
-        with self._env.begin(db=self._objects) as txn:
+        with self._read_txn(self._objects) as txn:
             get = txn.get
             return [get(k) for k in keys]
 
     def exists_prefix(self, keys: list[bytes]) -> int:
         n = 0
-        with self._env.begin(db=self._objects) as txn:
+        with self._read_txn(self._objects) as txn:
             get = txn.get
             for k in keys:
                 if get(k) is None:
@@ -259,7 +267,7 @@ class Index:
 
     def next_generation(self) -> int:
         try:
-            with self._env.begin(db=self._meta) as txn:
+            with self._read_txn(self._meta) as txn:
                 v = txn.get(_META_NEXT_GEN)
         except lmdb.Error as e:
             raise wrap_lmdb_error(self.path, e, "reading the generation") from None
@@ -268,7 +276,7 @@ class Index:
         return _U64.unpack(v)[0] if v else 1
 
     def count(self) -> int:
-        with self._env.begin(db=self._objects) as txn:
+        with self._read_txn(self._objects) as txn:
             return txn.stat(self._objects)["entries"]
 
     # --- writes (writer only; one thread at a time) ---
