@@ -348,6 +348,20 @@ static int quiesce(RingObject *self, double timeout_s) {
     }
 }
 
+/* Forget the registered buffer table / file table (the caller holds the ring). */
+static void ring_forget_buffers(RingObject *self) {
+    free(self->buf_addr);
+    free(self->buf_len);
+    self->buf_addr = self->buf_len = NULL;
+    self->nbufs = 0;
+}
+
+static void ring_forget_files(RingObject *self) {
+    free(self->files);
+    self->files = NULL;
+    self->nfiles = 0;
+}
+
 static void ring_teardown(RingObject *self, double timeout_s) {
     if (self->closed) return;
     self->closed = 1;
@@ -363,12 +377,8 @@ static void ring_teardown(RingObject *self, double timeout_s) {
     }
     self->event_fd = -1;
     self->ring_fd = -1;
-    free(self->buf_addr);
-    free(self->buf_len);
-    free(self->files);
-    self->buf_addr = self->buf_len = NULL;
-    self->files = NULL;
-    self->nbufs = self->nfiles = 0;
+    ring_forget_buffers(self);
+    ring_forget_files(self);
 }
 
 static PyObject *Ring_close(RingObject *self, PyObject *args, PyObject *kwds) {
@@ -1093,15 +1103,26 @@ static PyObject *Ring_wait(RingObject *self, PyObject *args, PyObject *kwds) {
     return PyLong_FromUnsignedLong(load_acquire(self->cq_tail) - *self->cq_head);
 }
 
-static PyObject *Ring_register_buffers(RingObject *self, PyObject *ranges) {
-    PyObject *seq = PySequence_Fast(ranges, "ranges must be a sequence of (address, nbytes) pairs");
+/* register_buffers / register_files: `obj` as a fast sequence of 1..max_n items (count in *n),
+   or NULL with TypeError(type_err) or ValueError("<fn> takes 1..<max_n> <unit>, got <n>"). */
+static PyObject *registration_seq(PyObject *obj, const char *type_err, const char *fn, const char *unit, int max_n,
+                                  Py_ssize_t *n) {
+    PyObject *seq = PySequence_Fast(obj, type_err);
     if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n < 1 || n > MAX_FIXED_BUFFERS) {
+    *n = PySequence_Fast_GET_SIZE(seq);
+    if (*n < 1 || *n > max_n) {
         Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "register_buffers takes 1..%d ranges, got %zd", MAX_FIXED_BUFFERS, n);
+        PyErr_Format(PyExc_ValueError, "%s takes 1..%d %s, got %zd", fn, max_n, unit, *n);
         return NULL;
     }
+    return seq;
+}
+
+static PyObject *Ring_register_buffers(RingObject *self, PyObject *ranges) {
+    Py_ssize_t n;
+    PyObject *seq = registration_seq(ranges, "ranges must be a sequence of (address, nbytes) pairs", "register_buffers",
+                                     "ranges", MAX_FIXED_BUFFERS, &n);
+    if (!seq) return NULL;
     struct umbp_iovec *iov = calloc((size_t)n, sizeof *iov);
     uint64_t *ba = calloc((size_t)n, sizeof *ba), *bl = calloc((size_t)n, sizeof *bl);
     if (!iov || !ba || !bl) {
@@ -1132,10 +1153,7 @@ static PyObject *Ring_register_buffers(RingObject *self, PyObject *ranges) {
     if (self->nbufs) sys_register(self->ring_fd, UMBP_UNREGISTER_BUFFERS, NULL, 0);
     r = sys_register(self->ring_fd, UMBP_REGISTER_BUFFERS, iov, (unsigned)n);
     Py_END_ALLOW_THREADS
-    free(self->buf_addr);
-    free(self->buf_len);
-    self->buf_addr = self->buf_len = NULL;
-    self->nbufs = 0;
+    ring_forget_buffers(self);
     if (r < 0) {
         ring_release(self);
         errno = -r;
@@ -1159,18 +1177,18 @@ fail:
     return NULL;
 }
 
-static PyObject *Ring_unregister_buffers(RingObject *self, PyObject *unused) {
+/* Shared body of unregister_buffers / unregister_files: unregister what *count says is
+   registered, forget the table, and report a failure other than "nothing registered". */
+static PyObject *ring_unregister(RingObject *self, unsigned opcode, const unsigned *count,
+                                 void (*forget)(RingObject *)) {
     if (ring_acquire(self) < 0) return NULL;
     int r = 0;
-    if (self->nbufs) {
+    if (*count) {
         Py_BEGIN_ALLOW_THREADS
-        r = sys_register(self->ring_fd, UMBP_UNREGISTER_BUFFERS, NULL, 0);
+        r = sys_register(self->ring_fd, opcode, NULL, 0);
         Py_END_ALLOW_THREADS
     }
-    free(self->buf_addr);
-    free(self->buf_len);
-    self->buf_addr = self->buf_len = NULL;
-    self->nbufs = 0;
+    forget(self);
     ring_release(self);
     if (r < 0 && r != -ENXIO) {
         errno = -r;
@@ -1179,15 +1197,14 @@ static PyObject *Ring_unregister_buffers(RingObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Ring_unregister_buffers(RingObject *self, PyObject *unused) {
+    return ring_unregister(self, UMBP_UNREGISTER_BUFFERS, &self->nbufs, ring_forget_buffers);
+}
+
 static PyObject *Ring_register_files(RingObject *self, PyObject *fds_obj) {
-    PyObject *seq = PySequence_Fast(fds_obj, "fds must be a sequence of ints");
+    Py_ssize_t n;
+    PyObject *seq = registration_seq(fds_obj, "fds must be a sequence of ints", "register_files", "fds", MAX_FIXED_FILES, &n);
     if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n < 1 || n > MAX_FIXED_FILES) {
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "register_files takes 1..%d fds, got %zd", MAX_FIXED_FILES, n);
-        return NULL;
-    }
     int32_t *arr = calloc((size_t)n, sizeof *arr);
     FdInfo *info = calloc((size_t)n, sizeof *info);
     if (!arr || !info) {
@@ -1216,9 +1233,7 @@ static PyObject *Ring_register_files(RingObject *self, PyObject *fds_obj) {
     if (self->nfiles) sys_register(self->ring_fd, UMBP_UNREGISTER_FILES, NULL, 0);
     r = sys_register(self->ring_fd, UMBP_REGISTER_FILES, arr, (unsigned)n);
     Py_END_ALLOW_THREADS
-    free(self->files);
-    self->files = NULL;
-    self->nfiles = 0;
+    ring_forget_files(self);
     if (r < 0) {
         ring_release(self);
         errno = -r;
@@ -1238,22 +1253,7 @@ fail:
 }
 
 static PyObject *Ring_unregister_files(RingObject *self, PyObject *unused) {
-    if (ring_acquire(self) < 0) return NULL;
-    int r = 0;
-    if (self->nfiles) {
-        Py_BEGIN_ALLOW_THREADS
-        r = sys_register(self->ring_fd, UMBP_UNREGISTER_FILES, NULL, 0);
-        Py_END_ALLOW_THREADS
-    }
-    free(self->files);
-    self->files = NULL;
-    self->nfiles = 0;
-    ring_release(self);
-    if (r < 0 && r != -ENXIO) {
-        errno = -r;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    Py_RETURN_NONE;
+    return ring_unregister(self, UMBP_UNREGISTER_FILES, &self->nfiles, ring_forget_files);
 }
 
 static PyObject *Ring_get_int(RingObject *self, void *which) {

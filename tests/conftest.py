@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -29,6 +32,41 @@ def small_config(**kw) -> StoreConfig:
     )
     base.update(kw)
     return StoreConfig(**base)
+
+
+def open_direct(path, flags=os.O_RDWR | os.O_CREAT) -> int:
+    """os.open with O_DIRECT; skips the test where the file system refuses it (tmpfs)."""
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            pytest.skip(f"O_DIRECT unsupported on {path} (tmpfs?)")
+        raise
+
+
+_NO_MEMLOCK_PRELUDE = textwrap.dedent(
+    """
+    import ctypes, resource
+    libc = ctypes.CDLL(None, use_errno=True)
+    class Hdr(ctypes.Structure): _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    class Data(ctypes.Structure): _fields_ = [("eff", ctypes.c_uint32), ("perm", ctypes.c_uint32), ("inh", ctypes.c_uint32)]
+    hdr, data = Hdr(0x20080522, 0), (Data * 2)()
+    if libc.capget(ctypes.byref(hdr), data) == 0:
+        for d in data:  # drop CAP_IPC_LOCK (14) so RLIMIT_MEMLOCK applies, as for a normal user
+            d.eff &= ~(1 << 14); d.perm &= ~(1 << 14); d.inh &= ~(1 << 14)
+        libc.capset(ctypes.byref(hdr), data)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
+    """
+)
+
+
+def run_without_memlock(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a child Python as a normal user pins memory: CAP_IPC_LOCK dropped and
+    RLIMIT_MEMLOCK at 1 MiB; the checkout is on its PYTHONPATH."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-c", _NO_MEMLOCK_PRELUDE + code], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def payload(key: str, nbytes: int) -> np.ndarray:

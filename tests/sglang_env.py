@@ -157,6 +157,30 @@ class PoolBundle:
         return idx
 
 
+def _token_pool(device_cls, host_cls, dims, layout, pages, page_size, layers, dtype, pool_label, host_kw=None):
+    """A CPU TokenToKVPool (dims: what comes between dtype and layer_num) and its host pool, as
+    hybrid_pool_assembler builds them; host_kw(device) adds the host class's own arguments."""
+    ns = sglang_imports()
+    dtype = dtype or ns.torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        device = device_cls(page_size * 4, page_size, dtype, *dims, layers, "cpu", False, start_layer=0, end_layer=layers - 1)
+        host = host_cls(
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+            host_token_capacity=pages * page_size,
+            **(host_kw(device) if host_kw else {}),
+        )
+    return PoolBundle(host, device, pool_label)
+
+
 def mha_pool(
     layout: str = "page_first",
     *,
@@ -170,27 +194,10 @@ def mha_pool(
 ) -> PoolBundle:
     """MHATokenToKVPoolHost over a CPU MHATokenToKVPool, as hybrid_pool_assembler builds it."""
     ns = sglang_imports()
-    torch = ns.torch
-    dtype = dtype or torch.bfloat16
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        device = ns.MHATokenToKVPool(
-            page_size * 4, page_size, dtype, heads, head_dim, layers, "cpu", False, start_layer=0, end_layer=layers - 1
-        )
-        host = ns.MHATokenToKVPoolHost(
-            device.get_device_pool_infos()[0].buffer_info,
-            2.0,
-            0,
-            page_size,
-            layout,
-            pin_memory=False,
-            device_capacity_tokens=device.size,
-            start_layer=device.start_layer,
-            end_layer=device.end_layer,
-            pool_label=pool_label,
-            host_token_capacity=pages * page_size,
-        )
-    return PoolBundle(host, device, pool_label)
+    return _token_pool(
+        ns.MHATokenToKVPool, ns.MHATokenToKVPoolHost, (heads, head_dim), layout, pages, page_size, layers, dtype,
+        pool_label, lambda device: {"pool_label": pool_label},
+    )  # fmt: skip
 
 
 def swa_pool(layout: str = "page_first", **kw) -> PoolBundle:
@@ -207,28 +214,11 @@ def mla_pool(
     dtype=None,
 ) -> PoolBundle:
     ns = sglang_imports()
-    torch = ns.torch
-    dtype = dtype or torch.bfloat16
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        device = ns.MLATokenToKVPool(
-            page_size * 4, page_size, dtype, MLA_KV_LORA_RANK, MLA_ROPE_DIM, layers, "cpu", False, start_layer=0, end_layer=layers - 1
-        )
-        host = ns.MLATokenToKVPoolHost(
-            device.get_device_pool_infos()[0].buffer_info,
-            2.0,
-            0,
-            page_size,
-            layout,
-            pin_memory=False,
-            device_capacity_tokens=device.size,
-            start_layer=device.start_layer,
-            end_layer=device.end_layer,
-            target_layer_num=device.layer_num,
-            override_kv_cache_dim=device.kv_cache_dim,
-            host_token_capacity=pages * page_size,
-        )
-    return PoolBundle(host, device, "kv")
+    return _token_pool(
+        ns.MLATokenToKVPool, ns.MLATokenToKVPoolHost, (MLA_KV_LORA_RANK, MLA_ROPE_DIM), layout, pages, page_size,
+        layers, dtype, "kv",
+        lambda device: {"target_layer_num": device.layer_num, "override_kv_cache_dim": device.kv_cache_dim},
+    )  # fmt: skip
 
 
 def mamba_pool(layout: str = "page_first", *, slots: int = 64, mamba_layers=(0, 1)) -> PoolBundle:

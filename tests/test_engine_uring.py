@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import subprocess
-import sys
 import textwrap
 import time
 
 import numpy as np
 import pytest
+
+from conftest import open_direct, run_without_memlock
 
 from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.engine.base import EngineClosed, EngineUnavailable, IoEngine
@@ -21,15 +21,6 @@ pytest.importorskip("umbp_nvme._uring", reason="extension not built: python setu
 from umbp_nvme.engine.uring import UringEngine, open_uring_engine  # noqa: E402
 
 PAGE = 4096
-
-
-def _open_direct(path, flags=os.O_RDWR | os.O_CREAT):
-    try:
-        return os.open(path, flags | os.O_DIRECT, 0o644)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            pytest.skip(f"O_DIRECT unsupported on {path} (tmpfs?)")
-        raise
 
 
 @pytest.fixture
@@ -75,7 +66,7 @@ async def test_buffered_round_trip_random_bytes(engine, tmp_path, size):
 
 @pytest.mark.parametrize("size", [PAGE, 3 * PAGE, 1 << 20])
 async def test_odirect_round_trip_random_bytes(engine, tmp_path, size):
-    fd = _open_direct(tmp_path / "f")
+    fd = open_direct(tmp_path / "f")
     n = 9
     with AlignedBuffer(n * size) as src, AlignedBuffer(n * size) as dst:
         src.array[:] = np.random.default_rng(size).integers(0, 256, n * size, dtype=np.uint8)
@@ -91,7 +82,7 @@ async def test_odirect_round_trip_random_bytes(engine, tmp_path, size):
 
 async def test_batch_larger_than_the_ring_is_queued_and_completes(tmp_path):
     e = await open_uring_engine(8)
-    fd = _open_direct(tmp_path / "f")
+    fd = open_direct(tmp_path / "f")
     n = 1000
     with AlignedBuffer(n * PAGE) as src, AlignedBuffer(n * PAGE) as dst:
         src.array[:] = np.random.default_rng(3).integers(0, 256, n * PAGE, dtype=np.uint8)
@@ -109,7 +100,7 @@ async def test_registered_buffers_reads_land_in_caller_numpy_and_torch_memory(en
     path = tmp_path / "f"
     data = os.urandom(64 * PAGE)
     path.write_bytes(data)
-    fd = _open_direct(path, os.O_RDONLY)
+    fd = open_direct(path, os.O_RDONLY)
     with AlignedBuffer(32 * PAGE) as a, AlignedBuffer(32 * PAGE) as b:
         tensor = torch.frombuffer(b._mmap, dtype=torch.uint8)  # mmap-backed, page-aligned tensor
         assert engine.register_buffers([(a.address, a.nbytes), (int(tensor.data_ptr()), tensor.numel())]) is True
@@ -129,7 +120,7 @@ async def test_batch_mixing_registered_and_plain_memory(engine, tmp_path):
     path = tmp_path / "f"
     data = os.urandom(8 * PAGE)
     path.write_bytes(data)
-    fd = _open_direct(path, os.O_RDONLY)
+    fd = open_direct(path, os.O_RDONLY)
     with AlignedBuffer(8 * PAGE) as buf:
         assert engine.register_buffers([(buf.address, 4 * PAGE)])
         # op 1 straddles the registered range's end and op 2 lies past it: both go as plain reads
@@ -192,7 +183,7 @@ async def test_write_to_readonly_fd_fails_per_op_and_the_rest_succeeds(engine, t
 
 
 async def test_misaligned_odirect_buffer_raises_value_error(engine, tmp_path):
-    fd = _open_direct(tmp_path / "f")
+    fd = open_direct(tmp_path / "f")
     with AlignedBuffer(2 * PAGE) as buf:
         buf.array[:] = 0x77
         with pytest.raises(ValueError, match=r"op 0: fd \d+ is O_DIRECT"):
@@ -205,7 +196,7 @@ async def test_misaligned_odirect_buffer_raises_value_error(engine, tmp_path):
 
 async def test_misaligned_op_in_a_queued_batch_refuses_the_whole_batch(tmp_path):
     e = await open_uring_engine(4)
-    fd = _open_direct(tmp_path / "f")
+    fd = open_direct(tmp_path / "f")
     with AlignedBuffer(20 * PAGE) as buf:
         mem = buf.address + _u64(np.arange(20) * PAGE)
         mem[17] += 1
@@ -233,7 +224,7 @@ async def test_short_read_at_eof_odirect(engine, tmp_path):
     path = tmp_path / "f"
     data = os.urandom(3 * PAGE + 100)
     path.write_bytes(data)
-    fd = _open_direct(path, os.O_RDONLY)
+    fd = open_direct(path, os.O_RDONLY)
     with AlignedBuffer(2 * PAGE) as buf:
         res = await engine.read_many(fd, [2 * PAGE], [buf.address], [2 * PAGE])
         assert res.tolist() == [PAGE + 100]
@@ -255,7 +246,7 @@ async def test_zero_length_ops_complete_with_zero(engine, tmp_path):
 
 async def test_thousand_concurrent_batches_lose_no_completion(tmp_path):
     e = await open_uring_engine(16)
-    fd = _open_direct(tmp_path / "f")
+    fd = open_direct(tmp_path / "f")
     nb, per = 1000, 3
     with AlignedBuffer(nb * per * PAGE) as src, AlignedBuffer(nb * per * PAGE) as dst:
         src.array[:] = np.random.default_rng(5).integers(0, 256, src.nbytes, dtype=np.uint8)
@@ -338,16 +329,7 @@ async def test_cancelled_await_waits_for_its_running_ops_and_engine_goes_on(tmp_
 async def test_register_buffers_returns_false_without_memlock(tmp_path):
     code = textwrap.dedent(
         """
-        import asyncio, ctypes, resource
-        libc = ctypes.CDLL(None, use_errno=True)
-        class Hdr(ctypes.Structure): _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-        class Data(ctypes.Structure): _fields_ = [("eff", ctypes.c_uint32), ("perm", ctypes.c_uint32), ("inh", ctypes.c_uint32)]
-        hdr, data = Hdr(0x20080522, 0), (Data * 2)()
-        if libc.capget(ctypes.byref(hdr), data) == 0:
-            for d in data:  # drop CAP_IPC_LOCK (14) so RLIMIT_MEMLOCK applies, as for a normal user
-                d.eff &= ~(1 << 14); d.perm &= ~(1 << 14); d.inh &= ~(1 << 14)
-            libc.capset(ctypes.byref(hdr), data)
-        resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
+        import asyncio
         from umbp_nvme.engine.uring import open_uring_engine
         from umbp_nvme.buffers import AlignedBuffer
         import numpy as np
@@ -366,9 +348,7 @@ async def test_register_buffers_returns_false_without_memlock(tmp_path):
         asyncio.run(main())
         """
     ).replace("PATH", str(tmp_path / "f"))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    out = run_without_memlock(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False False False [4096] b'qqqq'", out.stdout + out.stderr
     assert out.stderr.count("cannot register buffers") == 1  # logged once

@@ -11,6 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from conftest import open_direct, run_without_memlock
+
 from umbp_nvme.buffers import AlignedBuffer
 
 _uring = pytest.importorskip("umbp_nvme._uring", reason="extension not built: python setup.py build_ext --inplace")
@@ -138,15 +140,6 @@ def _reap_all(ring, count, timeout_s=10.0):
     return got
 
 
-def _open_direct(path, flags):
-    try:
-        return os.open(path, flags | os.O_DIRECT, 0o644)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            pytest.skip(f"O_DIRECT unsupported on {path} (tmpfs?)")
-        raise
-
-
 @pytest.fixture
 def ring():
     r = _uring.Ring(32)
@@ -231,7 +224,7 @@ def test_short_read_at_eof_is_reported(ring, tmp_path):
 
 
 def test_misaligned_odirect_buffer_is_refused_before_submission(ring, tmp_path):
-    fd = _open_direct(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    fd = open_direct(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     with AlignedBuffer(3 * PAGE) as buf:
         buf.array[:] = 0xAB
         addrs = [buf.address, buf.address + PAGE + 100]
@@ -278,7 +271,7 @@ def test_fixed_buffer_reads_land_in_place(ring, tmp_path):
     path = tmp_path / "f"
     data = os.urandom(4 * PAGE)
     path.write_bytes(data)
-    fd = _open_direct(path, os.O_RDONLY)
+    fd = open_direct(path, os.O_RDONLY)
     with AlignedBuffer(4 * PAGE) as buf:
         ring.register_buffers([(buf.address, buf.nbytes)])
         assert ring.nbufs == 1
@@ -388,18 +381,8 @@ def test_register_buffers_beyond_memlock_fails_with_enomem(tmp_path):
     """Without CAP_IPC_LOCK the pinned bytes count against RLIMIT_MEMLOCK (8 MiB for users)."""
     code = textwrap.dedent(
         """
-        import ctypes, errno, resource, sys
         from umbp_nvme import _uring
         from umbp_nvme.buffers import AlignedBuffer
-        libc = ctypes.CDLL(None, use_errno=True)
-        class Hdr(ctypes.Structure): _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-        class Data(ctypes.Structure): _fields_ = [("eff", ctypes.c_uint32), ("perm", ctypes.c_uint32), ("inh", ctypes.c_uint32)]
-        hdr, data = Hdr(0x20080522, 0), (Data * 2)()
-        if libc.capget(ctypes.byref(hdr), data) == 0:
-            for d in data:  # CAP_IPC_LOCK = 14
-                d.eff &= ~(1 << 14); d.perm &= ~(1 << 14); d.inh &= ~(1 << 14)
-            libc.capset(ctypes.byref(hdr), data)
-        resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
         r = _uring.Ring(8)
         buf = AlignedBuffer(16 << 20)
         try:
@@ -410,9 +393,7 @@ def test_register_buffers_beyond_memlock_fails_with_enomem(tmp_path):
             print("REGISTERED")
         """
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    out = run_without_memlock(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"ERRNO {errno.ENOMEM}", out.stdout + out.stderr
 
@@ -617,7 +598,7 @@ def test_auto_fixed_read_lands_in_the_registered_buffer(ring, tmp_path):
 
 
 def test_check_with_scalar_fd_refuses_misaligned_odirect_op_by_index(ring, tmp_path):
-    fd = _open_direct(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    fd = open_direct(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     with AlignedBuffer(4 * PAGE) as buf:
         a = buf.address
         offs = _i64([0, PAGE, 2 * PAGE])

@@ -8,6 +8,7 @@ Guard zones of canary bytes around the host pool catch any write outside registe
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -47,14 +48,23 @@ def test_extra_config_values_give_a_config_or_an_error_naming_them(key, value):
     assert check_config_value(key, value) == []
 
 
+@contextmanager
+def backend_on(tmp_path_factory, name: str, pool):
+    """A backend on `pool` in a fresh store under a temp dir `name`; closes both after."""
+    root = str(tmp_path_factory.mktemp(name))
+    be = make_backend(os.path.join(root, "s"), pool)
+    try:
+        yield be, root
+    finally:
+        be.close()
+        pool.close()
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("keys"))
     pool = HostPool(page_num=32)
-    be = make_backend(os.path.join(root, "s"), pool)
-    yield be, pool, root
-    be.close()
-    pool.close()
+    with backend_on(tmp_path_factory, "keys", pool) as (be, root):
+        yield be, pool, root
 
 
 key_text = st.one_of(st.sampled_from(WEIRD_KEYS), st.text(max_size=80), st.text(alphabet="./\\\x00", max_size=12))
@@ -69,12 +79,9 @@ def test_odd_keys_are_bools_exact_bytes_and_no_stray_files(keyed, keys):
 
 @pytest.fixture(scope="module")
 def indexed(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("idx"))
     pool = HostPool(page_num=16)
-    be = make_backend(os.path.join(root, "s"), pool)
-    yield be, pool
-    be.close()
-    pool.close()
+    with backend_on(tmp_path_factory, "idx", pool) as (be, _root):
+        yield be, pool
 
 
 @st.composite
@@ -112,12 +119,9 @@ def test_bad_index_tensors_are_false_and_never_write_outside(indexed, idx, nkeys
 
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("meta"))
     pool = HostilePool(page_num=16)
-    be = make_backend(os.path.join(root, "s"), pool)
-    yield be, pool
-    be.close()
-    pool.close()
+    with backend_on(tmp_path_factory, "meta", pool) as (be, _root):
+        yield be, pool
 
 
 _counter = iter(range(10**9))

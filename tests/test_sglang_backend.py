@@ -65,6 +65,17 @@ def root(tmp_path):
     return str(tmp_path / "l3")
 
 
+def loaded(root, pages, seed, *, fill_seed=None, layout="page_first", **cfg):
+    """An MHA host pool, a backend on it, and `pages` pages of random bytes (fill_seed, default
+    seed) with their hashes (seed): returns (pool, backend, hashes, idx, written)."""
+    pool = E.mha_pool(layout)
+    backend = E.load_backend(E.storage_config(root, layout=layout, **cfg), pool.host)
+    hashes = E.page_hashes(pages, seed=seed)
+    idx = pool.alloc_pages(pages)
+    written = E.fill_random(pool.host, idx, seed=seed if fill_seed is None else fill_seed)
+    return pool, backend, hashes, idx, written
+
+
 # -- loading ----------------------------------------------------------------------------------
 
 
@@ -95,11 +106,7 @@ def test_layer_first_layout_is_refused(root):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mha_pages_round_trip_byte_exact(root, layout):
-    pool = E.mha_pool(layout)
-    backend = E.load_backend(E.storage_config(root, layout=layout), pool.host)
-    hashes = E.page_hashes(200)
-    idx = pool.alloc_pages(200)
-    written = E.fill_random(pool.host, idx, seed=1)
+    pool, backend, hashes, idx, written = loaded(root, 200, seed=0, fill_seed=1, layout=layout)
     assert set_all(backend, hashes, idx) == 200
     E.zero_pages(pool.host, idx)
     assert hit_pages(backend, hashes) == 200
@@ -124,11 +131,7 @@ def test_mla_pages_round_trip_byte_exact(root, layout):
 
 
 def test_re_set_keeps_the_first_bytes(root):
-    pool = E.mha_pool()
-    backend = E.load_backend(E.storage_config(root), pool.host)
-    hashes = E.page_hashes(8)
-    idx = pool.alloc_pages(8)
-    first = E.fill_random(pool.host, idx, seed=10)
+    pool, backend, hashes, idx, first = loaded(root, 8, seed=0, fill_seed=10)
     assert all(backend.batch_set_v1(hashes, idx))
     E.fill_random(pool.host, idx, seed=11)
     assert all(backend.batch_set_v1(hashes, idx))  # a re-put is a successful no-op
@@ -139,11 +142,7 @@ def test_re_set_keeps_the_first_bytes(root):
 
 
 def test_partial_prefixes_count_whole_pages_from_the_start(root):
-    pool = E.mha_pool()
-    backend = E.load_backend(E.storage_config(root), pool.host)
-    hashes = E.page_hashes(20, seed=4)
-    idx = pool.alloc_pages(20)
-    E.fill_random(pool.host, idx, seed=4)
+    pool, backend, hashes, idx, _ = loaded(root, 20, seed=4)
     assert all(backend.batch_set_v1(hashes[:10], idx[: 10 * E.PAGE_SIZE]))
     assert backend.batch_exists(hashes) == 10
     # Only K of page 10: a page needs all of its objects (spec §6.5: 21 // 2 == 10).
@@ -252,11 +251,7 @@ def test_legacy_flat_pages_round_trip_and_never_collide_with_v1_keys(root):
 
 
 def test_batch_exists_of_128_pages_costs_under_150_us(root):
-    pool = E.mha_pool()
-    backend = E.load_backend(E.storage_config(root), pool.host)
-    hashes = E.page_hashes(128, seed=9)
-    idx = pool.alloc_pages(128)
-    E.fill_random(pool.host, idx, seed=9)
+    _pool, backend, hashes, idx, _ = loaded(root, 128, seed=9)
     assert all(backend.batch_set_v1(hashes, idx))
     runs = []
     for _ in range(7):
@@ -269,11 +264,7 @@ def test_batch_exists_of_128_pages_costs_under_150_us(root):
 
 
 def test_get_stats_reports_pages_and_bandwidth_then_clears(root):
-    pool = E.mha_pool()
-    backend = E.load_backend(E.storage_config(root, enable_storage_metrics=True), pool.host)
-    hashes = E.page_hashes(10, seed=12)
-    idx = pool.alloc_pages(10)
-    E.fill_random(pool.host, idx, seed=12)
+    _pool, backend, hashes, idx, _ = loaded(root, 10, seed=12, enable_storage_metrics=True)
     backend.batch_set_v1(hashes, idx)
     backend.batch_get_v1(hashes, idx)
     stats = backend.get_stats()

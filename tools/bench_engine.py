@@ -68,12 +68,8 @@ import numpy as np
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-try:
-    import umbp_nvme  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, os.path.dirname(_HERE))
 
-from benchlib import Sample, Skip, Stopwatch, make_row, paired_ratio, parse_bytes, plot, print_table, write_json  # noqa: E402
+from benchlib import Sample, Skip, Stopwatch, check_buffers, finish, make_row, paired_ratio, parse_bytes, print_table  # noqa: E402
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES, AlignedBuffer, reserve_hugepages  # noqa: E402
 from umbp_nvme.engine import open_data_file, open_engine  # noqa: E402
@@ -127,9 +123,7 @@ def parse_args(argv):
     for s in a.systems:
         if s not in ALL_SYSTEMS:
             p.error(f"unknown system {s!r}; expected some of {', '.join(ALL_SYSTEMS)}")
-    for b in a.buffers:
-        if b not in ("4k", "huge"):
-            p.error(f"unknown buffers {b!r}; expected 4k and/or huge")
+    check_buffers(p, a.buffers)
     for op in a.ops:
         if op not in ("read", "write"):
             p.error(f"unknown op {op!r}; expected read and/or write")
@@ -587,14 +581,7 @@ def main(argv=None) -> int:
         f"file {cfg.file_size >> 20} MiB, {time.perf_counter() - started:.0f} s total"
     )
     print_table(rows, ratio_keys=("vs_fio", "vs_preadv_threads", "phys_segs"))
-    for note in notes:
-        print("note:", note)
-    if cfg.json:
-        write_json(rows, cfg.json)
-        print(f"wrote {cfg.json}")
-    if cfg.plot:
-        if plot(rows, cfg.plot, title="umbp_nvme engines vs fio (O_DIRECT, random)"):
-            print(f"wrote {cfg.plot}")
+    finish(cfg, rows, notes, title="umbp_nvme engines vs fio (O_DIRECT, random)")
     return 0
 
 

@@ -56,7 +56,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 
@@ -66,13 +65,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-try:
-    import umbp_nvme  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, _ROOT)
 
 from bench_engine import HugePages, make_test_file, run_fio  # noqa: E402
-from benchlib import Sample, Skip, Stopwatch, make_row, paired_ratio, parse_bytes, plot, print_table, write_json  # noqa: E402
+from benchlib import Sample, bench_dir, Skip, Stopwatch, check_buffers, drop_caches, finish, make_row, paired_ratio, parse_bytes, print_table, write_json  # noqa: E402
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES  # noqa: E402
 
@@ -126,9 +121,7 @@ def parse_args(argv):
     for sh in a.shapes:
         if sh not in SHAPES:
             p.error(f"unknown shape {sh!r}; expected some of {', '.join(SHAPES)}")
-    for b in a.buffers:
-        if b not in ("4k", "huge"):
-            p.error(f"unknown buffers {b!r}; expected 4k and/or huge")
+    check_buffers(p, a.buffers)
     if a.batch_pages < 1 or a.pool_batches < 1 or a.runs < 1:
         p.error("--batch-pages, --pool-batches and --runs must be >= 1")
     return a
@@ -186,18 +179,6 @@ def hugetlb_backed(addr: int) -> bool | None:
     except (OSError, ValueError):
         return None
     return None
-
-
-def drop_caches() -> bool:
-    if os.geteuid() != 0:
-        return False
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -374,6 +355,19 @@ def bench_cell(env, cfg, shape_name: str, kind: str, directory: str, fio_path: s
     fio_cfg = argparse.Namespace(fio=cfg.fio, duration=cfg.fio_duration, fio_runs=[])
     fio_name = "fio_huge" if kind == "huge" else "fio"
     fio_ok = fio_path is not None and not cfg.fio_skip.get(fio_name)
+
+    def fio_round(op: str, rw: str) -> bool:
+        """fio at every --fio-qd for this op; False (and fio skipped from then on) when fio cannot run."""
+        try:
+            for qd in cfg.fio_qds:
+                samples.setdefault((op, f"{fio_name}@{qd}"), []).append(
+                    run_fio(fio_path, cfg.fio_file_size, rw, obj, qd, kind == "huge", fio_cfg))
+        except Skip as e:
+            cfg.fio_skip[fio_name] = True
+            notes.append(f"{fio_name}: skipped ({e})")
+            return False
+        return True
+
     # first and last page of every slot: checked after each system's reads
     check_at = sorted({b * bp * page_bytes + o for b in range(slots) for o in (0, (bp - 1) * page_bytes)})
     try:
@@ -401,14 +395,7 @@ def bench_cell(env, cfg, shape_name: str, kind: str, directory: str, fio_path: s
                 samples.setdefault(("set", system.name), []).append(sw.sample(total, n_obj))
                 extra.setdefault(("sync_s", system.name), []).append(syncfs(system.directory))
             if fio_ok:
-                try:
-                    for qd in cfg.fio_qds:
-                        samples.setdefault(("set", f"{fio_name}@{qd}"), []).append(
-                            run_fio(fio_path, cfg.fio_file_size, "write", obj, qd, kind == "huge", fio_cfg))
-                except Skip as e:
-                    cfg.fio_skip[fio_name] = True
-                    fio_ok = False
-                    notes.append(f"{fio_name}: skipped ({e})")
+                fio_ok = fio_round("set", "write")
             # --- exists (warm, as in steady state)
             probe = {s: keys[s][0] for s in keys}
             for system in (umbp, hf):
@@ -441,14 +428,7 @@ def bench_cell(env, cfg, shape_name: str, kind: str, directory: str, fio_path: s
                     if not np.array_equal(pool.flat[a : a + page_bytes], want):
                         raise RuntimeError(f"{system.name}: page read back differs from the page written ({shape_name}/{kind})")
             if fio_ok:
-                try:
-                    for qd in cfg.fio_qds:
-                        samples.setdefault(("get", f"{fio_name}@{qd}"), []).append(
-                            run_fio(fio_path, cfg.fio_file_size, "read", obj, qd, kind == "huge", fio_cfg))
-                except Skip as e:
-                    cfg.fio_skip[fio_name] = True
-                    fio_ok = False
-                    notes.append(f"{fio_name}: skipped ({e})")
+                fio_ok = fio_round("get", "read")
             umbp.clear()
             hf.clear()
     finally:
@@ -499,14 +479,7 @@ def bench_cell(env, cfg, shape_name: str, kind: str, directory: str, fio_path: s
 
 def bench(cfg, env) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
-    tmpdir = None
-    if cfg.dir:
-        directory = cfg.dir
-    elif cfg.smoke:
-        directory = tmpdir = tempfile.mkdtemp(prefix="umbp-bench-hicache-")
-    else:
-        directory = DEFAULT_DIR
-    os.makedirs(directory, exist_ok=True)
+    directory, tmpdir = bench_dir(cfg, DEFAULT_DIR, "umbp-bench-hicache-")
     cfg.fio = shutil.which("fio")
     cfg.fio_skip = {}
     huge = HugePages()
@@ -593,16 +566,8 @@ def main(argv=None) -> int:
         for r in lat:
             print(f"  {r['shape']:<8} {r['buffers']:<5} {r['system']:<18} {r['latency_us_p50']:.1f} us "
                   f"[{r['latency_us_p50_min']:.1f}-{r['latency_us_p50_max']:.1f}]  p99 {r['latency_us_p99']:.1f} us")
-    for line in targets(rows):
-        print("target:", line)
-    for note in notes:
-        print("note:", note)
-    if cfg.json:
-        write_json(rows, cfg.json)
-        print(f"wrote {cfg.json}")
-    if cfg.plot:
-        if plot([r for r in rows if r["op"] in ("set", "get")], cfg.plot, title="HiCache L3: umbp_nvme vs HiCacheFile vs fio"):
-            print(f"wrote {cfg.plot}")
+    finish(cfg, rows, notes, targets=targets(rows), plot_rows=[r for r in rows if r["op"] in ("set", "get")],
+           title="HiCache L3: umbp_nvme vs HiCacheFile vs fio")
     return 0
 
 

@@ -50,7 +50,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -58,13 +57,9 @@ import numpy as np
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-try:
-    import umbp_nvme  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, os.path.dirname(_HERE))
 
 from bench_engine import HugePages, Memory  # noqa: E402
-from benchlib import Sample, Stopwatch, make_row, paired_ratio, parse_bytes, plot, print_table, write_json  # noqa: E402
+from benchlib import Sample, bench_dir, Stopwatch, check_buffers, drop_caches, finish, make_row, paired_ratio, parse_bytes, print_table  # noqa: E402
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES  # noqa: E402
 from umbp_nvme.config import StoreConfig  # noqa: E402
@@ -118,9 +113,7 @@ def parse_args(argv):
     a.reopen_objects = a.reopen_objects or (2000 if s else 100_000 if q else 1_000_000)
     a.reopen_object_bytes = parse_bytes(a.reopen_object_bytes)
     a.exists_calls = a.exists_calls or (200 if s else 2000)
-    for b in a.buffers:
-        if b not in ("4k", "huge"):
-            p.error(f"unknown buffers {b!r}; expected 4k and/or huge")
+    check_buffers(p, a.buffers)
     for o in a.ops:
         if o not in ("put", "get", "exists", "reopen"):
             p.error(f"unknown op {o!r}; expected some of put,get,exists,reopen")
@@ -155,18 +148,6 @@ def store_extents(store: PageStore, keys: list[str]) -> tuple[np.ndarray, np.nda
     return store._rows_seg[rows].copy(), store._rows_off[rows].copy()
 
 
-def drop_caches() -> bool:
-    if os.geteuid() != 0:
-        return False
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 class SegFds:
     """The raw engine's own descriptors on the store's segment files (O_DIRECT like the store's)."""
 
@@ -192,6 +173,18 @@ class SegFds:
 # -- throughput: put / get ---------------------------------------------------------------------
 
 
+def _store_config(cfg, path: str, capacity: int) -> StoreConfig:
+    """The benchmark's stores: io_uring at QD 256, --segment-bytes and --durability."""
+    return StoreConfig(
+        ssd_storage_dir=path,
+        ssd_capacity_bytes=capacity,
+        ssd_segment_size_bytes=cfg.segment_bytes,
+        ssd_durability_mode=cfg.durability,
+        ssd_io_backend="io_uring",
+        ssd_queue_depth=256,
+    )
+
+
 async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -> list[dict]:
     n_obj = cfg.batch_pages * OBJECTS_PER_PAGE
     max_size = max(cfg.sizes)
@@ -200,14 +193,7 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
     capacity = -(-int(sample_cap * 1.5 + 4 * seg) // seg) * seg
     path = os.path.join(directory, "tput")
     shutil.rmtree(path, ignore_errors=True)
-    scfg = StoreConfig(
-        ssd_storage_dir=path,
-        ssd_capacity_bytes=capacity,
-        ssd_segment_size_bytes=seg,
-        ssd_durability_mode=cfg.durability,
-        ssd_io_backend="io_uring",
-        ssd_queue_depth=256,
-    )
+    scfg = _store_config(cfg, path, capacity)
     store = await PageStore.open(path, scfg)
     raw = await open_engine("io_uring", queue_depth=256)
     segfds = SegFds(store.path)
@@ -311,14 +297,7 @@ def _reopen_config(cfg, path: str) -> StoreConfig:
     seg = cfg.segment_bytes
     data = cfg.reopen_objects * cfg.reopen_object_bytes
     capacity = -(-int(data / 0.8 + 2 * seg) // seg) * seg
-    return StoreConfig(
-        ssd_storage_dir=path,
-        ssd_capacity_bytes=capacity,
-        ssd_segment_size_bytes=seg,
-        ssd_durability_mode=cfg.durability,
-        ssd_io_backend="io_uring",
-        ssd_queue_depth=256,
-    )
+    return _store_config(cfg, path, capacity)
 
 
 def reopen_keys(n: int) -> list[str]:
@@ -444,14 +423,7 @@ async def bench_large(cfg, directory: str, notes: list[str]) -> list[dict]:
 
 async def bench(cfg) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
-    tmpdir = None
-    if cfg.dir:
-        directory = cfg.dir
-    elif cfg.smoke:
-        directory = tmpdir = tempfile.mkdtemp(prefix="umbp-bench-store-")
-    else:
-        directory = DEFAULT_DIR
-    os.makedirs(directory, exist_ok=True)
+    directory, tmpdir = bench_dir(cfg, DEFAULT_DIR, "umbp-bench-store-")
     rows: list[dict] = []
     huge = HugePages()
     mem = None
@@ -520,16 +492,8 @@ def main(argv=None) -> int:
           f"{OBJECTS_PER_PAGE} objects per call, {time.perf_counter() - started:.0f} s total")
     print_table([r for r in rows if r["op"] in ("put", "get")], ratio_keys=("vs_umbp_uring",))
     print_extra(rows)
-    for line in targets(rows):
-        print("target:", line)
-    for note in notes:
-        print("note:", note)
-    if cfg.json:
-        write_json(rows, cfg.json)
-        print(f"wrote {cfg.json}")
-    if cfg.plot:
-        if plot([r for r in rows if r["op"] in ("put", "get")], cfg.plot, title="PageStore vs raw io_uring engine"):
-            print(f"wrote {cfg.plot}")
+    finish(cfg, rows, notes, targets=targets(rows), plot_rows=[r for r in rows if r["op"] in ("put", "get")],
+           title="PageStore vs raw io_uring engine")
     return 0
 
 

@@ -6,7 +6,13 @@
   them alike; a system that raises ``Skip`` is dropped from later rounds with a note.
 * ``make_row`` / ``paired_ratio`` — the row format every benchmark writes (medians, min, max) and
   ratios taken round by round against a baseline measured in the same round.
-* ``print_table``, ``write_json``, ``plot`` (matplotlib imported lazily).
+* ``print_table``, ``write_json``, ``plot`` (matplotlib imported lazily); ``finish`` prints the
+  targets and notes and writes --json / --plot the way every benchmark's main() ends.
+* ``check_buffers`` — the --buffers validation the benchmarks share; ``bench_dir`` (--dir, a temp
+  dir for --smoke, or the default); ``drop_caches`` (root).
+
+Importing this module puts the checkout on sys.path when umbp_nvme is not installed, so a
+benchmark run as a script only needs tools/ on sys.path before ``from benchlib import ...``.
 
 Row format (JSON list of dicts): bench, system, op, object_bytes, queue_depth, gbps (GB/s,
 1e9 bytes), iops, cpu_us_per_op, runs, plus buffers, *_min/*_max and optional vs_* ratios.
@@ -15,10 +21,18 @@ Row format (JSON list of dicts): bench, system, op, object_bytes, queue_depth, g
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
+try:
+    import umbp_nvme  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Skip(Exception):
@@ -167,6 +181,54 @@ def print_table(rows: Iterable[dict], *, ratio_keys: tuple[str, ...] = (), file=
             print("", file=file)
         prev = group
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip(), file=file)
+
+
+def bench_dir(cfg, default: str, prefix: str) -> tuple[str, str | None]:
+    """(directory, tmpdir): --dir, else a fresh temp dir for --smoke (tmpdir: remove it after),
+    else the benchmark's default directory; created if missing."""
+    tmpdir = None
+    if cfg.dir:
+        directory = cfg.dir
+    elif cfg.smoke:
+        directory = tmpdir = tempfile.mkdtemp(prefix=prefix)
+    else:
+        directory = default
+    os.makedirs(directory, exist_ok=True)
+    return directory, tmpdir
+
+
+def check_buffers(parser, buffers: Iterable[str]) -> None:
+    """--buffers takes memory kinds 4k and/or huge; anything else is a usage error."""
+    for b in buffers:
+        if b not in ("4k", "huge"):
+            parser.error(f"unknown buffers {b!r}; expected 4k and/or huge")
+
+
+def finish(cfg, rows: list[dict], notes: Iterable[str], *, targets: Iterable[str] = (),
+           plot_rows: list[dict] | None = None, title: str = "") -> None:
+    """The end of every benchmark's main(): target and note lines, then --json and --plot."""
+    for line in targets:
+        print("target:", line)
+    for note in notes:
+        print("note:", note)
+    if cfg.json:
+        write_json(rows, cfg.json)
+        print(f"wrote {cfg.json}")
+    if cfg.plot and plot(rows if plot_rows is None else plot_rows, cfg.plot, title=title):
+        print(f"wrote {cfg.plot}")
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only) so reads come from the disk; False when not allowed."""
+    if os.geteuid() != 0:
+        return False
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
 
 
 def write_json(rows: list[dict], path: str) -> None:

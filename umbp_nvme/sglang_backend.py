@@ -180,31 +180,30 @@ class UMBPNvmeStore(HiCacheStorage):
             return 0
 
     def batch_get_v1(self, keys: List[str], host_indices, extra_info=None) -> List[bool]:
-        n = len(keys) if keys is not None else 0
-        try:
-            if self.kv_anchor_is_logical:
-                return [True] * n
-            t0 = time.perf_counter()
-            results, nbytes = self._v1_io(keys, host_indices, is_set=False, extra_info=extra_info)
-            self._record(self._prefetch_pgs, self._prefetch_bw, results, nbytes, t0)
-            return results
-        except Exception as e:  # noqa: BLE001 - see module docstring
-            self._log_once("batch_get_v1", "batch_get_v1 of %d pages failed: %r; reporting misses", n, e)
-            return [False] * n
+        return self._v1_batch("batch_get_v1", keys, host_indices, extra_info, is_set=False)
 
     def batch_set_v1(self, keys: List[str], host_indices, extra_info=None) -> List[bool]:
+        return self._v1_batch("batch_set_v1", keys, host_indices, extra_info, is_set=True)
+
+    def _v1_batch(self, op: str, keys, host_indices, extra_info, *, is_set: bool) -> List[bool]:
+        """batch_get_v1 / batch_set_v1: timed I/O recorded in the stats; any failure is a list
+        of False (misses for a get, failures for a set), never an exception."""
         n = len(keys) if keys is not None else 0
         try:
-            if self.is_mla_follower:
+            if is_set and self.is_mla_follower:
                 return [True] * (len(host_indices) // self.page_size if host_indices is not None else n)
             if self.kv_anchor_is_logical:
                 return [True] * n
             t0 = time.perf_counter()
-            results, nbytes = self._v1_io(keys, host_indices, is_set=True, extra_info=extra_info)
-            self._record(self._backup_pgs, self._backup_bw, results, nbytes, t0)
+            results, nbytes = self._v1_io(keys, host_indices, is_set=is_set, extra_info=extra_info)
+            if is_set:
+                self._record(self._backup_pgs, self._backup_bw, results, nbytes, t0)
+            else:
+                self._record(self._prefetch_pgs, self._prefetch_bw, results, nbytes, t0)
             return results
         except Exception as e:  # noqa: BLE001 - see module docstring
-            self._log_once("batch_set_v1", "batch_set_v1 of %d pages failed: %r; reporting failures", n, e)
+            what = "failures" if is_set else "misses"
+            self._log_once(op, "%s of %d pages failed: %r; reporting %s", op, n, e, what)
             return [False] * n
 
     def _v1_io(self, keys, host_indices, *, is_set: bool, extra_info) -> tuple[list[bool], int]:
@@ -511,6 +510,14 @@ class UMBPNvmeStore(HiCacheStorage):
             "interface": "v1" if self.interface_v1 else "flat",
         }
 
+    def _log_leader_not_ready(self) -> None:
+        self._log_once(
+            "follower_wait",
+            "follower: the leader has not created %s yet; reporting misses until it does",
+            self.store_dir,
+            level=logging.INFO,
+        )
+
     def _open_main(self, *, raise_errors: bool):
         """Open this rank's store if it is not open; None while a follower waits for its leader."""
         if self._store is not None or self._closed or not self.config.ssd_enabled or self._namespace is None:
@@ -520,12 +527,7 @@ class UMBPNvmeStore(HiCacheStorage):
         if self.is_mla_follower:
             # Until the leader has created the store, a lookup costs one stat() and misses.
             if not os.path.exists(os.path.join(self.store_dir, _MANIFEST)):
-                self._log_once(
-                    "follower_wait",
-                    "follower: the leader has not created %s yet; reporting misses until it does",
-                    self.store_dir,
-                    level=logging.INFO,
-                )
+                self._log_leader_not_ready()
                 return None
             now = time.monotonic()
             if now < self._next_follower_try and not raise_errors:
@@ -534,12 +536,7 @@ class UMBPNvmeStore(HiCacheStorage):
             try:
                 store = SyncPageStore(self.store_dir, self.config, readonly=True, namespace=self._namespace)
             except FileNotFoundError:
-                self._log_once(
-                    "follower_wait",
-                    "follower: the leader has not created %s yet; reporting misses until it does",
-                    self.store_dir,
-                    level=logging.INFO,
-                )
+                self._log_leader_not_ready()
                 return None
             except (NamespaceMismatchError, StoreError):
                 if raise_errors:
