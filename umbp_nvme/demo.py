@@ -24,7 +24,9 @@ from .keys import KeyScheme
 
 PAGES_PER_BATCH = 128
 BATCHES = 2
-OBJECT_BYTES = 16 << 10  # one K or V page component (small model, small page: keeps the demo quick)
+# One K or V page component: 64 tokens x 16 layers x 1 KV head x 128 dims x bf16 (a small
+# model at page size 64); 2 x 128 pages x 2 objects = 128 MiB through the store.
+OBJECT_BYTES = 256 << 10
 
 
 def _page_hashes(n: int, start: int = 0) -> list[str]:
@@ -35,7 +37,7 @@ async def run_demo(directory: str, *, object_bytes: int = OBJECT_BYTES, out=sys.
     from .store import PageStore
 
     scheme = KeyScheme()  # TP 1, MHA: keys <hash>_0_k / <hash>_0_v
-    cfg = StoreConfig(ssd_capacity_bytes=256 << 20, ssd_segment_size_bytes=16 << 20, ssd_storage_dir=directory)
+    cfg = StoreConfig(ssd_capacity_bytes=512 << 20, ssd_segment_size_bytes=64 << 20, ssd_storage_dir=directory)
     rows = []
     store = await PageStore.open(directory, cfg, namespace={"model": "umbp-demo", "layout": "page_first", "dtype": "bfloat16",
                                                              "kv_object_bytes": object_bytes})
