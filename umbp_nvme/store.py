@@ -313,6 +313,7 @@ _memmove = ctypes.memmove
 
 _PART_MIN_BYTES = 1 << 20  # a read sub-batch moves at least this much (its submit and wake-up cost ~tens of us)
 _PARTS_MAX = 8
+_READ_PARTS_IN_FLIGHT = 3  # read sub-batches submitted at a time (see _get)
 
 
 def _part_bounds(m: int, nbytes: int) -> list[int]:
@@ -1218,6 +1219,7 @@ class PageStore:
 
         loop = asyncio.get_running_loop()
         good = np.zeros(m, bool)
+        pre = None
         timed_out = False
         crc_job = None
         crcs = None
@@ -1240,6 +1242,11 @@ class PageStore:
                     # until it completes, then _release_late_write frees its slots (below)
                     task = asyncio.ensure_future(write)
                     try:
+                        if route is None:
+                            # the write task submits on the next loop pass; the index records
+                            # (all but their CRC and generation) are packed while it runs
+                            await asyncio.sleep(0)
+                            pre = self._pack_pending(keys, todo, segs, offs, nbytes, depths)
                         res = await asyncio.wait_for(asyncio.shield(task), self.timeout_s)
                     except asyncio.CancelledError:
                         if not task.done():  # our caller gave up: the engine still owns the slots
@@ -1305,14 +1312,22 @@ class PageStore:
                 pub_idx = [pub_idx[t] for t in keep]
                 pub_keys = [pub_keys[t] for t in keep]
             npub = len(pj)
-            pub_depths = -1 if depths is None else np.asarray([int(depths[i]) for i in pub_idx], np.int32)
             pub_crcs = crcs[pj]
-            recs = np.zeros(npub, REC_DTYPE)
-            recs["segment"], recs["length"], recs["offset"] = segs[pj], nbytes[pj], offs[pj]
+            if pre is not None:
+                all_recs, enc_keys = pre
+                recs = all_recs if npub == m else all_recs[pj]
+                pub_depths = recs["depth"].copy()
+                enc = enc_keys if npub == m else [enc_keys[j] for j in pj.tolist()]
+            else:
+                pub_depths = -1 if depths is None else np.asarray([int(depths[i]) for i in pub_idx], np.int32)
+                recs = np.zeros(npub, REC_DTYPE)
+                recs["segment"], recs["length"], recs["offset"] = segs[pj], nbytes[pj], offs[pj]
+                recs["depth"], recs["flags"] = pub_depths, FLAG_CRC
+                enc = [k.encode() for k in pub_keys]
             recs["generation"] = recs["group"] = gen
-            recs["crc"], recs["depth"], recs["flags"] = pub_crcs, pub_depths, FLAG_CRC
+            recs["crc"] = pub_crcs
             blob = recs.tobytes()
-            puts = list(zip(map(str.encode, pub_keys), [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
+            puts = list(zip(enc, [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
             try:
                 committed = await self._commit(puts) if puts else True
             except asyncio.TimeoutError:
@@ -1350,6 +1365,17 @@ class PageStore:
                         refused.add(keys[i], "index commit failed")
                     else:
                         results[i] = True  # another put of the same key published first: keep its bytes
+
+    @staticmethod
+    def _pack_pending(keys, todo, segs, offs, nbytes, depths):
+        """(records, encoded keys) for every object of a write batch, CRC and generation left 0."""
+        m = len(todo)
+        recs = np.zeros(m, REC_DTYPE)
+        recs["segment"], recs["length"], recs["offset"] = segs, nbytes, offs
+        todo_l = todo.tolist()
+        recs["depth"] = -1 if depths is None else np.asarray([int(depths[i]) for i in todo_l], np.int32)
+        recs["flags"] = FLAG_CRC
+        return recs, [keys[i].encode() for i in todo_l]
 
     def _hand_off_write(self, task: asyncio.Future, segs: np.ndarray, offs: np.ndarray, bounce) -> None:
         """A write batch outlived its wait: free its slots (and bounce) when the engine is done with it.
@@ -1605,9 +1631,20 @@ class PageStore:
             deadline = loop.time() + self.timeout_s
             engine = self._read_engine
 
+            # Sub-batches go to the device a few at a time, in order: with every op in flight at
+            # once the device finishes them interleaved, so every part completed near the end and
+            # no CRC overlapped any I/O. A window of parts still keeps the device busy (several
+            # MiB queued) while the parts before it are verified.
+            bounds = _part_bounds(m_host, int(lens[:m_host].sum()) if m_host else 0)
+            window = asyncio.Semaphore(_READ_PARTS_IN_FLIGHT) if len(bounds) - 1 > _READ_PARTS_IN_FLIGHT else None
+
             async def part(lo: int, hi: int) -> None:
                 async with asyncio.timeout_at(deadline):
-                    res = await engine.read_many(fds[lo:hi], offs[lo:hi], io_addr[lo:hi], io_len[lo:hi])
+                    if window is None:
+                        res = await engine.read_many(fds[lo:hi], offs[lo:hi], io_addr[lo:hi], io_len[lo:hi])
+                    else:
+                        async with window:
+                            res = await engine.read_many(fds[lo:hi], offs[lo:hi], io_addr[lo:hi], io_len[lo:hi])
                 ok = res >= lens[lo:hi]  # the object must come back whole; more is padding
                 good[lo:hi] = ok
                 verified[lo:hi] = await loop.run_in_executor(None, finish, lo, hi, ok) if need_cpu else ok
@@ -1620,9 +1657,8 @@ class PageStore:
                 good[sl] = ok
                 verified[sl] = checked
 
-            # Sub-batches, all in flight at once: each is verified as soon as it completes, so the
-            # CRC overlaps the I/O of the rest and only the last (small) one's CRC adds wall time.
-            bounds = _part_bounds(m_host, int(lens[:m_host].sum()) if m_host else 0)
+            # Sub-batches: each is verified as soon as it completes, so the CRC overlaps the I/O
+            # of the rest and only the last (small) one's CRC adds wall time.
             jobs = [part(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
             if route is not None:
                 jobs.append(device_part(m_host, m))
