@@ -78,3 +78,22 @@ def payload(key: str, nbytes: int) -> np.ndarray:
 @pytest.fixture
 def store_dir(tmp_path):
     return str(tmp_path / "store")
+
+
+# -- SGLang backend fixtures (the sglang tests import tests/sglang_env.py, which skips without it)
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "l3")
+
+
+@pytest.fixture
+def hybrid(root):
+    """A backend on an MHA KV pool with an `swa` and a Mamba side pool registered."""
+    import sglang_env as E
+
+    kv, swa, mamba = E.mha_pool(), E.swa_pool(), E.mamba_pool()
+    backend = E.load_backend(E.storage_config(root), kv.host, {"swa": swa.host, "mamba": mamba.host})
+    yield backend, kv, swa, mamba
+    backend.close()

@@ -60,11 +60,6 @@ def hit_pages(backend, hashes):
     return hit
 
 
-@pytest.fixture
-def root(tmp_path):
-    return str(tmp_path / "l3")
-
-
 def loaded(root, pages, seed, *, fill_seed=None, layout="page_first", **cfg):
     """An MHA host pool, a backend on it, and `pages` pages of random bytes (fill_seed, default
     seed) with their hashes (seed): returns (pool, backend, hashes, idx, written)."""
@@ -322,14 +317,6 @@ def test_three_controller_threads_at_once_are_byte_exact(root):
 
 
 # -- v2 side pools -------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def hybrid(root):
-    kv, swa, mamba = E.mha_pool(), E.swa_pool(), E.mamba_pool()
-    backend = E.load_backend(E.storage_config(root), kv.host, {"swa": swa.host, "mamba": mamba.host})
-    yield backend, kv, swa, mamba
-    backend.close()
 
 
 def transfer(name, pool, hashes, idx, policy="all_pages"):

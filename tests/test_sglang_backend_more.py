@@ -15,11 +15,6 @@ from test_sglang_backend import hit_pages, transfer
 from umbp_nvme import hits as H
 
 
-@pytest.fixture
-def root(tmp_path):
-    return str(tmp_path / "l3")
-
-
 def _bytes(t) -> bytes:
     """Raw bytes of a (contiguous) tensor slice; bf16 has no numpy dtype, so view it as uint8."""
     assert t.is_contiguous()
@@ -224,14 +219,6 @@ def test_page_envelope_anchor_round_trip(root, layout, split):
 
 
 # -- 3. BLOCK_GROUPS and 4. restorable_prefix_pages through batch_exists_v2 ----------------------
-
-
-@pytest.fixture
-def hybrid(root):
-    kv, swa, mamba = E.mha_pool(), E.swa_pool(), E.mamba_pool()
-    backend = E.load_backend(E.storage_config(root), kv.host, {"swa": swa.host, "mamba": mamba.host})
-    yield backend, kv, swa, mamba
-    backend.close()
 
 
 def _block_transfer(hashes, block_pages, group_pages, name="swa"):

@@ -187,7 +187,6 @@ def _store_config(cfg, path: str, capacity: int) -> StoreConfig:
 
 async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -> list[dict]:
     n_obj = cfg.batch_pages * OBJECTS_PER_PAGE
-    max_size = max(cfg.sizes)
     sample_cap = max(max(cfg.sample_bytes, n_obj * s) for s in cfg.sizes)
     seg = cfg.segment_bytes
     capacity = -(-int(sample_cap * 1.5 + 4 * seg) // seg) * seg

@@ -171,7 +171,6 @@ class SegmentAllocator:
         records sharing a slot (a relaxed-mode power loss can resurrect an evicted record whose
         slot was reused; its CRC would fail anyway).
         """
-        n = len(segs)
         segs = segs.astype(np.int64)
         offs = offs.astype(np.int64)
         cls = size_classes(lengths)

@@ -113,7 +113,7 @@ class HostPool:
     # --- the host-pool interface the backend uses ---
 
     def get_page_buffer_meta(self, indices):
-        P, s = self.page_size, self.itemsize
+        P = self.page_size
         firsts = indices[::P]
         firsts = firsts.tolist() if hasattr(firsts, "tolist") else list(firsts)
         ptrs: list = []
