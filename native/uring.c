@@ -1118,6 +1118,25 @@ static PyObject *registration_seq(PyObject *obj, const char *type_err, const cha
     return seq;
 }
 
+/* Swap a registration table: drop the old one (if any), register the new one, forget the old
+   table either way. Called with the ring acquired; on failure the ring is released and an
+   OSError is set. Registration pins or looks up every entry, which takes long: no GIL held. */
+static int ring_reregister(RingObject *self, unsigned unreg_op, unsigned reg_op, void *arg, unsigned n, unsigned had,
+                           void (*forget)(RingObject *)) {
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    if (had) sys_register(self->ring_fd, unreg_op, NULL, 0);
+    r = sys_register(self->ring_fd, reg_op, arg, n);
+    Py_END_ALLOW_THREADS
+    forget(self);
+    if (r < 0) {
+        ring_release(self);
+        errno = -r;
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return r;
+}
+
 static PyObject *Ring_register_buffers(RingObject *self, PyObject *ranges) {
     Py_ssize_t n;
     PyObject *seq = registration_seq(ranges, "ranges must be a sequence of (address, nbytes) pairs", "register_buffers",
@@ -1147,19 +1166,9 @@ static PyObject *Ring_register_buffers(RingObject *self, PyObject *ranges) {
     Py_DECREF(seq);
     seq = NULL;
     if (ring_acquire(self) < 0) goto fail;
-    int r;
-    /* Pinning large ranges takes long (every page is faulted in): no GIL held. */
-    Py_BEGIN_ALLOW_THREADS
-    if (self->nbufs) sys_register(self->ring_fd, UMBP_UNREGISTER_BUFFERS, NULL, 0);
-    r = sys_register(self->ring_fd, UMBP_REGISTER_BUFFERS, iov, (unsigned)n);
-    Py_END_ALLOW_THREADS
-    ring_forget_buffers(self);
-    if (r < 0) {
-        ring_release(self);
-        errno = -r;
-        PyErr_SetFromErrno(PyExc_OSError);
+    if (ring_reregister(self, UMBP_UNREGISTER_BUFFERS, UMBP_REGISTER_BUFFERS, iov, (unsigned)n, self->nbufs,
+                        ring_forget_buffers) < 0)
         goto fail;
-    }
     self->buf_addr = ba;
     self->buf_len = bl;
     self->nbufs = (unsigned)n;
@@ -1223,23 +1232,16 @@ static PyObject *Ring_register_files(RingObject *self, PyObject *fds_obj) {
     }
     Py_DECREF(seq);
     seq = NULL;
-    if (ring_acquire(self) < 0) goto fail;
-    int r;
-    Py_BEGIN_ALLOW_THREADS
+    Py_BEGIN_ALLOW_THREADS /* fcntl/statx per fd */
     for (Py_ssize_t i = 0; i < n; i++) {
         if (arr[i] >= 0) query_fd(arr[i], &info[i]);
         else info[i].fd = -1;
     }
-    if (self->nfiles) sys_register(self->ring_fd, UMBP_UNREGISTER_FILES, NULL, 0);
-    r = sys_register(self->ring_fd, UMBP_REGISTER_FILES, arr, (unsigned)n);
     Py_END_ALLOW_THREADS
-    ring_forget_files(self);
-    if (r < 0) {
-        ring_release(self);
-        errno = -r;
-        PyErr_SetFromErrno(PyExc_OSError);
+    if (ring_acquire(self) < 0) goto fail;
+    if (ring_reregister(self, UMBP_UNREGISTER_FILES, UMBP_REGISTER_FILES, arr, (unsigned)n, self->nfiles,
+                        ring_forget_files) < 0)
         goto fail;
-    }
     self->files = info;
     self->nfiles = (unsigned)n;
     ring_release(self);
