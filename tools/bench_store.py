@@ -211,7 +211,7 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
         strict = cfg.durability == "strict"
         rnd = [0]
 
-        async def one_round(size: int, kind: str, timed: bool):
+        async def one_round(size: int, kind: str):
             buf = mem.bufs[kind]
             k_batches = max(1, -(-cfg.sample_bytes // (n_obj * size)))
             rnd[0] += 1
@@ -263,9 +263,9 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
         for size in cfg.sizes:
             for kind in mem.bufs:
                 samples: dict[tuple[str, str], list[Sample]] = {}
-                await one_round(size, kind, timed=False)  # warm-up: every extent written once
+                await one_round(size, kind)  # warm-up: every extent written once
                 for _ in range(cfg.runs):
-                    for key, s in (await one_round(size, kind, timed=True)).items():
+                    for key, s in (await one_round(size, kind)).items():
                         samples.setdefault(key, []).append(s)
                 for op in ("put", "get"):
                     if op not in cfg.ops:

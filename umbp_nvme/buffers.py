@@ -51,10 +51,6 @@ def address_of(buf, *, writable: bool = True) -> tuple[int, int]:
     return ctypes.addressof(c), nbytes
 
 
-def is_aligned(addr: int, nbytes: int, align: int = PAGE_BYTES) -> bool:
-    return addr % align == 0 and nbytes % align == 0
-
-
 class AlignedBuffer:
     """Anonymous mmap memory: page aligned (4 KiB pages or 2 MiB hugetlb pages).
 

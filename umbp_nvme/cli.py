@@ -55,7 +55,7 @@ def _read_keys(path: str) -> list[str]:
     return keys
 
 
-def _load_config(args, *, for_writer: bool):
+def _load_config(args):
     """StoreConfig from UMBP_* env and --config (a writer without --capacity adopts the store's own)."""
     from .config import load_config
     from .maintenance import read_manifest
@@ -152,7 +152,7 @@ def cmd_warmup(args) -> int:
             namespace = json.loads(raw)
         except (OSError, ValueError) as e:
             raise CliError(f"--namespace {args.namespace!r} is neither a JSON object nor a JSON file ({e})") from None
-    cfg = _load_config(args, for_writer=True)
+    cfg = _load_config(args)
     keys = _read_keys(args.keys) if args.keys else None
     try:
         s = asyncio.run(
@@ -195,7 +195,7 @@ def cmd_export(args) -> int:
 def cmd_stats(args) -> int:
     from .maintenance import store_stats
 
-    cfg = _load_config(args, for_writer=False)
+    cfg = _load_config(args)
     s = store_stats(args.store, cfg.ssd_capacity_bytes if _capacity_given(args) else None,
                     cfg.ssd_high_watermark, cfg.ssd_low_watermark)
     s["capacity_source"] = "configured" if _capacity_given(args) else "segment files on disk (pass --capacity for the server's)"
@@ -263,7 +263,7 @@ def cmd_verify(args) -> int:
 def _drop_keys(args, keys: list[str]) -> int:
     from .store import PageStore
 
-    cfg = _load_config(args, for_writer=True)
+    cfg = _load_config(args)
 
     async def run() -> int:
         store = await PageStore.open(args.store, cfg, capacity_from_manifest=not _capacity_given(args))
@@ -280,7 +280,7 @@ def cmd_compact(args) -> int:
     from .store import PageStore
 
     _refuse_if_locked(args.store, "compact")
-    cfg = _load_config(args, for_writer=True)
+    cfg = _load_config(args)
 
     async def run() -> dict:
         # holds the writer lock while we work

@@ -46,7 +46,6 @@ REC_DTYPE = np.dtype(
 )
 REC_BYTES = REC_DTYPE.itemsize
 assert REC_BYTES == 48
-_REC = struct.Struct("<IIQQQIiII")
 FLAG_CRC = 1  # crc field is valid
 
 _CREATING_WAIT_S = 2.0  # how long a reader waits for a new store's writer to create its databases
@@ -69,10 +68,6 @@ _DAMAGED = (
 
 _ENVS: dict[str, list] = {}  # realpath -> [env, refcount, writable]
 _ENVS_LOCK = threading.Lock()
-
-
-def pack_record(segment, length, offset, generation, group, crc, depth, flags) -> bytes:
-    return _REC.pack(segment, length, offset, generation, group, crc, depth, flags, 0)
 
 
 def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> lmdb.Environment:

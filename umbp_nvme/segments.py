@@ -267,9 +267,6 @@ class SegmentFiles:
     def path(self, i: int) -> str:
         return os.path.join(self.directory, segment_name(i))
 
-    def is_open(self, i: int) -> bool:
-        return i in self.files
-
     def exists(self, i: int) -> bool:
         try:
             return os.lstat(self.path(i)).st_size >= self.segment_bytes

@@ -103,10 +103,5 @@ class IoEngine(Protocol):
         """Stop the engine; pending awaits fail with EngineClosed. Idempotent."""
 
 
-def check_results(results: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Boolean per op: completed in full."""
-    return results == lengths
-
-
 def errno_name(res: int) -> str:
     return errno.errorcode.get(-int(res), str(-int(res))) if res < 0 else f"short({res})"
