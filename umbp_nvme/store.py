@@ -47,6 +47,7 @@ from .errors import (
     StoreLockedError,
     UnsafeStorePathError,
 )
+from .keybytes import encode_key
 from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index, quarantine, wrap_lmdb_error
 from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, SegmentFiles, segment_name, size_classes
 
@@ -605,7 +606,7 @@ class PageStore:
             for s in np.unique(segs[keep]).tolist():
                 self._open_segment_for_load(s)
             if not keep.all():
-                drop = [keys[i].encode() for i in np.flatnonzero(~keep).tolist()]
+                drop = [encode_key(keys[i]) for i in np.flatnonzero(~keep).tolist()]
                 if shrunk:
                     log.warning(
                         "%s: shrinking from ssd_capacity_bytes=%d to %d (%d -> %d segments): evicting %d objects "
@@ -910,7 +911,7 @@ class PageStore:
         self._rows_live[rows] = False
         async with self._commit_lock:
             try:
-                ok = await self._commit(deletes=[k.encode() for k in keys])
+                ok = await self._commit(deletes=[encode_key(k) for k in keys])  # decoded from bytes: always encodes
             except asyncio.TimeoutError:
                 ok = None  # the commit may still land: keep the slots out of use
         if ok:
