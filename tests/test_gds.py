@@ -1,8 +1,13 @@
-"""GPUDirect Storage (engine/gds.py): routing and errors on CPU with fakes; real GPU tests skip.
+"""GPUDirect Storage (engine/gds.py): routing, settings, paths and errors on CPU; real GPU tests skip.
 
-The CPU tests stand a fake ``kvikio`` in for the real one. Its "device" pointers are host memory,
-so the engine's logic (fd -> CuFile mapping, futures in flight, EOF clipping, -errno results,
-close) is checked byte for byte without a GPU. The ``test_gpu_*`` tests need a CUDA device, the
+The CPU tests run the engine against tests/fake_kvikio.py, a double of kvikio 26.10 built from the
+real wheel's API: its "device" pointers are host memory, the rest (settings in kvikio's core,
+per-file compat decision, futures that run at submit, the small-I/O POSIX shortcut, POSIX raising
+at EOF while cuFile returns short, RuntimeError texts, whole-allocation memory_register, per-backend
+counters) behaves as the real package does. The engine tests run twice: over the fake's own Python
+layer ("fake") and over the real kvikio Python layer unpacked from a kvikio-cu12/-cu13 wheel with
+its compiled modules stubbed by the same core ("real"; skipped, with the reason, when no wheel is at
+hand: tools/fetch_kvikio_wheel.sh gets one). The ``test_gpu_*`` tests need a CUDA device, the
 NVIDIA driver and kvikio, and skip with the reason otherwise (tools/gpu_check.sh runs them).
 """
 
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import inspect
 import logging
 import os
 import threading
@@ -19,138 +25,70 @@ import types
 import numpy as np
 import pytest
 
+import fake_kvikio as fk
 from umbp_nvme.engine import gds
 from umbp_nvme.engine.base import EngineClosed, EngineUnavailable, IoEngine
 
 PAGE = 4096
+NO_WHEEL = ("no kvikio-cu12/-cu13 wheel at hand (run tools/fetch_kvikio_wheel.sh, or set KVIKIO_WHEEL_DIR): "
+            "the real kvikio Python layer cannot be loaded")
 
 
-# ---------------------------------------------------------------- fakes
+# ---------------------------------------------------------------- kvikio: the fake, or the real layer
 
 
-class FakeFuture:
-    """Deferred: the transfer runs at get(), so 'created but not got' counts ops in flight."""
-
-    def __init__(self, kv, fn):
-        self._kv = kv
-        self._fn = fn
-        with kv.lock:
-            kv.outstanding += 1
-            kv.max_outstanding = max(kv.max_outstanding, kv.outstanding)
-
-    def get(self):
-        try:
-            if self._kv.gate is not None:
-                self._kv.started.set()
-                self._kv.gate.wait(10)
-            return self._fn()
-        finally:
-            with self._kv.lock:
-                self._kv.outstanding -= 1
-
-    def done(self):
-        return False
+@pytest.fixture(scope="session")
+def real_layer_dir(tmp_path_factory):
+    wheel = fk.find_kvikio_wheel()
+    if wheel is None:
+        return None
+    return fk.extract_python_layer(wheel, str(tmp_path_factory.mktemp("kvikio-real")))
 
 
-class FakeCuFile:
-    def __init__(self, kv, path, flags="r"):
-        assert flags in ("r", "r+"), f"engine must never open with {flags!r} (kvikio 'w' truncates)"
-        self._kv = kv
-        self.path = path
-        self.flags = flags
-        self.fd = os.open(path, os.O_RDWR if "+" in flags else os.O_RDONLY)
-        self.closed = False
-        kv.opened.append(self)
-
-    @staticmethod
-    def _addr(buf):
-        iface = buf.__cuda_array_interface__
-        return iface["data"][0], iface["shape"][0]
-
-    def pread(self, buf, size, file_offset=0, task_size=None):
-        addr, cap = self._addr(buf)
-        assert size <= cap
-        kv = self._kv
-
-        def run():
-            if file_offset in kv.fail_at:
-                raise kv.fail_at[file_offset]
-            want = size
-            if file_offset in kv.short_once:
-                kv.short_once.discard(file_offset)
-                want = size // 2
-            data = os.pread(self.fd, want, file_offset)
-            if len(data) < want:
-                raise RuntimeError("posix_host_read: EOF")
-            if file_offset in kv.corrupt_at:
-                data = bytes(b ^ 0xFF for b in data)
-            ctypes.memmove(addr, data, len(data))
-            return len(data)
-
-        kv.calls.append(("pread", self.path, file_offset, size))
-        return FakeFuture(kv, run)
-
-    def pwrite(self, buf, size, file_offset=0, task_size=None):
-        addr, cap = self._addr(buf)
-        kv = self._kv
-
-        def run():
-            if file_offset in kv.fail_at:
-                raise kv.fail_at[file_offset]
-            return os.pwrite(self.fd, ctypes.string_at(addr, size), file_offset)
-
-        kv.calls.append(("pwrite", self.path, file_offset, size))
-        return FakeFuture(kv, run)
-
-    def fileno(self):
-        return self.fd
-
-    def close(self):
-        if not self.closed:
-            self.closed = True
-            os.close(self.fd)
+@pytest.fixture(params=["fake", "real"])
+def kvi(request, real_layer_dir):
+    """kvikio installed behind `import kvikio`: the fake's layer, or the real one over the fake core."""
+    if request.param == "real":
+        if real_layer_dir is None:
+            pytest.skip(NO_WHEEL)
+        inst = fk.install_real(real_layer_dir)
+    else:
+        inst = fk.install()
+    yield inst
+    inst.uninstall()
 
 
-def make_fake_kvikio(style="25"):
-    kv = types.SimpleNamespace()
-    kv.__version__ = "0.0-fake"
-    kv.lock = threading.Lock()
-    kv.outstanding = 0
-    kv.max_outstanding = 0
-    kv.opened = []
-    kv.calls = []
-    kv.fail_at = {}
-    kv.short_once = set()
-    kv.corrupt_at = set()
-    kv.gate = None
-    kv.started = threading.Event()
-    kv.CuFile = lambda path, flags="r": FakeCuFile(kv, path, flags)
-    settings = {"compat_mode": "AUTO", "num_threads": 1, "gds_threshold": 1 << 20}
-    kv.settings = settings
-    if style == "25":
-        kv.defaults = types.SimpleNamespace(get=settings.__getitem__,
-                                            set=lambda k, v: settings.__setitem__(k, v))
-    else:  # 24.x: no get/set, *_reset functions
-        kv.defaults = types.SimpleNamespace(
-            compat_mode=lambda: settings["compat_mode"],
-            get_num_threads=lambda: settings["num_threads"],
-            gds_threshold=lambda: settings["gds_threshold"],
-            compat_mode_reset=lambda v: settings.__setitem__("compat_mode", v),
-            num_threads_reset=lambda v: settings.__setitem__("num_threads", v),
-            gds_threshold_reset=lambda v: settings.__setitem__("gds_threshold", v),
-        )
-    return kv
+@pytest.fixture
+def core(kvi):
+    return kvi.core
+
+
+@pytest.fixture
+def kv(kvi):
+    return gds._import_kvikio()  # the engine's own import, which must bring kvikio.defaults etc.
+
+
+@pytest.fixture
+def engine(kv):
+    gds.configure_kvikio(kv, 8)  # 8 threads, 4 KiB threshold: page ops go through the pool
+    e = gds.KvikioEngine(8, kvikio=kv)
+    yield e
+    e.close()
 
 
 class HostDeviceOps:
     """'Device' memory that is host memory, for the probe/staging/CRC paths on CPU."""
 
-    def __init__(self):
+    def __init__(self, core: fk.Core | None = None):
+        self.core = core or fk.Core()
         self.copies = 0
 
     def alloc(self, nbytes):
-        a = np.zeros(max(nbytes, 1), dtype=np.uint8)
-        return a, int(a.ctypes.data)
+        return self.core.alloc(nbytes)
+
+    def allocation_base(self, addr):
+        got = self.core.allocation_of(addr)
+        return got[0] if got else None
 
     def copy_d2h(self, pairs):
         for dev, host, n in pairs:
@@ -200,18 +138,6 @@ class FakeCudaTensor:
 class CaiObject:
     def __init__(self, **iface):
         self.__cuda_array_interface__ = {"version": 3, **iface}
-
-
-@pytest.fixture
-def kv():
-    return make_fake_kvikio()
-
-
-@pytest.fixture
-def engine(kv):
-    e = gds.KvikioEngine(8, kvikio=kv)
-    yield e
-    e.close()
 
 
 @pytest.fixture
@@ -419,15 +345,23 @@ async def test_store_staging_route_never_allocates_the_gate_buffer(monkeypatch, 
     async def unavailable(queue_depth, probe_dir=None):
         raise gds.gds_unavailable_error("no GPU in this test")
 
+    gates = []
+
+    class StagingGate(gds.GdsGate):  # what gds_staging=True gives, without GPU I/O
+        def __init__(self, **kw):
+            super().__init__(**{**kw, "staging": True, "opener": unavailable})
+            gates.append(self)
+
     monkeypatch.setattr(gds, "_device_ops", HostDeviceOps())
+    monkeypatch.setattr(gds, "GdsGate", StagingGate)
     st = await PageStore.open(store_dir, small_config())
-    gate = st._gds_gate = gds.GdsGate(queue_depth=8, opener=unavailable, staging=True)
     try:
         src = make_payload("k", 5000)
         assert await st.put_many(["k"], [gds.CudaPointer(addr(src), src.nbytes)]) == [True]
         out = np.zeros_like(src)
         assert await st.get_many(["k"], [gds.CudaPointer(addr(out), out.nbytes)]) == [True]
         assert out.tobytes() == src.tobytes()
+        (gate,) = gates
         assert gate.mode == "staging" and gate._staging is None  # the store uses its own bounce buffers
     finally:
         await st.close()
@@ -440,7 +374,174 @@ async def test_gate_staging_without_cuda_is_refused(monkeypatch):
         await gate.route()
 
 
-# ---------------------------------------------------------------- engine over the fake kvikio
+# ---------------------------------------------------------------- the fake is the real API
+
+
+def _public_api(mod, names=None):
+    """name -> a comparable description (parameters, enum members, 'property') for the public
+    callables of mod and their methods; with names, only those (absent ones map to None)."""
+    import enum
+
+    def describe(obj):
+        if isinstance(obj, property):
+            return "property"
+        if inspect.isclass(obj) and issubclass(obj, enum.Enum):
+            return ("enum", tuple((m.name, int(m.value)) for m in obj))
+        if inspect.isclass(obj):
+            return ("class", _params(obj.__init__) if "__init__" in vars(obj) else None)
+        if callable(obj):
+            return _params(obj)
+        return None
+
+    out = {}
+    if names is None:
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if name.startswith("_") or describe(obj) is None:
+                continue
+            out[name] = describe(obj)
+            if inspect.isclass(obj) and not issubclass(obj, __import__("enum").Enum):
+                for mname, mobj in vars(obj).items():
+                    if (not mname.startswith("_") or mname in ("__init__", "__enter__", "__exit__")) \
+                            and describe(mobj) is not None:
+                        out[f"{name}.{mname}"] = describe(mobj)
+        return out
+    for name in names:
+        head, _, attr = name.partition(".")
+        obj = getattr(mod, head, None)
+        if attr:
+            obj = vars(obj).get(attr) if inspect.isclass(obj) else None
+        out[name] = None if obj is None else describe(obj)
+    return out
+
+
+def _params(fn):
+    """(name, kind, default) per parameter: what a caller depends on (annotations left out)."""
+    sig = inspect.signature(fn)
+    return tuple((p.name, p.kind.name, repr(p.default) if p.default is not p.empty else "-")
+                 for p in sig.parameters.values())
+
+
+def _fake_public(name):
+    return fk.build_public(fk.Core())[name]
+
+
+def test_fake_signatures_equal_the_real_kvikio_python_api(real_layer_dir):
+    """Every public name the fake defines exists in the real package with the same parameters."""
+    if real_layer_dir is None:
+        pytest.skip(NO_WHEEL)
+    inst = fk.install_real(real_layer_dir)
+    try:
+        import importlib
+
+        real = {m: importlib.import_module(m)
+                for m in ("kvikio", "kvikio.cufile", "kvikio.defaults", "kvikio.cufile_driver")}
+        compared = 0
+        for modname, attrs in fk.build_public(inst.core).items():
+            fake_mod = types.SimpleNamespace(**attrs)
+            fake_api = _public_api(fake_mod)
+            real_api = _public_api(real[modname], list(fake_api))
+            for name, fake_sig in fake_api.items():
+                if name in ("properties", "__version__"):
+                    continue
+                assert real_api[name] is not None, f"{modname}.{name}: the fake has it, the real kvikio does not"
+                if isinstance(fake_sig, tuple) and fake_sig and fake_sig[0] == "class" and fake_sig[1] is None:
+                    continue  # a class without its own __init__ (dataclass handled by its fields)
+                assert fake_sig == real_api[name], f"{modname}.{name}: fake {fake_sig} != real {real_api[name]}"
+                compared += 1
+        # what the engine calls must be among them (so the comparison is not vacuous)
+        for needed in ("CuFile.__init__", "CuFile.pread", "CuFile.pwrite", "CuFile.close", "CuFile.fileno",
+                       "memory_register", "memory_deregister", "SummaryMonitor.get",
+                       "CompatMode"):
+            assert needed in _public_api(types.SimpleNamespace(**fk.build_public(inst.core)["kvikio"]))
+        assert "IOFuture.get" in _public_api(types.SimpleNamespace(**fk.build_public(inst.core)["kvikio.cufile"]))
+        assert compared >= 30
+        # Summary's fields, in order (the engine reads by_backend from it)
+        import dataclasses
+
+        fake_summary = fk.build_public(inst.core)["kvikio"]["Summary"]
+        assert [f.name for f in dataclasses.fields(fake_summary)] == \
+            [f.name for f in dataclasses.fields(real["kvikio"].Summary)]
+    finally:
+        inst.uninstall()
+
+
+def test_signature_comparison_catches_a_difference():
+    """The comparison itself fails on a drifted signature (guards the test above)."""
+    def pread(self, buf, size=None, file_offset=0, task_size=None): ...
+    def drifted(self, buf, file_offset=0, size=None, task_size=None): ...
+    assert _params(pread) != _params(drifted)
+    assert _params(_fake_public("kvikio")["CuFile"].pread) == _params(pread)
+
+
+def test_import_kvikio_alone_has_no_defaults_and_the_engine_imports_them(kvi):
+    import importlib
+
+    bare = importlib.import_module("kvikio")
+    assert not hasattr(bare, "defaults") and not hasattr(bare, "cufile_driver")  # as the real __init__
+    assert gds.kvikio_get(bare, "num_threads") is None  # what the old _import_kvikio left the engine with
+    kv = gds._import_kvikio()
+    assert kv is bare and kv.defaults.get("num_threads") == 1 and kv.cufile_driver.get("is_gds_available")
+
+
+# ---------------------------------------------------------------- settings reach kvikio
+
+
+@pytest.mark.parametrize("mode,enum_name,decision", [("off", "OFF", "cufile"), ("on", "ON", "posix"),
+                                                     ("auto", "AUTO", "cufile")])
+def test_each_setting_reaches_kvikio(kv, core, mode, enum_name, decision):
+    assert gds.configure_kvikio(kv, 64, compat_mode=mode) == []
+    assert core.settings["thread_pool_nthreads"] == 16 and core.pool_threads == 16
+    assert core.settings["gds_threshold"] == PAGE
+    assert core.settings["compat_mode"] == fk.CompatMode[enum_name]
+    names = [n for n, _ in core.set_calls]
+    assert {"thread_pool_nthreads", "gds_threshold", "compat_mode"} <= set(names)
+    e = gds.KvikioEngine(8, kvikio=kv)
+    try:
+        d = e.describe()
+        assert (d["num_threads"], d["gds_threshold"], d["compat_mode"], d["compat_decision"]) == \
+            (16, PAGE, enum_name, decision)
+        text = gds.describe_kvikio(kv)
+        assert f"compat_mode={enum_name}" in text and "num_threads=16" in text and f"gds_threshold={PAGE}" in text
+    finally:
+        e.close()
+
+
+def test_auto_without_usable_cufile_is_decided_posix(kv, core):
+    core.cufile_available = False  # no libcufile or no readable /run/udev
+    gds.configure_kvikio(kv, 8, compat_mode="auto")
+    assert gds.kvikio_settings(kv)["compat_decision"] == "posix"
+    assert gds.kvikio_gds_driver_available(kv) is False
+
+
+def test_settings_kvikio_did_not_take_are_named(caplog):
+    kv = types.SimpleNamespace(__version__="x")  # no defaults module: what `import kvikio` alone gives
+    with caplog.at_level(logging.WARNING, logger=gds.__name__):
+        failed = gds.configure_kvikio(kv, 64, compat_mode="off")
+    assert failed == ["compat_mode", "num_threads", "gds_threshold"]
+    assert any("did not take" in r.getMessage() for r in caplog.records)
+
+
+def test_legacy_24x_accessors_are_used():
+    s = {"compat_mode": True, "num_threads": 1, "gds_threshold": 1 << 20}
+    kv = types.SimpleNamespace(defaults=types.SimpleNamespace(
+        compat_mode=lambda: s["compat_mode"], get_num_threads=lambda: s["num_threads"],
+        gds_threshold=lambda: s["gds_threshold"], compat_mode_reset=lambda v: s.__setitem__("compat_mode", v),
+        num_threads_reset=lambda v: s.__setitem__("num_threads", v),
+        gds_threshold_reset=lambda v: s.__setitem__("gds_threshold", v)))
+    assert gds.configure_kvikio(kv, 64, compat_mode="off") == []
+    assert s == {"compat_mode": False, "num_threads": 16, "gds_threshold": PAGE}
+
+
+def test_kvikio_env_settings_are_respected(monkeypatch, kv, core):
+    monkeypatch.setenv("KVIKIO_NTHREADS", "2")
+    monkeypatch.setenv("KVIKIO_GDS_THRESHOLD", "65536")
+    gds.configure_kvikio(kv, 64)
+    assert core.settings["thread_pool_nthreads"] == 1 and core.settings["gds_threshold"] == 16 << 10
+    assert core.set_calls == []
+
+
+# ---------------------------------------------------------------- engine over kvikio
 
 
 def test_engine_satisfies_the_protocol(engine):
@@ -459,25 +560,28 @@ async def test_read_many_is_byte_exact_across_extents(engine, data_file):
         assert d.tobytes() == payload[o : o + n]
 
 
-async def test_cufile_is_opened_once_per_fd_through_proc_self_fd(engine, kv, data_file):
+async def test_cufile_is_opened_once_per_fd_through_proc_self_fd(engine, core, data_file):
     fd, _, _ = data_file
     buf = np.zeros(PAGE, np.uint8)
     for _ in range(3):
         await engine.read_many(fd, [0], [addr(buf)], [PAGE])
-    assert len(kv.opened) == 1
-    assert kv.opened[0].path == f"/proc/self/fd/{fd}" and kv.opened[0].flags == "r+"
+    assert len(core.opened) == 1
+    assert core.opened[0].path == f"/proc/self/fd/{fd}" and core.opened[0].flags == "r+"
+    assert core.opened[0].fd_direct >= 0  # kvikio's second, O_DIRECT descriptor
     assert engine.cached_fds() == [fd]
 
 
-async def test_read_only_fd_opens_read_only_and_refuses_writes(engine, kv, tmp_path):
+async def test_read_only_fd_opens_read_only_and_refuses_writes_before_kvikio(engine, core, tmp_path):
     p = tmp_path / "ro"
     p.write_bytes(b"x" * PAGE)
     fd = os.open(p, os.O_RDONLY)
     try:
         buf = np.zeros(PAGE, np.uint8)
         assert (await engine.read_many(fd, [0], [addr(buf)], [PAGE])).tolist() == [PAGE]
-        assert kv.opened[-1].flags == "r"
+        assert core.opened[-1].flags == "r"
+        # kvikio would say "Operation not permitted" for this EBADF: the engine answers it first
         assert (await engine.write_many(fd, [0], [addr(buf)], [PAGE])).tolist() == [-errno.EBADF]
+        assert [c[0] for c in core.calls] == ["pread"]
     finally:
         engine.forget_fd(fd)
         os.close(fd)
@@ -494,22 +598,49 @@ async def test_write_many_then_read_back(engine, data_file):
     assert on_disk[6 * PAGE : 7 * PAGE] == src[PAGE:].tobytes()
 
 
-async def test_read_past_eof_is_short_and_beyond_eof_is_zero(engine, data_file):
-    fd, payload, _ = data_file
-    a, b = np.zeros(2 * PAGE, np.uint8), np.zeros(PAGE, np.uint8)
-    res = await engine.read_many(fd, [15 * PAGE, 40 * PAGE], [addr(a), addr(b)], [2 * PAGE, PAGE])
-    assert res.tolist() == [PAGE, 0]
-    assert a[:PAGE].tobytes() == payload[15 * PAGE :]
+@pytest.mark.parametrize("mode", ["off", "on"])  # cuFile returns short at EOF, kvikio's POSIX path raises
+async def test_read_past_eof_is_short_and_beyond_eof_is_zero(kv, core, data_file, mode):
+    gds.configure_kvikio(kv, 8, compat_mode=mode)
+    engine = gds.KvikioEngine(8, kvikio=kv)
+    try:
+        fd, payload, _ = data_file
+        a, b = np.zeros(2 * PAGE, np.uint8), np.zeros(PAGE, np.uint8)
+        res = await engine.read_many(fd, [15 * PAGE, 40 * PAGE], [addr(a), addr(b)], [2 * PAGE, PAGE])
+        assert res.tolist() == [PAGE, 0]
+        assert a[:PAGE].tobytes() == payload[15 * PAGE :]
+        assert [c[4] for c in core.calls] == (["GDS"] if mode == "off" else ["POSIX"])
+    finally:
+        engine.close()
 
 
-async def test_one_failing_op_does_not_fail_the_batch(engine, kv, data_file):
+async def test_posix_eof_raised_by_kvikio_is_a_short_count(engine, core, data_file):
+    fd, _, _ = data_file
+    core.fail_at[PAGE] = fk._fail("posix_io.hpp:173", "POSIX error on pread: EOF")  # the file shrank
+    buf = np.zeros(2 * PAGE, np.uint8)
+    assert (await engine.read_many(fd, [0, PAGE], [addr(buf), addr(buf) + PAGE], [PAGE, PAGE])).tolist() == [PAGE, 0]
+
+
+async def test_one_failing_op_does_not_fail_the_batch(engine, core, data_file):
     fd, payload, _ = data_file
-    kv.fail_at[2 * PAGE] = RuntimeError("cuFile error: Input/output error")
-    kv.fail_at[4 * PAGE] = OSError(errno.ENOSPC, "no space")
-    bufs = [np.zeros(PAGE, np.uint8) for _ in range(3)]
-    res = await engine.read_many(fd, [0, 2 * PAGE, 4 * PAGE], [addr(b) for b in bufs], [PAGE] * 3)
-    assert res.tolist() == [PAGE, -errno.EIO, -errno.ENOSPC]
+    core.fail_at[2 * PAGE] = fk._cufile_error("file_handle.cpp:301", "Input/output error")
+    core.fail_at[4 * PAGE] = fk._system_error("posix_io.hpp:131", errno.ENOSPC)
+    core.fail_at[6 * PAGE] = fk._cufile_error("file_handle.cpp:301", "internal error")
+    bufs = [np.zeros(PAGE, np.uint8) for _ in range(4)]
+    res = await engine.read_many(fd, [0, 2 * PAGE, 4 * PAGE, 6 * PAGE], [addr(b) for b in bufs], [PAGE] * 4)
+    assert res.tolist() == [PAGE, -errno.EIO, -errno.ENOSPC, -errno.EIO]
     assert bufs[0].tobytes() == payload[:PAGE]
+
+
+def test_errno_mapping_from_kvikio_messages():
+    m = gds._errno_of
+    assert m(fk._system_error("posix_io.hpp:131", errno.ENOSPC)) == errno.ENOSPC
+    assert m(fk._system_error("file_utils.cpp:112", errno.ENOENT)) == errno.ENOENT
+    assert m(fk._system_error("posix_io.hpp:131", errno.EBADF)) == errno.EBADF
+    assert m(fk._cufile_error("x.cpp:1", os.strerror(errno.EINVAL))) == errno.EINVAL
+    assert m(fk._cufile_error("x.cpp:1", "GPUDirect Storage not supported on current file")) == errno.EIO
+    assert m(RuntimeError("cuFile internal error 5011")) == errno.EIO
+    assert not any(isinstance(e, OSError) for e in (fk._system_error("a", errno.EIO), fk._fail("a", "b")))
+    assert gds._is_kvikio_eof(fk._fail("posix_io.hpp:173", "POSIX error on pread: EOF"))
 
 
 async def test_bad_fd_fails_only_its_ops(engine, data_file):
@@ -521,7 +652,7 @@ async def test_bad_fd_fails_only_its_ops(engine, data_file):
     assert a.tobytes() == payload[:PAGE]
 
 
-async def test_reused_fd_number_gets_a_fresh_cufile(engine, kv, data_file, tmp_path):
+async def test_reused_fd_number_gets_a_fresh_cufile(engine, core, data_file, tmp_path):
     fd, payload, _ = data_file
     buf = np.zeros(PAGE, np.uint8)
     await engine.read_many(fd, [0], [addr(buf)], [PAGE])
@@ -532,32 +663,34 @@ async def test_reused_fd_number_gets_a_fresh_cufile(engine, kv, data_file, tmp_p
     os.close(nfd)
     await engine.read_many(fd, [0], [addr(buf)], [PAGE])
     assert buf.tobytes() == b"\xab" * PAGE
-    assert len(kv.opened) == 2 and kv.opened[0].closed and not kv.opened[1].closed
+    assert len(core.opened) == 2 and core.opened[0].closed() and not core.opened[1].closed()
 
 
-async def test_forget_fd_closes_the_cufile(engine, kv, data_file):
+async def test_forget_fd_closes_the_cufile(engine, core, data_file):
     fd, _, _ = data_file
     buf = np.zeros(PAGE, np.uint8)
     await engine.read_many(fd, [0], [addr(buf)], [PAGE])
     engine.forget_fd(fd)
-    assert kv.opened[0].closed and engine.cached_fds() == []
+    assert core.opened[0].closed() and engine.cached_fds() == []
 
 
-async def test_in_flight_ops_are_bounded_by_queue_depth(kv, data_file):
+async def test_in_flight_ops_are_bounded_by_queue_depth(kv, core, data_file):
     fd, _, _ = data_file
+    gds.configure_kvikio(kv, 4)
     e = gds.KvikioEngine(4, kvikio=kv)
     try:
         bufs = np.zeros((16, PAGE), np.uint8)
         res = await e.read_many(fd, [i * PAGE for i in range(16)], [addr(bufs) + i * PAGE for i in range(16)],
                                 [PAGE] * 16)
         assert res.tolist() == [PAGE] * 16
-        assert kv.max_outstanding == 4  # several in flight, never more than queue_depth
+        assert core.max_outstanding == 4  # several in flight, never more than queue_depth
     finally:
         e.close()
 
 
-async def test_concurrent_batches_share_the_queue_depth(kv, data_file):
+async def test_concurrent_batches_share_the_queue_depth(kv, core, data_file):
     fd, payload, _ = data_file
+    gds.configure_kvikio(kv, 3)
     e = gds.KvikioEngine(3, kvikio=kv, max_batches=4)
     try:
         bufs = [np.zeros((16, PAGE), np.uint8) for _ in range(4)]
@@ -566,113 +699,237 @@ async def test_concurrent_batches_share_the_queue_depth(kv, data_file):
                                          for b in bufs))
         assert all(r.tolist() == [PAGE] * 16 for r in results)
         assert all(b.tobytes() == payload for b in bufs)
-        assert kv.max_outstanding <= 3
+        assert core.max_outstanding <= 3
     finally:
         e.close()
 
 
-async def test_short_transfer_is_retried_for_the_remainder(engine, kv, data_file):
+async def test_short_transfer_is_retried_for_the_remainder(engine, core, data_file):
     fd, payload, _ = data_file
-    kv.short_once.add(2 * PAGE)
+    core.short_once.add(2 * PAGE)
     buf = np.zeros(2 * PAGE, np.uint8)
     res = await engine.read_many(fd, [2 * PAGE], [addr(buf)], [2 * PAGE])
     assert res.tolist() == [2 * PAGE] and buf.tobytes() == payload[2 * PAGE : 4 * PAGE]
 
 
-async def test_empty_batch_and_zero_length_ops_touch_nothing(engine, kv, data_file):
+async def test_empty_batch_and_zero_length_ops_touch_nothing(engine, core, data_file):
     fd, _, _ = data_file
     assert (await engine.read_many(fd, [], [], [])).tolist() == []
     assert (await engine.read_many(fd, [0], [0], [0])).tolist() == [0]
-    assert kv.calls == []
+    assert core.calls == []
 
 
-async def test_close_fails_pending_awaits_and_later_calls(kv, data_file):
+async def test_close_fails_pending_awaits_and_later_calls(kv, core, data_file):
     fd, _, _ = data_file
-    kv.gate = threading.Event()
+    gds.configure_kvikio(kv, 4)
+    core.gate = threading.Event()
     e = gds.KvikioEngine(4, kvikio=kv)
     buf = np.zeros(PAGE, np.uint8)
     task = asyncio.ensure_future(e.read_many(fd, [0], [addr(buf)], [PAGE]))
-    assert await asyncio.to_thread(kv.started.wait, 5)
+    assert await asyncio.to_thread(core.started.wait, 5)
     e.close()
     e.close()  # idempotent
     with pytest.raises(EngineClosed):
         await asyncio.wait_for(task, 5)
     with pytest.raises(EngineClosed):
         await e.read_many(fd, [0], [addr(buf)], [PAGE])
-    kv.gate.set()  # the op kvikio already had finishes; its CuFile is closed after it
+    core.gate.set()  # the op kvikio already had finishes; its CuFile is closed after it
     for _ in range(100):
-        if kv.opened[0].closed:
+        if core.opened[0].closed():
             break
         await asyncio.sleep(0.02)
-    assert kv.opened[0].closed
+    assert core.opened[0].closed()
 
 
-def test_register_buffers_without_kvikio_support_is_false(engine):
-    assert engine.register_buffers([(0x1000, 4096)]) is False
+# ---------------------------------------------------------------- which path served the bytes
 
 
-def test_errno_mapping_from_kvikio_exceptions():
-    assert gds._errno_of(OSError(errno.ENOSPC, "x")) == errno.ENOSPC
-    assert gds._errno_of(RuntimeError(f"cuFile: {os.strerror(errno.EINVAL)}")) == errno.EINVAL
-    assert gds._errno_of(RuntimeError("cuFile internal error 5011")) == errno.EIO
+async def test_per_file_compat_fallback_is_reported_per_file(kv, core, tmp_path):
+    """AUTO: one file's O_DIRECT open fails -> kvikio serves it by POSIX, the other by cuFile."""
+    gds.configure_kvikio(kv, 8, compat_mode="auto")
+    e = gds.KvikioEngine(8, kvikio=kv)
+    fds = []
+    try:
+        for name in ("a", "b"):
+            (tmp_path / name).write_bytes(os.urandom(4 * PAGE))
+            fds.append(os.open(tmp_path / name, os.O_RDWR))
+        core.odirect_fails.add(f"/proc/self/fd/{fds[1]}")
+        buf = np.zeros(4 * PAGE, np.uint8)
+        for fd in fds:
+            assert (await e.read_many(fd, [0], [addr(buf)], [4 * PAGE])).tolist() == [4 * PAGE]
+        assert e.file_paths() == {fds[0]: "cufile", fds[1]: "posix"}
+        st = e.stats()
+        assert st["served"]["read"] == {"cufile": 4 * PAGE, "posix": 4 * PAGE, "unattributed": 0}
+        assert e.path() == "mixed" and e.describe()["path"] == "mixed"
+        assert gds.kvikio_settings(kv)["compat_decision"] == "cufile"  # the process-wide answer hides it
+    finally:
+        for fd in fds:
+            e.forget_fd(fd)
+            os.close(fd)
+        e.close()
 
 
-@pytest.mark.parametrize("style", ["24", "25"])
-def test_kvikio_settings_across_versions(style):
-    kv = make_fake_kvikio(style)
-    gds.configure_kvikio(kv, 64)
-    assert gds.kvikio_get(kv, "num_threads") == 16
-    assert gds.kvikio_get(kv, "gds_threshold") == PAGE
-    gds.configure_kvikio(kv, 64, compat_mode="on")
-    assert kv.settings["compat_mode"] is True  # no CompatMode enum in the fake: a bool
+async def test_failed_cufile_registration_falls_back_in_auto_and_fails_in_off(kv, core, data_file):
+    fd, _, _ = data_file
+    core.register_fails.add(f"/proc/self/fd/{fd}")
+    buf = np.zeros(PAGE, np.uint8)
+    gds.configure_kvikio(kv, 8, compat_mode="auto")
+    e = gds.KvikioEngine(8, kvikio=kv)
+    try:
+        assert (await e.read_many(fd, [0], [addr(buf)], [PAGE])).tolist() == [PAGE]
+        assert e.file_paths() == {fd: "posix"} and e.path() == "posix"
+    finally:
+        e.close()
+    gds.configure_kvikio(kv, 8, compat_mode="off")
+    e = gds.KvikioEngine(8, kvikio=kv)
+    try:
+        assert (await e.read_many(fd, [0], [addr(buf)], [PAGE])).tolist() == [-errno.EIO]
+    finally:
+        e.close()
 
 
-def test_kvikio_env_settings_are_respected(monkeypatch):
-    kv = make_fake_kvikio()
-    monkeypatch.setenv("KVIKIO_NTHREADS", "2")
-    monkeypatch.setenv("KVIKIO_GDS_THRESHOLD", "65536")
-    gds.configure_kvikio(kv, 64)
-    assert kv.settings["num_threads"] == 1 and kv.settings["gds_threshold"] == 1 << 20
+async def test_compat_on_marks_every_file_posix_without_measuring(kv, core, data_file):
+    gds.configure_kvikio(kv, 8, compat_mode="on")
+    e = gds.KvikioEngine(8, kvikio=kv)
+    try:
+        fd, _, _ = data_file
+        assert e.path() == "posix"  # before any byte moved: the decision is process-wide and certain
+        buf = np.zeros(PAGE, np.uint8)
+        await e.write_many(fd, [0], [addr(buf)], [PAGE])
+        assert e.file_paths() == {fd: "posix"}
+        assert e.stats()["served"]["write"]["posix"] == PAGE and e.stats()["served"]["write"]["cufile"] == 0
+    finally:
+        e.close()
+
+
+async def test_unconfigured_kvikio_serves_page_ops_by_posix(kv, core, data_file):
+    """kvikio's own 16 KiB gds_threshold: a 4 KiB op takes the POSIX shortcut even on a cuFile file."""
+    e = gds.KvikioEngine(8, kvikio=kv)
+    try:
+        fd, _, _ = data_file
+        buf = np.zeros(PAGE, np.uint8)
+        await e.read_many(fd, [0], [addr(buf)], [PAGE])
+        assert [c[4] for c in core.calls] == ["POSIX"] and e.path() == "posix"
+        gds.configure_kvikio(kv, 8)
+        await e.read_many(fd, [0], [addr(buf)], [PAGE])
+        assert [c[4] for c in core.calls] == ["POSIX", "GDS"] and e.file_paths() == {fd: "mixed"}
+    finally:
+        e.close()
+
+
+async def test_overlapping_batches_are_not_attributed(kv, core, data_file):
+    gds.configure_kvikio(kv, 4)
+    e = gds.KvikioEngine(4, kvikio=kv, max_batches=4)
+    try:
+        fd, _, _ = data_file
+        core.gate = threading.Event()
+        bufs = [np.zeros(PAGE, np.uint8) for _ in range(2)]
+        t1 = asyncio.ensure_future(e.read_many(fd, [0], [addr(bufs[0])], [PAGE]))
+        assert await asyncio.to_thread(core.started.wait, 5)
+        t2 = asyncio.ensure_future(e.read_many(fd, [PAGE], [addr(bufs[1])], [PAGE]))
+        await asyncio.sleep(0.1)
+        core.gate.set()
+        await asyncio.gather(t1, t2)
+        served = e.stats()["served"]["read"]
+        assert served["unattributed"] >= PAGE and served["cufile"] + served["unattributed"] == 2 * PAGE
+    finally:
+        e.close()
+
+
+# ---------------------------------------------------------------- buffer registration
+
+
+def test_register_buffers_registers_each_allocation_once(monkeypatch, kv, core):
+    ops = HostDeviceOps(core)
+    monkeypatch.setattr(gds, "_device_ops", ops)
+    gds.configure_kvikio(kv, 8, compat_mode="off")
+    seg, base = ops.alloc(8 * PAGE)
+    other, obase = ops.alloc(PAGE)
+    e = gds.KvikioEngine(8, kvikio=kv)
+    try:
+        # two slices of one segment, and another allocation: two registrations, not three
+        assert e.register_buffers([(base, 4 * PAGE), (base + 4 * PAGE, 4 * PAGE), (obase, PAGE)]) is True
+        assert sorted(core.registered) == sorted([base, obase]) and e.registered_allocations() == sorted([base, obase])
+        assert e.register_buffers([(base + PAGE, PAGE)]) is True  # already held: nothing new
+        assert sorted(core.registered) == sorted([base, obase])
+    finally:
+        e.close()
+    assert core.registered == []  # close deregisters each once
+
+
+def test_register_buffers_without_base_lookup_tolerates_already_registered(monkeypatch, kv, core):
+    ops = HostDeviceOps(core)
+    monkeypatch.setattr(gds, "_device_ops", types.SimpleNamespace(alloc=ops.alloc))  # no allocation_base
+    gds.configure_kvikio(kv, 8, compat_mode="off")
+    seg, base = ops.alloc(8 * PAGE)
+    e = gds.KvikioEngine(8, kvikio=kv)
+    try:
+        assert e.register_buffers([(base, 4 * PAGE), (base + 4 * PAGE, 4 * PAGE)]) is True
+        assert core.registered == [base]
+    finally:
+        e.close()
+
+
+def test_register_buffers_in_compat_mode_is_false(monkeypatch, kv, core):
+    monkeypatch.setattr(gds, "_device_ops", HostDeviceOps(core))
+    gds.configure_kvikio(kv, 8, compat_mode="on")
+    seg, base = core.alloc(PAGE)
+    e = gds.KvikioEngine(8, kvikio=kv)
+    try:
+        assert e.register_buffers([(base, PAGE)]) is False and core.registered == []
+    finally:
+        e.close()
 
 
 # ---------------------------------------------------------------- open + probe with fakes
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch, kv):
+def fake_cuda(monkeypatch, kvi):
     monkeypatch.setattr(gds, "gds_available", lambda: (True, "fake"))
-    monkeypatch.setattr(gds, "_import_kvikio", lambda: kv)
-    ops = HostDeviceOps()
+    ops = HostDeviceOps(kvi.core)
     monkeypatch.setattr(gds, "_device_ops", ops)
     return ops
 
 
-async def test_open_gds_engine_probes_one_page(fake_cuda, kv, tmp_path):
+async def test_open_gds_engine_probes_one_page_through_cufile(fake_cuda, core, tmp_path):
     e = await gds.open_gds_engine(16, probe_dir=str(tmp_path))
     try:
-        assert [c[0] for c in kv.calls] == ["pread"] and kv.calls[0][3] == gds.PROBE_BYTES
-        assert kv.settings["num_threads"] == 16
+        assert [(c[0], c[3], c[4]) for c in core.calls] == [("pread", gds.PROBE_BYTES, "GDS")]
+        assert core.settings["thread_pool_nthreads"] == 16 and core.settings["gds_threshold"] == gds.PROBE_BYTES
+        assert e.path() == "gds" and e.describe()["served"]["read"]["cufile"] == gds.PROBE_BYTES
         assert os.listdir(tmp_path) == []  # the probe file is gone
         assert e.cached_fds() == []  # and its CuFile dropped
     finally:
         e.close()
 
 
-async def test_probe_on_a_store_file_reads_that_page(fake_cuda, kv, data_file):
+async def test_probe_served_by_posix_is_not_called_gds(fake_cuda, core, tmp_path, caplog):
+    core.cufile_available = False  # AUTO -> POSIX for every file (no /run/udev, say)
+    with caplog.at_level(logging.WARNING, logger=gds.__name__):
+        e = await gds.open_gds_engine(16, probe_dir=str(tmp_path))
+    try:
+        assert e.path() == "posix" and e.describe()["compat_decision"] == "posix"
+        assert any("not cuFile" in r.getMessage() for r in caplog.records)
+    finally:
+        e.close()
+
+
+async def test_probe_on_a_store_file_reads_that_page(fake_cuda, core, data_file):
     fd, _, _ = data_file
     e = await gds.open_gds_engine(8, probe_fd=fd)
     e.close()
-    assert kv.calls[0][1] == f"/proc/self/fd/{fd}"
+    assert core.calls[0][1] == f"/proc/self/fd/{fd}"
 
 
-async def test_probe_mismatch_refuses_gds(fake_cuda, kv, tmp_path):
-    kv.corrupt_at.add(0)
+async def test_probe_mismatch_refuses_gds(fake_cuda, core, tmp_path):
+    core.corrupt_at.add(0)
     with pytest.raises(EngineUnavailable, match="probe read failed.*differs from a host read"):
         await gds.open_gds_engine(8, probe_dir=str(tmp_path))
 
 
-async def test_probe_error_refuses_gds(fake_cuda, kv, tmp_path):
-    kv.fail_at[0] = RuntimeError("cuFile error: Input/output error")
+async def test_probe_error_refuses_gds(fake_cuda, core, tmp_path):
+    core.fail_at[0] = fk._cufile_error("file_handle.cpp:301", "Input/output error")
     with pytest.raises(EngineUnavailable, match="probe read of 4096 bytes returned EIO"):
         await gds.open_gds_engine(8, probe_dir=str(tmp_path))
 

@@ -199,10 +199,27 @@ def _check_torch_cuda() -> str | None:
     return None
 
 
+_KVIKIO_SUBMODULES = ("defaults", "cufile_driver")
+
+
 def _import_kvikio():
+    """kvikio with the submodules the engine reads settings from.
+
+    ``import kvikio`` alone does not import ``kvikio.defaults`` or ``kvikio.cufile_driver`` (the
+    package's ``__init__`` never does): without importing them explicitly every setting would be
+    silently ignored and the compat decision unknown.
+    """
     import importlib
 
-    return importlib.import_module("kvikio")
+    kv = importlib.import_module("kvikio")
+    for sub in _KVIKIO_SUBMODULES:
+        try:
+            importlib.import_module(f"kvikio.{sub}")
+        except ImportError:
+            pass  # an older kvikio without it: the legacy accessors below apply
+        except Exception as e:  # e.g. cufile_driver failing to read the driver's properties
+            log.info("importing kvikio.%s failed: %s: %s", sub, type(e).__name__, e)
+    return kv
 
 
 def _check_kvikio() -> str | None:
@@ -284,11 +301,38 @@ def kvikio_get(kv, name: str):
 
 
 def kvikio_set(kv, name: str, value) -> bool:
+    """Set a kvikio default; True only when reading it back gives the value (it took effect)."""
     d = getattr(kv, "defaults", None)
     # defaults.set applies at once; the context manager it returns is only for `with`
-    if callable(getattr(d, "get", None)) and _try_call(d, ("set",), name, value)[0]:
-        return True
-    return _try_call(d, (_LEGACY.get(name, ((), ""))[1],), value)[0]
+    if not (callable(getattr(d, "get", None)) and _try_call(d, ("set",), name, value)[0]):
+        if not _try_call(d, (_LEGACY.get(name, ((), ""))[1],), value)[0]:
+            return False
+    return _same_setting(kvikio_get(kv, name), value)
+
+
+def _same_setting(got, want) -> bool:
+    if got is None:
+        return False
+    if isinstance(want, bool) or isinstance(got, bool):
+        return bool(got) == bool(want) if not hasattr(got, "name") else _mode_name(got) == _mode_name(want)
+    try:
+        return int(got) == int(want)
+    except (TypeError, ValueError):
+        return got == want
+
+
+def _mode_name(mode) -> str | None:
+    """'ON' | 'OFF' | 'AUTO' for a CompatMode, a legacy bool or a string; None if unknown."""
+    if mode is None:
+        return None
+    name = getattr(mode, "name", None)
+    if name is not None:
+        return str(name).upper()
+    if isinstance(mode, bool):
+        return "ON" if mode else "OFF"
+    if isinstance(mode, str):
+        return mode.upper()
+    return {0: "OFF", 1: "ON", 2: "AUTO"}.get(int(mode))
 
 
 def _compat_value(kv, mode: str):
@@ -328,27 +372,70 @@ def kvikio_gds_driver_available(kv) -> bool | None:
     return None
 
 
-def describe_kvikio(kv) -> str:
+def kvikio_settings(kv) -> dict:
+    """What kvikio will do, read back from kvikio itself (None where it does not say)."""
     compat = kvikio_compat_preferred(kv)
-    gds = kvikio_gds_driver_available(kv)
-    mode = "unknown" if compat is None else ("POSIX+copy (kvikio compat mode)" if compat else "cuFile")
-    return f"io={mode}, gds_driver={'unknown' if gds is None else gds}"
+    return {"compat_mode": _mode_name(kvikio_get(kv, "compat_mode")),
+            "compat_decision": None if compat is None else ("posix" if compat else "cufile"),
+            "gds_driver_available": kvikio_gds_driver_available(kv),
+            "num_threads": kvikio_get(kv, "num_threads"),
+            "gds_threshold": kvikio_get(kv, "gds_threshold"),
+            "task_size": kvikio_get(kv, "task_size")}
+
+
+def describe_kvikio(kv) -> str:
+    s = kvikio_settings(kv)
+    decision = {"posix": "POSIX+copy (kvikio compat mode)", "cufile": "cuFile where each file allows it",
+                None: "unknown"}[s["compat_decision"]]
+    gds = s["gds_driver_available"]
+    return (f"io={decision}, compat_mode={s['compat_mode'] or 'unknown'}, "
+            f"gds_driver={'unknown' if gds is None else gds}, num_threads={s['num_threads']}, "
+            f"gds_threshold={s['gds_threshold']}")
 
 
 # --------------------------------------------------------------------------------------------
 # The engine
 
 
+# kvikio raises RuntimeError whatever went wrong (its C++ exceptions, std::system_error included,
+# reach Python as RuntimeError(what())): no errno attribute, only text. The text of a failed system
+# call ends with strerror(errno) -- not always the errno of the call that failed (a pwrite on a
+# read-only descriptor has been seen to read "Operation not permitted"), so the engine checks what
+# it can itself before calling kvikio (descriptor open, access mode) and maps the rest from text.
+_ERRNO_BY_TEXT = sorted(
+    ((os.strerror(code), code) for code in (
+        errno.ENOSPC, errno.EBADF, errno.EINVAL, errno.EFAULT, errno.ENOMEM, errno.EROFS, errno.ENOENT,
+        errno.EACCES, errno.EPERM, errno.EIO, errno.EDQUOT, errno.EFBIG, errno.EAGAIN, errno.EINTR,
+        errno.ENODEV, errno.ENXIO, errno.EOPNOTSUPP, errno.ETIMEDOUT, errno.ESTALE, errno.EISDIR)),
+    key=lambda t: -len(t[0]))
+KVIKIO_EOF_TEXT = "POSIX error on pread: EOF"  # kvikio's POSIX path at EOF (cuFile returns short)
+
+
 def _errno_of(exc: BaseException) -> int:
-    """kvikio raises RuntimeError/OSError subclasses whose text carries strerror; map to an errno."""
-    if isinstance(exc, OSError) and exc.errno:
+    """An errno for an exception out of kvikio: strerror text in its message, else EIO."""
+    if isinstance(exc, OSError) and exc.errno:  # our own calls (fstat, open); kvikio never raises it
         return int(exc.errno)
     msg = str(exc)
-    for code in (errno.ENOSPC, errno.EBADF, errno.EINVAL, errno.EFAULT, errno.ENOMEM, errno.EROFS,
-                 errno.ENOENT, errno.EACCES, errno.EPERM, errno.EIO):
-        if os.strerror(code) in msg:
+    for text, code in _ERRNO_BY_TEXT:
+        if msg.endswith(text) or f"{text}" in msg.rsplit(": ", 1)[-1]:
+            return code
+    for text, code in _ERRNO_BY_TEXT:
+        if text in msg:
             return code
     return errno.EIO
+
+
+def _is_kvikio_eof(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and KVIKIO_EOF_TEXT in str(exc)
+
+
+# Which path served a file's bytes. kvikio decides per file (CompatModeManager: in AUTO a file
+# whose O_DIRECT open or cuFile handle registration fails silently runs POSIX) and its Python API
+# does not say which; its SummaryMonitor counts bytes per backend, so the engine measures.
+PATH_CUFILE = "cufile"  # cuFile (GPUDirect Storage) moved every byte measured
+PATH_POSIX = "posix"  # kvikio's POSIX read/write + copy (compat mode) moved them
+PATH_MIXED = "mixed"
+PATH_UNVERIFIED = "unverified"  # kvikio would try cuFile; no batch on the file measured yet
 
 
 @dataclass(slots=True, eq=False)
@@ -358,6 +445,28 @@ class _CuFileEntry:
     writable: bool
     refs: int = 0
     dead: bool = False
+    path: str = PATH_UNVERIFIED
+    why: str = ""
+
+
+def _backend_bytes(summary) -> dict[str, int]:
+    """{backend name: bytes transferred} from a kvikio Summary (by_backend), {} if absent."""
+    by = getattr(summary, "by_backend", None) or {}
+    out = {}
+    for name, totals in by.items():
+        n = totals.get("bytes_transferred", 0) if isinstance(totals, dict) else getattr(totals, "bytes_transferred", 0)
+        out[str(name).upper()] = int(n or 0)
+    return out
+
+
+def _path_of(cufile_bytes: int, posix_bytes: int) -> str | None:
+    if cufile_bytes and not posix_bytes:
+        return PATH_CUFILE
+    if posix_bytes and not cufile_bytes:
+        return PATH_POSIX
+    if cufile_bytes and posix_bytes:
+        return PATH_MIXED
+    return None
 
 
 def _close_quietly(cufile) -> None:
@@ -392,9 +501,20 @@ class KvikioEngine:
         self._files: dict[int, _CuFileEntry] = {}
         self._retired: list[_CuFileEntry] = []  # dropped while a batch held them
         self._pending: set = set()  # (loop, asyncio.Future)
-        self._registered: list = []
+        self._registered: dict[int, _DeviceSpan] = {}  # allocation base -> the span registered
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=max_batches, thread_name_prefix="umbp-gds")
+        # which path served the bytes: kvikio's per-backend counters, read around each batch
+        self._monitor = None
+        monitor_cls = getattr(self._kv, "SummaryMonitor", None)
+        if monitor_cls is not None:
+            try:
+                self._monitor = monitor_cls()
+            except Exception as e:
+                log.info("kvikio.SummaryMonitor unavailable (%s); which I/O path ran is not measured", e)
+        self._active = 0  # batches running
+        self._started = 0  # batches ever started (to tell whether one ran alone)
+        self._served = {op: {"cufile": 0, "posix": 0, "unattributed": 0} for op in ("read", "write")}
 
     # ---- protocol
 
@@ -411,22 +531,43 @@ class KvikioEngine:
         await self._run_in_worker(fn, int(fd))
 
     def register_buffers(self, ranges: list[tuple[int, int]]) -> bool:
-        """cuFileBufRegister the device ranges (kvikio.memory_register); False when unsupported."""
+        """cuFileBufRegister the allocations holding these device ranges; False when unsupported.
+
+        kvikio's ``memory_register(buf)`` takes no size: it registers the whole CUDA allocation
+        that holds the pointer. Ranges in one allocation (two slices of one torch segment) are
+        registered once, keyed by the allocation's base; registering one twice is a cuFile error.
+        A no-op (False) in compat mode, where kvikio ignores registrations.
+        """
         reg = self._kv_fn("memory_register")
-        if self._closed or reg is None or kvikio_compat_preferred(self._kv):
+        if self._closed or reg is None or kvikio_compat_preferred(self._kv) is not False:
             return False
-        done = []
+        done: dict[int, _DeviceSpan] = {}
         try:
             for addr, nbytes in ranges:
-                span = _DeviceSpan(int(addr), int(nbytes))
-                reg(span)
-                done.append(span)
+                addr = int(addr)
+                find_base = getattr(_device_ops, "allocation_base", None)
+                base = find_base(addr) if find_base is not None else None
+                key = addr if base is None else base
+                if key in self._registered or key in done:
+                    continue
+                span = _DeviceSpan(addr, int(nbytes))
+                try:
+                    reg(span)
+                except Exception as e:
+                    if "already registered" in str(e):  # another range of an allocation we hold
+                        continue
+                    raise
+                done[key] = span
         except Exception as e:
             log.warning("cuFile buffer registration failed (%s); GDS continues unregistered", e)
-            self._deregister(done)
+            self._deregister(done.values())
             return False
-        self._registered.extend(done)
+        self._registered.update(done)
         return True
+
+    def registered_allocations(self) -> list[int]:
+        """Bases (or addresses, where the base is unknown) of the allocations registered."""
+        return sorted(self._registered)
 
     def close(self) -> None:
         with self._lock:
@@ -440,8 +581,13 @@ class KvikioEngine:
             _fail_future(loop, fut, EngineClosed("KvikioEngine closed with I/O pending"))
         for e in idle:
             _close_quietly(e.cufile)
-        self._deregister(self._registered)
-        self._registered = []
+        self._deregister(self._registered.values())
+        self._registered = {}
+        if self._monitor is not None:
+            try:
+                self._monitor.stop()
+            except Exception:
+                pass
         # Running batches stop submitting (they check _closed) and drain what kvikio already has:
         # those ops write into caller memory, so they must finish before the threads exit.
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -464,13 +610,39 @@ class KvikioEngine:
         with self._lock:
             return sorted(self._files)
 
+    def file_paths(self) -> dict[int, str]:
+        """fd -> the path that served its bytes: cufile | posix | mixed | unverified."""
+        with self._lock:
+            return {fd: e.path for fd, e in sorted(self._files.items())}
+
+    def stats(self) -> dict:
+        """Bytes served per op kind and path, and each cached file's path.
+
+        ``served[op]["cufile"|"posix"]`` are kvikio's own per-backend counts for batches that ran
+        alone; bytes of batches that overlapped another are ``unattributed`` (kvikio's counters are
+        process-wide), and without kvikio.SummaryMonitor (kvikio < 26.x) all bytes are.
+        """
+        with self._lock:
+            served = {op: dict(v) for op, v in self._served.items()}
+        return {"served": served, "files": self.file_paths(), "measured": self._monitor is not None,
+                "path": self.path()}
+
+    def path(self) -> str:
+        """"gds" only when cuFile served every byte measured; "posix", "mixed", or "unmeasured"."""
+        with self._lock:
+            c = sum(v["cufile"] for v in self._served.values())
+            p = sum(v["posix"] for v in self._served.values())
+        got = _path_of(c, p)
+        if got is None:
+            return PATH_POSIX if kvikio_compat_preferred(self._kv) else "unmeasured"
+        return "gds" if got == PATH_CUFILE else got
+
     def describe(self) -> dict:
         return {"engine": "kvikio", "kvikio_version": getattr(self._kv, "__version__", None),
-                "compat_mode_preferred": kvikio_compat_preferred(self._kv),
-                "gds_driver_available": kvikio_gds_driver_available(self._kv),
-                "num_threads": kvikio_get(self._kv, "num_threads"),
-                "gds_threshold": kvikio_get(self._kv, "gds_threshold"),
-                "queue_depth": self.capabilities.queue_depth}
+                **kvikio_settings(self._kv), "queue_depth": self.capabilities.queue_depth,
+                "path": self.path(), "served": self.stats()["served"], "files": self.file_paths(),
+                # kept for callers of the old keys
+                "compat_mode_preferred": kvikio_compat_preferred(self._kv)}
 
     # ---- internals
 
@@ -484,7 +656,9 @@ class KvikioEngine:
 
     def _deregister(self, spans) -> None:
         dereg = self._kv_fn("memory_deregister")
-        for span in spans:
+        if dereg is None:
+            return
+        for span in list(spans):
             try:
                 dereg(span)
             except Exception:
@@ -543,6 +717,7 @@ class KvikioEngine:
                 return e, st.st_size
         if stale is not None:
             _close_quietly(stale.cufile)
+        compat = kvikio_compat_preferred(self._kv) is True
         try:
             cufile = self._kv.CuFile(f"/proc/self/fd/{fd}", "r+" if writable else "r")
         except Exception as exc:
@@ -564,6 +739,8 @@ class KvikioEngine:
                 if e is not None and self._retire(e):
                     _close_quietly(e.cufile)
                 e = _CuFileEntry(cufile, key, writable)
+                if compat:  # kvikio runs every file POSIX: certain without measuring
+                    e.path, e.why = PATH_POSIX, "kvikio compat decision (ON, or AUTO without usable cuFile)"
                 self._files[fd] = e
             else:
                 _close_quietly(cufile)
@@ -591,6 +768,60 @@ class KvikioEngine:
             _close_quietly(e.cufile)
 
     def _run_batch(self, op: int, batch: IoBatch) -> np.ndarray:
+        token = self._measure_start()
+        res = None
+        files: dict = {}
+        try:
+            res, files = self._run_ops(op, batch)
+            return res
+        finally:
+            self._measure_end(token, op, res, files)
+
+    def _measure_start(self):
+        with self._lock:
+            alone = self._active == 0
+            self._active += 1
+            self._started += 1
+            seq = self._started
+        before = None
+        if self._monitor is not None:
+            try:
+                before = _backend_bytes(self._monitor.get())
+            except Exception:
+                before = None
+        return alone, seq, before
+
+    def _measure_end(self, token, op: int, res, files) -> None:
+        alone, seq, before = token
+        after = None
+        if before is not None:
+            try:
+                after = _backend_bytes(self._monitor.get())
+            except Exception:
+                after = None
+        entries = [f[0] for f in files.values() if not isinstance(f, int)]
+        moved = int(np.maximum(res, 0).sum()) if res is not None else 0
+        kind = "write" if op == _WRITE else "read"
+        with self._lock:
+            alone = alone and self._started == seq
+            self._active -= 1
+            if after is None or not alone:
+                self._served[kind]["unattributed"] += moved
+                return
+            c = after.get("GDS", 0) - before.get("GDS", 0)
+            p = sum(after.get(k, 0) - before.get(k, 0) for k in after if k != "GDS")
+            self._served[kind]["cufile"] += c
+            self._served[kind]["posix"] += p
+            path = _path_of(c, p)
+            if path is None:
+                return
+            if path == PATH_MIXED and len(entries) > 1:
+                return  # a mix over several files: which file went which way is unknown
+            for e in entries:
+                e.path = path if e.path in (PATH_UNVERIFIED, path) else PATH_MIXED
+                e.why = "measured (kvikio per-backend counters)"
+
+    def _run_ops(self, op: int, batch: IoBatch):
         n = len(batch)
         res = np.zeros(n, dtype=RESULT_DTYPE)
         fds, offs, addrs, lens = batch.fds, batch.offsets, batch.addrs, batch.lengths
@@ -612,7 +843,8 @@ class KvikioEngine:
                 off = int(offs[i])
                 size = length
                 if op == _READ:
-                    # kvikio raises at EOF instead of returning short: clip to the size we saw.
+                    # kvikio's POSIX path raises at EOF, cuFile returns short: clip to the size we
+                    # saw so both give the protocol's short count.
                     size = max(0, min(length, fsize - off))
                 if size == 0:
                     res[i] = 0
@@ -629,7 +861,7 @@ class KvikioEngine:
             while window:
                 self._finish_one(window, res, files)
             self._release([f[0] for f in files.values() if not isinstance(f, int)])
-        return res
+        return res, files
 
     def _take_slot(self, window, res, files) -> None:
         # Slots are shared by all batches; while waiting, finish our own oldest op so two batches
@@ -649,7 +881,8 @@ class KvikioEngine:
         try:
             got = int(fut.get())
         except Exception as exc:
-            got = -_errno_of(exc)
+            # the file shrank under a read (we clipped to the size seen): a short count, as cuFile gives
+            got = 0 if _is_kvikio_eof(exc) else -_errno_of(exc)
         finally:
             self._slots.release()
         # Reads were clipped to the file size, so a short count here is not EOF: retry the
@@ -728,6 +961,19 @@ class _TorchDeviceOps:
             device = src.device if src.is_cuda else dst.device
         if device is not None:
             self._torch().cuda.current_stream(device).synchronize()
+
+    _CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11  # cuda.h CUpointer_attribute
+
+    def allocation_base(self, addr: int) -> int | None:
+        """Base address of the CUDA allocation holding addr (cuPointerGetAttribute), else None."""
+        try:
+            cu = ctypes.CDLL("libcuda.so.1")
+            base = ctypes.c_uint64(0)
+            rc = cu.cuPointerGetAttribute(ctypes.byref(base), ctypes.c_int(self._CU_POINTER_ATTRIBUTE_RANGE_START_ADDR),
+                                          ctypes.c_uint64(addr))
+            return int(base.value) if rc == 0 and base.value else None
+        except (OSError, AttributeError):
+            return None
 
     def pin(self, addr: int, nbytes: int) -> bool:
         try:
@@ -837,8 +1083,9 @@ async def probe_gds(engine: KvikioEngine, *, fd: int | None = None, offset: int 
 
 
 def configure_kvikio(kv, queue_depth: int, *, compat_mode: str | None = None,
-                     num_threads: int | None = None, gds_threshold: int | None = None) -> None:
-    """Apply our defaults unless the KVIKIO_* environment variables already chose.
+                     num_threads: int | None = None, gds_threshold: int | None = None) -> list[str]:
+    """Apply our defaults unless the KVIKIO_* environment variables already chose; returns the
+    names of the settings kvikio did not take (each is read back after setting it).
 
     * ``num_threads``: kvikio's pool defaults to 1 thread, which serialises every op; we use
       min(queue_depth, 16) unless KVIKIO_NTHREADS is set.
@@ -848,21 +1095,27 @@ def configure_kvikio(kv, queue_depth: int, *, compat_mode: str | None = None,
     * ``compat_mode``: "on" | "off" | "auto"; default: kvikio's own (AUTO: cuFile when it works,
       POSIX + copy otherwise; KVIKIO_COMPAT_MODE overrides).
     """
+    wanted = {}
     if compat_mode is not None:
         if compat_mode not in ("on", "off", "auto"):
             raise ValueError(f"compat_mode must be 'on', 'off' or 'auto', got {compat_mode!r}")
-        kvikio_set(kv, "compat_mode", _compat_value(kv, compat_mode))
+        wanted["compat_mode"] = _compat_value(kv, compat_mode)
     if num_threads is None and "KVIKIO_NTHREADS" not in os.environ:
         want = min(queue_depth, 16)
         cur = kvikio_get(kv, "num_threads")
         if cur is None or int(cur) < want:
             num_threads = want
     if num_threads is not None:
-        kvikio_set(kv, "num_threads", int(num_threads))
+        wanted["num_threads"] = int(num_threads)
     if gds_threshold is None and "KVIKIO_GDS_THRESHOLD" not in os.environ:
         gds_threshold = PROBE_BYTES
     if gds_threshold is not None:
-        kvikio_set(kv, "gds_threshold", int(gds_threshold))
+        wanted["gds_threshold"] = int(gds_threshold)
+    failed = [name for name, value in wanted.items() if not kvikio_set(kv, name, value)]
+    if failed:
+        log.warning("kvikio did not take these settings (read back differs): %s; it runs with %s",
+                    ", ".join(f"{n}={wanted[n]}" for n in failed), describe_kvikio(kv))
+    return failed
 
 
 async def open_gds_engine(queue_depth: int = DEFAULT_QUEUE_DEPTH, *, probe_dir: str | None = None,
@@ -880,7 +1133,12 @@ async def open_gds_engine(queue_depth: int = DEFAULT_QUEUE_DEPTH, *, probe_dir: 
     if not ok:
         engine.close()
         raise gds_unavailable_error(f"one-page probe read failed ({why})")
-    log.info("GPUDirect Storage engine ready: %s", engine.describe())
+    path = engine.path()
+    if path == "gds":
+        log.info("GPUDirect Storage engine ready (cuFile served the probe): %s", engine.describe())
+    else:
+        log.warning("kvikio engine ready, but the probe was served by %s, not cuFile: CUDA buffers move by "
+                    "kvikio's POSIX read + copy (%s)", path, describe_kvikio(kv))
     return engine
 
 
