@@ -718,6 +718,7 @@ class Installed:
     finder: _Finder
     real: bool
     path: str | None = None
+    saved: dict = dataclasses.field(default_factory=dict)  # the kvikio modules there before
 
     def module(self):
         return importlib.import_module("kvikio")
@@ -728,32 +729,37 @@ class Installed:
         if self.path and self.path in sys.path:
             sys.path.remove(self.path)
         _drop_kvikio_modules()
+        sys.modules.update(self.saved)  # an installed kvikio (extension modules load once a process)
         self.core.close()
 
 
-def _drop_kvikio_modules() -> None:
+def _drop_kvikio_modules() -> dict:
+    gone = {}
     for name in [n for n in sys.modules if n == "kvikio" or n.startswith("kvikio.") or n == "libkvikio"]:
-        del sys.modules[name]
+        gone[name] = sys.modules.pop(name)
     importlib.invalidate_caches()
+    return gone
 
 
 def install(core: Core | None = None) -> Installed:
     """The fake public layer behind `import kvikio` (kvikio.defaults/cufile_driver import lazily)."""
     core = core or Core()
-    _drop_kvikio_modules()
+    saved = _drop_kvikio_modules()
     finder = _Finder(build_public(core), {"kvikio"})
     sys.meta_path.insert(0, finder)
-    return Installed(core, finder, real=False)
+    return Installed(core, finder, real=False, saved=saved)
 
 
 def find_kvikio_wheel() -> str | None:
-    """A kvikio-cu12/-cu13 wheel: $KVIKIO_WHEEL, else the first in $KVIKIO_WHEEL_DIR,
-    .cache/kvikio-wheels/ (what tools/fetch_kvikio_wheel.sh fills) or /tmp/kvikio-wheels/."""
+    """A kvikio-cu12/-cu13 wheel: $KVIKIO_WHEEL, else the first in $KVIKIO_WHEEL_DIR, the cache
+    tools/fetch_kvikio_wheel.sh fills (~/.cache/umbp-nvme/kvikio-wheels), .whl/ (what
+    tools/gpu_check.sh carries) or /tmp/kvikio-wheels/."""
     w = os.environ.get("KVIKIO_WHEEL")
     if w and os.path.isfile(w):
         return w
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for d in (os.environ.get("KVIKIO_WHEEL_DIR"), os.path.join(root, ".cache", "kvikio-wheels"), "/tmp/kvikio-wheels"):
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "umbp-nvme", "kvikio-wheels")
+    for d in (os.environ.get("KVIKIO_WHEEL_DIR"), cache, os.path.join(root, ".whl"), "/tmp/kvikio-wheels"):
         if d and os.path.isdir(d):
             for name in sorted(os.listdir(d)):
                 if name.startswith(("kvikio_cu12-", "kvikio_cu13-")) and name.endswith(".whl"):
@@ -774,14 +780,14 @@ def extract_python_layer(wheel: str, dest: str) -> str:
 def install_real(dest: str, core: Core | None = None) -> Installed:
     """The real kvikio Python layer unpacked in dest (extract_python_layer), over stubbed _lib."""
     core = core or Core()
-    _drop_kvikio_modules()
+    saved = _drop_kvikio_modules()
     stubs = build_lib_stubs(core)
     stubs["libkvikio"] = {"load_library": lambda: None}
     finder = _Finder(stubs, {"kvikio._lib"})
     sys.meta_path.insert(0, finder)
     sys.path.insert(0, dest)
     importlib.invalidate_caches()
-    inst = Installed(core, finder, real=True, path=dest)
+    inst = Installed(core, finder, real=True, path=dest, saved=saved)
     kv = inst.module()
     if not os.path.abspath(kv.__file__).startswith(os.path.abspath(dest)):
         inst.uninstall()

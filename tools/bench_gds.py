@@ -14,11 +14,15 @@ Every run is checked byte for byte on the device against the file's contents. On
 (system, size) goes to stdout (the benchmark format, median of the runs):
 
   {"bench":"gds","system":"kvikio_gds"|"uring_host_copy","op":"read","object_bytes":int,
-   "queue_depth":int,"gbps":float,"iops":float,"cpu_us_per_op":float,"runs":int}
+   "queue_depth":int,"gbps":float,"iops":float,"cpu_us_per_op":float,"runs":int,
+   "path":"cufile"|"posix"|"mixed"|"unmeasured"|"io_uring+copy"}
+
+``path`` of the kvikio row is what kvikio's own per-backend counters say served the bytes: "cufile"
+only when cuFile moved all of them (kvikio can fall back to POSIX per file without a word).
 
 Comment lines (``# ...``) carry the set-up (kvikio mode, host engine) and the ratio per size against
 the target (GDS >= 0.9x host + copy). Exit status: 0 ok, 1 a byte mismatch or failed op, 2 target
-missed (still reported), 3 no GPU / GDS here (prints the reason).
+missed or kvikio's bytes not served by cuFile (still reported), 3 no GPU / GDS here (prints the reason).
 """
 
 from __future__ import annotations
@@ -137,6 +141,7 @@ async def main_async(args) -> int:
             halves = [hv[: qd * size], hv[qd * size : 2 * qd * size]]
             note(f"staging {staging.nbytes >> 20} MiB pinned={staging.pinned} is_pinned={hv.is_pinned()}")
             samples = {"kvikio_gds": [], "uring_host_copy": []}
+            served0 = engine.stats()["served"]["read"]
             try:
                 for r in range(args.runs):
                     order = ["kvikio_gds", "uring_host_copy"] if r % 2 == 0 else ["uring_host_copy", "kvikio_gds"]
@@ -163,12 +168,19 @@ async def main_async(args) -> int:
                 torch.cuda.empty_cache()
                 if not args.keep:
                     os.unlink(path)
+            # which path kvikio really used for this size's bytes (its per-backend counters)
+            served1 = engine.stats()["served"]["read"]
+            moved = {k: served1[k] - served0.get(k, 0) for k in served1}
+            kv_path = gds._path_of(moved["cufile"], moved["posix"]) or "unmeasured"
+            note(f"{mib} MiB: kvikio served {moved['cufile'] >> 20} MiB by cuFile, {moved['posix'] >> 20} MiB by "
+                 f"POSIX, {moved['unattributed'] >> 20} MiB unattributed -> path {kv_path}")
             gbps = {}
             for system, s in samples.items():
                 row = {"bench": "gds", "system": system, "op": "read", "object_bytes": size, "queue_depth": qd,
                        "gbps": round(statistics.median(x[0] for x in s) / 1e9, 3),
                        "iops": round(statistics.median(x[1] for x in s), 1),
-                       "cpu_us_per_op": round(statistics.median(x[2] for x in s), 1), "runs": len(s)}
+                       "cpu_us_per_op": round(statistics.median(x[2] for x in s), 1), "runs": len(s),
+                       "path": kv_path if system == "kvikio_gds" else "io_uring+copy"}
                 gbps[system] = row["gbps"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -177,6 +189,10 @@ async def main_async(args) -> int:
             note(f"{mib} MiB: kvikio_gds / uring_host_copy = {ratio:.2f} ({verdict} the 0.9x target)")
             if ratio < 0.9 and status == 0:
                 status = 2
+            if kv_path != "cufile":
+                note(f"{mib} MiB: NOT GPUDirect Storage: kvikio's bytes went {kv_path} (see kvikio line above)")
+                if status == 0:
+                    status = 2
     finally:
         engine.close()
         host.close()
