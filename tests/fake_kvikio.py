@@ -118,6 +118,7 @@ class Core:
         self.max_outstanding = 0
         self.allocations: dict[int, int] = {}  # "device" allocations: base -> size
         self.registered: list[int] = []  # allocation bases registered with cuFile
+        self.register_calls: list[int] = []  # pointers memory_register was called with
         self.totals = {b: [0, 0, 0] for b in BACKENDS}  # ops, bytes, errors
         self.reads = 0
         self.writes = 0
@@ -421,6 +422,7 @@ class MonitorCore:
 
 def _register(core: Core, buf) -> None:
     ptr, _ = _buffer_range(buf, None)
+    core.register_calls.append(ptr)
     if core.is_compat_mode_preferred():
         return  # "In compatibility mode ... this function is a no-op."
     alloc = core.allocation_of(ptr)

@@ -549,6 +549,23 @@ def test_engine_satisfies_the_protocol(engine):
     assert engine.capabilities.name == "kvikio" and engine.capabilities.device_memory
 
 
+def test_fake_futures_start_at_submit_and_small_ops_finish_inside_the_call(kv, core, tmp_path):
+    """As kvikio's: pread() hands the op to the pool at once; under gds_threshold it is done already."""
+    (tmp_path / "f").write_bytes(b"\x5a" * (32 << 10))
+    f = kv.CuFile(str(tmp_path / "f"), "r")
+    try:
+        small, big = np.zeros(PAGE, np.uint8), np.zeros(32 << 10, np.uint8)
+        fut = f.pread(gds._DeviceSpan(addr(small), PAGE), PAGE, 0)
+        assert fut.done() and (small == 0x5A).all()  # before get(): the synchronous POSIX shortcut
+        core.gate = threading.Event()
+        fut = f.pread(gds._DeviceSpan(addr(big), big.nbytes), big.nbytes, 0)
+        assert core.started.wait(5) and not fut.done()  # running in the pool, nobody called get()
+        core.gate.set()
+        assert fut.get() == big.nbytes and (big == 0x5A).all()
+    finally:
+        f.close()
+
+
 async def test_read_many_is_byte_exact_across_extents(engine, data_file):
     fd, payload, _ = data_file
     offs = [0, 3 * PAGE, 8 * PAGE, 15 * PAGE]
@@ -850,8 +867,9 @@ def test_register_buffers_registers_each_allocation_once(monkeypatch, kv, core):
         # two slices of one segment, and another allocation: two registrations, not three
         assert e.register_buffers([(base, 4 * PAGE), (base + 4 * PAGE, 4 * PAGE), (obase, PAGE)]) is True
         assert sorted(core.registered) == sorted([base, obase]) and e.registered_allocations() == sorted([base, obase])
+        assert core.register_calls == [base, obase]  # the second slice never reached cuFile
         assert e.register_buffers([(base + PAGE, PAGE)]) is True  # already held: nothing new
-        assert sorted(core.registered) == sorted([base, obase])
+        assert sorted(core.registered) == sorted([base, obase]) and len(core.register_calls) == 2
     finally:
         e.close()
     assert core.registered == []  # close deregisters each once

@@ -16,7 +16,12 @@ Pieces, in the order a caller meets them:
   read (device buffer compared byte for byte with a host read); raises ``EngineUnavailable`` with
   ``GDS_UNAVAILABLE`` otherwise. ``GdsGate`` wraps that for the store: opened on the first CUDA
   buffer, the failure cached and logged once.
-* ``KvikioEngine``: the IoEngine protocol over ``kvikio.CuFile.pread/pwrite`` futures.
+* ``KvikioEngine``: the IoEngine protocol over ``kvikio.CuFile.pread/pwrite`` futures. It records
+  which path served the bytes -- cuFile or kvikio's POSIX fallback, which kvikio picks per file
+  and does not report -- from kvikio's per-backend counters (``SummaryMonitor``): ``stats()``,
+  ``file_paths()``, ``path()`` ("gds" only when cuFile moved every byte measured), ``describe()``.
+* ``configure_kvikio``: thread count, gds_threshold, compat mode, each read back after setting
+  (``import kvikio`` alone does not import ``kvikio.defaults``; ``_import_kvikio`` does).
 * ``StagingBuffer`` + ``staged_read/staged_write``: staging for callers outside the store (io_uring
   into pinned host memory, then a device copy; lengths padded to whole blocks for O_DIRECT), and
   ``device_crc32c_many`` (CRC32C of device ranges via a pinned host copy; see docs/gpu.md for why
