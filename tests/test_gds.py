@@ -955,9 +955,12 @@ async def test_probe_error_refuses_gds(fake_cuda, core, tmp_path):
 async def test_gate_opens_gds_once(fake_cuda, tmp_path):
     gate = gds.GdsGate(queue_depth=8, probe_dir=str(tmp_path))
     try:
+        assert gate.describe() == {"mode": None, "reason": None}
         assert await gate.route() == "gds"
         first = gate.engine
         assert await gate.route() == "gds" and gate.engine is first
+        d = gate.describe()
+        assert (d["mode"], d["path"], d["num_threads"], d["gds_threshold"]) == ("gds", "gds", 8, PAGE)
     finally:
         gate.close()
 

@@ -1209,6 +1209,13 @@ class GdsGate:
         self.reason = gds_reason
         log.warning("%s", GDS_UNAVAILABLE.format(reason=self.reason))
 
+    def describe(self) -> dict:
+        """The route and, in "gds" mode, the engine's settings and measured path (for store stats)."""
+        d = {"mode": self.mode, "reason": self.reason or None}
+        if self.engine is not None:
+            d.update(self.engine.describe())
+        return d
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
