@@ -243,7 +243,7 @@ def test_odd_hicachefile_entries_are_refused_one_by_one_without_blocking_or_read
     os.mkfifo(d / f"0fifo{SUFFIX}.bin")  # sorts first: opening it for reading would block forever
     (d / f"0dir{SUFFIX}.bin").mkdir()
     os.symlink(d / f"{first}{SUFFIX}.bin", d / f"0link{SUFFIX}.bin")
-    with open(d / f"00sparse{SUFFIX}.bin", "wb") as f:  # 1 TiB of nothing: first, so it would set the page size
+    with open(d / f"+sparse{SUFFIX}.bin", "wb") as f:  # 1 TiB of nothing; "+" sorts first, so it would set the page size
         f.truncate(1 << 40)
     with open(os.path.join(os.fsencode(d), b"0bad\xff" + f"{SUFFIX}.bin".encode()), "wb") as f:
         f.write(b"x" * 16384)
@@ -253,7 +253,7 @@ def test_odd_hicachefile_entries_are_refused_one_by_one_without_blocking_or_read
     s = summary_json(out)
     assert (s["imported"], s["refused_files"], s["failed"]) == (6, 5, 0), s
     errs = "\n".join(s["errors"])
-    assert f"00sparse{SUFFIX}.bin is 1099511627776 bytes, larger than the largest page this store takes (2097152 bytes); not read" in errs
+    assert f"+sparse{SUFFIX}.bin is 1099511627776 bytes, larger than the largest page this store takes (2097152 bytes); not read" in errs
     assert f"0fifo{SUFFIX}.bin is a FIFO, not a regular file" in errs
     assert f"0dir{SUFFIX}.bin is a directory, not a regular file" in errs
     assert f"0link{SUFFIX}.bin is a symbolic link, not a regular file; not imported (not followed)" in errs
