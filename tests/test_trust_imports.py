@@ -32,15 +32,17 @@ CAP = ["--capacity", "64m", "--config", CFG]
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 # Runs the CLI and then reports the process's peak RSS on stderr's last line: a test can bound
-# what a lying size made the command allocate (ru_maxrss is KiB on Linux).
+# what a lying size made the command allocate. VmHWM belongs to this address space alone
+# (ru_maxrss would carry the parent's peak across fork and exec).
 _CLI_RSS = (
-    "import resource, sys\n"
+    "import sys\n"
     "from umbp_nvme import cli\n"
     "try:\n"
     "    rc = cli.main(sys.argv[1:])\n"
     "finally:\n"
     "    sys.stdout.flush()\n"
-    "    print('maxrss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+    "    hwm = [ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0]\n"
+    "    print('maxrss_kib', hwm, file=sys.stderr)\n"
     "sys.exit(rc)\n"
 )
 
