@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from conftest import ROOT, payload
@@ -361,6 +362,49 @@ def test_replay_counts_malformed_replies_as_failed_and_never_reads_more_than_the
     assert rss < 250, f"peak RSS {rss:.0f} MiB with one 200 MiB reply"
 
 
+class _Dripper(http.server.BaseHTTPRequestHandler):
+    """A valid reply, one byte every 50 ms: 20 s for the whole body."""
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = json.dumps({"meta_info": {"prompt_tokens": 1, "cached_tokens": 0}, "pad": " " * 300}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            for b in body:
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            pass
+
+    def log_message(self, *a):
+        pass
+
+
+def test_replay_timeout_bounds_a_reply_that_drips_in(tmp_path):
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Dripper)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text('"a"\n')
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        t0 = time.monotonic()
+        rc, out, err, _ = cli_proc("warmup", "--replay", str(prompts), "--server", url, "--timeout", "1", "--json",
+                                   timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert rc == 1 and "Traceback" not in err, err
+    s = summary_json(out)
+    assert (s["sent"], s["ok"], s["failed"], s["malformed"]) == (1, 0, 1, 0), s
+    assert "timed out (the reply was not complete after 1 s)" in s["errors"][0]
+    assert took < 8, f"{took:.1f} s for a 1 s --timeout"
+
+
 def test_parse_reply_accepts_only_generate_replies():
     from umbp_nvme.warmup import BadReply, parse_reply
 
@@ -468,3 +512,34 @@ def test_reader_under_random_damage_never_crashes_and_never_returns_wrong_bytes(
             except ArchiveError:
                 pass
     assert len(cases) >= 300 and seen_ok > 2000
+
+
+def test_export_onto_a_directory_is_a_clear_error_and_leaves_no_temp_file(tmp_path):
+    src = str(tmp_path / "src")
+    make_store(src, kv(1))
+    (tmp_path / "out").mkdir()
+    rc, out, err, _ = cli_proc("export", "--store", src, "--out", str(tmp_path / "out"))
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"umbp-nvme export: error: [Errno 21] Is a directory" in err
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"] and os.listdir(tmp_path / "out") == []
+
+
+def test_a_source_with_thousands_of_bad_records_keeps_20_messages_and_counts_the_rest(tmp_path):
+    head = archive_bytes([])[:-32]
+    bad = []
+    for i in range(30):
+        r = bytearray(raw_record(f"bad{i:02d}_0_k".encode(), b"b" * 100))
+        r[-1] ^= 1  # its bytes fail their CRC
+        bad.append(bytes(r))
+    recs = [("good_0_k", b"g" * 100)]
+    blob = head + b"".join(bad) + archive_bytes(recs)[len(head):]
+    p = tmp_path / "a.umbparc"
+    p.write_bytes(blob)
+    rc, out, err, _ = cli_proc("warmup", "--store", str(tmp_path / "dst"), *CAP, "--json", str(p))
+    assert rc == 1, err
+    s = summary_json(out)
+    # 30 CRC failures; the trailer counts 1 record where the stream held 31: one more failure
+    assert (s["imported"], s["failed"], len(s["errors"]), s["more_errors"]) == (1, 31, 20, 11), s
+    assert err.count("WARNING") == 20
+    rc, out, err, _ = cli_proc("warmup", "--store", str(tmp_path / "dst2"), *CAP, str(p))
+    assert "  ! ... and 21 more (--json lists the first 20)" in out.decode()

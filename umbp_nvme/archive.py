@@ -541,14 +541,17 @@ def export_store(store_path: str, out: str, *, keys: list[str] | None = None, pr
         finally:
             if tmp is not None:
                 f.close()
-                if ok:
-                    os.replace(tmp, out)
-                    _fsync_dir(os.path.dirname(os.path.abspath(out)))
-                else:
-                    try:
-                        os.unlink(tmp)
-                    except OSError:
-                        pass
+                try:
+                    if ok:
+                        os.replace(tmp, out)  # replaces a symlink at out, never writes through it
+                        tmp = None
+                        _fsync_dir(os.path.dirname(os.path.abspath(out)))
+                finally:
+                    if tmp is not None:  # failed, or out cannot be replaced (a directory): no debris
+                        try:
+                            os.unlink(tmp)
+                        except OSError:
+                            pass
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 

@@ -523,13 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
     except (StoreError, NotAStoreError, ArchiveError, SourceError) as e:
         print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
-    except FileNotFoundError as e:
-        print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"umbp-nvme {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
+    except BrokenPipeError:  # the reader of our stdout went away (`export --out - | head`)
         return EXIT_ERROR
+    except OSError as e:  # a path the operator gave: missing, not permitted, a directory ...
+        print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
     return EXIT_ERROR
 
 

@@ -129,6 +129,7 @@ class Summary:
     interrupted: bool = False
     sources: list = field(default_factory=list)
     errors: list = field(default_factory=list)  # the first few messages
+    more_errors: int = 0  # messages past the first 20 (counted, not kept or logged)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -139,7 +140,11 @@ class Summary:
                 setattr(self, k, getattr(self, k) + v)
 
     def error(self, msg: str) -> None:
-        if len(self.errors) < 20:
+        """Keep and log the first 20 messages; count the rest (a damaged source may have millions)."""
+        with self._lock:
+            if len(self.errors) >= 20:
+                self.more_errors += 1
+                return
             self.errors.append(msg)
         log.warning("%s", msg)
 
@@ -175,6 +180,9 @@ class Summary:
         lines = [f"{a:<{w}}  {b}" for a, b in rows]
         for e in d["errors"][:10]:
             lines.append(f"  ! {e}")
+        hidden = len(d["errors"]) - 10 + d["more_errors"]
+        if hidden > 0:
+            lines.append(f"  ! ... and {hidden} more (--json lists the first 20)")
         return "\n".join(lines)
 
 
@@ -924,14 +932,19 @@ class BadReply(ValueError):
 def _post(url: str, body: dict, timeout_s: float) -> bytes:
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    deadline = time.monotonic() + timeout_s
     chunks, got = [], 0
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         while got <= MAX_REPLY_BYTES:  # never more: the rest is dropped with the connection
-            c = resp.read(min(1 << 20, MAX_REPLY_BYTES + 1 - got))
+            # read1: what has arrived, so a server dripping bytes cannot stretch one request past
+            # --timeout (the socket timeout alone restarts with every byte)
+            c = resp.read1(min(1 << 20, MAX_REPLY_BYTES + 1 - got))
             if not c:
                 break
             chunks.append(c)
             got += len(c)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the reply was not complete after {timeout_s:g} s")
     if got > MAX_REPLY_BYTES:
         raise BadReply(f"reply larger than {MAX_REPLY_BYTES >> 20} MiB")
     return b"".join(chunks)
@@ -995,6 +1008,8 @@ def replay(prompts_path: str, server: str, *, concurrency: int = 8, timeout_s: f
         except BadReply as e:
             malformed = True
             err = f"prompt {i + 1}: {url} sent a malformed reply: {e}"
+        except TimeoutError as e:
+            err = f"prompt {i + 1}: {url} timed out ({e or 'no answer'}); raise --timeout if the server is just slow"
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             err = f"prompt {i + 1}: cannot reach {url} ({reason}); is the server running and is --server right?"
