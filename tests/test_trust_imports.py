@@ -543,3 +543,13 @@ def test_a_source_with_thousands_of_bad_records_keeps_20_messages_and_counts_the
     assert err.count("WARNING") == 20
     rc, out, err, _ = cli_proc("warmup", "--store", str(tmp_path / "dst2"), *CAP, str(p))
     assert "  ! ... and 21 more (--json lists the first 20)" in out.decode()
+
+
+def test_inspect_refuses_a_key_with_no_byte_form_alone_and_clearly(tmp_path, capsys):
+    src = str(tmp_path / "src")
+    make_store(src, kv(1))
+    for bad, why in (("", "empty key"), ("x\ud800_0_k", "lone surrogate at 1 ('\\ud800')")):
+        rc = cli.main(["inspect", "--store", src, "fine_0_k", bad])
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        assert why in err and "cannot be a store key" in err, err
