@@ -408,7 +408,9 @@ def test_replay_timeout_bounds_a_reply_that_drips_in(tmp_path):
 def test_parse_reply_accepts_only_generate_replies():
     from umbp_nvme.warmup import BadReply, parse_reply
 
-    for raw in (b"[1]", b'{"meta_info":"x"}', b"1e999", b"\xff\xfe", b"[]", b'{"meta_info":{"cached_tokens":true}}'):
+    for raw in (b"[1]", b'{"meta_info":"x"}', b"1e999", b"\xff\xfe", b"[]", b'{"meta_info":{"cached_tokens":true}}',
+                b"[" * 100000 + b"]" * 100000, b'{"meta_info":{"prompt_tokens":' + b"9" * 4000 + b"}}",
+                b'{"meta_info":{"prompt_tokens":-1}}'):
         with pytest.raises(BadReply):
             parse_reply(raw)
     assert parse_reply(b'[{"meta_info": {"prompt_tokens": 7, "cached_tokens": 2}}]') == (7, 2)
@@ -553,3 +555,16 @@ def test_inspect_refuses_a_key_with_no_byte_form_alone_and_clearly(tmp_path, cap
         err = capsys.readouterr().err
         assert rc == 2, err
         assert why in err and "cannot be a store key" in err, err
+
+
+def test_archive_header_nested_a_million_deep_is_damage_not_a_crash():
+    import struct
+
+    blob = b"[" * 1_000_000 + b"]" * 1_000_000
+    c = _crc32c()
+    head = b"UMBPARCH" + struct.pack("<HHI", 1, 0, len(blob)) + blob
+    with pytest.raises(ArchiveError, match="header is not valid JSON"):
+        ArchiveReader(io.BytesIO(head + _U32.pack(c(head))), "deep.umbparc")
+    head = b"UMBPARCH" + struct.pack("<HHI", 1, 0, 3) + b"[1]"
+    with pytest.raises(ArchiveError, match="header is not a JSON object"):
+        ArchiveReader(io.BytesIO(head + _U32.pack(c(head))), "list.umbparc")

@@ -175,7 +175,7 @@ class ArchiveReader:
             raise ArchiveError(f"{name}: header checksum mismatch; the file is damaged")
         try:
             self.header = json.loads(blob)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: checksummed but nested 1e6 deep
             raise ArchiveError(f"{name}: header is not valid JSON ({e})") from None
         if not isinstance(self.header, dict) or not isinstance(self.header.get("namespace") or {}, dict):
             raise ArchiveError(f"{name}: header is not a JSON object with an object \"namespace\"; the file is damaged")

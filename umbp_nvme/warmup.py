@@ -904,7 +904,7 @@ def load_prompts(path: str) -> list[dict]:
                 continue
             try:
                 v = json.loads(line)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise SourceError(f"{path}:{n}: not valid JSON ({e}); each line must be one JSON value") from None
             if isinstance(v, str):
                 body = {"text": v}
@@ -954,7 +954,7 @@ def _token_count(meta: dict, name: str) -> int:
     v = meta.get(name, 0)
     if v is None:
         return 0
-    if type(v) is not int or v < 0:  # bool, float (1e999 is inf), str: not a token count
+    if type(v) is not int or not 0 <= v < 1 << 53:  # bool, float (1e999 is inf), str, absurd: not a count
         raise BadReply(f"meta_info.{name} is {str(v)[:40]!r}, not a token count")
     return v
 
