@@ -465,7 +465,7 @@ def store_units(reader: StoreReader, summary: Summary, keys: list[str] | None = 
 
         def read(mv, rec=rec):
             st = reader.read_into(rec, mv)
-            return None if st == "ok" else f"{reader.path}: object {rec.key!r}: {st}"
+            return None if st == "ok" else f"{reader.path}: object {printable_key(rec.key)}: {st}"
 
         yield Unit([rec.key], [0], [rec.length], rec.length, rec.key, crcs=[None], read=read)
 
