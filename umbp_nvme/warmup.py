@@ -467,7 +467,7 @@ def store_units(reader: StoreReader, summary: Summary, keys: list[str] | None = 
             st = reader.read_into(rec, mv)
             return None if st == "ok" else f"{reader.path}: object {printable_key(rec.key)}: {st}"
 
-        yield Unit([rec.key], [0], [rec.length], rec.length, rec.key, crcs=[None], read=read)
+        yield Unit([rec.key], [0], [rec.length], rec.length, printable_key(rec.key), crcs=[None], read=read)
 
 
 def archive_units(ar: ArchiveReader, summary: Summary) -> Iterator[Unit]:
