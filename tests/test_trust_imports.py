@@ -568,3 +568,34 @@ def test_archive_header_nested_a_million_deep_is_damage_not_a_crash():
     head = b"UMBPARCH" + struct.pack("<HHI", 1, 0, 3) + b"[1]"
     with pytest.raises(ArchiveError, match="header is not a JSON object"):
         ArchiveReader(io.BytesIO(head + _U32.pack(c(head))), "list.umbparc")
+
+
+@pytest.mark.parametrize("via", ["file", "pipe"])
+def test_resync_passes_over_bytes_crafted_to_look_like_frames_up_to_a_record_at_the_very_end(via):
+    data = archive_bytes([("a_0_k", b"x" * 10)])
+    first = data.index(REC_TAG)
+    fake = _REC.pack(REC_TAG, 1024, 5, 0)[:8]  # a tag and a key length, over and over
+    blob = data[:first] + REC_TAG + b"\xff" * 24 + fake * (MiB // 8) + b"END\0" + data[first:]
+    f = io.BytesIO(blob) if via == "file" else io.BufferedReader(_ShortReads(blob), 4096)
+    r = ArchiveReader(f)
+    h = r.next()
+    assert (h.key, h.length) == ("a_0_k", 10)
+    skipped = len(blob) - len(data)
+    assert r.resync_notes == [f"<archive>: implausible key length 4294967295 at byte {first}; skipped {skipped} "
+                              f"bytes to the next intact frame at byte {first + skipped} (the records in between are lost)"]
+    buf = bytearray(10)
+    assert r.read_into(buf) and bytes(buf) == b"x" * 10
+    assert r.next() is None and r.complete and r.damaged == 1
+
+
+class _ShortReads(io.RawIOBase):
+    def __init__(self, b):
+        self._b = io.BytesIO(b)
+
+    def readable(self):
+        return True
+
+    def readinto(self, mv):
+        chunk = self._b.read(min(len(mv), 1000))
+        mv[: len(chunk)] = chunk
+        return len(chunk)

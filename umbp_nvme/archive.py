@@ -32,6 +32,9 @@ END_TAG = b"END\0"
 MAX_KEY_BYTES = 64 << 10
 MAX_OBJECT_BYTES = 1 << 40
 MAX_HEADER_BYTES = 16 << 20
+# after a damaged frame, candidates with longer keys are not considered: the store's keys are
+# <= 511 bytes, and the cap bounds what bytes crafted to look like frames cost the scan
+RESYNC_MAX_KEY_BYTES = 1024
 
 _HEAD = struct.Struct("<8sHHI")  # magic, version, flags, json_len
 _REC = struct.Struct("<4sIQI")  # tag, key_len, length, crc
@@ -274,7 +277,7 @@ class ArchiveReader:
             if len(buf) - i < _REC.size + 4:
                 return 0
             _, key_len, _, _ = _REC.unpack_from(buf, i)
-            if key_len > MAX_KEY_BYTES:
+            if key_len > RESYNC_MAX_KEY_BYTES:
                 return None
             need = _REC.size + 4 + key_len
             if len(buf) - i < need:
@@ -287,17 +290,24 @@ class ArchiveReader:
     def _resync(self, start: int, window: bytes, why: str) -> None:
         """A frame at byte ``start`` is damaged (``window`` = the bytes read from there): scan for the
         next checksum-valid frame and continue from it. The records in between are lost; the
-        checksums make a false match about 2**-32 per candidate."""
+        checksums make a false match about 2**-32 per candidate. Linear in the bytes scanned: each
+        tag is searched for once per position, and a candidate costs at most a CRC over
+        RESYNC_MAX_KEY_BYTES (bytes crafted to be all candidates cannot make it quadratic)."""
         self.damaged += 1
         buf = window
         base = start  # file offset of buf[0]
         i = 1
+        nxt = {REC_TAG: -2, END_TAG: -2}  # next position of each tag at or after i; -1 none in buf; -2 unknown
+        eof = False
         while True:
-            hits = [j for j in (buf.find(REC_TAG, i), buf.find(END_TAG, i)) if j >= 0]
+            for tag, pos in nxt.items():
+                if pos == -2 or 0 <= pos < i:
+                    nxt[tag] = buf.find(tag, i)
+            hits = [j for j in nxt.values() if j >= 0]
             if hits:
                 j = min(hits)
                 n = self._frame_at(buf, j)
-                if n is None:
+                if n is None or (n == 0 and eof):  # not a frame, or one the end of the file cuts
                     i = j + 1
                     continue
                 if n:
@@ -311,16 +321,20 @@ class ArchiveReader:
             else:
                 j = max(i, len(buf) - 3)  # a tag may straddle the next chunk
             # keep buf[j:] and read more
-            more = self._read(1 << 20)
-            if not more:
+            more = b"" if eof else self._read(1 << 20)
+            if not more and (eof or not hits):
                 self.offset = base + len(buf)
                 self._die(
                     f"{self.name}: {why} at byte {start}, and no intact record follows it up to the end "
                     f"(byte {base + len(buf)}); the {self.records} records before it are intact"
                 )
+            if not more:  # a candidate waits for bytes that will not come: judge the rest as is
+                eof = True
+                continue
             base += j
             buf = buf[j:] + more
             i = 0
+            nxt = {REC_TAG: -2, END_TAG: -2}
 
     def next(self) -> RecordHead | None:
         if self.fatal is not None:
