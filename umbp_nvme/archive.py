@@ -150,7 +150,8 @@ class ArchiveReader:
         self.payload_bytes = 0
         self._digest = 0
         self._pending: RecordHead | None = None
-        self._back = b""  # bytes read ahead while resynchronising, consumed before the file
+        self._back = b""  # bytes read ahead while resynchronising, consumed before the file ...
+        self._bpos = 0  # ... from here (an index, so consuming it never copies the rest)
         self.complete = False
         self.damaged = 0  # damaged regions passed over (each lost at least one record)
         self.fatal: str | None = None
@@ -202,7 +203,7 @@ class ArchiveReader:
         self._f.close()
 
     def _file_end(self) -> int | None:
-        """Absolute end offset of a regular file, relative to where reading starts; None for streams."""
+        """Bytes from where reading starts to the end of a regular (or in-memory) file; None for streams."""
         try:
             st = os.fstat(self._f.fileno())
             if not stat.S_ISREG(st.st_mode):
@@ -239,11 +240,19 @@ class ArchiveReader:
         self._pending = None
         raise ArchiveError(msg)
 
+    def _take_back(self, n: int) -> bytes:
+        """Up to n of the bytes read ahead (b"" when there are none)."""
+        if not self._back:
+            return b""
+        out = self._back[self._bpos : self._bpos + n]
+        self._bpos += len(out)
+        if self._bpos >= len(self._back):
+            self._back, self._bpos = b"", 0
+        return out
+
     def _read(self, n: int) -> bytes:
         """Up to n bytes (fewer only at end of file)."""
-        out = b""
-        if self._back:
-            out, self._back = self._back[:n], self._back[n:]
+        out = self._take_back(n)
         while len(out) < n:
             chunk = self._f.read(n - len(out))
             if not chunk:
@@ -311,7 +320,7 @@ class ArchiveReader:
                     i = j + 1
                     continue
                 if n:
-                    self._back = buf[j:] + self._back
+                    self._back, self._bpos = buf[j:] + self._back[self._bpos :], 0
                     self.offset = base + j
                     self.resync_notes.append(
                         f"{self.name}: {why} at byte {start}; skipped {base + j - start} bytes "
@@ -412,12 +421,9 @@ class ArchiveReader:
         mv = memoryview(buf).cast("B")[: head.length]
         if mv.nbytes < head.length:
             raise ValueError(f"buffer of {mv.nbytes} bytes for a {head.length}-byte record")
-        got = 0
-        if self._back:
-            n = min(len(self._back), head.length)
-            mv[:n] = self._back[:n]
-            self._back = self._back[n:]
-            got = n
+        back = self._take_back(head.length)
+        mv[: len(back)] = back
+        got = len(back)
         readinto = getattr(self._f, "readinto", None)
         while got < head.length:
             if readinto is not None:
@@ -438,11 +444,7 @@ class ArchiveReader:
         head = self._pending
         if head is None:
             raise RuntimeError("next() first")
-        left = head.length
-        if self._back:
-            n = min(len(self._back), left)
-            self._back = self._back[n:]
-            left -= n
+        left = head.length - len(self._take_back(head.length))
         try:
             seekable = self._f.seekable()
         except (AttributeError, ValueError):
