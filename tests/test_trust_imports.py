@@ -522,7 +522,7 @@ def test_export_onto_a_directory_is_a_clear_error_and_leaves_no_temp_file(tmp_pa
     (tmp_path / "out").mkdir()
     rc, out, err, _ = cli_proc("export", "--store", src, "--out", str(tmp_path / "out"))
     assert rc == 2 and "Traceback" not in err, err
-    assert f"umbp-nvme export: error: [Errno 21] Is a directory" in err
+    assert "umbp-nvme export: error: [Errno 21] Is a directory" in err
     assert sorted(os.listdir(tmp_path)) == ["out", "src"] and os.listdir(tmp_path / "out") == []
 
 
