@@ -17,9 +17,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import secrets
+import stat
 import struct
 import time
 from dataclasses import dataclass
+
+from .keybytes import decode_key, encode_key, printable_key
 
 MAGIC = b"UMBPARCH"
 VERSION = 1
@@ -28,6 +32,9 @@ END_TAG = b"END\0"
 MAX_KEY_BYTES = 64 << 10
 MAX_OBJECT_BYTES = 1 << 40
 MAX_HEADER_BYTES = 16 << 20
+# after a damaged frame, candidates with longer keys are not considered: the store's keys are
+# <= 511 bytes, and the cap bounds what bytes crafted to look like frames cost the scan
+RESYNC_MAX_KEY_BYTES = 1024
 
 _HEAD = struct.Struct("<8sHHI")  # magic, version, flags, json_len
 _REC = struct.Struct("<4sIQI")  # tag, key_len, length, crc
@@ -47,9 +54,10 @@ class ArchiveError(ValueError):
 
 @dataclass
 class RecordHead:
-    key: str
+    key: str  # keybytes.decode_key of the stored bytes: every byte string is a key
     length: int
     crc: int
+    error: str | None = None  # why this record cannot be imported (it must be skipped); framing is intact
 
 
 class ArchiveWriter:
@@ -88,9 +96,9 @@ class ArchiveWriter:
             mv = mv[n:]
 
     def add(self, key: str, data, crc: int | None = None) -> None:
-        kb = key.encode()
+        kb = encode_key(key)  # the store's own key bytes (keybytes): what the reader decodes back
         if not 0 < len(kb) <= MAX_KEY_BYTES:
-            raise ValueError(f"archive keys must be 1..{MAX_KEY_BYTES} bytes of UTF-8, got {len(kb)} for {key[:80]!r}")
+            raise ValueError(f"archive keys must be 1..{MAX_KEY_BYTES} bytes, got {len(kb)} for {printable_key(key[:80])}")
         mv = memoryview(data).cast("B")
         if crc is None:
             crc = self._crc32c(mv)
@@ -122,19 +130,34 @@ class ArchiveReader:
 
     Loop: ``head = r.next()`` (None at the verified trailer), then exactly one of
     ``r.read_into(buffer)`` (returns True when the bytes match the record's CRC32C) or
-    ``r.skip()``. ``name`` is used in error messages.
+    ``r.skip()``; a head with ``error`` set (empty key, larger than ``max_object_bytes``) must be
+    skipped. ``name`` is used in error messages.
+
+    Nothing the file declares is trusted before it is checked: a record's size is compared with
+    the bytes left in the file (when it is a regular file) and ``max_object_bytes`` before anyone
+    allocates for it, and a record whose framing checksum fails is passed over by scanning for the
+    next intact frame (``damaged`` counts such regions). After an ArchiveError from ``next``,
+    ``read_into`` or ``skip`` the stream is unusable (``fatal`` holds the reason): the records
+    read before it stay valid.
     """
 
-    def __init__(self, f, name: str = "<archive>"):
+    def __init__(self, f, name: str = "<archive>", *, max_object_bytes: int = MAX_OBJECT_BYTES):
         self._f = f
         self.name = name
+        self.max_object_bytes = max_object_bytes
         self._crc32c = _crc32c()
         self.records = 0
         self.payload_bytes = 0
         self._digest = 0
         self._pending: RecordHead | None = None
+        self._back = b""  # bytes read ahead while resynchronising, consumed before the file ...
+        self._bpos = 0  # ... from here (an index, so consuming it never copies the rest)
         self.complete = False
+        self.damaged = 0  # damaged regions passed over (each lost at least one record)
+        self.fatal: str | None = None
+        self.resync_notes: list[str] = []  # damaged regions the last next() passed over
         self.offset = 0
+        self._end = self._file_end()
         fixed = self._read_exact(_HEAD.size, "header")
         magic, version, _flags, json_len = _HEAD.unpack(fixed)
         if magic != MAGIC:
@@ -149,21 +172,29 @@ class ArchiveReader:
             )
         if json_len > MAX_HEADER_BYTES:
             raise ArchiveError(f"{name}: header of {json_len} bytes is implausibly large; the file is damaged")
+        self._check_left(json_len + 4, "header")
         blob = self._read_exact(json_len, "header")
         (crc,) = _U32.unpack(self._read_exact(4, "header"))
         if crc != self._crc32c(fixed + blob):
             raise ArchiveError(f"{name}: header checksum mismatch; the file is damaged")
         try:
             self.header = json.loads(blob)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: checksummed but nested 1e6 deep
             raise ArchiveError(f"{name}: header is not valid JSON ({e})") from None
+        if not isinstance(self.header, dict) or not isinstance(self.header.get("namespace") or {}, dict):
+            raise ArchiveError(f"{name}: header is not a JSON object with an object \"namespace\"; the file is damaged")
         self.namespace = self.header.get("namespace") or {}
 
     @classmethod
-    def open(cls, path: str) -> "ArchiveReader":
+    def open(cls, path: str, **kw) -> "ArchiveReader":
+        """``path`` "-" reads stdin (a pipe: sizes are then bounded by ``max_object_bytes`` alone)."""
+        if path == "-":
+            import sys
+
+            return cls(sys.stdin.buffer, "<stdin>", **kw)
         f = open(path, "rb", buffering=1 << 20)
         try:
-            return cls(f, path)
+            return cls(f, path, **kw)
         except BaseException:
             f.close()
             raise
@@ -171,53 +202,216 @@ class ArchiveReader:
     def close(self) -> None:
         self._f.close()
 
+    def _file_end(self) -> int | None:
+        """Bytes from where reading starts to the end of a regular (or in-memory) file; None for streams."""
+        try:
+            st = os.fstat(self._f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            return st.st_size - self._f.tell()
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            pass
+        try:  # in-memory files (BytesIO): seekable without a descriptor
+            if self._f.seekable():
+                pos = self._f.tell()
+                end = self._f.seek(0, io.SEEK_END)
+                self._f.seek(pos)
+                return end - pos
+        except (AttributeError, OSError, ValueError):
+            pass
+        return None
+
+    @property
+    def bytes_left(self) -> int | None:
+        """Bytes not read yet, when the archive is a regular file; None for a pipe."""
+        return None if self._end is None else max(0, self._end - self.offset)
+
+    def _check_left(self, n: int, what: str) -> None:
+        """Refuse a declared size the file cannot hold, before anything is allocated for it."""
+        if self._end is not None and n > self._end - self.offset:
+            self._die(
+                f"{self.name} is truncated: the {what} at byte {self.offset} declares {n} bytes but only "
+                f"{max(0, self._end - self.offset)} remain; the {self.records} records before it are intact. "
+                "Export it again or copy it completely."
+            )
+
+    def _die(self, msg: str):
+        self.fatal = msg
+        self._pending = None
+        raise ArchiveError(msg)
+
+    def _take_back(self, n: int) -> bytes:
+        """Up to n of the bytes read ahead (b"" when there are none)."""
+        if not self._back:
+            return b""
+        out = self._back[self._bpos : self._bpos + n]
+        self._bpos += len(out)
+        if self._bpos >= len(self._back):
+            self._back, self._bpos = b"", 0
+        return out
+
+    def _read(self, n: int) -> bytes:
+        """Up to n bytes (fewer only at end of file)."""
+        out = self._take_back(n)
+        while len(out) < n:
+            chunk = self._f.read(n - len(out))
+            if not chunk:
+                break
+            out += chunk
+        return out
+
     def _read_exact(self, n: int, what: str) -> bytes:
-        data = self._f.read(n)
-        if data is None or len(data) != n:
-            raise ArchiveError(
-                f"{self.name} is truncated at byte {self.offset + len(data or b'')} (reading the {what}); "
+        if self.fatal is not None:
+            raise ArchiveError(self.fatal)
+        data = self._read(n)
+        if len(data) != n:
+            at = self.offset + len(data)
+            self._die(
+                f"{self.name} is truncated at byte {at} (reading the {what}); "
                 f"the {self.records} records before it are intact. Export it again or copy it completely."
             )
         self.offset += n
         return data
 
+    def _frame_at(self, buf: bytes, i: int) -> int | None:
+        """Length of a checksum-valid record or trailer frame at buf[i:], 0 if buf is too short to
+        tell, None if there is none there."""
+        tag = buf[i : i + 4]
+        if tag == END_TAG:
+            if len(buf) - i < _TRAILER.size + 4:
+                return 0
+            t = buf[i : i + _TRAILER.size]
+            return _TRAILER.size + 4 if _U32.unpack_from(buf, i + _TRAILER.size)[0] == self._crc32c(t) else None
+        if tag == REC_TAG:
+            if len(buf) - i < _REC.size + 4:
+                return 0
+            _, key_len, _, _ = _REC.unpack_from(buf, i)
+            if key_len > RESYNC_MAX_KEY_BYTES:
+                return None
+            need = _REC.size + 4 + key_len
+            if len(buf) - i < need:
+                return 0
+            fixed = buf[i : i + _REC.size]
+            kb = buf[i + _REC.size + 4 : i + need]
+            return need if _U32.unpack_from(buf, i + _REC.size)[0] == self._crc32c(fixed + kb) else None
+        return None
+
+    def _resync(self, start: int, window: bytes, why: str) -> None:
+        """A frame at byte ``start`` is damaged (``window`` = the bytes read from there): scan for the
+        next checksum-valid frame and continue from it. The records in between are lost; the
+        checksums make a false match about 2**-32 per candidate. Linear in the bytes scanned: each
+        tag is searched for once per position, and a candidate costs at most a CRC over
+        RESYNC_MAX_KEY_BYTES (bytes crafted to be all candidates cannot make it quadratic)."""
+        self.damaged += 1
+        buf = window
+        base = start  # file offset of buf[0]
+        i = 1
+        nxt = {REC_TAG: -2, END_TAG: -2}  # next position of each tag at or after i; -1 none in buf; -2 unknown
+        eof = False
+        while True:
+            for tag, pos in nxt.items():
+                if pos == -2 or 0 <= pos < i:
+                    nxt[tag] = buf.find(tag, i)
+            hits = [j for j in nxt.values() if j >= 0]
+            if hits:
+                j = min(hits)
+                n = self._frame_at(buf, j)
+                if n is None or (n == 0 and eof):  # not a frame, or one the end of the file cuts
+                    i = j + 1
+                    continue
+                if n:
+                    self._back, self._bpos = buf[j:] + self._back[self._bpos :], 0
+                    self.offset = base + j
+                    self.resync_notes.append(
+                        f"{self.name}: {why} at byte {start}; skipped {base + j - start} bytes "
+                        f"to the next intact frame at byte {base + j} (the records in between are lost)"
+                    )
+                    return
+            else:
+                j = max(i, len(buf) - 3)  # a tag may straddle the next chunk
+            # keep buf[j:] and read more
+            more = b"" if eof else self._read(1 << 20)
+            if not more and (eof or not hits):
+                self.offset = base + len(buf)
+                self._die(
+                    f"{self.name}: {why} at byte {start}, and no intact record follows it up to the end "
+                    f"(byte {base + len(buf)}); the {self.records} records before it are intact"
+                )
+            if not more:  # a candidate waits for bytes that will not come: judge the rest as is
+                eof = True
+                continue
+            base += j
+            buf = buf[j:] + more
+            i = 0
+            nxt = {REC_TAG: -2, END_TAG: -2}
+
     def next(self) -> RecordHead | None:
+        if self.fatal is not None:
+            raise ArchiveError(self.fatal)
         if self._pending is not None:
             raise RuntimeError("read_into() or skip() the previous record first")
-        tag = self._read_exact(4, "next record")
-        if tag == END_TAG:
-            rest = self._read_exact(_TRAILER.size - 4 + 4, "trailer")
-            t = tag + rest[:-4]
-            (crc,) = _U32.unpack(rest[-4:])
-            _, _, records, payload, digest = _TRAILER.unpack(t)
-            if crc != self._crc32c(t):
-                raise ArchiveError(f"{self.name}: trailer checksum mismatch; the file is damaged")
-            if (records, payload, digest) != (self.records, self.payload_bytes, self._digest):
-                raise ArchiveError(
-                    f"{self.name}: trailer says {records} records / {payload} bytes, but the stream held "
-                    f"{self.records} / {self.payload_bytes} (or their checksums differ); the file is damaged"
+        self.resync_notes = []
+        while True:
+            start = self.offset
+            if self._end is not None and start == self._end:
+                self._die(
+                    f"{self.name} is truncated at byte {start}: it ends without its trailer; the {self.records} "
+                    "records before it are intact. Export it again or copy it completely."
                 )
-            self.complete = True
-            return None
-        if tag != REC_TAG:
-            raise ArchiveError(f"{self.name}: bad record tag {tag!r} at byte {self.offset - 4}; the file is damaged")
-        rest = self._read_exact(_REC.size - 4 + 4, "record header")
-        fixed = tag + rest[:-4]
-        (head_crc,) = _U32.unpack(rest[-4:])
-        _, key_len, length, crc = _REC.unpack(fixed)
-        if not 0 < key_len <= MAX_KEY_BYTES or length > MAX_OBJECT_BYTES:
-            raise ArchiveError(f"{self.name}: implausible record (key {key_len} bytes, object {length} bytes) at byte {self.offset}")
-        kb = self._read_exact(key_len, "record key")
-        if head_crc != self._crc32c(fixed + kb):
-            raise ArchiveError(f"{self.name}: record header checksum mismatch at byte {self.offset}; the file is damaged")
-        self._pending = RecordHead(kb.decode(), length, crc)
-        return self._pending
+            tag = self._read_exact(4, "next record")
+            if tag == END_TAG:
+                rest = self._read_exact(_TRAILER.size - 4 + 4, "trailer")
+                t = tag + rest[:-4]
+                (crc,) = _U32.unpack(rest[-4:])
+                if crc != self._crc32c(t):
+                    self._resync(start, tag + rest, "trailer checksum mismatch")
+                    continue
+                _, _, records, payload, digest = _TRAILER.unpack(t)
+                if (records, payload, digest) != (self.records, self.payload_bytes, self._digest) and not self.damaged:
+                    self._die(
+                        f"{self.name}: trailer says {records} records / {payload} bytes, but the stream held "
+                        f"{self.records} / {self.payload_bytes} (or their checksums differ); the file is damaged"
+                    )
+                self.complete = True  # after a damaged region the counts differ by design; it was reported
+                return None
+            if tag != REC_TAG:
+                self._resync(start, tag, f"bad record tag {tag!r}")
+                continue
+            rest = self._read_exact(_REC.size - 4 + 4, "record header")
+            fixed = tag + rest[:-4]
+            (head_crc,) = _U32.unpack(rest[-4:])
+            _, key_len, length, crc = _REC.unpack(fixed)
+            if key_len > MAX_KEY_BYTES:
+                self._resync(start, tag + rest, f"implausible key length {key_len}")
+                continue
+            self._check_left(key_len, "record key")
+            kb = self._read_exact(key_len, "record key")
+            if head_crc != self._crc32c(fixed + kb):
+                self._resync(start, tag + rest + kb, "record header checksum mismatch")
+                continue
+            # the frame is intact from here: the sizes are what the writer wrote
+            self._check_left(length, f"record {self.records + 1}")
+            key = decode_key(kb)
+            err = None
+            if not kb:
+                err = f"{self.name}: record {self.records + 1} at byte {start} has an empty key"
+            elif length > self.max_object_bytes:
+                err = (f"{self.name}: record {printable_key(key)} is {length} bytes, over the largest object "
+                       f"this store takes ({self.max_object_bytes} bytes)")
+            self._pending = RecordHead(key, length, crc, err)
+            return self._pending
 
     def _account(self, head: RecordHead) -> None:
         self._pending = None
         self.records += 1
         self.payload_bytes += head.length
         self._digest = self._crc32c(_U32.pack(head.crc), self._digest)
+
+    def _truncated_in(self, head: RecordHead) -> None:
+        self._die(
+            f"{self.name} is truncated inside the bytes of record {self.records + 1} ({printable_key(head.key)}); "
+            f"the {self.records} records before it are intact"
+        )
 
     def read_into(self, buf) -> bool:
         """Read the pending record's bytes into ``buf`` (at least ``length`` bytes); True when its CRC matches."""
@@ -227,7 +421,9 @@ class ArchiveReader:
         mv = memoryview(buf).cast("B")[: head.length]
         if mv.nbytes < head.length:
             raise ValueError(f"buffer of {mv.nbytes} bytes for a {head.length}-byte record")
-        got = 0
+        back = self._take_back(head.length)
+        mv[: len(back)] = back
+        got = len(back)
         readinto = getattr(self._f, "readinto", None)
         while got < head.length:
             if readinto is not None:
@@ -237,10 +433,8 @@ class ArchiveReader:
                 n = len(chunk or b"")
                 mv[got : got + n] = chunk
             if not n:
-                raise ArchiveError(
-                    f"{self.name} is truncated inside the bytes of record {self.records + 1} ({head.key!r}); "
-                    f"the {self.records} records before it are intact"
-                )
+                self.offset += got
+                self._truncated_in(head)
             got += n
         self.offset += head.length
         self._account(head)
@@ -250,7 +444,7 @@ class ArchiveReader:
         head = self._pending
         if head is None:
             raise RuntimeError("next() first")
-        left = head.length
+        left = head.length - len(self._take_back(head.length))
         try:
             seekable = self._f.seekable()
         except (AttributeError, ValueError):
@@ -259,13 +453,13 @@ class ArchiveReader:
             pos = self._f.tell()
             end = self._f.seek(0, io.SEEK_END)
             if end - pos < left:
-                raise ArchiveError(f"{self.name} is truncated inside the bytes of record {self.records + 1} ({head.key!r})")
+                self._truncated_in(head)
             self._f.seek(pos + left)
         else:
             while left:
                 chunk = self._f.read(min(left, 1 << 20))
                 if not chunk:
-                    raise ArchiveError(f"{self.name} is truncated inside the bytes of record {self.records + 1} ({head.key!r})")
+                    self._truncated_in(head)
                 left -= len(chunk)
         self.offset += head.length
         self._account(head)
@@ -276,23 +470,39 @@ class ArchiveReader:
             head = self.next()
             if head is None:
                 return
+            if head.error is not None:
+                self.skip()
+                continue
             buf = bytearray(head.length)
             ok = self.read_into(buf)
             yield head.key, bytes(buf), ok
 
 
 def open_for_write(path: str):
-    """A binary file for the archive: stdout for "-", else ``path`` (created 0644, replaced atomically by the caller)."""
+    """A binary file for the archive: stdout for "-", else a new private temp file beside ``path``.
+
+    Returns (file, temp path or None). The temp name has a random part and is created with
+    O_EXCL|O_NOFOLLOW, mode 0600 like the store's files: nobody can pre-plant it or a symlink
+    in its place, and the caller renames it onto ``path`` when complete.
+    """
     if path == "-":
         import sys
 
-        return sys.stdout.buffer
-    return open(path, "wb", buffering=1 << 20)
+        return sys.stdout.buffer, None
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        tmp = tmp_path_for(path)
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileExistsError:
+            continue
+        return os.fdopen(fd, "wb", buffering=1 << 20), tmp
+    raise FileExistsError(f"cannot create a temporary file beside {path}: 16 random names were taken")
 
 
 def tmp_path_for(path: str) -> str:
     d, b = os.path.split(os.path.abspath(path))
-    return os.path.join(d, f".{b}.partial.{os.getpid()}")
+    return os.path.join(d, f".{b}.partial.{os.getpid()}.{secrets.token_hex(8)}")
 
 
 # --- export ----------------------------------------------------------------------------------
@@ -303,8 +513,8 @@ def export_store(store_path: str, out: str, *, keys: list[str] | None = None, pr
 
     Reads the store read-only (a running writer is fine): each object is read as it lies on disk
     and checked against the store's CRC32C before it goes into the archive; an object the writer
-    evicts meanwhile is left out. A file is written under a temporary name and renamed when
-    complete, so ``out`` is never a partial archive.
+    evicts meanwhile is left out. A file is written under a private temporary name (random,
+    O_EXCL|O_NOFOLLOW, 0600) and renamed when complete, so ``out`` is never a partial archive.
     """
     from .maintenance import StoreReader
 
@@ -315,18 +525,18 @@ def export_store(store_path: str, out: str, *, keys: list[str] | None = None, pr
         recs = r.records(keys)
         if keys is not None:
             summary["missing"] = len(set(keys)) - len(recs)
-        tmp = None
-        if out == "-":
-            f = open_for_write(out)
-        else:
-            tmp = tmp_path_for(out)
-            f = open(tmp, "wb", buffering=1 << 20)
+        f, tmp = open_for_write(out)
         ok = False
         try:
             w = ArchiveWriter(f, r.namespace, source=r.path, extra={"objects_listed": len(recs)})
-            buf = bytearray(max([x.length for x in recs], default=1))
+            # a length from a damaged index must not size the buffer: no object outgrows a segment
+            limit = min(r.segment_bytes, (1 << 32) - 1)
+            buf = bytearray(max([x.length for x in recs if x.length <= limit], default=1))
             for rec in recs:
-                status = r.read_into(rec, buf)
+                if rec.length > limit:
+                    status = f"implausible length {rec.length} (over the segment size {limit}); the index is damaged"
+                else:
+                    status = r.read_into(rec, buf)
                 if status == "ok":
                     w.add(rec.key, memoryview(buf)[: rec.length], rec.crc)
                     summary["exported"] += 1
@@ -336,7 +546,7 @@ def export_store(store_path: str, out: str, *, keys: list[str] | None = None, pr
                 else:
                     summary["failed"] += 1
                     if len(summary["errors"]) < 20:
-                        summary["errors"].append(f"{rec.key!r}: {status} (left out; `umbp-nvme verify --repair` drops it)")
+                        summary["errors"].append(f"{printable_key(rec.key)}: {status} (left out; `umbp-nvme verify --repair` drops it)")
                 if progress is not None:
                     progress(rec.length)
             w.close()
@@ -347,12 +557,30 @@ def export_store(store_path: str, out: str, *, keys: list[str] | None = None, pr
         finally:
             if tmp is not None:
                 f.close()
-                if ok:
-                    os.replace(tmp, out)
-                else:
-                    try:
-                        os.unlink(tmp)
-                    except OSError:
-                        pass
+                try:
+                    if ok:
+                        os.replace(tmp, out)  # replaces a symlink at out, never writes through it
+                        tmp = None
+                        _fsync_dir(os.path.dirname(os.path.abspath(out)))
+                finally:
+                    if tmp is not None:  # failed, or out cannot be replaced (a directory): no debris
+                        try:
+                            os.unlink(tmp)
+                        except OSError:
+                            pass
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
+
+
+def _fsync_dir(d: str) -> None:
+    """Make the rename durable (best effort: some file systems refuse fsync on a directory)."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

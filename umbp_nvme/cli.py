@@ -15,6 +15,8 @@ import os
 import re
 import sys
 
+from .keybytes import printable_key
+
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.I)
@@ -44,12 +46,15 @@ def _positive_float(text: str) -> float:
 
 
 def _read_keys(path: str) -> list[str]:
+    """One key per line, as bytes decoded with keybytes (a key that is not UTF-8 is still a key)."""
+    from .keybytes import decode_key
+
     try:
-        f = sys.stdin if path == "-" else open(path, encoding="utf-8")
+        f = sys.stdin.buffer if path == "-" else open(path, "rb")
     except OSError as e:
         raise CliError(f"cannot read the keys file {path}: {e.strerror or e}") from None
     with f:
-        keys = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+        keys = [decode_key(ln.strip()) for ln in f if ln.strip() and not ln.lstrip().startswith(b"#")]
     if not keys:
         raise CliError(f"the keys file {path} lists no keys (one key per line)")
     return keys
@@ -152,6 +157,10 @@ def cmd_warmup(args) -> int:
             namespace = json.loads(raw)
         except (OSError, ValueError) as e:
             raise CliError(f"--namespace {args.namespace!r} is neither a JSON object nor a JSON file ({e})") from None
+    if args.keys == "-" and "-" in args.sources:
+        raise CliError("--keys - and the SOURCE - would both read stdin; give the keys as a file")
+    if args.sources.count("-") > 1:
+        raise CliError("stdin (-) can be given as a SOURCE once")
     cfg = _load_config(args)
     keys = _read_keys(args.keys) if args.keys else None
     try:
@@ -213,7 +222,7 @@ def cmd_stats(args) -> int:
     for pool, v in s["pools"].items():
         lines.append(f"  {pool:<20} {v['objects']:>10} objects {v['bytes'] / 2**20:>12.1f} MiB")
     if len(s["prefixes"]) > 1 or "(none)" not in s["prefixes"]:
-        lines.append("key prefixes " + ", ".join(f"{k}: {v}" for k, v in s["prefixes"].items()))
+        lines.append("key prefixes " + ", ".join(f"{printable_key(k)}: {v}" for k, v in s["prefixes"].items()))
     c = s["counters"]
     if c:
         lines.append("counters     " + ", ".join(f"{k} {c[k]}" for k in ("hits", "misses", "evictions", "puts", "gets") if k in c))
@@ -251,7 +260,7 @@ def cmd_verify(args) -> int:
     lines = [f"checked {s['checked']} objects ({s['bytes'] / 1e9:.3f} GB) in {args.store}: "
              + ("clean" if not s["bad"] else f"{len(s['bad'])} bad")]
     for b in s["bad"][:50]:
-        lines.append(f"  {b['status']:<16} {b['key']}  (segment {b['segment']}, offset {b['offset']}, {b['length']} bytes)")
+        lines.append(f"  {b['status']:<16} {printable_key(b['key'])}  (segment {b['segment']}, offset {b['offset']}, {b['length']} bytes)")
     if len(s["bad"]) > 50:
         lines.append(f"  ... and {len(s['bad']) - 50} more (use --json for all)")
     if s["bad"]:
@@ -300,15 +309,21 @@ def cmd_compact(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from .keybytes import key_error
     from .maintenance import inspect_keys
 
+    for k in args.keys:  # argv bytes that are not UTF-8 arrive surrogate-escaped: legal keys
+        why = key_error(k)
+        if why is not None:
+            raise CliError(f"key {printable_key(k)} cannot be a store key: {why}")
     rows = inspect_keys(args.store, args.keys)
     lines = []
     for r in rows:
+        shown = printable_key(r["key"])
         if not r["found"]:
-            lines.append(f"{r['key']}: not in the store")
+            lines.append(f"{shown}: not in the store")
         else:
-            lines.append(f"{r['key']}: {r['status']}  pool {r['pool']}, {r['file']} offset {r['offset']}, "
+            lines.append(f"{shown}: {r['status']}  pool {r['pool']}, {r['file']} offset {r['offset']}, "
                          f"{r['length']} bytes, crc32c {r['crc32c']}, generation {r['generation']}, depth {r['depth']}")
     _emit(args, {"store": os.path.abspath(args.store), "keys": rows}, "\n".join(lines))
     return EXIT_OK if all(r["found"] and r["status"] == "ok" for r in rows) else EXIT_PROBLEMS
@@ -508,13 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
     except (StoreError, NotAStoreError, ArchiveError, SourceError) as e:
         print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
-    except FileNotFoundError as e:
-        print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"umbp-nvme {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
+    except BrokenPipeError:  # the reader of our stdout went away (`export --out - | head`)
         return EXIT_ERROR
+    except OSError as e:  # a path the operator gave: missing, not permitted, a directory ...
+        print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
     return EXIT_ERROR
 
 

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
+import http.client
 import json
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 
 from .archive import ArchiveError, ArchiveReader
 from .buffers import AlignedBuffer
+from .keybytes import encode_key, key_error, printable_key
 from .keys import KeyScheme
 from .maintenance import StoreReader
 from .store import MANIFEST_FILE
@@ -125,6 +129,7 @@ class Summary:
     interrupted: bool = False
     sources: list = field(default_factory=list)
     errors: list = field(default_factory=list)  # the first few messages
+    more_errors: int = 0  # messages past the first 20 (counted, not kept or logged)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -135,7 +140,11 @@ class Summary:
                 setattr(self, k, getattr(self, k) + v)
 
     def error(self, msg: str) -> None:
-        if len(self.errors) < 20:
+        """Keep and log the first 20 messages; count the rest (a damaged source may have millions)."""
+        with self._lock:
+            if len(self.errors) >= 20:
+                self.more_errors += 1
+                return
             self.errors.append(msg)
         log.warning("%s", msg)
 
@@ -171,6 +180,9 @@ class Summary:
         lines = [f"{a:<{w}}  {b}" for a, b in rows]
         for e in d["errors"][:10]:
             lines.append(f"  ! {e}")
+        hidden = len(d["errors"]) - 10 + d["more_errors"]
+        if hidden > 0:
+            lines.append(f"  ! ... and {hidden} more (--json lists the first 20)")
         return "\n".join(lines)
 
 
@@ -321,25 +333,57 @@ def expected_page_bytes(namespace: dict, layout: FileBackendLayout) -> int | Non
     return None
 
 
+def _file_kind(mode: int) -> str:
+    for test, what in ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return what
+    return "special file"
+
+
 def _file_read(path: str):
+    """read(mv): exactly mv.nbytes bytes of the regular file at path, never more.
+
+    O_NOFOLLOW: a symlink swapped in after the listing is refused, not followed; O_NONBLOCK: a
+    FIFO swapped in never blocks the open; fstat then proves it is still a regular file of the
+    size that was checked before the staging memory was sized."""
+
     def read(mv: memoryview) -> str | None:
+        shown = printable_key(path)
         try:
-            with open(path, "rb", buffering=0) as f:
-                got = 0
-                while got < mv.nbytes:
-                    n = f.readinto(mv[got:])
-                    if not n:
-                        return f"{path}: short read ({got} of {mv.nbytes} bytes); it changed while being imported"
-                    got += n
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
-            return f"{path}: {e.strerror or e}"
+            if e.errno == errno.ELOOP:
+                return f"{shown} became a symbolic link while being imported; not followed"
+            return f"{shown}: {e.strerror or e}"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return f"{shown} became a {_file_kind(st.st_mode)} while being imported; not read"
+            if st.st_size != mv.nbytes:
+                return f"{shown} is now {st.st_size} bytes, not {mv.nbytes}; it changed while being imported"
+            got = 0
+            while got < mv.nbytes:
+                n = os.readv(fd, [mv[got:]])
+                if not n:
+                    return f"{shown}: short read ({got} of {mv.nbytes} bytes); it changed while being imported"
+                got += n
+        except OSError as e:
+            return f"{shown}: {e.strerror or e}"
+        finally:
+            os.close(fd)
         return None
 
     return read
 
 
-def file_backend_units(directory: str, layout: FileBackendLayout, page_bytes: int | None, summary: Summary) -> Iterator[Unit]:
-    """Units for this rank's KV page files in a HiCacheFile directory (sorted by name)."""
+def file_backend_units(directory: str, layout: FileBackendLayout, page_bytes: int | None, summary: Summary,
+                       *, max_page_bytes: int | None = None) -> Iterator[Unit]:
+    """Units for this rank's KV page files in a HiCacheFile directory (sorted by name).
+
+    A name that matches this rank but cannot be one of HiCacheFile's (not UTF-8), and anything
+    that is not a regular file (symlink, FIFO, directory, device) is refused alone with the reason;
+    a file larger than the page the store can take is never read (``max_page_bytes``)."""
     try:
         names = sorted(os.listdir(directory))
     except OSError as e:
@@ -355,33 +399,49 @@ def file_backend_units(directory: str, layout: FileBackendLayout, page_bytes: in
             summary.add(ignored_files=1)
             continue
         path = os.path.join(directory, name)
-        try:
-            size = os.stat(path).st_size
-        except OSError as e:
+        shown = printable_key(path)
+
+        def refuse(msg: str) -> None:
             summary.add(refused_files=1)
-            summary.error(f"{path}: {e.strerror or e}")
+            summary.error(f"{shown} {msg}")
+
+        try:
+            name.encode("utf-8")  # os.listdir escapes undecodable bytes as lone surrogates
+        except UnicodeEncodeError:
+            # HiCacheFile names its files after str keys, always UTF-8: these bytes are not its page
+            refuse("has a name that is not UTF-8, so HiCacheFile did not write it; not imported")
             continue
+        try:
+            st = os.lstat(path)
+        except OSError as e:
+            refuse(f"cannot be examined: {e.strerror or e}")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            refuse(f"is a {_file_kind(st.st_mode)}, not a regular file; not imported"
+                   + (" (not followed)" if stat.S_ISLNK(st.st_mode) else ""))
+            continue
+        size = st.st_size
         matched += 1
+        if max_page_bytes is not None and size > max_page_bytes:
+            refuse(f"is {size} bytes, larger than the largest page this store takes ({max_page_bytes} bytes); not read")
+            continue
         if expected is None:
-            expected = size  # no namespace says: the first page sets it, the rest must agree
             if size == 0 or size % layout.divisor():
-                summary.add(refused_files=1)
-                summary.error(
-                    f"{path} is {size} bytes, not a multiple of the {layout.divisor()} objects per page "
+                refuse(
+                    f"is {size} bytes, not a multiple of the {layout.divisor()} objects per page "
                     "of this layout; check --mla / --split-heads"
                 )
-                expected = None
                 continue
+            expected = size  # no namespace says: the first page sets it, the rest must agree
         if size != expected:
-            summary.add(refused_files=1)
-            summary.error(
-                f"{path} is {size} bytes, but a KV page of this namespace is {expected} bytes; "
+            refuse(
+                f"is {size} bytes, but a KV page of this namespace is {expected} bytes; "
                 "it was written for another model, dtype or page size. Remove it from the source, "
                 "or import it into a store made for that model."
             )
             continue
         keys, offs, lens = layout.objects(page_hash, size)
-        yield Unit(keys, offs, lens, size, path, read=_file_read(path))
+        yield Unit(keys, offs, lens, size, shown, read=_file_read(path))
     for what, n in side_pools.items():
         summary.error(
             f"{directory}: {n} files of {what} not imported: a side pool's flat page does not say where "
@@ -405,30 +465,57 @@ def store_units(reader: StoreReader, summary: Summary, keys: list[str] | None = 
 
         def read(mv, rec=rec):
             st = reader.read_into(rec, mv)
-            return None if st == "ok" else f"{reader.path}: object {rec.key!r}: {st}"
+            return None if st == "ok" else f"{reader.path}: object {printable_key(rec.key)}: {st}"
 
-        yield Unit([rec.key], [0], [rec.length], rec.length, rec.key, crcs=[None], read=read)
+        yield Unit([rec.key], [0], [rec.length], rec.length, printable_key(rec.key), crcs=[None], read=read)
 
 
 def archive_units(ar: ArchiveReader, summary: Summary) -> Iterator[Unit]:
-    """Units straight off the stream; each must be read or skipped before the next is produced."""
+    """Units straight off the stream; each must be read or skipped before the next is produced.
+
+    Every failure counts in the summary and never ends the import early on its own: a bad record
+    (CRC, empty key, too large, damaged frame) fails alone; truncation ends this source after the
+    intact records, with the reason."""
+    skip_err: list[str] = []
+
+    def skip():
+        try:
+            ar.skip()
+        except ArchiveError as e:  # truncated inside a record nobody wanted: report it, end the source
+            skip_err.append(str(e))
+
     while True:
+        if skip_err:
+            summary.add(failed=1)
+            summary.error(skip_err[0])
+            return
+        if ar.fatal is not None:  # a read hit the end of the file; the importer counted that record
+            return
         try:
             head = ar.next()
         except ArchiveError as e:
             summary.add(failed=1)
             summary.error(str(e))
             return
+        finally:
+            for note in ar.resync_notes:
+                summary.add(failed=1)
+                summary.error(note)
         if head is None:
             return
+        if head.error is not None:
+            summary.add(failed=1)
+            summary.error(head.error)
+            skip()
+            continue
 
         def read(mv, head=head):
             try:
-                return None if ar.read_into(mv) else f"{ar.name}: record {head.key!r} fails its CRC32C"
+                return None if ar.read_into(mv) else f"{ar.name}: record {printable_key(head.key)} fails its CRC32C"
             except ArchiveError as e:
                 return str(e)
 
-        yield Unit([head.key], [0], [head.length], head.length, head.key, read=read, skip=ar.skip)
+        yield Unit([head.key], [0], [head.length], head.length, printable_key(head.key), read=read, skip=skip)
 
 
 class SourceError(ValueError):
@@ -436,14 +523,25 @@ class SourceError(ValueError):
 
 
 def detect_source(path: str) -> str:
+    if path == "-":
+        return "archive"
     if os.path.isdir(path):
         return "store" if os.path.exists(os.path.join(path, MANIFEST_FILE)) else "files"
-    if os.path.isfile(path) or path == "-":
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):  # a file, a pipe, <(...)
         return "archive"
     raise SourceError(f"warm-up source {path} does not exist; give a HiCacheFile directory, a store directory or an archive")
 
 
 # --- the importer ----------------------------------------------------------------------------
+
+
+def max_object_bytes(store) -> int:
+    """The largest object ``store`` takes: one segment, and under 4 GiB (the index's u32 length)."""
+    return min(int(store.segment_bytes), (1 << 32) - 1)
 
 
 class _Staging:
@@ -480,6 +578,24 @@ class Importer:
             from ._uring import crc32c
         self._crc32c = crc32c
         self._pending: set[str] = set()
+        # what the store takes, checked before staging memory is sized for a unit
+        self.max_object_bytes = max_object_bytes(store)
+        self.max_key_bytes = getattr(getattr(store, "_index", None), "max_key_bytes", None) or 511
+
+    def _refusal(self, u: Unit) -> str | None:
+        """Why the store cannot take this unit (checked before anything is allocated or read)."""
+        for n in u.lengths:
+            if not 0 <= n <= self.max_object_bytes:
+                return f"{u.label}: an object of {n} bytes is over the largest this store takes ({self.max_object_bytes})"
+        if not 0 <= u.blob_bytes <= self.max_object_bytes * len(u.keys):
+            return f"{u.label}: {u.blob_bytes} bytes is more than its {len(u.keys)} objects can hold"
+        for k in u.keys:
+            why = key_error(k)
+            if why is None and len(encode_key(k)) > self.max_key_bytes:
+                why = f"key of {len(encode_key(k))} bytes, over the store's limit of {self.max_key_bytes}"
+            if why is not None:
+                return f"{u.label}: key {printable_key(k) if isinstance(k, str) else repr(k)} refused: {why}"
+        return None
 
     def _fill(self, units: Iterator[Unit], stg: _Staging, carry: list) -> bool:
         """Worker thread: read units into stg until it is full. False when the source is exhausted."""
@@ -492,6 +608,14 @@ class Importer:
                 u = next(units, None)
                 if u is None:
                     return False
+                bad = self._refusal(u)
+                if bad is not None:
+                    s.add(failed=len(u.keys))
+                    s.error(bad)
+                    self.progress.update(u.blob_bytes)
+                    if u.skip is not None:
+                        u.skip()
+                    continue
                 present = self.store.exists_many_nowait(u.keys)
                 missing = [k for k, p in zip(u.keys, present) if not p and k not in self._pending]
                 if not missing:
@@ -511,7 +635,7 @@ class Importer:
             if err is None and u.crcs:
                 for i, (o, n, c) in enumerate(zip(u.offsets, u.lengths, u.crcs)):
                     if c is not None and self._crc32c(mv[o : o + n]) != c:
-                        err = f"{u.label}: object {u.keys[i]!r} fails its CRC32C on the way in"
+                        err = f"{u.label}: object {printable_key(u.keys[i])} fails its CRC32C on the way in"
                         break
             self.progress.update(u.blob_bytes)
             if err is not None:
@@ -544,7 +668,9 @@ class Importer:
                 nbytes += n
         s.add(imported=imported, bytes_imported=nbytes, failed=len(res) - imported)
         if not all(res):
-            s.error(f"{res.count(False)} of {len(res)} objects were not stored (store full or I/O error; see the log)")
+            bad = [printable_key(k) for k, ok in zip(stg.keys, res) if not ok]
+            s.error(f"{len(bad)} of {len(res)} objects were not stored (store full, refused or I/O error; see the log): "
+                    + ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""))
 
     async def run(self, units: Iterator[Unit]) -> None:
         loop = asyncio.get_running_loop()
@@ -642,12 +768,16 @@ async def import_sources(
         try:
             target_ns = store.manifest.get("namespace") or {}
             expected = page_bytes or expected_page_bytes(target_ns, layout)
+            max_obj = max_object_bytes(store)
+            for _src, kind, obj in plan:
+                if kind == "archive":
+                    obj.max_object_bytes = max_obj  # a larger record fails alone, before any allocation
             total = 0
             for src, kind, obj in plan:
                 if kind == "store":
                     total += int(obj.scan()[1]["length"].sum()) if keys is None else 0
-                elif kind == "archive" and src != "-":
-                    total += max(0, os.path.getsize(src) - obj.offset)
+                elif kind == "archive":
+                    total += obj.bytes_left or 0
                 elif kind == "files":
                     total += _dir_bytes(src, layout)
             bar = Progress(total or None, desc="warmup", enabled=progress)
@@ -660,7 +790,7 @@ async def import_sources(
                         break
                     summary.sources.append({"source": src, "kind": kind})
                     if kind == "files":
-                        units = file_backend_units(src, layout, expected, summary)
+                        units = file_backend_units(src, layout, expected, summary, max_page_bytes=max_obj * layout.divisor())
                     elif kind == "store":
                         units = store_units(obj, summary, keys)
                     else:
@@ -700,8 +830,9 @@ def _dir_bytes(directory: str, layout: FileBackendLayout) -> int:
         with os.scandir(directory) as it:
             for e in it:
                 if layout.parse(e.name)[0] is not None:
-                    try:
-                        total += e.stat().st_size
+                    try:  # regular files only, as the import itself (a symlink is not followed)
+                        if e.is_file(follow_symlinks=False):
+                            total += e.stat(follow_symlinks=False).st_size
                     except OSError:
                         pass
     except OSError:
@@ -730,7 +861,8 @@ def _merge_namespace(ns: dict | None, other: dict, src: str) -> dict | None:
 class ReplaySummary:
     sent: int = 0
     ok: int = 0
-    failed: int = 0
+    failed: int = 0  # every request without a valid reply, malformed ones included
+    malformed: int = 0  # of which the server answered with something that is not a /generate reply
     prompt_tokens: int = 0
     cached_tokens: int = 0
     seconds: float = 0.0
@@ -746,7 +878,8 @@ class ReplaySummary:
     def table(self) -> str:
         d = self.as_dict()
         lines = [
-            f"requests  {d['sent']} sent, {d['ok']} ok, {d['failed']} failed",
+            f"requests  {d['sent']} sent, {d['ok']} ok, {d['failed']} failed"
+            + (f" ({d['malformed']} malformed replies)" if d["malformed"] else ""),
             f"tokens    {d['prompt_tokens']} prompt, {d['cached_tokens']} already cached",
             f"time      {d['seconds']:.2f} s, {d['requests_per_s']:.1f} requests/s",
         ]
@@ -771,7 +904,7 @@ def load_prompts(path: str) -> list[dict]:
                 continue
             try:
                 v = json.loads(line)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise SourceError(f"{path}:{n}: not valid JSON ({e}); each line must be one JSON value") from None
             if isinstance(v, str):
                 body = {"text": v}
@@ -789,15 +922,60 @@ def load_prompts(path: str) -> list[dict]:
     return out
 
 
-def _post(url: str, body: dict, timeout_s: float) -> dict:
+MAX_REPLY_BYTES = 16 << 20  # a /generate reply with max_new_tokens=1 is a few KiB
+
+
+class BadReply(ValueError):
+    """The server answered 200 with something that is not a /generate reply."""
+
+
+def _post(url: str, body: dict, timeout_s: float) -> bytes:
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    deadline = time.monotonic() + timeout_s
+    chunks, got = [], 0
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        raw = resp.read()
+        while got <= MAX_REPLY_BYTES:  # never more: the rest is dropped with the connection
+            # read1: what has arrived, so a server dripping bytes cannot stretch one request past
+            # --timeout (the socket timeout alone restarts with every byte)
+            c = resp.read1(min(1 << 20, MAX_REPLY_BYTES + 1 - got))
+            if not c:
+                break
+            chunks.append(c)
+            got += len(c)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the reply was not complete after {timeout_s:g} s")
+    if got > MAX_REPLY_BYTES:
+        raise BadReply(f"reply larger than {MAX_REPLY_BYTES >> 20} MiB")
+    return b"".join(chunks)
+
+
+def _token_count(meta: dict, name: str) -> int:
+    v = meta.get(name, 0)
+    if v is None:
+        return 0
+    if type(v) is not int or not 0 <= v < 1 << 53:  # bool, float (1e999 is inf), str, absurd: not a count
+        raise BadReply(f"meta_info.{name} is {str(v)[:40]!r}, not a token count")
+    return v
+
+
+def parse_reply(raw: bytes) -> tuple[int, int]:
+    """(prompt_tokens, cached_tokens) of a /generate reply; BadReply for anything else."""
     try:
-        return json.loads(raw) if raw else {}
-    except ValueError:
-        return {}
+        out = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        head = raw[:60].decode("utf-8", "backslashreplace")
+        raise BadReply(f"reply is not JSON ({type(e).__name__}; starts {head!r})") from None
+    if isinstance(out, list) and out:  # a batch reply: the first item
+        out = out[0]
+    if not isinstance(out, dict):
+        raise BadReply(f"reply is a JSON {type(out).__name__}, not an object")
+    meta = out.get("meta_info", {})
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise BadReply(f"meta_info is a JSON {type(meta).__name__}, not an object")
+    return _token_count(meta, "prompt_tokens"), _token_count(meta, "cached_tokens")
 
 
 def replay(prompts_path: str, server: str, *, concurrency: int = 8, timeout_s: float = 600.0,
@@ -819,23 +997,34 @@ def replay(prompts_path: str, server: str, *, concurrency: int = 8, timeout_s: f
     def one(i: int, body: dict) -> None:
         if stop.is_set():
             return
+        # everything the server sends is parsed in here: no reply can end the run
+        err = None
+        malformed = False
         try:
-            out = _post(url, body, timeout_s)
-            err = None
+            prompt_tokens, cached_tokens = parse_reply(_post(url, body, timeout_s))
         except urllib.error.HTTPError as e:
-            err = f"prompt {i + 1}: {url} answered HTTP {e.code} {e.reason}"
+            err = f"prompt {i + 1}: {url} answered HTTP {e.code} {str(e.reason)[:200]}"
+            e.close()
+        except BadReply as e:
+            malformed = True
+            err = f"prompt {i + 1}: {url} sent a malformed reply: {e}"
+        except TimeoutError as e:
+            err = f"prompt {i + 1}: {url} timed out ({e or 'no answer'}); raise --timeout if the server is just slow"
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             err = f"prompt {i + 1}: cannot reach {url} ({reason}); is the server running and is --server right?"
+        except (http.client.HTTPException, ValueError) as e:  # broken HTTP framing, bad headers
+            malformed = True
+            err = f"prompt {i + 1}: {url} broke the HTTP protocol ({type(e).__name__}: {str(e)[:200]})"
         with lock:
             summary.sent += 1
             if err is None:
                 summary.ok += 1
-                meta = (out[0] if isinstance(out, list) and out else out).get("meta_info", {}) if out else {}
-                summary.prompt_tokens += int(meta.get("prompt_tokens", 0) or 0)
-                summary.cached_tokens += int(meta.get("cached_tokens", 0) or 0)
+                summary.prompt_tokens += prompt_tokens
+                summary.cached_tokens += cached_tokens
             else:
                 summary.failed += 1
+                summary.malformed += malformed
                 if len(summary.errors) < 20:
                     summary.errors.append(err)
         bar.update(1)
