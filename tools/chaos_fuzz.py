@@ -57,7 +57,7 @@ SEG = 256 * KiB
 NS = {"model": "chaos/fuzz", "dtype": "bfloat16", "layout": "page_first"}
 META_FILES = ("index.lmdb", "index.lmdb-lock", "MANIFEST.json", "LOCK")
 CHILD_TIMEOUT_S = 30.0
-FAILURES_KEPT = 12
+FAILURES_KEPT = 24  # the first failure of each kind (file | damage | op | failure), up to this many
 QUICK_TARGETS = {"metadata": 60, "keys": 400, "archive": 80}
 FULL_TARGETS = {"metadata_damage_trials": 300, "key_fuzz_cases": 2000, "archive_fuzz_cases": 300}  # issue 10
 
@@ -91,7 +91,7 @@ def _cfg(capacity: int = 4 * MiB, **kw):
     from umbp_nvme.config import StoreConfig
 
     return StoreConfig(ssd_capacity_bytes=capacity, ssd_segment_size_bytes=SEG, ssd_queue_depth=64,
-                       ssd_io_backend=kw.pop("backend", "auto"), io_timeout_s=5.0, ssd_durability_mode=kw.pop("mode", "strict"), **kw)
+                       ssd_io_backend=kw.pop("backend", "io_uring"), io_timeout_s=5.0, ssd_durability_mode=kw.pop("mode", "strict"), **kw)
 
 
 def _allowed_refusal(e: BaseException) -> bool:
@@ -319,7 +319,6 @@ def job_keys_api(job) -> dict:
                 order = list(range(len(keys)))
                 rng.shuffle(order)
                 keys = [keys[i] for i in order]
-                cats = {id(k): c for c, k in fuzz}
                 for c, _ in fuzz:
                     out["by_category"][c] = out["by_category"].get(c, 0) + 1
                 out["cases"] += len(fuzz)
@@ -385,7 +384,6 @@ def job_keys_api(job) -> dict:
             out["evictions"] += int(s.stats().get("evictions", 0) or 0)
         finally:
             await s.close()
-        out["alive"] = [k for k in alive][-200:]
 
     asyncio.run(run())
     return out
@@ -870,7 +868,8 @@ def apply_damage(d: str, case: dict) -> None:
         raise ValueError(kind)
 
 
-def run_metadata(zs: list[Zygote], work: str, rng: random.Random, target: int, tally: Tally, log) -> dict:
+def run_metadata(zs: list[Zygote], work: str, rng: random.Random, target: int, tally: Tally, log,
+                 only_case: int | None = None) -> dict:
     pristine = os.path.join(work, "meta-pristine")
     keys = [hexkey(i, "meta") for i in range(160)]
     r = zs[0].run(dict(op="build", path=pristine, keys=keys))
@@ -892,7 +891,8 @@ def run_metadata(zs: list[Zygote], work: str, rng: random.Random, target: int, t
         _copy_store(pristine, d)
         if case.get("damage") != "none":
             apply_damage(d, case)
-        desc = {k: v for k, v in case.items() if k not in ("text",)}
+        desc = {k: v for k, v in case.items() if k not in ("text", "i")}
+        desc["case"] = i
         steps = (
             ("follower open+get", dict(op="open", path=d, readonly=True, keys=sample), (0,)),
             ("umbp-nvme verify", dict(op="cli", argv=["verify", "--store", d]), (0, 1, 2)),
@@ -901,7 +901,7 @@ def run_metadata(zs: list[Zygote], work: str, rng: random.Random, target: int, t
         )
         for name, job, allowed in steps:
             reply = z.run(job)
-            c = dict(desc, op=name)
+            c = dict(desc, op=name, store=d)
             if job["op"] == "cli":
                 c["command"] = "umbp-nvme " + " ".join(job["argv"])
             outcome = tally.child(reply, c, allowed)
@@ -917,6 +917,8 @@ def run_metadata(zs: list[Zygote], work: str, rng: random.Random, target: int, t
                     tally.bump(f"refused: {name}")
                     if job["op"] == "open" and not job["readonly"]:
                         tally.bump("writer refused to serve")
+                        tally.fail(f"writer refused to serve ({res['refused'].split(':')[0]})", c, reply,
+                                   refused=res["refused"])
                 if job["op"] == "open" and not job["readonly"] and res.get("opened"):
                     if res.get("fresh_put", 0) < job["fresh"] or res.get("fresh_hits", 0) < job["fresh"]:
                         tally.bump("writer opened but did not cache")
@@ -926,7 +928,8 @@ def run_metadata(zs: list[Zygote], work: str, rng: random.Random, target: int, t
                     tally.bump("verify exit 2")
         with tally.lock:
             tally.cases += 1
-        shutil.rmtree(d, ignore_errors=True)
+        if only_case is None:
+            shutil.rmtree(d, ignore_errors=True)
 
     # control: the undamaged store must pass every step
     ctl = Tally("metadata-control")
@@ -941,6 +944,8 @@ def run_metadata(zs: list[Zygote], work: str, rng: random.Random, target: int, t
             ctl.fail("control failed", dict(op=name), reply, result=res)
     for i, c in enumerate(plan):
         c["i"] = i
+    if only_case is not None:
+        plan = [c for c in plan if c["i"] == only_case]
     t0 = time.monotonic()
     _pmap(zs, trial, plan)
     log(f"metadata: {len(plan)} trials in {time.monotonic() - t0:.1f} s")
@@ -959,7 +964,8 @@ def _count(items, key) -> dict:
 # --- keys -----------------------------------------------------------------------------------
 
 
-def run_keys(zs: list[Zygote], work: str, rng: random.Random, target: int, tally: Tally, log) -> dict:
+def run_keys(zs: list[Zygote], work: str, rng: random.Random, target: int, tally: Tally, log,
+             only_case: int | None = None) -> dict:
     t0 = time.monotonic()
     info: dict = {"by_category": {}, "stored_fuzz": 0, "refused_fuzz": 0, "evictions": 0, "raw_injected": 0}
     # 1. the API: chunks of batches, each chunk one child (a crash loses only its chunk)
@@ -972,7 +978,7 @@ def run_keys(zs: list[Zygote], work: str, rng: random.Random, target: int, tally
     def api(z, job):
         reply = z.run(job)
         res = reply.get("result") or {}
-        case = dict(op="keys_api (put/get/exists/delete/reopen)", seed=job["seed"], batches=job["batches"])
+        case = dict(op="keys_api (put/get/exists/delete/reopen)", case=job["case"], seed=job["seed"], batches=job["batches"])
         tally.child(reply, case)
         with tally.lock:
             tally.cases += res.get("cases", job["batches"] * 2)
@@ -986,12 +992,20 @@ def run_keys(zs: list[Zygote], work: str, rng: random.Random, target: int, tally
         if res.get("wrong") or res.get("isolation"):
             tally.fail("wrong bytes" if res.get("wrong") else "batch isolation", case, reply,
                        examples=res.get("examples", [])[:4])
-        shutil.rmtree(job["path"], ignore_errors=True)
+        if only_case is None:
+            shutil.rmtree(job["path"], ignore_errors=True)
 
+    for i, job in enumerate(chunks):
+        job["case"] = i
+    if only_case is not None:
+        chunks = [j for j in chunks if j["case"] == only_case]
     _pmap(zs, api, chunks)
     # 2. raw key bytes in the index
     rounds = max(1, -(-(target - api_cases) // 40))
+    n_chunks = max(1, -(-api_cases // per_chunk))
     items = [(r, rng.randrange(1 << 30)) for r in range(rounds)]
+    if only_case is not None:  # raw rounds are numbered after the API chunks
+        items = [it for it in items if it[0] + n_chunks == only_case]
 
     def inject_round(z, item):
         r, seed = item
@@ -1006,7 +1020,7 @@ def run_keys(zs: list[Zygote], work: str, rng: random.Random, target: int, tally
         # interleave so that a shift by one lands on a neighbour
         keys = good + placeholders
         payload_of = dict(zip(placeholders, strs))
-        case = dict(op="raw index keys", round=r, seed=seed, raw_examples=[b.hex() for b in raws[:3]])
+        case = dict(op="raw index keys", case=r + n_chunks, round=r, seed=seed, raw_examples=[b.hex() for b in raws[:3]])
         reply = z.run(dict(op="build", path=d, keys=keys, payload_of=payload_of, capacity=4 * MiB))
         if tally.child(reply, dict(case, step="build")) != "ok":
             return
@@ -1051,12 +1065,13 @@ def run_keys(zs: list[Zygote], work: str, rng: random.Random, target: int, tally
                 with tally.lock:
                     tally.refused += 1
                 tally.bump(f"refused: {name}")
-        for p in (d, dest):
-            shutil.rmtree(p, ignore_errors=True)
-        try:
-            os.unlink(arch)
-        except OSError:
-            pass
+        if only_case is None:
+            for p in (d, dest):
+                shutil.rmtree(p, ignore_errors=True)
+            try:
+                os.unlink(arch)
+            except OSError:
+                pass
 
     _pmap(zs, inject_round, items)
     log(f"keys: {tally.cases} cases in {time.monotonic() - t0:.1f} s")
@@ -1185,7 +1200,8 @@ def archive_plan(data: bytes, layout: dict, rng: random.Random, target: int) -> 
     return plan
 
 
-def run_archive(zs: list[Zygote], work: str, rng: random.Random, target: int, tally: Tally, log, quick: bool) -> dict:
+def run_archive(zs: list[Zygote], work: str, rng: random.Random, target: int, tally: Tally, log, quick: bool,
+                only_case: int | None = None) -> dict:
     t0 = time.monotonic()
     src = os.path.join(work, "arch-src")
     keys = [hexkey(i, "arch") for i in range(12)]
@@ -1207,7 +1223,7 @@ def run_archive(zs: list[Zygote], work: str, rng: random.Random, target: int, ta
         rng.shuffle(plan)
         keep = [c for c in plan if c["damage"] in ("stdin", "odd key")][: min(4, target)]
         plan = keep + [c for c in plan if not any(c is k for k in keep)][: max(0, target - len(keep))]
-    info = {"records": len(order), "archive_bytes": len(data), "contract_violations": 0, "rc": {},
+    info = {"records": len(order), "archive_bytes": len(data), "contract_violations": 0, "rc": {}, "rc_by_damage": {},
             "max_vm_growth_mib": 0.0, "control": None, "damage_kinds": _count(plan, lambda c: c["damage"])}
     vm_limit_mib = None
     budget = [4 * GiB]  # for the control; then measured
@@ -1239,6 +1255,10 @@ def run_archive(zs: list[Zygote], work: str, rng: random.Random, target: int, ta
             tally.cases += 1
             rc = reply.get("rc")
             info["rc"][str(rc)] = info["rc"].get(str(rc), 0) + 1
+            k = f"{case['damage']} | {re.sub(r'[0-9]+', 'N', case.get('where', ''))}"
+            by = info["rc_by_damage"].setdefault(k, {})
+            ek = "signal" if reply.get("signal") else str(rc)
+            by[ek] = by.get(ek, 0) + 1
             info["max_vm_growth_mib"] = max(info["max_vm_growth_mib"], res.get("vm_growth_mib") or 0)
         if chk.get("wrong"):
             with tally.lock:
@@ -1266,12 +1286,9 @@ def run_archive(zs: list[Zygote], work: str, rng: random.Random, target: int, ta
                     info["contract_violations"] += 1
                 tally.bump(f"contract: {case['damage']}: {why.split(' for')[0] if 'exit' in why else 'intact records not imported'}")
                 tally.fail("contract: " + why, desc, reply)
-        for x in (p,):
-            try:
-                os.unlink(x)
-            except OSError:
-                pass
-        shutil.rmtree(dest, ignore_errors=True)
+        if only_case is None:
+            os.unlink(p)
+            shutil.rmtree(dest, ignore_errors=True)
         return dict(outcome=outcome, rc=reply.get("rc"), hits=len(chk.get("hit_idx") or []), wrong=chk.get("wrong", 0),
                     vm_growth_mib=res.get("vm_growth_mib"), last_stderr=reply.get("last_stderr"))
 
@@ -1284,6 +1301,7 @@ def run_archive(zs: list[Zygote], work: str, rng: random.Random, target: int, ta
     c2 = one(zs[0], dict(damage="none", where="intact archive on stdin", intact=len(order), bytes=data, i=-2,
                          stdin=True), ctl)
     info["rc"] = {}
+    info["rc_by_damage"] = {}
     info["contract_violations"] = 0
     tally.notes.clear()
     info["control"] = dict(file=c1, stdin=c2, failures=ctl.failures,
@@ -1294,6 +1312,8 @@ def run_archive(zs: list[Zygote], work: str, rng: random.Random, target: int, ta
     info["vm_limit_mib"] = vm_limit_mib
     for i, c in enumerate(plan):
         c["i"] = i
+    if only_case is not None:
+        plan = [c for c in plan if c["i"] == only_case]
     _pmap(zs, one, plan)
     log(f"archive: {len(plan)} cases in {time.monotonic() - t0:.1f} s")
     return info
@@ -1317,9 +1337,10 @@ def selftest(z: Zygote) -> dict:
 
 
 def run_fuzzers(work: str, *, quick: bool, seed: int = 0, log=None, families=("metadata", "keys", "archive"),
-                workers: int | None = None, targets: dict | None = None) -> dict:
+                workers: int | None = None, targets: dict | None = None, only_case: int | None = None) -> dict:
+    """Run the families; ``only_case`` (with one family) runs that case alone and keeps its files."""
     log = log or (lambda s: None)
-    targets = dict(QUICK_TARGETS if quick else {"metadata": 320, "keys": 2080, "archive": 320}, **(targets or {}))
+    targets = dict(QUICK_TARGETS if quick else {"metadata": 320, "keys": 2080, "archive": 340}, **(targets or {}))
     workers = workers or max(1, min(2, os.cpu_count() or 1))
     os.makedirs(work, exist_ok=True)
     zs = [Zygote(os.path.join(work, f"zygote-{i}")) for i in range(workers)]
@@ -1334,16 +1355,18 @@ def run_fuzzers(work: str, *, quick: bool, seed: int = 0, log=None, families=("m
             t0 = time.monotonic()
             try:
                 if fam == "metadata":
-                    extra = run_metadata(zs, work, rng, targets["metadata"], t, log)
+                    extra = run_metadata(zs, work, rng, targets["metadata"], t, log, only_case)
                 elif fam == "keys":
-                    extra = run_keys(zs, work, rng, targets["keys"], t, log)
+                    extra = run_keys(zs, work, rng, targets["keys"], t, log, only_case)
                 else:
-                    extra = run_archive(zs, work, rng, targets["archive"], t, log, quick)
+                    extra = run_archive(zs, work, rng, targets["archive"], t, log, quick, only_case)
             except Exception as e:  # noqa: BLE001 - the fuzzer itself broke: say so, run the others
                 extra = {"harness_error": f"{type(e).__name__}: {e}"[:1000], "control_ok": False,
                          "control": {"ok": False}}
                 log(f"{fam}: the fuzzer failed: {extra['harness_error']}")
-            out[fam] = dict(t.as_dict(), seconds=round(time.monotonic() - t0, 1), **extra)
+            out[fam] = dict(t.as_dict(), seconds=round(time.monotonic() - t0, 1), **extra,
+                            repro=f"python tools/chaos_fuzz.py --only {fam} --seed {seed} --target {fam}={targets[fam]} "
+                                  "--case CASE --dir /tmp/repro   # CASE: a failure's 'case'")
     finally:
         for z in zs:
             z.close()
@@ -1378,6 +1401,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--workers", type=int)
     ap.add_argument("--target", action="append", default=[], metavar="FAMILY=N")
+    ap.add_argument("--case", type=int, help="run only this case of the one family in --only (its files are kept in --dir)")
     a = ap.parse_args(argv)
     if a.zygote:
         zygote_main(a.zygote)
@@ -1388,11 +1412,15 @@ def main(argv=None) -> int:
     try:
         r = run_fuzzers(work, quick=a.quick, seed=a.seed, log=lambda s: print(s, flush=True),
                         families=tuple(a.only.split(",")), workers=a.workers,
-                        targets={k: int(v) for k, v in (t.split("=") for t in a.target)})
+                        targets={k: int(v) for k, v in (t.split("=") for t in a.target)}, only_case=a.case)
     finally:
         if not a.dir:
             shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(r["figures"]))
+    if a.case is not None:
+        for fam in a.only.split(","):
+            for f in r[fam]["failures"]:
+                print(json.dumps(f, default=str, indent=1))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1, default=str)
