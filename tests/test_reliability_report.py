@@ -55,6 +55,7 @@ def test_fuzz_harness_counts_what_it_must(tmp_path):
         st = chaos_fuzz.selftest(z)
         assert st["outcomes"] == {"ok": "ok", "sigbus": "crash", "raise": "crash", "logged": "crash", "hang": "hang"}, st
         assert st["ok"] and st["crash_kinds"].get("signal SIGBUS(-7)") == 1, st
+        assert st["crash_kinds"].get("traceback RuntimeError") == 1 and st["crash_kinds"].get("traceback ZeroDivisionError") == 1, st
         # a crash in the middle of a family is counted once per child, with what it takes to reproduce it
         t = chaos_fuzz.Tally("t")
         reply = z.run(dict(op="selftest", kind="sigbus"))

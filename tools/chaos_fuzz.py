@@ -593,6 +593,15 @@ def zygote_main(work: str) -> None:
         if reply["traceback"]:
             i = max(i for i, ln in enumerate(lines) if ln.startswith("Traceback"))
             reply["traceback_text"] = "\n".join(lines[i:])[-1500:]
+            names = []  # the exception of every traceback in stderr, first (usually the cause) first
+            for j, ln in enumerate(lines):
+                if ln.startswith("Traceback (most recent call last)"):
+                    exc = next((x for x in lines[j + 1 :] if not x[:1].isspace()), "")
+                    name = exc.split(":")[0].strip()[:80]
+                    if name and name not in names:
+                        names.append(name)
+            reply["exceptions"] = names[:6]
+            reply["exception"] = names[0] if names else ""
         for p in (res_path, out_path, err_path):
             try:
                 os.unlink(p)
@@ -686,6 +695,7 @@ class Tally:
                              last_stderr=reply.get("last_stderr", ""))
                     if reply.get("traceback_text"):
                         f["traceback"] = reply["traceback_text"][-600:]
+                        f["exceptions"] = reply.get("exceptions")
                 self.failures.append(f)
 
     def child(self, reply: dict, case: dict, allowed_rc=(0,)) -> str:
@@ -701,7 +711,7 @@ class Tally:
         if reply.get("signal"):
             kind = f"signal {_signame(reply['signal'])}"
         elif reply.get("traceback"):
-            kind = "traceback"
+            kind = f"traceback {reply.get('exception') or ''}".strip()
         elif reply.get("rc") not in allowed_rc:
             kind = f"exit {reply.get('rc')}"
         elif reply.get("result") is None:
