@@ -52,8 +52,9 @@ def test_fuzz_harness_counts_what_it_must(tmp_path):
     """SIGBUS, an uncaught exception, a logged traceback and a hang are each counted; a clean child is not."""
     z = chaos_fuzz.Zygote(str(tmp_path / "z"))
     try:
-        st = chaos_fuzz.selftest(z)
-        assert st["outcomes"] == {"ok": "ok", "sigbus": "crash", "raise": "crash", "logged": "crash", "hang": "hang"}, st
+        st = chaos_fuzz.selftest(z, str(tmp_path))
+        assert st["outcomes"] == {"ok": "ok", "sigbus": "crash", "raise": "crash", "logged": "crash", "hang": "hang",
+                                  "swapped_records": 2}, st
         assert st["ok"] and st["crash_kinds"].get("signal SIGBUS(-7)") == 1, st
         assert st["crash_kinds"].get("traceback RuntimeError") == 1 and st["crash_kinds"].get("traceback ZeroDivisionError") == 1, st
         # a crash in the middle of a family is counted once per child, with what it takes to reproduce it

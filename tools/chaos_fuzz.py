@@ -384,6 +384,7 @@ def job_keys_api(job) -> dict:
             out["evictions"] += int(s.stats().get("evictions", 0) or 0)
         finally:
             await s.close()
+        out["alive"] = list(alive)[-400:]  # for the export -> warmup round trip (the parent runs it)
 
     asyncio.run(run())
     return out
@@ -422,6 +423,12 @@ def job_inject(job) -> dict:
     try:
         db = env.open_db(b"objects", create=False)
         with env.begin(write=True, db=db) as txn:
+            if job.get("swap"):  # swap the records of the first two keys
+                a, b = (bytes.fromhex(x) for x in job["raw_hex"][:2])
+                ra, rb = txn.get(a), txn.get(b)
+                txn.put(a, rb)
+                txn.put(b, ra)
+                return {"injected": 2}
             for ph, raw in zip(job["placeholders"], job["raw_hex"]):
                 rec = txn.get(ph.encode())
                 if rec is None:
@@ -1002,6 +1009,35 @@ def run_keys(zs: list[Zygote], work: str, rng: random.Random, target: int, tally
         if res.get("wrong") or res.get("isolation"):
             tally.fail("wrong bytes" if res.get("wrong") else "batch isolation", case, reply,
                        examples=res.get("examples", [])[:4])
+        alive = res.get("alive") or []
+        if os.path.exists(os.path.join(job["path"], "MANIFEST.json")):
+            # the hostile keys that were stored, through export -> warmup into a new store
+            arch, dest = job["path"] + ".umbparc", job["path"] + "-warm"
+            for name, j, allowed in (
+                ("umbp-nvme export", dict(op="cli", argv=["export", "--store", job["path"], "--out", arch]), (0, 1)),
+                ("umbp-nvme warmup + check", dict(op="cli", argv=["warmup", "--store", dest, arch, "--capacity", "4m",
+                                                                 "--config", json.dumps({"ssd_segment_size_bytes": SEG})],
+                                                  check=dict(path=dest, keys=alive)), (0, 1)),
+            ):
+                if j["argv"][0] == "warmup" and not os.path.exists(arch):
+                    break
+                r2 = z.run(j)
+                c2 = dict(case, step=name, command="umbp-nvme " + " ".join(j["argv"]))
+                tally.child(r2, c2, allowed)
+                chk = (r2.get("result") or {}).get("check") or {}
+                if chk.get("wrong"):
+                    with tally.lock:
+                        tally.wrong_bytes += chk["wrong"]
+                    tally.fail("wrong bytes", c2, r2, wrong_keys=chk.get("wrong_keys"))
+                if j["argv"][0] == "warmup":
+                    tally.bump("round trip: keys stored", len(alive))
+                    tally.bump("round trip: keys back", chk.get("hits", 0))
+            if only_case is None:
+                shutil.rmtree(dest, ignore_errors=True)
+                try:
+                    os.unlink(arch)
+                except OSError:
+                    pass
         if only_case is None:
             shutil.rmtree(job["path"], ignore_errors=True)
 
@@ -1332,14 +1368,28 @@ def run_archive(zs: list[Zygote], work: str, rng: random.Random, target: int, ta
 # --- harness self-test ----------------------------------------------------------------------
 
 
-def selftest(z: Zygote) -> dict:
-    """The harness must count a deliberately crashing, raising, logging and hanging child."""
+def selftest(z: Zygote, work: str | None = None) -> dict:
+    """The harness must count a deliberately crashing, raising, logging and hanging child, and
+    see wrong bytes: two index records swapped behind the store's back (their CRCs travel with
+    them, so the store cannot tell) must read back as two wrong pages."""
     t = Tally("selftest")
     out = {}
     for kind, timeout in (("ok", 10), ("sigbus", 10), ("raise", 10), ("logged", 10), ("hang", 1.5)):
         reply = z.run(dict(op="selftest", kind=kind, timeout=timeout))
         out[kind] = t.child(reply, dict(op=f"selftest {kind}"))
     expected = {"ok": "ok", "sigbus": "crash", "raise": "crash", "logged": "crash", "hang": "hang"}
+    if work is not None:
+        d = os.path.join(work, "selftest-swap")
+        keys = [hexkey(i, "swap") for i in range(4)]
+        r1 = z.run(dict(op="build", path=d, keys=keys))
+        r2 = z.run(dict(op="inject", path=d, placeholders=keys[:2], raw_hex=[k.encode().hex() for k in keys[:2]],
+                        swap=True))
+        r3 = z.run(dict(op="open", path=d, readonly=True, keys=keys))
+        out["swapped_records"] = (r3.get("result") or {}).get("wrong")
+        expected["swapped_records"] = 2
+        shutil.rmtree(d, ignore_errors=True)
+        if any(r.get("result") is None for r in (r1, r2, r3)):
+            out["swapped_records"] = f"harness error: {[r.get('last_stderr') for r in (r1, r2, r3)]}"
     return {"outcomes": out, "ok": out == expected, "crash_kinds": t.crash_kinds}
 
 
@@ -1357,7 +1407,7 @@ def run_fuzzers(work: str, *, quick: bool, seed: int = 0, log=None, families=("m
     out: dict = {"seed": seed, "workers": workers}
     tallies: dict = {}
     try:
-        out["harness"] = selftest(zs[0])
+        out["harness"] = selftest(zs[0], work)
         for fam in families:
             rng = random.Random(f"{seed}:{fam}")
             t = Tally(fam)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Crash, fault and abuse suite over the whole stack (UMBPNvmeStore -> PageStore -> engine).
 
-    python tools/chaos_report.py --quick --json /tmp/chaos.json     # CI: <= 60 s
-    python tools/chaos_report.py --json chaos.json                  # full: <= 5 min
+    python tools/chaos_report.py --quick --json /tmp/chaos.json     # CI: <= 90 s
+    python tools/chaos_report.py --json chaos.json                  # full: <= 6 min
     python tools/chaos_report.py --minutes 30 --json soak.json      # a longer soak
 
 Prints the figures and writes them as JSON:
