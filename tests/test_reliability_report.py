@@ -80,3 +80,23 @@ def test_fuzz_controls_are_clean(tmp_path):
     ctl = r["archive"]["control"]
     assert ctl["ok"] and ctl["file"]["rc"] == 0 and ctl["file"]["hits"] == r["archive"]["records"], ctl
     assert r["figures"]["crashes"] == 0 and r["figures"]["wrong_bytes"] == 0 and r["figures"]["hangs"] == 0, r["figures"]
+
+
+def test_forked_cli_matches_a_real_umbp_nvme_process(tmp_path):
+    """The fuzzers run `umbp-nvme` as cli.main in a forked child; a real process must end the same way."""
+    z = chaos_fuzz.Zygote(str(tmp_path / "z"))
+    try:
+        d = str(tmp_path / "s")
+        r = z.run(dict(op="build", path=d, keys=[chaos_fuzz.hexkey(i, "x") for i in range(40)]))
+        assert r["result"]["stored"] == 40, r
+        for damage in (None, dict(file="index.lmdb", damage="truncate", size=8192), dict(file="MANIFEST.json", damage="empty")):
+            if damage:
+                chaos_fuzz.apply_damage(d, damage)
+            forked = z.run(dict(op="cli", argv=["verify", "--store", d]))
+            real = subprocess.run([sys.executable, "-m", "umbp_nvme.cli", "verify", "--store", d], capture_output=True,
+                                  text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+            want = -forked["signal"] if forked["signal"] else forked["rc"]
+            assert real.returncode == want, (damage, forked, real.returncode, real.stderr[-500:])
+            assert forked["traceback"] == ("Traceback (most recent call last)" in real.stderr), (damage, forked, real.stderr[-500:])
+    finally:
+        z.close()
