@@ -1,4 +1,8 @@
-"""tools/chaos_report.py --quick: the whole suite in about a minute, every must-be-zero figure 0."""
+"""tools/chaos_report.py --quick: the whole suite in about a minute, every must-be-zero figure 0.
+
+Also checks the fuzzers' harness itself (tools/chaos_fuzz.py): a child that dies of SIGBUS, raises,
+logs a traceback or hangs is counted, and an undamaged store and archive pass every check.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,91 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(ROOT, "tools")
+if TOOLS not in sys.path:
+    sys.path.insert(0, TOOLS)
+
+import chaos_fuzz  # noqa: E402
 
 
 def test_chaos_report_quick(tmp_path):
     out = tmp_path / "chaos.json"
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "chaos_report.py"), "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=300,
     )
-    figures = json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    figures = {k: v for k, v in report.items() if k not in ("details", "parts")}
     for k in ("kills", "kills_survived", "faults_injected", "bad_inputs_tried", "wrong_bytes",
-              "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds"):
+              "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds",
+              "metadata_damage_trials", "key_fuzz_cases", "archive_fuzz_cases", "crashes",
+              "isolation_failures", "refused_to_serve"):
         assert k in figures, k
-    assert figures["wrong_bytes"] == 0 and figures["lost_acknowledged"] == 0
-    assert figures["hangs"] == 0 and figures["raised_from_v1"] == 0
+    fuzz = report["details"]
+    # what failed, reproducibly: damage kind -> failure, with the first cases of each
+    why = json.dumps({"figures": figures, "signatures": fuzz.get("fuzz_failure_signatures"),
+                      "first": fuzz.get("fuzz_failures")}, default=str)[:6000]
+    assert fuzz["fuzz_harness"]["ok"], why
+    assert figures["crashes"] == 0, why
+    assert figures["wrong_bytes"] == 0 and figures["lost_acknowledged"] == 0, why
+    assert figures["hangs"] == 0 and figures["raised_from_v1"] == 0, why
+    assert figures["isolation_failures"] == 0, why
     assert figures["kills"] >= 16 and figures["kills_survived"] == figures["kills"]
     assert figures["faults_injected"] > 0 and figures["bad_inputs_tried"] > 100 and figures["soak_seconds"] > 0
+    assert figures["metadata_damage_trials"] >= 50 and figures["key_fuzz_cases"] >= 300
+    assert figures["archive_fuzz_cases"] >= 50
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_fuzz_harness_counts_what_it_must(tmp_path):
+    """SIGBUS, an uncaught exception, a logged traceback and a hang are each counted; a clean child is not."""
+    z = chaos_fuzz.Zygote(str(tmp_path / "z"))
+    try:
+        st = chaos_fuzz.selftest(z, str(tmp_path))
+        assert st["outcomes"] == {"ok": "ok", "sigbus": "crash", "raise": "crash", "logged": "crash", "hang": "hang",
+                                  "swapped_records": 2}, st
+        assert st["ok"] and st["crash_kinds"].get("signal SIGBUS(-7)") == 1, st
+        assert st["crash_kinds"].get("traceback RuntimeError") == 1 and st["crash_kinds"].get("traceback ZeroDivisionError") == 1, st
+        # a crash in the middle of a family is counted once per child, with what it takes to reproduce it
+        t = chaos_fuzz.Tally("t")
+        reply = z.run(dict(op="selftest", kind="sigbus"))
+        assert t.child(reply, dict(file="index.lmdb", damage="truncate", op="follower open+get")) == "crash"
+        assert t.crashes == 1 and t.failures[0]["signal"] == "SIGBUS(-7)" and t.failures[0]["damage"] == "truncate"
+        # an exit code outside the allowed set is a crash, inside it is not
+        reply = z.run(dict(op="cli", argv=["verify", "--store", str(tmp_path / "nothing-here")]))
+        assert reply["rc"] == 2 and not reply["traceback"], reply
+        assert t.child(reply, dict(op="verify"), (0, 1, 2)) == "ok"
+        assert t.child(reply, dict(op="verify"), (0, 1)) == "crash"
+    finally:
+        z.close()
+
+
+def test_fuzz_controls_are_clean(tmp_path):
+    """Undamaged metadata and an intact archive pass every check (no false crashes, no wrong bytes)."""
+    r = chaos_fuzz.run_fuzzers(str(tmp_path / "w"), quick=True, families=("metadata", "archive"),
+                               targets={"metadata": 0, "archive": 0}, workers=1)
+    assert r["harness"]["ok"], r["harness"]
+    assert r["metadata"]["control_ok"], r["metadata"]["control_failures"]
+    ctl = r["archive"]["control"]
+    assert ctl["ok"] and ctl["file"]["rc"] == 0 and ctl["file"]["hits"] == r["archive"]["records"], ctl
+    assert r["figures"]["crashes"] == 0 and r["figures"]["wrong_bytes"] == 0 and r["figures"]["hangs"] == 0, r["figures"]
+
+
+def test_forked_cli_matches_a_real_umbp_nvme_process(tmp_path):
+    """The fuzzers run `umbp-nvme` as cli.main in a forked child; a real process must end the same way."""
+    z = chaos_fuzz.Zygote(str(tmp_path / "z"))
+    try:
+        d = str(tmp_path / "s")
+        r = z.run(dict(op="build", path=d, keys=[chaos_fuzz.hexkey(i, "x") for i in range(40)]))
+        assert r["result"]["stored"] == 40, r
+        for damage in (None, dict(file="index.lmdb", damage="truncate", size=8192), dict(file="MANIFEST.json", damage="empty")):
+            if damage:
+                chaos_fuzz.apply_damage(d, damage)
+            forked = z.run(dict(op="cli", argv=["verify", "--store", d]))
+            real = subprocess.run([sys.executable, "-m", "umbp_nvme.cli", "verify", "--store", d], capture_output=True,
+                                  text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+            want = -forked["signal"] if forked["signal"] else forked["rc"]
+            assert real.returncode == want, (damage, forked, real.returncode, real.stderr[-500:])
+            assert forked["traceback"] == ("Traceback (most recent call last)" in real.stderr), (damage, forked, real.stderr[-500:])
+    finally:
+        z.close()

@@ -1,14 +1,25 @@
 #!/usr/bin/env python3
 """Crash, fault and abuse suite over the whole stack (UMBPNvmeStore -> PageStore -> engine).
 
-    python tools/chaos_report.py --quick --json /tmp/chaos.json     # CI: <= 60 s
-    python tools/chaos_report.py --json chaos.json                  # full: <= 5 min
+    python tools/chaos_report.py --quick --json /tmp/chaos.json     # CI: <= 90 s
+    python tools/chaos_report.py --json chaos.json                  # full: <= 6 min
     python tools/chaos_report.py --minutes 30 --json soak.json      # a longer soak
 
 Prints the figures and writes them as JSON:
 {"kills", "kills_survived", "faults_injected", "bad_inputs_tried", "wrong_bytes",
- "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds"} plus the details of each part.
-Exit status 1 when a must-be-zero figure is not zero or a kill was not survived.
+ "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds",
+ "metadata_damage_trials", "key_fuzz_cases", "archive_fuzz_cases", "crashes",
+ "isolation_failures", "refused_to_serve"} plus the details of each part.
+
+The last part runs the fuzzers of tools/chaos_fuzz.py (damaged metadata files, hostile keys,
+damaged archives), every check in a child process: ``crashes`` counts children that died of a
+signal, printed a traceback, exited with a code outside the allowed set, raised from an API
+that must answer per key, or outgrew their address-space budget. ``details.fuzz_failures``
+lists the first failures of each kind with the file, damage, command, exit code and the last
+stderr line; ``details.fuzz_failure_signatures`` counts them all by kind.
+Exit status 1 when a must-be-zero figure is not zero, a kill was not survived, the harness
+self-test or a fuzzer's undamaged control fails, or (full mode) a fuzzer ran fewer cases than
+its target.
 """
 
 from __future__ import annotations
@@ -36,11 +47,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the figures here")
     ap.add_argument("--dir", help="work directory (default: a temporary one, removed afterwards)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fuzz-only", action="store_true", help="run only the fuzzers (development)")
+    ap.add_argument("--workers", type=int, default=None, help="fuzzer child processes at a time (default min(2, cores))")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.WARNING if a.verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s")
     from umbp_nvme.testing import check_legacy_pointer, crash_run, fault_run, fuzz_run, hygiene_run, soak_run
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from chaos_fuzz import FULL_TARGETS, run_fuzzers
 
     kills = a.kills if a.kills is not None else (8 if a.quick else 56)
     soak_s = 60.0 * (a.minutes if a.minutes is not None else (0.2 if a.quick else 1.0))
@@ -53,43 +69,57 @@ def main(argv=None) -> int:
     report: dict = {}
     parts: dict = {}
     try:
-        # 1. crash survival: both durability modes, without and with eviction
-        crash = []
-        for mode in ("strict", "relaxed"):
-            keep = kills // 2
-            for evicting, n in ((False, keep), (True, kills - keep)):
-                d = os.path.join(work, f"crash-{mode}-{'evict' if evicting else 'keep'}")
-                os.makedirs(d, exist_ok=True)
-                r = crash_run(d, mode=mode, kills=n, evicting=evicting, seed=a.seed, log=say)
-                r.update(mode=mode, evicting=evicting)
-                crash.append(r)
-                print(f"crash {mode:7s} {'evicting' if evicting else 'no-evict'}: {r['kills_survived']}/{r['kills']} survived, "
-                      f"wrong={r['wrong_bytes']} lost={r['lost_acknowledged']} unreadable={r['unreadable']} "
-                      f"phases={r['phases']}", flush=True)
-        parts["crash"] = crash
-        # 2. faults
-        fr = fault_run(os.path.join(work, "faults"), rounds=fault_rounds, seed=a.seed, log=say)
-        parts["faults"] = fr
-        print(f"faults: {fr['faults_injected']} injected, wrong={fr['wrong_bytes']} hangs={fr['hangs']} "
-              f"raised={fr['raised_from_v1']}; corrupt index: {fr.get('corrupt_index_outcome')}", flush=True)
-        # 3. races
-        sr = soak_run(os.path.join(work, "soak"), seconds=soak_s, log=say)
-        parts["soak"] = sr
-        print(f"soak: {sr['soak_seconds']} s, calls={sr['calls']}, evictions={sr['evictions']}, "
-              f"follower hits={sr['follower'].get('hits')}, rss +{sr['rss_growth_mib']} MiB, "
-              f"wrong={sr['wrong_bytes']} hangs={sr['hangs']} raised={sr['raised_from_v1']}", flush=True)
-        # 4. bad input
-        zr = fuzz_run(os.path.join(work, "fuzz"), cases=fuzz_cases, seed=a.seed, log=say)
-        legacy = check_legacy_pointer(os.path.join(work, "fuzz"))
-        zr["bad_inputs_tried"] += 1
-        zr["findings"] += legacy
-        zr["n_findings"] += len(legacy)
-        parts["fuzz"] = zr
-        print(f"bad input: {zr['bad_inputs_tried']} tried, {zr['n_findings']} findings", flush=True)
-        # 5. hygiene
-        hr = hygiene_run(os.path.join(work, "hygiene"), log=say)
-        parts["hygiene"] = hr
-        print(f"hygiene: {hr['checks']} checks, {len(hr['findings'])} findings", flush=True)
+        crash, fr, sr, zr, hr = [], _EMPTY_FAULTS, _EMPTY_SOAK, _EMPTY_FUZZ, {"checks": 0, "findings": []}
+        if not a.fuzz_only:
+            # 1. crash survival: both durability modes, without and with eviction
+            crash = []
+            for mode in ("strict", "relaxed"):
+                keep = kills // 2
+                for evicting, n in ((False, keep), (True, kills - keep)):
+                    d = os.path.join(work, f"crash-{mode}-{'evict' if evicting else 'keep'}")
+                    os.makedirs(d, exist_ok=True)
+                    r = crash_run(d, mode=mode, kills=n, evicting=evicting, seed=a.seed, log=say)
+                    r.update(mode=mode, evicting=evicting)
+                    crash.append(r)
+                    print(f"crash {mode:7s} {'evicting' if evicting else 'no-evict'}: {r['kills_survived']}/{r['kills']} survived, "
+                          f"wrong={r['wrong_bytes']} lost={r['lost_acknowledged']} unreadable={r['unreadable']} "
+                          f"phases={r['phases']}", flush=True)
+            parts["crash"] = crash
+            # 2. faults
+            fr = fault_run(os.path.join(work, "faults"), rounds=fault_rounds, seed=a.seed, log=say)
+            parts["faults"] = fr
+            print(f"faults: {fr['faults_injected']} injected, wrong={fr['wrong_bytes']} hangs={fr['hangs']} "
+                  f"raised={fr['raised_from_v1']}; corrupt index: {fr.get('corrupt_index_outcome')}", flush=True)
+            # 3. races
+            sr = soak_run(os.path.join(work, "soak"), seconds=soak_s, log=say)
+            parts["soak"] = sr
+            print(f"soak: {sr['soak_seconds']} s, calls={sr['calls']}, evictions={sr['evictions']}, "
+                  f"follower hits={sr['follower'].get('hits')}, rss +{sr['rss_growth_mib']} MiB, "
+                  f"wrong={sr['wrong_bytes']} hangs={sr['hangs']} raised={sr['raised_from_v1']}", flush=True)
+            # 4. bad input
+            zr = fuzz_run(os.path.join(work, "fuzz"), cases=fuzz_cases, seed=a.seed, log=say)
+            legacy = check_legacy_pointer(os.path.join(work, "fuzz"))
+            zr["bad_inputs_tried"] += 1
+            zr["findings"] += legacy
+            zr["n_findings"] += len(legacy)
+            parts["fuzz"] = zr
+            print(f"bad input: {zr['bad_inputs_tried']} tried, {zr['n_findings']} findings", flush=True)
+            # 5. hygiene
+            hr = hygiene_run(os.path.join(work, "hygiene"), log=say)
+            parts["hygiene"] = hr
+            print(f"hygiene: {hr['checks']} checks, {len(hr['findings'])} findings", flush=True)
+        # 6. fuzzers: damaged metadata, hostile keys, damaged archives (each check in a child process)
+        fz = run_fuzzers(os.path.join(work, "fuzzers"), quick=a.quick, seed=a.seed, log=say, workers=a.workers)
+        parts["fuzzers"] = fz
+        fg = fz["figures"]
+        print(f"fuzzers: metadata {fg['metadata_damage_trials']} trials, keys {fg['key_fuzz_cases']} cases, "
+              f"archives {fg['archive_fuzz_cases']} cases in {round(sum(fz[f]['seconds'] for f in ('metadata', 'keys', 'archive')), 1)} s: "
+              f"crashes={fg['crashes']} wrong={fg['wrong_bytes']} hangs={fg['hangs']} "
+              f"isolation={fg['isolation_failures']} refused_to_serve={fg['refused_to_serve']} "
+              f"harness={'ok' if fz['harness_ok'] else 'BROKEN'}", flush=True)
+        for fam in ("metadata", "keys", "archive"):
+            for sig, n in list(fz[fam]["failure_signatures"].items())[:8]:
+                print(f"  {fam}: {n} x {sig}", flush=True)
     finally:
         if not a.dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -105,6 +135,11 @@ def main(argv=None) -> int:
         "raised_from_v1": sum(r["raised_from_v1"] for r in crash) + fr["raised_from_v1"] + sr["raised_from_v1"],
         "soak_seconds": sr["soak_seconds"],
     }
+    report["wrong_bytes"] += fg["wrong_bytes"]
+    report["hangs"] += fg["hangs"]
+    for k in ("metadata_damage_trials", "key_fuzz_cases", "archive_fuzz_cases", "crashes", "isolation_failures",
+              "refused_to_serve"):
+        report[k] = fg[k]
     extra = {
         "mode": "quick" if a.quick else "full",
         "seconds": round(time.monotonic() - t0, 1),
@@ -119,14 +154,29 @@ def main(argv=None) -> int:
         "hygiene_findings": hr["findings"],
         "corrupt_index_outcome": fr.get("corrupt_index_outcome"),
         "errors": [e for r in crash for e in r["errors"]][:10] + fr["errors"][:5] + sr["errors"][:5],
+        "fuzz_harness": {"ok": fz["harness_ok"], "self_test": fz["harness"],
+                         "metadata_control_ok": fz["metadata"]["control_ok"], "archive_control": fz["archive"]["control"]},
+        "fuzz_failure_signatures": {f: fz[f]["failure_signatures"] for f in ("metadata", "keys", "archive")},
+        "fuzz_failures": {f: fz[f]["failures"] for f in ("metadata", "keys", "archive")},
+        "fuzz_seconds": {f: fz[f]["seconds"] for f in ("metadata", "keys", "archive")},
     }
     print(json.dumps(report))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(report, details=extra, parts=parts), f, indent=1, default=str)
+    short = {k: report[k] for k, v in FULL_TARGETS.items() if not a.quick and report[k] < v}
+    if short:
+        print(f"fuzzers ran fewer cases than their targets: {short} (targets {FULL_TARGETS})", flush=True)
     bad = (report["wrong_bytes"] or report["lost_acknowledged"] or report["hangs"] or report["raised_from_v1"]
-           or report["kills_survived"] != report["kills"])
+           or report["kills_survived"] != report["kills"] or report["crashes"] or report["isolation_failures"]
+           or not fz["harness_ok"] or short)
     return 1 if bad else 0
+
+
+_EMPTY_FAULTS = {"faults_injected": 0, "wrong_bytes": 0, "hangs": 0, "raised_from_v1": 0, "errors": []}
+_EMPTY_SOAK = {"soak_seconds": 0.0, "wrong_bytes": 0, "hangs": 0, "raised_from_v1": 0, "errors": [], "rss_growth_mib": 0,
+               "threads_leaked": 0}
+_EMPTY_FUZZ = {"bad_inputs_tried": 0, "findings": [], "n_findings": 0}
 
 
 def _sum_dicts(ds) -> dict:
