@@ -273,3 +273,271 @@ def test_cli_verify_and_inspect_report_a_truncated_index(template, tmp_path):
         assert "damaged" in p.stderr and "truncated" in p.stderr and INDEX_FILE in p.stderr, p.stderr
     assert os.path.getsize(os.path.join(path, INDEX_FILE))  # read-only openers move nothing
     assert not glob.glob(os.path.join(path, INDEX_FILE + ".corrupt-*"))
+
+
+# ------------------------------------------------------------------ 3. key bytes in the index
+
+_ODD_KEYS = [b"w\xffa", b"\xff", b"w\xc3(", b"w\xed\xa0\x80", b"\xffz\xff"]  # 0xFF, invalid UTF-8, a surrogate
+
+
+async def _store_with_odd_keys(path) -> tuple[list[str], list[str]]:
+    """Records written straight into LMDB under key bytes no str key could have put; each odd
+    key takes over the record (slot, CRC) of one good key, whose own entry is removed."""
+    from umbp_nvme.keybytes import decode_key
+
+    st = await PageStore.open(path, cfg())
+    good = [f"good{i}" for i in range(8)]
+    assert all(await put(st, good))
+    await st.close()
+    # through Index: LMDB allows one handle per file and process (the store's closes on a thread)
+    idx = Index(os.path.join(path, INDEX_FILE), readonly=False, map_size=1 << 30, durable=True)
+    recs = idx.get_records([g.encode() for g in good[: len(_ODD_KEYS)]])
+    idx.commit(puts=list(zip(_ODD_KEYS, recs)), deletes=[g.encode() for g in good[: len(_ODD_KEYS)]])
+    idx.close()
+    return [decode_key(k) for k in _ODD_KEYS], good
+
+
+async def test_index_keys_with_0xff_or_bad_utf8_keep_their_own_records(store_dir):
+    odd, good = await _store_with_odd_keys(store_dir)
+    st = await PageStore.open(store_dir, cfg())
+    assert st.stats()["objects"] == 8
+    for o, g in zip(odd, good):  # each odd key serves exactly the bytes of the record it holds
+        buf = np.zeros(OBJ, np.uint8)
+        assert await st.get_many([o], [buf]) == [True] and bytes(buf) == bytes(payload(g, OBJ)), o
+    assert await got(st, good[5:]) == [True] * 3  # the records after them did not shift
+    await st.close()
+    with StoreReader(store_dir) as r:  # verify/export read the same pairs
+        names, recs = r.scan()
+        assert sorted(names) == sorted(odd + good[5:])
+        assert verify_records(store_dir)["bad"] == []
+        by_key = {rec.key: rec for rec in r.records()}
+        assert [rec.key for rec in r.lookup(odd)] == odd
+    assert len({(by_key[o].segment, by_key[o].offset) for o in odd}) == len(odd)
+
+
+async def test_index_keys_that_do_not_decode_are_deletable_and_evictable(store_dir):
+    odd, good = await _store_with_odd_keys(store_dir)
+    st = await PageStore.open(store_dir, cfg())
+    assert await st.delete_many([odd[1]]) == [True]
+    assert await st.exists_many([odd[1]]) == [False]
+    # capacity pressure: 16 MiB of new objects evicts the oldest, the odd keys among them
+    new = [f"new{i}" for i in range(4000)]
+    for lo in range(0, len(new), 200):
+        await put(st, new[lo : lo + 200])
+    assert st.stats()["evictions"] >= len(odd) - 1
+    assert await st.exists_many(odd) == [False] * len(odd)
+    await st.close()
+    idx = Index(os.path.join(store_dir, INDEX_FILE), readonly=True, map_size=1 << 30, durable=False)
+    assert idx.get_records(_ODD_KEYS) == [None] * len(_ODD_KEYS)  # gone durably, not leaked
+    idx.close()
+    st = await PageStore.open(store_dir, cfg())  # and the next open finds nothing of them
+    assert await st.exists_many(odd) == [False] * len(odd)
+    await st.close()
+
+
+def test_scan_decodes_keys_one_by_one(tmp_path):
+    from umbp_nvme.keybytes import decode_key
+
+    p = str(tmp_path / INDEX_FILE)
+    idx = Index(p, readonly=False, map_size=1 << 24, durable=False)
+    rec = np.zeros(1, REC_DTYPE).tobytes()
+    keys = [b"a\xff", b"a\xffb\xff", b"\xff\xff", b"b"]
+    idx.commit(puts=[(k, rec) for k in keys])
+    names, recs = idx.scan()
+    assert names == [decode_key(k) for k in sorted(keys)] and len(recs) == len(keys)
+    idx.close()
+
+
+# ------------------------------------------------------------------ 2 and 10. damaged manifest
+
+_MANIFEST_DAMAGE = {
+    "not_json": (b'{"format_version": 1, "lay', None),
+    "empty": (b"", None),
+    "garbage": (bytes(range(256)) * 4, None),
+    "array": (b"[1, 2]", None),
+    "segment_bytes_0": (("layout", "segment_bytes", 0), "layout.segment_bytes=0"),
+    "segment_bytes_4097": (("layout", "segment_bytes", 4097), "layout.segment_bytes=4097"),
+    "segment_bytes_abc": (("layout", "segment_bytes", "abc"), "layout.segment_bytes='abc'"),
+    "segment_bytes_negative": (("layout", "segment_bytes", -4096), "layout.segment_bytes=-4096"),
+    "segment_bytes_huge": (("layout", "segment_bytes", 1 << 62), f"layout.segment_bytes={1 << 62}"),
+    "segment_bytes_bool": (("layout", "segment_bytes", True), "layout.segment_bytes=True"),
+    "segment_bytes_missing": (("layout", "segment_bytes", KeyError), "layout.segment_bytes is missing"),
+    "capacity_str": ((None, "ssd_capacity_bytes", "16M"), "ssd_capacity_bytes='16M'"),
+    "capacity_negative": ((None, "ssd_capacity_bytes", -1), "ssd_capacity_bytes=-1"),
+    "capacity_bool": ((None, "ssd_capacity_bytes", True), "ssd_capacity_bytes=True"),
+    "capacity_huge": ((None, "ssd_capacity_bytes", 1 << 70), f"ssd_capacity_bytes={1 << 70}"),
+    "format_version_2": ((None, "format_version", 2), "format_version=2"),
+    "format_version_str": ((None, "format_version", "1"), "format_version='1'"),
+    "format_version_bool": ((None, "format_version", True), "format_version=True"),
+    "format_version_missing": ((None, "format_version", KeyError), "format_version is missing"),
+    "namespace_list": ((None, "namespace", [1]), "namespace=[1]"),
+}
+
+
+def _damage_manifest(path, how):
+    p = os.path.join(path, MANIFEST_FILE)
+    if isinstance(how, bytes):
+        data = how
+    else:
+        section, field, value = how
+        m = json.load(open(p))
+        d = m if section is None else m[section]
+        if value is KeyError:
+            del d[field]
+        else:
+            d[field] = value
+        data = json.dumps(m).encode()
+    with open(p, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("case", sorted(_MANIFEST_DAMAGE))
+async def test_damaged_manifest_is_reported_then_recovered_by_the_writer(store_dir, case, caplog):
+    how, names = _MANIFEST_DAMAGE[case]
+    ns = {"model": "m", "page_size": 64}
+    st = await PageStore.open(store_dir, cfg(), namespace=ns)
+    keys = [f"k{i}" for i in range(40)]
+    assert all(await put(st, keys))
+    await st.close()
+    _damage_manifest(store_dir, how)
+    mpath = os.path.join(store_dir, MANIFEST_FILE)
+    # read-only openers (follower, verify, inspect): a StoreError naming the field, value and file
+    with pytest.raises(ManifestDamagedError) as e:
+        await PageStore.open(store_dir, cfg(), readonly=True, namespace=ns)
+    assert mpath in str(e.value) and (names is None or names in str(e.value)), str(e.value)
+    assert isinstance(e.value, StoreDamagedError) and isinstance(e.value, NotAStoreError)
+    with pytest.raises(ManifestDamagedError, match=MANIFEST_FILE):
+        read_manifest(store_dir)
+    with pytest.raises(ManifestDamagedError):
+        StoreReader(store_dir)
+    assert not glob.glob(mpath + ".corrupt-*")  # read-only openers move nothing
+    # the writer: one ERROR line, the file moved aside, the store up with what it held
+    caplog.set_level(logging.INFO, logger="umbp_nvme")
+    st = await PageStore.open(store_dir, cfg(), namespace=ns)
+    aside = glob.glob(mpath + ".corrupt-*")
+    errs = errors_logged(caplog)
+    assert len(aside) == 1 and len(errs) == 1, errs
+    assert "manifest is damaged" in errs[0] and aside[0] in errs[0] and "segment_bytes=1048576 from the segment files" in errs[0]
+    assert await got(st, keys) == [True] * len(keys)
+    assert all(await put(st, ["after"]))
+    await st.close()
+    m = read_manifest(store_dir)
+    assert m["layout"]["segment_bytes"] == MiB and m["namespace"] == ns and m["ssd_capacity_bytes"] == 16 * MiB
+    st = await PageStore.open(store_dir, cfg(), readonly=True, namespace=ns)
+    assert await got(st, keys + ["after"]) == [True] * (len(keys) + 1)
+    await st.close()
+
+
+async def test_missing_manifest_beside_store_files_is_recovered(store_dir, caplog):
+    st = await PageStore.open(store_dir, cfg())
+    assert all(await put(st, ["a", "b"]))
+    await st.close()
+    os.unlink(os.path.join(store_dir, MANIFEST_FILE))
+    caplog.set_level(logging.INFO, logger="umbp_nvme")
+    # the config asks for another segment size: the files' own size wins
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=16 * MiB, ssd_segment_size_bytes=4 * MiB))
+    errs = errors_logged(caplog)
+    assert len(errs) == 1 and "missing" in errs[0] and "from the segment files" in errs[0], errs
+    assert st.segment_bytes == MiB and await got(st, ["a", "b"]) == [True, True]
+    await st.close()
+
+
+def test_segment_allocator_validates_without_assert():
+    for bad in (0, 4097, -4096, "abc", 4096.0):
+        with pytest.raises(ValueError, match="segment_bytes"):
+            SegmentAllocator(4, bad)
+    a = SegmentAllocator(2, 8192)
+    seg, off = a.alloc(4096)
+    a.free(seg, off)
+    with pytest.raises(RuntimeError, match="not allocated"):
+        a.free(seg, off)  # a double free is refused even under python -O
+    # records from a damaged index: wrapped offsets, past the segment, misaligned, overlapping
+    segs = np.array([0, 0, 0, 1, 1, 1], np.uint32)
+    offs = np.array([1 << 63, 8192, 100, 0, 0, 4096], np.uint64)
+    lens = np.array([4096, 4096, 4096, 4096, 4096, 4096], np.uint32)
+    gens = np.array([1, 2, 3, 4, 5, 6], np.uint64)
+    keep = a.rebuild(segs, offs, lens, gens)
+    assert keep.tolist() == [False, False, False, False, True, True]
+    assert a.used_bytes == 2 * 4096
+
+
+# ------------------------------------------------------------------ 7. directory and file trust
+
+
+async def test_store_under_a_directory_others_may_write_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # no sticky bit: anyone may rename our directory away
+    with pytest.raises(UnsafeStorePathError, match="sticky"):
+        await PageStore.open(str(shared / "store"), cfg())
+    os.chmod(shared, 0o775)
+    with pytest.raises(UnsafeStorePathError, match="group or others"):
+        await PageStore.open(str(shared / "store"), cfg())
+    os.chmod(shared, 0o1777)  # like /tmp, owned by this user (root in CI): entries are safe
+    st = await PageStore.open(str(shared / "store"), cfg())
+    await st.close()
+    os.chown(shared, OTHER_UID, -1)  # another user's directory: they may replace ours
+    with pytest.raises(UnsafeStorePathError, match=f"owned by uid {OTHER_UID}"):
+        await PageStore.open(str(shared / "store"), cfg())
+    with pytest.raises(UnsafeStorePathError):
+        await PageStore.open(str(shared / "store"), cfg(), readonly=True)
+
+
+async def test_store_directory_writable_by_others_is_refused(store_dir):
+    st = await PageStore.open(store_dir, cfg())
+    await st.close()
+    os.chmod(store_dir, 0o770)
+    with pytest.raises(UnsafeStorePathError, match="chmod go-w"):
+        await PageStore.open(store_dir, cfg())
+
+
+@pytest.mark.parametrize("name", ["LOCK", MANIFEST_FILE, INDEX_FILE, INDEX_FILE + "-lock", segment_name(0)])
+async def test_store_files_owned_by_another_user_are_refused(store_dir, name):
+    st = await PageStore.open(store_dir, cfg())
+    assert all(await put(st, ["a"]))
+    await st.close()
+    p = os.path.join(store_dir, name)
+    if not os.path.exists(p):
+        open(p, "wb").close()
+    before = open(p, "rb").read()
+    os.chown(p, OTHER_UID, -1)
+    with pytest.raises(Exception) as e:
+        await PageStore.open(store_dir, cfg())
+    assert f"owned by uid {OTHER_UID}" in str(e.value) and name in str(e.value), str(e.value)
+    assert open(p, "rb").read() == before  # not written, not moved aside
+    if name == segment_name(0):  # a reader opens segments on first use: that read misses
+        ro = await PageStore.open(store_dir, cfg(), readonly=True)
+        assert await got(ro, ["a"]) == [False]
+        await ro.close()
+    elif name != "LOCK":  # a reader takes no LOCK
+        with pytest.raises(Exception, match=f"owned by uid {OTHER_UID}"):
+            await PageStore.open(store_dir, cfg(), readonly=True)
+
+
+async def test_index_lock_symlink_is_refused(store_dir, tmp_path):
+    st = await PageStore.open(store_dir, cfg())
+    await st.close()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x" * 100)
+    lock = os.path.join(store_dir, INDEX_FILE + "-lock")
+    os.unlink(lock)
+    os.symlink(victim, lock)
+    for ro in (False, True):
+        with pytest.raises(UnsafeStorePathError, match="symlink"):
+            await PageStore.open(store_dir, cfg(), readonly=ro)
+    assert victim.read_bytes() == b"x" * 100
+
+
+async def test_manifest_temp_file_is_exclusive_and_never_followed(store_dir, tmp_path):
+    st = await PageStore.open(store_dir, cfg())
+    await st.close()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    # the old predictable temp name, planted as a symlink: the writer must neither follow nor fail on it
+    planted = os.path.join(store_dir, f"{MANIFEST_FILE}.tmp.{os.getpid()}")
+    os.symlink(victim, planted)
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=32 * MiB, ssd_segment_size_bytes=MiB))
+    await st.close()  # the capacity changed: the manifest was rewritten
+    assert read_manifest(store_dir)["ssd_capacity_bytes"] == 32 * MiB
+    assert victim.read_bytes() == b"precious" and os.path.islink(planted)
+    assert [n for n in os.listdir(store_dir) if ".tmp." in n] == [os.path.basename(planted)]

@@ -15,6 +15,7 @@ POSIX locks), so environments are shared per process through ``_ENVS`` with a re
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import itertools
 import logging
@@ -105,7 +106,7 @@ def _read_meta(fd: int, off: int, size: int, which: str) -> tuple:
     return m
 
 
-def check_index_file(path: str, *, walk: bool = True) -> None:
+def check_index_file(path: str, *, walk: bool = True, readonly: bool = False) -> None:
     """Raise _IndexFileDamage unless ``path`` is an LMDB file that LMDB can map without SIGBUS.
 
     LMDB maps the file and trusts its newest meta page: a page number past the end of a truncated
@@ -138,6 +139,9 @@ def check_index_file(path: str, *, walk: bool = True) -> None:
             raise _IndexFileDamage(f"meta pages disagree on the page size ({psize} and {m1[7]})", size)
         newest = m1 if m1[-1] > m0[-1] else m0  # LMDB's choice: the higher txnid, page 0 on a tie
         last_pg, roots = newest[-2], (newest[14], newest[22])
+        # a live writer grows the file before it writes the meta page naming the new pages:
+        # the size taken after reading the meta page is at least what that page needs
+        size = os.fstat(fd).st_size
         if not 1 <= last_pg < _MAX_PAGES:
             raise _IndexFileDamage(f"meta page says the last page is {last_pg}", size)
         need = (last_pg + 1) * psize
@@ -153,7 +157,9 @@ def check_index_file(path: str, *, walk: bool = True) -> None:
         pages = sum(newest[10:13]) + sum(newest[18:21])
         if pages > last_pg + 1:
             raise _IndexFileDamage(f"meta page counts {pages} pages in a file of {last_pg + 1}", size)
-        if walk:
+        if walk and (not readonly or not _writer_alive(path)):
+            # a live writer reuses free pages under a reader that holds no LMDB snapshot: only a
+            # file no writer holds is walked (the writer walked it at its own open)
             reason = _walk_file(fd, psize, last_pg, ((newest[14], newest[9]), (newest[22], newest[17])))
             if reason is not None:
                 raise _IndexFileDamage(f"{reason} (txn {newest[-1]})", size)
@@ -297,6 +303,23 @@ def _walk_pages(buf: np.ndarray, psize: int, last_pg: int, roots) -> str | None:
     return None
 
 
+def _writer_alive(index_path: str) -> bool:
+    """Whether a writer holds the store's LOCK (the file beside the index); never takes it."""
+    try:
+        fd = os.open(os.path.join(os.path.dirname(index_path), "LOCK"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing drops a shared lock we got
+    return False
+
+
 def check_own_file(path: str, st: os.stat_result | None = None) -> None:
     """Refuse a store file that is not a regular file owned by this user (``st``: its lstat/fstat)."""
     if st is None:
@@ -335,7 +358,7 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
         # a new store (writer) or FileNotFoundError above (reader).
         check_own_file(f"{path}-lock")
         try:
-            check_index_file(path)
+            check_index_file(path, readonly=readonly)
         except FileNotFoundError:
             if readonly:
                 raise FileNotFoundError(f"no store index at {path}; a writer must create the store first") from None
