@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import lmdb
 import numpy as np
@@ -541,3 +542,37 @@ async def test_manifest_temp_file_is_exclusive_and_never_followed(store_dir, tmp
     assert read_manifest(store_dir)["ssd_capacity_bytes"] == 32 * MiB
     assert victim.read_bytes() == b"precious" and os.path.islink(planted)
     assert [n for n in os.listdir(store_dir) if ".tmp." in n] == [os.path.basename(planted)]
+
+
+# ------------------------------------------------------------------ 1. an SGLang follower on a damaged index
+
+
+@pytest.mark.timeout(240)
+def test_sglang_follower_on_a_damaged_index_starts_and_misses_until_the_leader_repairs_it(tmp_path):
+    import sglang_env as E
+
+    E.require_sglang()
+    from test_sglang_integration import Follower
+
+    root = str(tmp_path / "l3")
+    pool = E.mla_pool()
+    leader = E.load_backend(E.storage_config(root, tp_rank=0, tp_size=2, is_mla=True), pool.host)
+    hashes = E.page_hashes(128, seed=60)
+    idx = pool.alloc_pages(128)
+    E.fill_random(pool.host, idx[: 64 * E.PAGE_SIZE], 61)
+    assert all(leader.batch_set_v1(hashes[:64], idx[: 64 * E.PAGE_SIZE], E.extra_info([])))
+    leader.close()
+    ipath = os.path.join(root, INDEX_FILE)
+    os.truncate(ipath, os.path.getsize(ipath) // 2)  # a power loss in relaxed mode, say
+    follower = Follower(root)  # register_mem_pool_host on the damaged store: no SIGBUS, no raise
+    try:
+        assert follower.read() == ["started", "0", "True"]
+        assert follower.send("check 64 61")[:3] == ["checked", "0", "0"]  # misses, not a crash
+        leader = E.load_backend(E.storage_config(root, tp_rank=0, tp_size=2, is_mla=True), pool.host)  # repairs
+        assert glob.glob(ipath + ".corrupt-*")
+        assert all(leader.batch_set_v1(hashes[:64], idx[: 64 * E.PAGE_SIZE], E.extra_info([])))
+        time.sleep(0.2)  # a follower retries its open at most every 50 ms (sglang_backend._FOLLOWER_RETRY_S)
+        assert follower.send("check 64 61") == ["checked", "64", "64", "True", "[True,", "True]", "0"]
+        leader.close()
+    finally:
+        follower.stop()
