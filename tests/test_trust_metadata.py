@@ -576,3 +576,41 @@ def test_sglang_follower_on_a_damaged_index_starts_and_misses_until_the_leader_r
         leader.close()
     finally:
         follower.stop()
+
+
+def _rename_key_in_leaf(index_path: str, old: bytes, new: bytes) -> None:
+    """Overwrite a key's bytes inside its leaf page (same length): the damage a flipped bit does."""
+    data = open(index_path, "rb").read()
+    at = -1
+    while True:
+        at = data.find(old, at + 1)
+        assert at >= 0, "key not found in a leaf page"
+        page = at // 4096 * 4096
+        if int.from_bytes(data[page + 10 : page + 12], "little") & 0x02:  # P_LEAF
+            break
+    with open(index_path, "r+b") as f:
+        f.seek(at)
+        f.write(new)
+
+
+async def test_a_key_renamed_in_its_leaf_never_serves_another_keys_bytes(template, tmp_path, caplog):
+    """A damaged key that now equals its neighbour carries that neighbour's-neighbour record: the
+    scan sees keys out of LMDB's order, and the writer rebuilds the index without both."""
+    path = str(tmp_path / "s")
+    shutil.copytree(template, path)
+    keys = [f"{'p' * 90}-{i:05d}" for i in range(_TEMPLATE_KEYS)]
+    _rename_key_in_leaf(os.path.join(path, INDEX_FILE), keys[12].encode(), keys[13].encode())
+    s = verify_records(path)  # a reader reports it and leaves both out
+    assert s["index_damage"] == "2 keys out of order (damaged nodes)" and s["checked"] == _TEMPLATE_KEYS - 2
+    caplog.set_level(logging.INFO, logger="umbp_nvme")
+    st = await PageStore.open(path, cfg())
+    errs = errors_logged(caplog)
+    assert len(errs) == 1 and "rebuilt it from its 298 intact records" in errs[0], errs
+    assert len(glob.glob(os.path.join(path, INDEX_FILE + ".corrupt-*"))) == 1
+    hits = await got(st, keys)  # wrong bytes fail inside got()
+    assert [k for k, h in zip(keys, hits) if not h] == [keys[12], keys[13]]
+    assert all(await put(st, [keys[12], keys[13]]))
+    await st.close()
+    st = await PageStore.open(path, cfg())
+    assert await got(st, keys) == [True] * _TEMPLATE_KEYS
+    await st.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import re
 from collections import Counter, defaultdict
@@ -28,6 +29,8 @@ from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
 from .keybytes import KeyEncodingError, encode_key
 from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, segment_name, size_classes
 from .store import lock_holder, read_manifest
+
+log = logging.getLogger(__name__)
 
 _READONLY_MAP_BYTES = 1 << 30  # LMDB grows a read-only map to the file's own size
 
@@ -126,6 +129,11 @@ class StoreReader:
 
     def scan(self) -> tuple[list[str], np.ndarray]:
         keys, recs = self.index.scan()
+        if self.index.scan_damage is not None:
+            log.warning(
+                "%s: the store index is damaged (%s); those records are left out here, and the writer rebuilds "
+                "the index without them at its next open", self.path, self.index.scan_damage,
+            )  # fmt: skip
         return keys, recs  # str, one decode per key (keybytes): a key's bytes never shift onto another
 
     def records(self, keys: list[str] | None = None) -> list[Record]:
@@ -302,7 +310,9 @@ def verify_records(path: str, progress=None) -> dict:
                 bad.append({"key": rec.key, "status": status, **rec.as_dict()})
             if progress is not None:
                 progress(rec.length)
-    return {"store": os.path.abspath(path), "checked": checked, "bytes": nbytes, "bad": bad, "vanished": vanished}
+        damage = r.index.scan_damage
+    return {"store": os.path.abspath(path), "checked": checked, "bytes": nbytes, "bad": bad, "vanished": vanished,
+            "index_damage": damage}  # fmt: skip
 
 
 # --- inspect ---------------------------------------------------------------------------------
