@@ -27,12 +27,26 @@ class NotAStoreError(StoreError, FileNotFoundError):
     """The path is not a store directory (missing, no MANIFEST.json, or a damaged manifest)."""
 
 
-class IndexDamagedError(StoreError):
-    """index.lmdb is not a readable LMDB file (truncated, overwritten, wrong version).
+class StoreDamagedError(StoreError):
+    """A file of the store's own metadata (index or manifest) is damaged.
+
+    A writer moves the file aside (``<name>.corrupt-<time>``), logs one ERROR line and comes up
+    (a cache keeps serving); a read-only opener raises this with the path, and a follower rank
+    reports misses until the writer has repaired the store.
+    """
+
+
+class IndexDamagedError(StoreDamagedError):
+    """index.lmdb is not a readable LMDB file (truncated, overwritten, zeroed, wrong version).
 
     A writer moves the file aside and starts empty (the index is a cache of what the segments
     hold); a read-only opener raises this with the path.
     """
+
+
+class ManifestDamagedError(NotAStoreError, StoreDamagedError):
+    """MANIFEST.json is not valid JSON, or a field is missing or out of range (the message names
+    the field, the value and the file). A writer moves it aside and re-derives it."""
 
 
 class CapacityShrinkError(StoreError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import re
 from collections import Counter, defaultdict
@@ -25,8 +26,11 @@ import numpy as np
 
 from .errors import NotAStoreError
 from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
+from .keybytes import KeyEncodingError, encode_key
 from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, segment_name, size_classes
 from .store import lock_holder, read_manifest
+
+log = logging.getLogger(__name__)
 
 _READONLY_MAP_BYTES = 1 << 30  # LMDB grows a read-only map to the file's own size
 
@@ -40,14 +44,16 @@ def _crc32c():
 # --- the directory ---------------------------------------------------------------------------
 
 
+_SEGMENTS_MAX = 1 << 20  # a segment file name beyond this is not one the store made
+
+
 def segment_files_on_disk(path: str) -> dict[int, str]:
     out = {}
     for name in os.listdir(path):
         if name.startswith("seg-") and name.endswith(".dat"):
-            try:
-                out[int(name[4:-4])] = os.path.join(path, name)
-            except ValueError:
-                pass
+            digits = name[4:-4]
+            if digits.isascii() and digits.isdigit() and int(digits) < _SEGMENTS_MAX:
+                out[int(digits)] = os.path.join(path, name)
     return out
 
 
@@ -123,7 +129,12 @@ class StoreReader:
 
     def scan(self) -> tuple[list[str], np.ndarray]:
         keys, recs = self.index.scan()
-        return [k.decode() if isinstance(k, bytes) else k for k in keys], recs
+        if self.index.scan_damage is not None:
+            log.warning(
+                "%s: the store index is damaged (%s); those records are left out here, and the writer rebuilds "
+                "the index without them at its next open", self.path, self.index.scan_damage,
+            )  # fmt: skip
+        return keys, recs  # str, one decode per key (keybytes): a key's bytes never shift onto another
 
     def records(self, keys: list[str] | None = None) -> list[Record]:
         """Every record (sorted by segment and offset: sequential reads), or the given keys' (missing ones left out)."""
@@ -134,7 +145,14 @@ class StoreReader:
         return [r for r in self.lookup(keys) if r is not None]
 
     def lookup(self, keys: list[str]) -> list[Record | None]:
-        vals = self.index.get_records([k.encode() for k in keys])
+        enc = []
+        for k in keys:
+            try:
+                enc.append(encode_key(k))
+            except KeyEncodingError:
+                enc.append(None)  # no byte form: no record can have this key
+        found = iter(self.index.get_records([b for b in enc if b is not None]))
+        vals = [None if b is None else next(found) for b in enc]
         out: list[Record | None] = []
         for k, v in zip(keys, vals):
             if v is None or len(v) != REC_BYTES:
@@ -154,6 +172,8 @@ class StoreReader:
         """Read rec's bytes into buf and check them: 'ok', 'crc_mismatch', 'short_read', 'missing_segment',
         'io_error: ...', or 'vanished' (the writer replaced the record while we read)."""
         mv = memoryview(buf).cast("B")[: rec.length]
+        if rec.offset % SLOT_ALIGN_BYTES or rec.offset + rec.length > self.segment_bytes:
+            return "bad_extent"  # a damaged record: outside its segment (or beyond any file offset)
         try:
             fd = self._fd(rec.segment)
         except FileNotFoundError:
@@ -290,7 +310,9 @@ def verify_records(path: str, progress=None) -> dict:
                 bad.append({"key": rec.key, "status": status, **rec.as_dict()})
             if progress is not None:
                 progress(rec.length)
-    return {"store": os.path.abspath(path), "checked": checked, "bytes": nbytes, "bad": bad, "vanished": vanished}
+        damage = r.index.scan_damage
+    return {"store": os.path.abspath(path), "checked": checked, "bytes": nbytes, "bad": bad, "vanished": vanished,
+            "index_damage": damage}  # fmt: skip
 
 
 # --- inspect ---------------------------------------------------------------------------------
@@ -338,7 +360,8 @@ def free_ranges(path: str) -> tuple[dict[int, list[tuple[int, int]]], set[int], 
         names, recs = r.scan()
         seg_bytes = r.segment_bytes
     on_disk = segment_files_on_disk(path)
-    n_segments = max([*on_disk, *(recs["segment"].tolist() if len(recs) else [])], default=-1) + 1
+    # records in segments without a file are dropped below; a damaged segment number must not size this
+    n_segments = max(on_disk, default=-1) + 1
     alloc = SegmentAllocator(max(n_segments, 1), seg_bytes)
     keep = alloc.rebuild(recs["segment"], recs["offset"], recs["length"], recs["generation"]) if len(recs) else np.zeros(0, bool)
     live = recs[keep] if len(recs) else recs

@@ -45,7 +45,10 @@ class SegmentAllocator:
     """Slots in ``n_segments`` segments of ``segment_bytes`` each. Not thread-safe (loop thread)."""
 
     def __init__(self, n_segments: int, segment_bytes: int):
-        assert segment_bytes % SLOT_ALIGN_BYTES == 0 and segment_bytes > 0
+        if type(segment_bytes) is not int or segment_bytes <= 0 or segment_bytes % SLOT_ALIGN_BYTES:
+            raise ValueError(f"segment_bytes={segment_bytes!r} must be a positive multiple of {SLOT_ALIGN_BYTES}")
+        if type(n_segments) is not int or n_segments < 0:
+            raise ValueError(f"n_segments={n_segments!r} must be a non-negative integer")
         self.n_segments = n_segments
         self.segment_bytes = segment_bytes
         self.seg_class = [0] * n_segments  # slot bytes; 0 = unassigned
@@ -151,7 +154,9 @@ class SegmentAllocator:
 
     def free(self, seg: int, off: int) -> None:
         cls = self.seg_class[seg]
-        assert cls and self.seg_used[seg] > 0, (seg, off)
+        if not cls or self.seg_used[seg] <= 0:
+            # a double free would hand one slot to two objects: refuse loudly, change nothing
+            raise RuntimeError(f"slot {off} of segment {seg} is not allocated")
         self.seg_used[seg] -= 1
         self.used_bytes -= cls
         if self.seg_used[seg] == 0:
@@ -171,11 +176,15 @@ class SegmentAllocator:
         records sharing a slot (a relaxed-mode power loss can resurrect an evicted record whose
         slot was reused; its CRC would fail anyway).
         """
+        # offsets are u64 on disk: one of 2**63 or more wraps negative in int64, so it is dropped
+        # by ``offs >= 0``; every sum below then stays far inside int64
         segs = segs.astype(np.int64)
         offs = offs.astype(np.int64)
         cls = size_classes(lengths)
         keep = (
             (lengths > 0)
+            & (offs >= 0)
+            & (segs >= 0)
             & (segs < self.n_segments)
             & (cls <= self.segment_bytes)
             & (offs % np.maximum(cls, 1) == 0)

@@ -40,7 +40,7 @@ from typing import Any, List, Optional, Sequence
 
 from .buffers import address_of
 from .config import StoreConfig, load_config
-from .errors import NamespaceMismatchError, StoreError
+from .errors import NamespaceMismatchError, StoreDamagedError, StoreError
 from .hits import v2_hits
 from .keys import KeyScheme, PoolRegistry, is_mla_follower, pool_name_str, rank_subdir
 
@@ -535,6 +535,10 @@ class UMBPNvmeStore(HiCacheStorage):
             self._next_follower_try = now + _FOLLOWER_RETRY_S
             try:
                 store = SyncPageStore(self.store_dir, self.config, readonly=True, namespace=self._namespace)
+            except StoreDamagedError as e:
+                # the leader (the writer) moves damaged metadata aside at its open: miss until then
+                self._log_once("follower_damaged", "follower: %s; reporting misses until the leader repairs it", e)
+                return None
             except FileNotFoundError:
                 self._log_leader_not_ready()
                 return None

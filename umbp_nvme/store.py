@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import ctypes
+import errno
 import fcntl
 import gc
 import json
@@ -40,6 +41,7 @@ from .engine.base import errno_name
 from .errors import (
     CapacityShrinkError,
     IndexDamagedError,
+    ManifestDamagedError,
     NamespaceMismatchError,
     NotAStoreError,
     ReadOnlyStoreError,
@@ -48,7 +50,7 @@ from .errors import (
     UnsafeStorePathError,
 )
 from .keybytes import encode_key
-from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index, quarantine, wrap_lmdb_error
+from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index, check_own_file, quarantine, wrap_lmdb_error
 from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, SegmentFiles, segment_name, size_classes
 
 log = logging.getLogger(__name__)
@@ -121,16 +123,64 @@ def _prepare_dir(path: str, *, readonly: bool) -> str:
             f"store directory {path} is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()}); "
             "use a directory of your own"
         )
-    for name in (INDEX_FILE, MANIFEST_FILE, LOCK_FILE):
-        p = os.path.join(path, name)
-        if os.path.islink(p):
-            raise UnsafeStorePathError(f"{p} is a symlink; refusing to use it")
+    if st.st_mode & 0o022:
+        raise UnsafeStorePathError(
+            f"store directory {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): they could "
+            f"replace its files; chmod go-w {path}"
+        )
+    _check_ancestors(path)
+    for name in (INDEX_FILE, INDEX_FILE + "-lock", MANIFEST_FILE, LOCK_FILE):
+        check_own_file(os.path.join(path, name))  # LMDB follows symlinks: check before it opens
     return path
+
+
+def _check_ancestors(path: str) -> None:
+    """Refuse a store directory that another user could rename or replace.
+
+    Every directory above it is checked, as written and as resolved (a symlinked ancestor is
+    judged by the directory it lives in and the one it points to): each must be owned by root or
+    by this user, and one writable by group or others must have the sticky bit (like /tmp), under
+    which only an entry's owner can rename it, and the entries we pass through are checked in turn.
+    A directory above that another user owns or may write lets them move ours away after open
+    and put theirs in its place; later puts would land in their files.
+    """
+    uid = os.geteuid()
+    dirs = []
+    for start in (os.path.dirname(path), os.path.realpath(os.path.dirname(path))):
+        d = start
+        while True:
+            if d not in dirs:
+                dirs.append(d)
+            up = os.path.dirname(d)
+            if up == d:
+                break
+            d = up
+    for d in dirs:
+        try:
+            st = os.stat(d)
+        except OSError:
+            continue  # not there (yet): the existing ones above decide
+        if st.st_uid not in (0, uid):
+            raise UnsafeStorePathError(
+                f"{d}, above store directory {path}, is owned by uid {st.st_uid}: that user could replace the store; "
+                "put the store under directories owned by you or root"
+            )
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise UnsafeStorePathError(
+                f"{d}, above store directory {path}, is writable by group or others without the sticky bit "
+                f"(mode {stat.S_IMODE(st.st_mode):o}): another user could rename the store directory and put theirs in "
+                f"its place; chmod go-w (or +t) {d}, or use another directory"
+            )
 
 
 def _take_lock(path: str) -> int:
     lock_path = os.path.join(path, LOCK_FILE)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        check_own_file(lock_path, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -149,14 +199,24 @@ def _take_lock(path: str) -> int:
 
 
 def _write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # a fresh name, created exclusively: never an existing file or a symlink someone planted
+    tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+            while data:
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
@@ -164,39 +224,79 @@ def _write_json_atomic(path: str, obj) -> None:
         os.close(dfd)
 
 
-def _read_manifest(path: str, *, error=StoreError) -> dict | None:
-    """The manifest, or None when the directory has none; ``error`` for a damaged one."""
+_MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few hundred bytes: anything this large is damage
+_SEGMENT_BYTES_MAX = 1 << 40
+_CAPACITY_BYTES_MAX = 1 << 60
+
+
+def _manifest_int(p: str, field: str, v, lo: int, hi: int, align: int = 1) -> int:
+    # bool is an int in Python: true/false in the JSON is damage, not 1/0
+    if type(v) is not int or not lo <= v <= hi or v % align:
+        rule = f"an integer in {lo}..{hi}" + (f", a multiple of {align}" if align > 1 else "")
+        raise ManifestDamagedError(f"{p}: {field}={v!r} is not {rule}; the manifest is damaged")
+    return v
+
+
+def _check_manifest(p: str, m) -> dict:
+    """The manifest ``m`` read from ``p`` if every field is in range; ManifestDamagedError naming the field."""
+    if not isinstance(m, dict):
+        raise ManifestDamagedError(f"{p} holds a JSON {type(m).__name__}, not an object; the manifest is damaged")
+    if "format_version" not in m:
+        raise ManifestDamagedError(f"{p}: format_version is missing; the manifest is damaged")
+    fv = m["format_version"]
+    if type(fv) is not int or fv != FORMAT_VERSION:
+        raise ManifestDamagedError(f"{p}: format_version={fv!r} is not supported (expected {FORMAT_VERSION})")
+    layout = m.get("layout")
+    if not isinstance(layout, dict) or "segment_bytes" not in layout:
+        raise ManifestDamagedError(f"{p}: layout.segment_bytes is missing; the manifest is damaged")
+    _manifest_int(p, "layout.segment_bytes", layout["segment_bytes"], SLOT_ALIGN_BYTES, _SEGMENT_BYTES_MAX, SLOT_ALIGN_BYTES)
+    if "slot_align_bytes" in layout and layout["slot_align_bytes"] != SLOT_ALIGN_BYTES:
+        raise ManifestDamagedError(
+            f"{p}: layout.slot_align_bytes={layout['slot_align_bytes']!r} is not {SLOT_ALIGN_BYTES}; the manifest is damaged"
+        )
+    ns = m.get("namespace")
+    if ns is not None and not isinstance(ns, dict):
+        raise ManifestDamagedError(f"{p}: namespace={ns!r} is not an object; the manifest is damaged")
+    cap = m.get("ssd_capacity_bytes")
+    if cap is not None:
+        _manifest_int(p, "ssd_capacity_bytes", cap, layout["segment_bytes"], _CAPACITY_BYTES_MAX)
+    return m
+
+
+def _read_manifest(path: str) -> dict | None:
+    """The manifest, or None when the directory has none; ManifestDamagedError for a damaged one."""
     p = os.path.join(path, MANIFEST_FILE)
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise error(f"cannot read {p}: {e.strerror or e}") from None
+        if e.errno == errno.ELOOP:
+            raise UnsafeStorePathError(f"{p} is a symlink; refusing to use it") from None
+        raise StoreError(f"cannot read {p}: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as f:
-        data = f.read()
+        check_own_file(p, os.fstat(fd))
+        data = f.read(_MANIFEST_MAX_BYTES + 1)
+    if len(data) > _MANIFEST_MAX_BYTES:
+        raise ManifestDamagedError(f"{p} is over {_MANIFEST_MAX_BYTES} bytes; the manifest is damaged")
     try:
         m = json.loads(data)
-    except ValueError as e:
-        raise error(f"{p} is not valid JSON ({e}); the store directory is damaged") from None
-    if not isinstance(m, dict) or not isinstance(m.get("layout"), dict) or "segment_bytes" not in m["layout"]:
-        raise error(f"{p} is not a umbp_nvme manifest (no layout.segment_bytes); the store directory is damaged")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise error(f"{p}: format_version {m.get('format_version')!r} is not supported (expected {FORMAT_VERSION})")
-    return m
+    except (ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 too
+        raise ManifestDamagedError(f"{p} is not valid JSON ({type(e).__name__}: {e}); the manifest is damaged") from None
+    return _check_manifest(p, m)
 
 
 def read_manifest(path) -> dict:
     """The store's MANIFEST.json as a dict (format_version, layout, namespace, ssd_capacity_bytes).
 
     Raises NotAStoreError (a FileNotFoundError and a StoreError) when ``path`` is not a store
-    directory, has no manifest, or the manifest is damaged. Takes no lock; safe beside a writer
+    directory or has no manifest, and its subclass ManifestDamagedError when a field is damaged. Takes no lock; safe beside a writer
     (the manifest is replaced atomically).
     """
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise NotAStoreError(f"store directory {path} does not exist; check the path (--store), or create the store first")
-    m = _read_manifest(path, error=NotAStoreError)
+    m = _read_manifest(path)
     if m is None:
         raise NotAStoreError(f"{path} is not a umbp_nvme store (no {MANIFEST_FILE}); check the path (--store)")
     return m
@@ -233,6 +333,10 @@ def lock_holder(path) -> int | None:
         os.close(fd)
 
 
+_GENERATION_MAX = 1 << 62  # generations (put batches) read from the index must stay below this
+_SEGMENTS_MAX = 1 << 20  # a segment file name beyond this is not one the store made
+
+
 def _segment_files_extent(path: str) -> int:
     """1 + the highest segment index with a file in ``path`` (0 when none)."""
     top = -1
@@ -242,10 +346,9 @@ def _segment_files_extent(path: str) -> int:
         return 0
     for name in names:
         if name.startswith("seg-") and name.endswith(".dat"):
-            try:
-                top = max(top, int(name[4:-4]))
-            except ValueError:
-                pass
+            digits = name[4:-4]
+            if digits.isascii() and digits.isdigit() and int(digits) < _SEGMENTS_MAX:
+                top = max(top, int(digits))
     return top + 1
 
 
@@ -454,8 +557,20 @@ class PageStore:
                        shrink: bool = False) -> None:  # fmt: skip
         if namespace is not None and not isinstance(namespace, dict):
             raise TypeError(f"namespace must be a dict of JSON values, got {type(namespace).__name__}")
-        m = _read_manifest(self.path)
         self._shrink_from = None  # (old capacity, old segment count) while a permitted shrink runs
+        self._manifest_created = False  # this open wrote a new manifest (no index records to trust yet)
+        mpath = os.path.join(self.path, MANIFEST_FILE)
+        damage = None
+        try:
+            m = _read_manifest(self.path)
+        except ManifestDamagedError as e:
+            if self.readonly:
+                raise
+            m, damage = None, str(e)
+        if m is None and damage is None and not self.readonly and (
+            _segment_files_extent(self.path) or os.path.lexists(os.path.join(self.path, INDEX_FILE))
+        ):
+            damage = f"{mpath} is missing but the directory holds store files"
         if m is None:
             if self.readonly:
                 raise FileNotFoundError(f"{self.path} has no {MANIFEST_FILE}; it is not a store (open it for writing first)")
@@ -472,13 +587,18 @@ class PageStore:
                 "namespace": namespace or {},
                 "ssd_capacity_bytes": int(cfg.ssd_capacity_bytes),
             }
-            _write_json_atomic(os.path.join(self.path, MANIFEST_FILE), m)
+            if damage is not None:
+                m = self._recover_manifest(mpath, m, damage)
+                shrink = True  # the files' extent is a guess: fit it to the capacity asked for, never refuse
+            else:
+                self._manifest_created = True
+            _write_json_atomic(mpath, m)
         else:
             stored = m.get("namespace") or {}
             _check_namespace(self.path, stored, namespace)
             if not stored and namespace and not self.readonly:
                 m["namespace"] = namespace  # first declaration on a store created without one
-                _write_json_atomic(os.path.join(self.path, MANIFEST_FILE), m)
+                _write_json_atomic(mpath, m)
         self.manifest = m
         self.segment_bytes = int(m["layout"]["segment_bytes"])
         if self.segment_bytes != cfg.ssd_segment_size_bytes and not self.readonly:
@@ -488,6 +608,42 @@ class PageStore:
             self.capacity_bytes = recorded or int(cfg.ssd_capacity_bytes)
             return
         self.capacity_bytes = self._writer_capacity(m, recorded, int(cfg.ssd_capacity_bytes), capacity_from_manifest, shrink)
+
+    def _recover_manifest(self, mpath: str, fresh: dict, damage: str) -> dict:
+        """A writer's manifest after damage: the damaged file moved aside, its facts re-derived.
+
+        ``segment_bytes`` comes from the segment files when they all have one valid size (they
+        are preallocated to it), else from the config (``fresh``); the namespace is the one this
+        open declares; the capacity is re-recorded from the files' extent and the config by
+        ``_writer_capacity``. Index records that do not fit the derived layout are dropped at load.
+        """
+        dest = None
+        if os.path.lexists(mpath):
+            try:
+                dest = quarantine(mpath, lock_file=False)
+            except OSError as e:
+                raise StoreError(f"{damage}, and it cannot be moved aside ({e.strerror or e}); remove it") from None
+        seg, source = fresh["layout"]["segment_bytes"], "the config"
+        sizes = set()
+        for name in os.listdir(self.path):
+            if name.startswith("seg-") and name.endswith(".dat"):
+                try:
+                    st = os.lstat(os.path.join(self.path, name))
+                except OSError:
+                    continue
+                sizes.add(st.st_size if stat.S_ISREG(st.st_mode) else -1)
+        if len(sizes) == 1:
+            (size,) = sizes
+            if SLOT_ALIGN_BYTES <= size <= _SEGMENT_BYTES_MAX and size % SLOT_ALIGN_BYTES == 0:
+                seg, source = size, "the segment files"
+        m = dict(fresh, layout={"segment_bytes": seg, "slot_align_bytes": SLOT_ALIGN_BYTES})
+        del m["ssd_capacity_bytes"]  # re-derived: the files' extent, fitted to the capacity asked for
+        log.error(
+            "%s: the store manifest is damaged (%s); %s and re-derived it (segment_bytes=%d from %s, namespace "
+            "from this open); keeping the index records that fit it",
+            self.path, damage, f"moved it to {dest}" if dest else "writing a new one", seg, source,
+        )  # fmt: skip
+        return m
 
     def _writer_capacity(self, m: dict, recorded: int | None, requested: int, from_manifest: bool, shrink: bool) -> int:
         """The capacity this writer runs with; records it in the manifest unless it shrinks (then later)."""
@@ -534,11 +690,18 @@ class PageStore:
         ipath = os.path.join(self.path, INDEX_FILE)
         map_size = _map_size_bytes(self.capacity_bytes)
         self._scan = None
+        if not self.readonly and not self._manifest_created and not os.path.lexists(ipath):
+            log.error(
+                "%s: the store index %s is missing; starting with an empty index (the objects it listed are lost; "
+                "their space is reused)", self.path, ipath,
+            )  # fmt: skip
         try:
             self._index = Index(ipath, readonly=self.readonly, map_size=map_size, durable=self.strict)
             if not self.readonly:
                 self._scan = self._index.scan()
                 self._scan_next_gen = self._index.next_generation()
+                if self._index.scan_damage is not None:
+                    self._rebuild_index(ipath, map_size)
             return
         except IndexDamagedError as e:
             if self.readonly:
@@ -553,9 +716,9 @@ class PageStore:
             raise StoreError(
                 f"store index {ipath} is damaged ({reason}) and cannot be moved aside ({e.strerror or e}); remove it"
             ) from None
-        log.warning(
-            "%s: the store index is damaged (%s); moved it to %s and starting with an empty index "
-            "(the objects it listed are lost; their space is reused)",
+        log.error(
+            "%s: %s; moved it to %s and starting with an empty index (the objects it listed are lost; their "
+            "space is reused)",
             self.path, reason, dest,
         )  # fmt: skip
         self._index = Index(ipath, readonly=False, map_size=map_size, durable=self.strict)
@@ -563,6 +726,33 @@ class PageStore:
         # generations keep growing across the reset: a follower still reading the old index
         # can never match a new record's generation to an old one
         self._scan_next_gen = time.time_ns() // 1000
+
+    def _rebuild_index(self, ipath: str, map_size: int) -> None:
+        """The scan found damaged nodes (and left their keys out): move the file aside and write
+        a new index holding every record that scanned clean, so nothing intact is lost and no
+        damaged node stays where a later lookup or delete could land on it."""
+        reason = self._index.scan_damage
+        keys, recs = self._scan
+        self._index.close()
+        self._index = None
+        try:
+            dest = quarantine(ipath)
+        except OSError as e:
+            raise StoreError(
+                f"store index {ipath} is damaged ({reason}) and cannot be moved aside ({e.strerror or e}); remove it"
+            ) from None
+        self._index = Index(ipath, readonly=False, map_size=map_size, durable=self.strict)
+        blob = recs.tobytes()
+        puts = [(encode_key(k), blob[i * REC_BYTES : (i + 1) * REC_BYTES]) for i, k in enumerate(keys)]
+        try:
+            self._index.commit(puts=puts, next_generation=self._scan_next_gen)
+            self._index.sync()
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(ipath, e, f"rebuilding it from {len(keys)} intact records") from None
+        log.error(
+            "%s: the store index %s is damaged (%s); moved it to %s and rebuilt it from its %d intact records",
+            self.path, ipath, reason, dest, len(keys),
+        )  # fmt: skip
 
     def _load_writer_state(self) -> None:
         gc_was_enabled = gc.isenabled()
@@ -591,6 +781,8 @@ class PageStore:
         if n and self._shrink_from is not None:
             shrunk = int((segs >= n_segments).sum())
         keep = self._alloc.rebuild(segs, recs["offset"], recs["length"], recs["generation"])
+        # generations count puts: one near 2**64 is damage and would overflow the clock
+        keep &= recs["generation"] < _GENERATION_MAX
         if n:
             # A record whose segment file is gone (ENOENT) or too short for its extent cannot be
             # read back: drop it. Any other failure (EMFILE, EACCES, EIO...) may be transient:
@@ -615,7 +807,8 @@ class PageStore:
                     )  # fmt: skip
                 if len(drop) > shrunk:
                     log.warning(
-                        "%s: dropping %d index records whose data is gone (segment file missing or short) or damaged",
+                        "%s: dropping %d index records whose data is gone (segment file missing or short) or that are damaged "
+                        "(outside their segment, misaligned, overlapping another)",
                         self.path, len(drop) - shrunk,
                     )  # fmt: skip
                 try:
@@ -664,6 +857,10 @@ class PageStore:
         self._free_rows: list[int] = []
         self._dead_pinned: set[int] = set()  # deleted rows whose slot waits for a read to finish
         gen_max = int(recs["generation"].max()) if n else 0
+        if self._scan_next_gen >= _GENERATION_MAX:
+            log.error("%s: the index's next generation %d is damaged; continuing after its records' highest",
+                      self.path, self._scan_next_gen)  # fmt: skip
+            self._scan_next_gen = max(gen_max + 1, time.time_ns() // 1000)
         self._clock = max(self._scan_next_gen, gen_max + 1)
 
     def _segment_size(self, s: int) -> int | None:

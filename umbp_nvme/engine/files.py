@@ -8,7 +8,9 @@
 * The DIO alignment comes from ``statx(STATX_DIOALIGN)`` (Linux 6.1+), read through libc with
   ctypes because Python has no statx; without it, 4096 (the page size, safe for every device).
 * Files are created 0600, never through a symlink (O_NOFOLLOW: a store directory must not be
-  redirectable), with O_CLOEXEC so forked workers do not inherit them.
+  redirectable), with O_CLOEXEC so forked workers do not inherit them; an open file must be a
+  regular file owned by this user (fstat), or it is refused: another user's file is not ours to
+  serve or overwrite.
 * ``size`` preallocates with ``posix_fallocate`` so later writes do not allocate blocks on the
   hot path and ENOSPC shows up at open time, not mid-batch.
 """
@@ -113,6 +115,7 @@ def open_data_file(
     size: int | None = None,
     direct: bool = True,
     readonly: bool = False,
+    check_owner: bool = True,
 ) -> DataFile:
     """Open (or create) a data file for engine I/O. Raises OSError with the path on failure."""
     path = os.fspath(path)
@@ -155,6 +158,8 @@ def open_data_file(
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if check_owner and st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"{path} is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()})")
         if size is not None and st.st_size < size:
             _preallocate(fd, path, size)
         mem, off = dio_alignment(fd) if is_direct else (0, 0)
