@@ -761,7 +761,10 @@ class PageStore:
             try:
                 await asyncio.wait_for(self._idle.wait(), self.timeout_s)
             except asyncio.TimeoutError:
-                log.warning("%s: closing with %d operations still in flight", self.path, self._inflight)
+                # every call ends once the kernel gave back its memory (see _await_io); closing
+                # the engines before that would let a late completion land in freed memory
+                log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, self._inflight)
+                await self._idle.wait()
         if not self.readonly and self._index is not None and not self.strict:
             await self.flush_for_close()
         self._release_resources()
@@ -1052,6 +1055,16 @@ class PageStore:
         if victims:
             await self._drop_rows(victims, evicted=True)
 
+    def _try_grow(self) -> None:
+        """Running below capacity after ENOSPC: create the next segment file if the file system
+        has room again (once per _GROW_RETRY_S; a create costs what any grow costs)."""
+        files = self._files.files
+        nxt = next((i for i in range(self._alloc.n_segments) if i not in files), None)
+        if nxt is None:
+            self._space_limit_segments = None
+            return
+        self._note_space(not self._files.ensure(nxt), True)
+
     def _note_space(self, failed_create: bool, tried: bool) -> None:
         """Adopt (or lift) the effective capacity after a batch's segment creation."""
         have = len(self._files.files)
@@ -1268,6 +1281,8 @@ class PageStore:
         """
         m0 = len(todo)
         classes = size_classes(lens)
+        if self._space_limit_segments is not None and time.monotonic() >= self._space_retry_at:
+            self._try_grow()
         await self._make_room(int(classes.sum()))
         failed_create = False
         files = self._files
