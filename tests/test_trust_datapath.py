@@ -552,3 +552,26 @@ def test_sync_store_after_close_answers_false_and_logs_once(store_dir, caplog):
     assert _tree(store_dir) == before
     lines = [r for r in caplog.records if "close" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_sglang_backend_after_close_answers_false_without_opening_anything(root, caplog):
+    import sglang_env as E
+
+    E.require_sglang()
+    pool = E.mha_pool()
+    backend = E.load_backend(E.storage_config(root), pool.host)
+    hashes = E.page_hashes(4)
+    idx = pool.alloc_pages(4)
+    assert backend.batch_set_v1(hashes, idx) == [True] * 4
+    backend.close()
+    before = _tree(root)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="umbp_nvme"):
+        for _ in range(50):
+            assert backend.batch_set_v1(hashes, idx) == [False] * 4
+            assert backend.batch_get_v1(hashes, idx) == [False] * 4
+            assert backend.batch_exists(hashes) == 0
+            assert backend.exists(hashes[0]) is False
+    assert _tree(root) == before
+    lines = [r for r in caplog.records if "close" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
