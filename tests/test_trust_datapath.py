@@ -144,6 +144,10 @@ async def test_bad_depths_fail_alone(store_dir):
     r = await st.put_many(keys, [pl(k, OBJ) for k in keys], depths=[0, None, 1 << 40, 3])
     assert r == [True, False, False, True]
     assert st._rows_depth[[st._keys["d0"], st._keys["d3"]]].tolist() == [0, 3]
+    keys = [f"n{i}" for i in range(3)]  # a numpy array whose values do not fit int32: no wrap
+    r = await st.put_many(keys, [pl(k, OBJ) for k in keys], depths=np.array([1, 1 << 40, 2], np.int64))
+    assert r == [True, False, True]
+    assert st._rows_depth[[st._keys["n0"], st._keys["n2"]]].tolist() == [1, 2]
     await st.close()
 
 

@@ -1135,9 +1135,9 @@ class PageStore:
         if depths is None:
             return None
         try:
-            a = np.asarray(depths, np.int32)
-            if a.shape == (n,):
-                return a
+            a = np.asarray(depths)
+            if a.shape == (n,) and a.dtype.kind in "iu" and (not n or (a.min() >= -(1 << 31) and a.max() < 1 << 31)):
+                return a.astype(np.int32, copy=False)
         except (TypeError, ValueError, OverflowError):
             pass
         out = []
@@ -1592,7 +1592,9 @@ class PageStore:
                     ctypes.memset(h + n, 0, -n % SLOT_ALIGN_BYTES)
                 return [crc32c((h, n)) for _, h, n in pairs]
 
-            crcs = await asyncio.get_running_loop().run_in_executor(None, stage)
+            fut = asyncio.get_running_loop().run_in_executor(None, stage)
+            await _wait_out(fut)  # the thread writes the bounce buffer until it returns
+            crcs = fut.result()
             res = await self._write_engine.write_many(fds, offs, host, blen)
             return np.where(res == blen, lens, np.minimum(res, lens)), np.asarray(crcs, np.uint32)
         finally:
@@ -1634,8 +1636,9 @@ class PageStore:
                     gds._device_ops.copy_h2d([(h, int(a), n) for h, a, n, o in zip(host_l, addrs.tolist(), len_l, out) if o])
                     return out
 
-                checked = np.asarray(await asyncio.get_running_loop().run_in_executor(None, check_and_copy), bool)
-                return ok, checked
+                fut = asyncio.get_running_loop().run_in_executor(None, check_and_copy)
+                await _wait_out(fut)  # it copies into the caller's device memory until it returns
+                return ok, np.asarray(fut.result(), bool)
             finally:
                 self._bounce.put(bounce)
         ok = res >= lens
@@ -1965,10 +1968,13 @@ class PageStore:
             return self._index.exists_prefix(enc)
         d = self._keys
         n = 0
-        for k in keys:
-            if type(k) is not str or k not in d:
-                break
-            n += 1
+        try:
+            for k in keys:
+                if k not in d:
+                    break
+                n += 1
+        except TypeError:  # an unhashable key is absent: the prefix ends there
+            pass
         return n
 
     async def exists_many(self, keys: list[str]) -> list[bool]:
