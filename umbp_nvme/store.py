@@ -318,10 +318,10 @@ _MIN_FAST_ADDR = 4096  # the batch fast path leaves smaller values (bools, 0/1) 
 _GROW_RETRY_S = 30.0  # after a segment file could not be created, try to grow again this often
 
 
-async def _wait_out(fut) -> None:
-    """Wait until ``fut`` has ended, whatever it ended with. A cancellation of the caller meanwhile
-    is re-raised only after that: the engine batch or worker thread behind ``fut`` may use memory
-    (caller buffers, slots, bounce buffers) that must not be reused before it ends."""
+async def _settle(fut) -> None:
+    """Wait until ``fut`` has ended, whatever it ended with. A cancellation of our caller
+    meanwhile is re-raised only after that: the engine batch or worker thread behind ``fut`` may
+    use memory (caller buffers, slots, bounce buffers) that must not be reused before it ends."""
     cancelled = False
     while not fut.done():
         try:
@@ -329,9 +329,20 @@ async def _wait_out(fut) -> None:
         except asyncio.CancelledError:
             cancelled = True
     if not fut.cancelled():
-        fut.exception()  # retrieved: a failure here is the batch's failure, already accounted
+        fut.exception()  # retrieved: the batch already counts as failed
     if cancelled:
         raise asyncio.CancelledError
+
+
+async def _wait_out(fut):
+    """``fut``'s result (the common path: one shield); if our caller cancels us, the
+    CancelledError comes only once ``fut`` has ended (see _settle)."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        if not fut.done():
+            await _settle(fut)
+        raise
 
 
 def _plain_keys(keys) -> bool:
@@ -1416,7 +1427,7 @@ class PageStore:
                         # an error or our caller's cancellation: the device may still read the
                         # caller's memory and write these slots; they stay ours until it is done
                         task.cancel()
-                        await _wait_out(task)
+                        await _settle(task)
             if self.strict and good.any():
                 touched = np.unique(segs[good]).tolist()
                 sync = self._write_engine.sync
@@ -1440,7 +1451,7 @@ class PageStore:
             # I/O or copy into the slots or the bounce runs any more (waited out above)
             try:
                 if crc_job is not None:
-                    await _wait_out(crc_job)  # it reads the caller's memory
+                    await _settle(crc_job)  # it reads the caller's memory
             finally:
                 self._alloc.free_many(segs, offs)
                 if bounce is not None:
@@ -1542,35 +1553,46 @@ class PageStore:
 
         Either way this returns only once the engine batch has ended: until then the kernel may
         still read or write the caller's memory, the slots and the bounce buffer. At the timeout
-        the engine is asked to cancel (io_uring tries IORING_OP_ASYNC_CANCEL; block I/O usually
-        runs on to its end or the block layer's timeout), the stall is counted and logged once
-        with its segments, and the wait goes on. A cancellation of our caller waits the same way.
+        the stall is counted and logged once with its segments and the engine is asked to cancel
+        (io_uring tries IORING_OP_ASYNC_CANCEL; block I/O usually runs on to its end or to the
+        block layer's timeout, and the wait goes on). A cancellation of our caller waits the same
+        way (awaiting a task that is cancelled waits for its end). One timer per call: no
+        wait_for/shield futures on the hot path.
         """
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), self.timeout_s if timeout_s is None else timeout_s)
-        except asyncio.TimeoutError:
-            pass
-        except asyncio.CancelledError:
+        stalled_at = None
+
+        def on_timeout() -> None:
+            nonlocal stalled_at
+            if task.done():
+                return
+            stalled_at = time.monotonic()
+            n = len(segs)
+            self._counters["timeouts"] += 1
+            self._stalled_ops += n
+            u = np.unique(segs)
+            names = ", ".join(segment_name(int(x)) for x in u[:4].tolist()) + (" ..." if len(u) > 4 else "")
+            log.error(
+                "%s: %s of %d objects outlived io_timeout_s=%.1f s on %s; cancelling it and waiting for the "
+                "kernel to give back the memory", self.path, what, n, self.timeout_s, names,
+            )  # fmt: skip
             task.cancel()
-            await _wait_out(task)
-            raise
-        n = len(segs)
-        self._counters["timeouts"] += 1
-        self._stalled_ops += n
-        t0 = time.monotonic()
-        names = ", ".join(segment_name(int(x)) for x in np.unique(segs)[:4].tolist())
-        log.error(
-            "%s: %s of %d objects outlived io_timeout_s=%.1f s on %s%s; cancelling it and waiting for the "
-            "kernel to give back the memory",
-            self.path, what, n, self.timeout_s, names, " ..." if len(np.unique(segs)) > 4 else "",
-        )  # fmt: skip
-        task.cancel()
+
+        h = asyncio.get_running_loop().call_later(self.timeout_s if timeout_s is None else timeout_s, on_timeout)
         try:
-            await _wait_out(task)
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if stalled_at is None or (me is not None and me.cancelling()):
+                if not task.done():  # our caller gave up: the engine batch still owns the memory
+                    task.cancel()
+                    await _settle(task)
+                raise
+            return None  # our own timeout: the batch has ended (task is done)
         finally:
-            self._late_completions += n
-            self._stalled_wait_s = max(self._stalled_wait_s, time.monotonic() - t0)
-        return None
+            h.cancel()
+            if stalled_at is not None and task.done():
+                self._late_completions += len(segs)
+                self._stalled_wait_s = max(self._stalled_wait_s, time.monotonic() - stalled_at)
 
     async def _write_device(self, route: str, fds, offs, addrs, lens):
         """(results, crcs) for a write from CUDA memory; the CRC is computed on a host copy."""
@@ -1592,9 +1614,8 @@ class PageStore:
                     ctypes.memset(h + n, 0, -n % SLOT_ALIGN_BYTES)
                 return [crc32c((h, n)) for _, h, n in pairs]
 
-            fut = asyncio.get_running_loop().run_in_executor(None, stage)
-            await _wait_out(fut)  # the thread writes the bounce buffer until it returns
-            crcs = fut.result()
+            # the thread writes the bounce buffer until it returns
+            crcs = await _wait_out(asyncio.get_running_loop().run_in_executor(None, stage))
             res = await self._write_engine.write_many(fds, offs, host, blen)
             return np.where(res == blen, lens, np.minimum(res, lens)), np.asarray(crcs, np.uint32)
         finally:
@@ -1636,9 +1657,9 @@ class PageStore:
                     gds._device_ops.copy_h2d([(h, int(a), n) for h, a, n, o in zip(host_l, addrs.tolist(), len_l, out) if o])
                     return out
 
-                fut = asyncio.get_running_loop().run_in_executor(None, check_and_copy)
-                await _wait_out(fut)  # it copies into the caller's device memory until it returns
-                return ok, np.asarray(fut.result(), bool)
+                # it copies into the caller's device memory until it returns
+                checked = await _wait_out(asyncio.get_running_loop().run_in_executor(None, check_and_copy))
+                return ok, np.asarray(checked, bool)
             finally:
                 self._bounce.put(bounce)
         ok = res >= lens
@@ -1860,9 +1881,7 @@ class PageStore:
                 good[lo:hi] = ok
                 if need_cpu:
                     # the thread copies into the caller's memory: it must end before we return
-                    fut = loop.run_in_executor(None, finish, lo, hi, ok)
-                    await _wait_out(fut)
-                    verified[lo:hi] = fut.result()
+                    verified[lo:hi] = await _wait_out(loop.run_in_executor(None, finish, lo, hi, ok))
                 else:
                     verified[lo:hi] = ok
 
