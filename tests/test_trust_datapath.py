@@ -277,13 +277,16 @@ def _blocking_posix_reads(monkeypatch, fd: int):
     from umbp_nvme.engine import posix as posix_mod
 
     real = posix_mod._read_full
+    entered = threading.Event()
 
     def read_full(f, offset, addr, nbytes):
         if f != fd:
             return real(f, offset, addr, nbytes)
+        entered.set()
         return os.readv(f, [(ctypes.c_char * nbytes).from_address(addr)])
 
     monkeypatch.setattr(posix_mod, "_read_full", read_full)
+    return entered
 
 
 def _fifo_segment(st, tmp_path, seg: int = 0):
@@ -325,15 +328,16 @@ async def test_a_stalled_read_never_lands_in_the_caller_after_get_returned(store
 
 async def test_an_uncancellable_stalled_read_holds_the_call_until_it_ends(store_dir, tmp_path, monkeypatch):
     # posix threads in preadv cannot be cancelled: get_many waits for the read, however long
-    st = await PageStore.open(store_dir, cfg(io_timeout_s=0.2, ssd_io_backend="posix"))
+    st = await PageStore.open(store_dir, cfg(io_timeout_s=0.5, ssd_io_backend="posix"))
     assert await st.put_many(["x"], [pl("x", OBJ)]) == [True]
     real_fd = int(st._files.fds[0])
     rfd, wfd = _fifo_segment(st, tmp_path)
-    _blocking_posix_reads(monkeypatch, rfd)
+    entered = _blocking_posix_reads(monkeypatch, rfd)
     out = np.zeros(OBJ, np.uint8)
     try:
         task = asyncio.ensure_future(st.get_many(["x"], [out]))
-        await asyncio.sleep(0.6)  # three io_timeout_s
+        assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)  # the read runs
+        await asyncio.sleep(1.0)  # two io_timeout_s
         assert not task.done()
         assert st.stats()["stalled_ops"] == 1 and st.stats()["late_completions"] == 0
         os.write(wfd, b"\xab" * OBJ)
@@ -349,13 +353,13 @@ async def test_an_uncancellable_stalled_read_holds_the_call_until_it_ends(store_
 
 
 def test_sync_get_never_returns_while_the_store_waits_for_the_kernel(store_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(sync_mod, "_CALL_SLACK_S", 0.1)  # the sync call's own limit: 4 x 0.1 + 0.1 s
-    s = SyncPageStore(store_dir, cfg(io_timeout_s=0.1, ssd_io_backend="posix"))
+    monkeypatch.setattr(sync_mod, "_CALL_SLACK_S", 0.1)  # the sync call's own limit: 4 x 0.3 + 0.1 s
+    s = SyncPageStore(store_dir, cfg(io_timeout_s=0.3, ssd_io_backend="posix"))
     assert s.put_many(["x"], [pl("x", OBJ)]) == [True]
     st = s.store
     real_fd = int(st._files.fds[0])
     rfd, wfd = _fifo_segment(st, tmp_path)
-    _blocking_posix_reads(monkeypatch, rfd)
+    entered = _blocking_posix_reads(monkeypatch, rfd)
     out = np.zeros(OBJ, np.uint8)
     done = threading.Event()
     result = []
@@ -367,7 +371,8 @@ def test_sync_get_never_returns_while_the_store_waits_for_the_kernel(store_dir, 
     th = threading.Thread(target=call)
     try:
         th.start()
-        assert not done.wait(1.5)  # the sync limit (0.5 s) passed long ago: still waiting
+        assert entered.wait(5)  # the read runs
+        assert not done.wait(2.5)  # the sync limit (1.3 s) passed long ago: still waiting
         os.write(wfd, b"\xab" * OBJ)
         assert done.wait(5) and result == [[False]]
         assert bytes(out) == b"\xab" * OBJ  # landed before the call returned, never after

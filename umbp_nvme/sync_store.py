@@ -187,9 +187,15 @@ class SyncPageStore:
             return
         self._closed = True
         try:
-            self._call(self.store.close())
-        except concurrent.futures.TimeoutError:
-            log.error("closing %s timed out", self.store.path)
+            fut = asyncio.run_coroutine_threadsafe(self.store.close(), self._loop)
+            try:
+                fut.result(self._timeout_s)
+            except concurrent.futures.TimeoutError:
+                # store.close() waits for calls whose I/O the kernel still holds; stopping the
+                # loop under them would strand their callers (and the kernel may still write
+                # their memory), so the close waits too
+                log.error("closing %s waits for I/O the kernel still holds", self.store.path)
+                fut.result()
         finally:
             self._stop_loop()
 
