@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import ctypes
+import errno
 import fcntl
 import gc
 import json
@@ -1087,7 +1088,7 @@ class PageStore:
                 log.warning(
                     "%s: the file system has no room for segment %d (%s); running with the %d segments it has "
                     "(%d MiB of the configured %d MiB), evicting within them; trying to grow again every %.0f s",
-                    self.path, have, errno_name(-(self._files._failed_errno or 0)) if self._files._failed_errno else "error",
+                    self.path, have, errno_name(-(getattr(self._files, "_failed_errno", None) or errno.EIO)),
                     have, have * self.segment_bytes >> 20, self._alloc.capacity_bytes >> 20, _GROW_RETRY_S,
                 )  # fmt: skip
         elif lim is not None and tried and have > lim:
