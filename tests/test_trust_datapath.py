@@ -138,6 +138,22 @@ async def test_bad_buffers_and_refused_ranges_fail_alone(store_dir):
     await st.close()
 
 
+async def test_get_many_bad_buffers_fail_alone(store_dir):
+    st = await PageStore.open(store_dir, cfg())
+    arena = Arena(st, 4 * OBJ)
+    keys = [f"k{j}" for j in range(6)]
+    assert await st.put_many(keys, [pl(k, OBJ) for k in keys]) == [True] * 6
+    ro = np.zeros(OBJ, np.uint8)
+    ro.flags.writeable = False
+    good = np.zeros(OBJ, np.uint8)
+    bufs = [good, ro, (arena.base + OBJ, 2**63 - 1), "not a buffer", np.zeros(OBJ - 1, np.uint8), (arena.base, OBJ)]
+    assert await st.get_many(keys, bufs) == [True, False, False, False, False, True]
+    assert bytes(good) == bytes(pl("k0", OBJ)) and bytes(arena.at(0, OBJ)) == bytes(pl("k5", OBJ))
+    assert not ro.any() and (arena.inside()[OBJ:] == Arena.GUARD).all() and arena.guards_intact()
+    assert st.stats()["pinned_slots"] == 0
+    await st.close()
+
+
 async def test_bad_depths_fail_alone(store_dir):
     st = await PageStore.open(store_dir, cfg())
     keys = [f"d{i}" for i in range(4)]
