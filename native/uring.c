@@ -836,6 +836,44 @@ static PyObject *Ring_flush(RingObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLong(sq_pending(self));
 }
 
+/* cancel(user_data: uint64[]) -> n submitted: one IORING_OP_ASYNC_CANCEL per op, matched by its
+ * user_data. Best effort: a pipe or socket read is cancelled (its CQE says -ECANCELED), block I/O
+ * usually is not; either way the op's own CQE still arrives and only it ends the op. The cancel
+ * ops' CQEs carry CANCEL_USER_DATA and are dropped by reap; in flight stays <= SQ entries and the
+ * CQ is twice that, so they cannot overflow it. */
+static PyObject *Ring_cancel(RingObject *self, PyObject *o_ud) {
+    Arr ud;
+    if (arr_get(o_ud, &ud, "user_data", 8, "LQ", 0, 0) < 0) return NULL;
+    if (ring_acquire(self) < 0) {
+        arr_release(&ud);
+        return NULL;
+    }
+    const uint64_t *u = ud.view.buf;
+    Py_ssize_t n = arr_len(&ud), k = 0;
+    if (self->cancel_supported) {
+        unsigned room = self->sq_entries - sq_pending(self), tail = *self->sq_tail;
+        for (; k < n && (unsigned)k < room; k++) {
+            struct umbp_sqe *sqe = &self->sqes[(tail + (unsigned)k) & *self->sq_mask];
+            memset(sqe, 0, sizeof *sqe);
+            sqe->opcode = UMBP_OP_ASYNC_CANCEL;
+            sqe->fd = -1;
+            sqe->addr = u[k];
+            sqe->user_data = CANCEL_USER_DATA;
+        }
+        if (k) {
+            store_release(self->sq_tail, tail + (unsigned)k);
+            int r;
+            Py_BEGIN_ALLOW_THREADS
+            do r = sys_enter(self->ring_fd, sq_pending(self), 0, 0, NULL, 0);
+            while (r == -EINTR);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    ring_release(self);
+    arr_release(&ud);
+    return PyLong_FromSsize_t(k);
+}
+
 /* reap(): copy ready CQEs into the arrays, non-blocking; no system call on the common path. */
 static PyObject *Ring_reap(RingObject *self, PyObject *args) {
     PyObject *o_ud, *o_res;
@@ -1298,6 +1336,7 @@ static PyMethodDef Ring_methods[] = {
     {"check", (PyCFunction)(void (*)(void))Ring_check, METH_VARARGS | METH_KEYWORDS,
      "check(opcode, fds, offsets, addrs, lengths, buf_index=None, flags=None): submit()'s validation only"},
     {"flush", (PyCFunction)Ring_flush, METH_NOARGS, "submit SQEs left unconsumed; returns those still pending"},
+    {"cancel", (PyCFunction)Ring_cancel, METH_O, "cancel(user_data: uint64[]) -> n: best-effort IORING_OP_ASYNC_CANCEL per op"},
     {"reap", (PyCFunction)Ring_reap, METH_VARARGS, "reap(out_user_data: uint64[], out_res: int32[]) -> n, non-blocking"},
     {"reap_batches", (PyCFunction)Ring_reap_batches, METH_O,
      "reap_batches(batches: dict) -> (n, [(batch, finished)], [(batch, index, res)] | None); non-blocking"},

@@ -282,6 +282,8 @@ async def test_timed_out_read_unpins_its_slot(store_dir):
 
 
 async def test_timed_out_write_frees_its_slots_when_the_engine_completes(store_dir):
+    # put_many returns only once the engine let go of the batch (here the cancelled delay ends
+    # it at once): nothing of it is in flight afterwards, so its slots are free at return
     st = await PageStore.open(store_dir, cfg(1, io_timeout_s=0.3))  # one segment
     plan = FaultPlan(seed=1)
     install(st, plan)
@@ -289,12 +291,7 @@ async def test_timed_out_write_frees_its_slots_when_the_engine_completes(store_d
     keys = [f"w{i}" for i in range(4)]
     assert await put(st, keys) == [False] * 4
     s = st.stats()
-    assert s["timeouts"] == 1 and s["bytes_used"] == 4 * OBJ and s["late_writes"] == 1  # engine still owns them
-    for _ in range(50):
-        await asyncio.sleep(0.1)
-        if st.stats()["late_writes"] == 0:
-            break
-    s = st.stats()
+    assert s["timeouts"] == 1 and s["stalled_ops"] == 4 and s["late_completions"] == 4
     assert s["late_writes"] == 0 and s["bytes_used"] == 0 and not any(await st.exists_many(keys))
     # the whole capacity is usable again
     more = [f"m{i}" for i in range(14)]
@@ -308,7 +305,6 @@ async def test_late_write_slots_are_released_at_close(store_dir):
     install(st, plan)
     plan.set_rules([FaultRule("stuck", ops=("write",), limit=1)])
     assert await put(st, ["s"]) == [False]
-    assert st.stats()["late_writes"] == 1
+    assert st.stats()["late_writes"] == 0 and st._alloc.used_bytes == 0  # the stuck batch was never submitted
     await st.close()
-    await asyncio.sleep(0.05)
     assert st._late_writes == 0 and st._alloc.used_bytes == 0

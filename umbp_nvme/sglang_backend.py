@@ -556,6 +556,9 @@ class UMBPNvmeStore(HiCacheStorage):
         store = self._store
         if store is not None:
             return store
+        if self._closed:  # every call answers False / 0 without opening anything again
+            self._log_once("closed", "called after close(); answering False / 0", level=logging.WARNING)
+            return None
         with self._lock:
             try:
                 return self._open_main(raise_errors=False)

@@ -49,7 +49,7 @@ from .errors import (
     StoreLockedError,
     UnsafeStorePathError,
 )
-from .keybytes import encode_key
+from .keybytes import encode_key, key_error, printable_key
 from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index, check_own_file, quarantine, wrap_lmdb_error
 from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, SegmentFiles, segment_name, size_classes
 
@@ -403,10 +403,11 @@ class _Refusals:
     def __init__(self, op: str):
         self.op, self.count, self.first = op, 0, None
 
-    def add(self, key: str, reason: str) -> None:
+    def add(self, key, reason: str) -> None:
         self.count += 1
         if self.first is None:
-            self.first = f"key {key!r}: {reason}"
+            shown = repr(printable_key(key)) if type(key) is str else f"of type {type(key).__name__}"
+            self.first = f"key {shown}: {reason}"
 
     def log(self, total: int) -> None:
         if self.count:
@@ -414,6 +415,65 @@ class _Refusals:
 
 
 _memmove = ctypes.memmove
+
+_ADDR_END = 1 << 63  # addresses and lengths live in [1, 2**63): int64/uint64 arithmetic cannot wrap
+_MIN_FAST_ADDR = 4096  # the batch fast path leaves smaller values (bools, 0/1) to the checked path
+_GROW_RETRY_S = 30.0  # after a segment file could not be created, try to grow again this often
+
+
+async def _settle(fut) -> None:
+    """Wait until ``fut`` has ended, whatever it ended with. A cancellation of our caller
+    meanwhile is re-raised only after that: the engine batch or worker thread behind ``fut`` may
+    use memory (caller buffers, slots, bounce buffers) that must not be reused before it ends."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait((fut,))
+        except asyncio.CancelledError:
+            cancelled = True
+    if not fut.cancelled():
+        fut.exception()  # retrieved: the batch already counts as failed
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def _wait_out(fut):
+    """``fut``'s result (the common path: one shield); if our caller cancels us, the
+    CancelledError comes only once ``fut`` has ended (see _settle)."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        if not fut.done():
+            await _settle(fut)
+        raise
+
+
+def _plain_keys(keys) -> bool:
+    """True when every key is a non-empty ASCII str (one C-level pass): such keys encode as they
+    are. False sends the batch to the per-key checks (keybytes.key_error)."""
+    try:
+        return all(map(str.isascii, keys)) and "" not in keys
+    except TypeError:  # a key that is not a str
+        return False
+
+
+def _encode_all(keys, idx=None) -> list[bytes]:
+    """Bytes of keys (``keys[i] for i in idx``) already accepted by key_error (or plain):
+    ``str.encode`` unless a key holds escaped bytes (U+DC80..U+DCFF), which only
+    keybytes.encode_key maps back."""
+    try:
+        return [k.encode() for k in keys] if idx is None else [keys[i].encode() for i in idx]
+    except UnicodeEncodeError:
+        return [encode_key(k) for k in keys] if idx is None else [encode_key(keys[i]) for i in idx]
+
+
+def _int_arg(x) -> int | None:
+    """x as a Python int when it is an int or a numpy integer (never a bool); else None."""
+    if type(x) is int:
+        return x
+    if isinstance(x, np.integer):
+        return int(x)
+    return None
 
 _PART_MIN_BYTES = 1 << 20  # a read sub-batch moves at least this much (its submit and wake-up cost ~tens of us)
 _PARTS_MAX = 8
@@ -436,6 +496,14 @@ def _part_bounds(m: int, nbytes: int) -> list[int]:
 
 class PageStore:
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
+
+    # Per-instance once set; class defaults so every open path has them.
+    _closed_logged = False  # the one log line for calls after close()
+    _stalled_ops = 0  # ops that outlived io_timeout_s (the call waited for the kernel)
+    _late_completions = 0  # of those, ended since (== stalled_ops when none is in flight)
+    _stalled_wait_s = 0.0  # longest wait past io_timeout_s
+    _space_limit_segments = None  # segments with files when one could not be created (ENOSPC)
+    _space_retry_at = 0.0
 
     # ----------------------------------------------------------------------------- open/close
 
@@ -901,7 +969,10 @@ class PageStore:
             try:
                 await asyncio.wait_for(self._idle.wait(), self.timeout_s)
             except asyncio.TimeoutError:
-                log.warning("%s: closing with %d operations still in flight", self.path, self._inflight)
+                # every call ends once the kernel gave back its memory (see _await_io); closing
+                # the engines before that would let a late completion land in freed memory
+                log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, self._inflight)
+                await self._idle.wait()
         if not self.readonly and self._index is not None and not self.strict:
             await self.flush_for_close()
         self._release_resources()
@@ -947,9 +1018,14 @@ class PageStore:
 
     def register_memory(self, address: int, nbytes: int) -> bool:
         """Allow (address, nbytes) buffers inside this range; offer it to the engines as fixed buffers."""
-        address, nbytes = int(address), int(nbytes)
-        if address <= 0 or nbytes <= 0:
-            raise ValueError(f"register_memory needs address > 0 and nbytes > 0; got {address:#x}, {nbytes}")
+        a, n = _int_arg(address), _int_arg(nbytes)
+        if a is None or n is None:
+            raise TypeError(
+                f"register_memory needs int address and nbytes; got {type(address).__name__}, {type(nbytes).__name__}"
+            )
+        if not (0 < a < _ADDR_END and 0 < n < _ADDR_END and a + n < _ADDR_END):
+            raise ValueError(f"register_memory needs 0 < address, 0 < nbytes, address + nbytes < 2**63; got {a:#x}, {n}")
+        address, nbytes = a, n
         i = bisect.bisect_left(self._range_starts, address)
         self._ranges.insert(i, (address, address + nbytes))
         self._range_starts.insert(i, address)
@@ -980,16 +1056,16 @@ class PageStore:
 
     def _resolve(self, buf, *, writable: bool) -> tuple[int, int, bool] | str:
         """(address, nbytes, is_device) or the reason the buffer is refused."""
-        if type(buf) is tuple and len(buf) == 2 and type(buf[0]) is int and type(buf[1]) is int:
-            addr, n = buf  # the hot path of the SGLang backend: host-pool pointers
-            if n > 0 and self._in_registered(addr, n):
-                return addr, n, False
-            return f"address range {addr:#x}+{n} is not inside a registered range (register_memory)"
         if isinstance(buf, tuple):
-            if len(buf) != 2 or not all(isinstance(x, (int, np.integer)) for x in buf):
+            # (address, nbytes): checked in Python ints, so no sum can wrap (bools are refused)
+            if len(buf) != 2:
                 return "a tuple buffer must be (address, nbytes) of ints"
-            addr, n = int(buf[0]), int(buf[1])
-            if n <= 0 or not self._in_registered(addr, n):
+            addr, n = _int_arg(buf[0]), _int_arg(buf[1])
+            if addr is None or n is None:
+                return "a tuple buffer must be (address, nbytes) of ints"
+            if not (0 < addr < _ADDR_END and 0 < n < _ADDR_END):
+                return f"address {addr:#x} and nbytes {n} must both be in [1, 2**63)"
+            if not self._in_registered(addr, n):
                 return f"address range {addr:#x}+{n} is not inside a registered range (register_memory)"
             return addr, n, False
         try:
@@ -1167,13 +1243,53 @@ class PageStore:
         m = int(np.searchsorted(csum, bytes_needed)) + 1
         return cand[order[:m]].tolist()
 
+    def _effective_capacity(self) -> int:
+        """Bytes the store runs with: the configured capacity, or, while the file system refuses
+        new segment files below it, the segments it has (see _write_objects)."""
+        lim = self._space_limit_segments
+        full = self._alloc.capacity_bytes
+        return full if lim is None else min(full, lim * self.segment_bytes)
+
     async def _make_room(self, need_bytes: int) -> None:
         used = self._alloc.used_bytes
-        if used + need_bytes <= self._high_bytes:
+        high, low = self._high_bytes, self._low_bytes
+        if self._space_limit_segments is not None:  # watermarks over the space the disk gave us
+            eff = self._effective_capacity()
+            high = min(high, int(eff * self.config.ssd_high_watermark))
+            low = min(low, int(eff * self.config.ssd_low_watermark))
+        if used + need_bytes <= high:
             return
-        victims = self._pick_victims(used + need_bytes - self._low_bytes)
+        victims = self._pick_victims(used + need_bytes - low)
         if victims:
             await self._drop_rows(victims, evicted=True)
+
+    def _try_grow(self) -> None:
+        """Running below capacity after ENOSPC: create the next segment file if the file system
+        has room again (once per _GROW_RETRY_S; a create costs what any grow costs)."""
+        files = self._files.files
+        nxt = next((i for i in range(self._alloc.n_segments) if i not in files), None)
+        if nxt is None:
+            self._space_limit_segments = None
+            return
+        self._note_space(not self._files.ensure(nxt), True)
+
+    def _note_space(self, failed_create: bool, tried: bool) -> None:
+        """Adopt (or lift) the effective capacity after a batch's segment creation."""
+        have = len(self._files.files)
+        lim = self._space_limit_segments
+        if failed_create:
+            self._space_retry_at = time.monotonic() + _GROW_RETRY_S
+            if lim is None:
+                self._space_limit_segments = have
+                log.warning(
+                    "%s: the file system has no room for segment %d (%s); running with the %d segments it has "
+                    "(%d MiB of the configured %d MiB), evicting within them; trying to grow again every %.0f s",
+                    self.path, have, errno_name(-(getattr(self._files, "_failed_errno", None) or errno.EIO)),
+                    have, have * self.segment_bytes >> 20, self._alloc.capacity_bytes >> 20, _GROW_RETRY_S,
+                )  # fmt: skip
+        elif lim is not None and tried and have > lim:
+            self._space_limit_segments = None
+            log.warning("%s: the file system has room again; growing towards %d MiB", self.path, self._alloc.capacity_bytes >> 20)
 
     async def _reclaim_segment(self) -> bool:
         """Empty the least recently used segment whose slots are all published and unpinned."""
@@ -1207,11 +1323,11 @@ class PageStore:
             )
         results = [False] * n
         if self._closed:
-            log.warning("put_many on closed store %s", self.path)
+            self._closed_call("put_many")
             return results
         self._enter()
         try:
-            await self._put(keys, buffers, depths, results)
+            await self._put(keys, buffers, self._depth_array(depths, n), results)
         except Exception:  # noqa: BLE001 - never an exception for an I/O problem
             log.exception("%s: put_many failed", self.path)
         finally:
@@ -1220,10 +1336,30 @@ class PageStore:
         self._counters["put_failed"] += n - sum(results)
         return results
 
+    @staticmethod
+    def _depth_array(depths, n: int):
+        """depths as int32[] (one C conversion), or a list with None where a depth is not an int32
+        (that key alone is refused); None when the caller passed none."""
+        if depths is None:
+            return None
+        try:
+            a = np.asarray(depths)
+            if a.shape == (n,) and a.dtype.kind in "iu" and (not n or (a.min() >= -(1 << 31) and a.max() < 1 << 31)):
+                return a.astype(np.int32, copy=False)
+        except (TypeError, ValueError, OverflowError):
+            pass
+        out = []
+        for d in depths:
+            v = _int_arg(d)
+            out.append(v if v is not None and -(1 << 31) <= v < 1 << 31 else None)
+        return out
+
     async def _put(self, keys, buffers, depths, results) -> None:
         n = len(keys)
         refused = _Refusals("put_many")
-        fast = self._put_fast_prep(keys, buffers)
+        plain = _plain_keys(keys)
+        bad_depth = depths is not None and type(depths) is list
+        fast = self._put_fast_prep(keys, buffers) if plain and not bad_depth else None
         if fast is not None:
             # every key new and distinct, every buffer a registered (address, nbytes) pair
             await self._write_objects(keys, np.arange(n, dtype=np.int64), fast[0], fast[1], depths, results, refused)
@@ -1241,6 +1377,16 @@ class PageStore:
         known = self._keys.get
         again: list[int] = []
         for i, k in enumerate(keys):
+            # Every key is checked before any slot is reserved: nothing can fail once the write is
+            # submitted, so a bad key fails alone and never frees slots the device still owns.
+            if not plain:
+                why = key_error(k)
+                if why is not None:
+                    refused.add(k, why)
+                    continue
+            if bad_depth and depths[i] is None:
+                refused.add(k, "depth is not an int in the int32 range")
+                continue
             r = known(k)
             if r is not None:
                 results[i] = True  # the first bytes stay; the re-put makes the key recently used
@@ -1258,7 +1404,7 @@ class PageStore:
             if nb <= 0 or nb > self.segment_bytes or nb >= 1 << 32:
                 refused.add(k, f"object of {nb} bytes; must be 1..{min(self.segment_bytes, (1 << 32) - 1)}")
                 continue
-            if len(k) * 4 > max_key and len(k.encode()) > max_key:
+            if len(k) * 4 > max_key and len(encode_key(k)) > max_key:
                 refused.add(k, f"key longer than {max_key} bytes")
                 continue
             if on_device:
@@ -1295,13 +1441,13 @@ class PageStore:
         refused.log(n)
 
     def _put_fast_prep(self, keys, buffers):
-        """(addrs, lens) when the batch needs no per-key decisions: every key new and distinct, short
-        enough, every buffer an (address, nbytes) pair inside a registered range, sizes valid.
+        """(addrs, lens) when the batch needs no per-key decisions (keys already known plain): every key
+        new and distinct, short enough, every buffer an (address, nbytes) pair inside a registered range, sizes valid.
         None otherwise (the general path decides key by key)."""
         n = len(keys)
         if not n:
             return None
-        if not all([type(k) is str for k in keys]) or max(map(len, keys)) * 4 > self._index.max_key_bytes:
+        if max(map(len, keys)) > self._index.max_key_bytes:  # the caller checked: ASCII, len == bytes
             return None
         known = self._keys
         if any(map(known.__contains__, keys)) or len(set(keys)) != n:
@@ -1328,10 +1474,11 @@ class PageStore:
         if a.dtype != np.int64 or a.shape != (len(buffers), 2):
             return None
         addr, nb = a[:, 0], a[:, 1]
-        if int(addr.min()) <= 0 or int(nb.min()) <= 0:
-            return None
+        if int(addr.min()) < _MIN_FAST_ADDR or int(nb.min()) <= 1:
+            return None  # 0, negatives and bools (True == 1) get the checked path
         i = np.searchsorted(self._range_start_arr, addr, side="right") - 1
-        if int(i.min()) < 0 or (addr + nb > self._range_end_arr[i]).any():
+        # nb <= end - addr, never addr + nb: that sum wraps in int64 for nb near 2**63
+        if int(i.min()) < 0 or (nb > self._range_end_arr[i] - addr).any():
             return None  # maybe inside an overlapping earlier range: the general path walks them
         return addr.astype(np.uint64), np.ascontiguousarray(nb)
 
@@ -1342,14 +1489,23 @@ class PageStore:
         """
         m0 = len(todo)
         classes = size_classes(lens)
+        if self._space_limit_segments is not None and time.monotonic() >= self._space_retry_at:
+            self._try_grow()
         await self._make_room(int(classes.sum()))
         failed_create = False
+        files = self._files
+        # Once a segment file could not be created (a full file system below the configured
+        # capacity), the store runs within the segments it has: no create per batch, eviction
+        # over that space; every _GROW_RETRY_S it tries to grow again.
+        may_grow = self._space_limit_segments is None or time.monotonic() >= self._space_retry_at
 
         def ensure(seg: int) -> bool:
             nonlocal failed_create
-            if failed_create:
+            if seg in files.files:
+                return True
+            if failed_create or not may_grow:
                 return False
-            ok = self._files.ensure(seg)
+            ok = files.ensure(seg)
             failed_create = not ok
             return ok
 
@@ -1363,8 +1519,9 @@ class PageStore:
             for c in uc.tolist():
                 js = np.flatnonzero(classes == c)
                 segs[js], offs[js] = alloc.alloc_array(c, len(js), ensure)
+        self._note_space(failed_create, may_grow)
         rounds = 0
-        while (segs < 0).any() and not failed_create and rounds < _RECLAIM_ROUNDS_MAX:
+        while (segs < 0).any() and rounds < _RECLAIM_ROUNDS_MAX:
             # every segment is taken and this size class has no free slot: empty a whole segment
             rounds += 1
             if not await self._reclaim_segment():
@@ -1374,7 +1531,7 @@ class PageStore:
                 if slot is not None:
                     segs[j], offs[j] = slot
         nxt = alloc.next_free_segment()
-        if nxt is not None and not failed_create and self._files.want_precreate(nxt):
+        if nxt is not None and self._space_limit_segments is None and self._files.want_precreate(nxt):
             asyncio.get_running_loop().run_in_executor(None, self._files.precreate, nxt)
         have = segs >= 0
         if not have.all():
@@ -1418,17 +1575,18 @@ class PageStore:
         loop = asyncio.get_running_loop()
         good = np.zeros(m, bool)
         pre = None
-        timed_out = False
         crc_job = None
         crcs = None
-        if route is None:
-            # One C call over the caller's memory with the GIL released, on a worker thread, while
-            # the disk reads the same memory: it costs no wall time unless it outlasts the write.
-            crc_out = np.empty(m, np.uint32)
-            crc_job = loop.run_in_executor(None, self._crc32c_many, src, nbytes, crc_out)
         try:
+            if route is None:
+                # One C call over the caller's memory with the GIL released, on a worker thread,
+                # while the disk reads the same memory: it costs no wall time unless it outlasts
+                # the write.
+                crc_out = np.empty(m, np.uint32)
+                crc_job = loop.run_in_executor(None, self._crc32c_many, src, nbytes, crc_out)
             if copies:
-                await loop.run_in_executor(None, stage)
+                # the thread owns the bounce buffer until it returns, even if our caller gives up
+                await _wait_out(loop.run_in_executor(None, stage))
             async with self._write_sem:
                 task = None
                 try:
@@ -1436,38 +1594,37 @@ class PageStore:
                         write = self._write_engine.write_many(fds, offs, io_addr, io_len)
                     else:
                         write = self._write_device(route, fds, offs, io_addr, io_len)
-                    # shielded: a write that runs late is not cancelled but owned by the engine
-                    # until it completes, then _release_late_write frees its slots (below)
                     task = asyncio.ensure_future(write)
-                    try:
-                        if route is None:
-                            # the write task submits on the next loop pass; the index records
-                            # (all but their CRC and generation) are packed while it runs
-                            await asyncio.sleep(0)
-                            pre = self._pack_pending(keys, todo, segs, offs, nbytes, depths)
-                        res = await asyncio.wait_for(asyncio.shield(task), self.timeout_s)
-                    except asyncio.CancelledError:
-                        if not task.done():  # our caller gave up: the engine still owns the slots
-                            timed_out = True
-                            self._hand_off_write(task, segs, offs, bounce)
-                        raise
-                    if route is not None:
-                        res, dev_crcs = res
-                        crcs = np.asarray(dev_crcs, np.uint32)
-                    good = res == io_len
-                    if not good.all():
-                        bad = np.flatnonzero(~good)
-                        for b in bad[:1].tolist():
-                            refused.add(keys[int(todo[b])], f"write failed: {errno_name(int(res[b]))}")
-                        for b in bad[1:].tolist():
-                            refused.add(keys[int(todo[b])], "write failed")
-                except asyncio.TimeoutError:
-                    timed_out = True
-                    self._counters["timeouts"] += 1
-                    log.error("%s: write of %d objects took longer than io_timeout_s=%.1f s", self.path, m, self.timeout_s)
-                    self._hand_off_write(task, segs, offs, bounce)
+                    if route is None:
+                        # the write task submits on the next loop pass; the index records (all
+                        # but their CRC and generation) are packed while it runs. Keys and depths
+                        # were checked before the slots were reserved: this cannot fail.
+                        await asyncio.sleep(0)
+                        pre = self._pack_pending(keys, todo, segs, offs, nbytes, depths)
+                    res = await self._await_io(task, "write", segs)
+                    if res is None:
+                        for b in range(m):
+                            refused.add(keys[int(todo[b])], f"write outlived io_timeout_s={self.timeout_s:g} s")
+                    else:
+                        if route is not None:
+                            res, dev_crcs = res
+                            crcs = np.asarray(dev_crcs, np.uint32)
+                        good = res == io_len
+                        if not good.all():
+                            bad = np.flatnonzero(~good)
+                            for b in bad[:1].tolist():
+                                refused.add(keys[int(todo[b])], f"write failed: {errno_name(int(res[b]))}")
+                            for b in bad[1:].tolist():
+                                refused.add(keys[int(todo[b])], "write failed")
                 except Exception as e:  # noqa: BLE001 - EngineClosed, validation: the batch fails
                     log.error("%s: write batch failed: %s", self.path, e)
+                    good[:] = False
+                finally:
+                    if task is not None and not task.done():
+                        # an error or our caller's cancellation: the device may still read the
+                        # caller's memory and write these slots; they stay ours until it is done
+                        task.cancel()
+                        await _settle(task)
             if self.strict and good.any():
                 touched = np.unique(segs[good]).tolist()
                 sync = self._write_engine.sync
@@ -1486,14 +1643,22 @@ class PageStore:
                     if isinstance(r, BaseException):  # incl. timeout: nothing in that segment is durable
                         log.error("%s: fdatasync of segment %d failed: %r", self.path, s, r)
                         good &= segs != s
-            if crc_job is not None:
-                await crc_job
-                crcs = crc_out
-        finally:
-            if bounce is not None and not timed_out:
-                self._bounce.put(bounce)
-        if timed_out:
-            return  # the writes may still land: the slots are freed when the engine reports them done
+        except BaseException:
+            # cancelled (or failed) before publishing: nothing of the batch is published, and no
+            # I/O or copy into the slots or the bounce runs any more (waited out above)
+            try:
+                if crc_job is not None:
+                    await _settle(crc_job)  # it reads the caller's memory
+            finally:
+                self._alloc.free_many(segs, offs)
+                if bounce is not None:
+                    self._bounce.put(bounce)
+            raise
+        if crc_job is not None:
+            await _wait_out(crc_job)
+            crcs = crc_out
+        if bounce is not None:
+            self._bounce.put(bounce)
         if crcs is None:  # the device write failed
             crcs = np.zeros(m, np.uint32)
         # publish: one commit for the batch, only for keys not published meanwhile
@@ -1521,7 +1686,7 @@ class PageStore:
                 recs = np.zeros(npub, REC_DTYPE)
                 recs["segment"], recs["length"], recs["offset"] = segs[pj], nbytes[pj], offs[pj]
                 recs["depth"], recs["flags"] = pub_depths, FLAG_CRC
-                enc = [k.encode() for k in pub_keys]
+                enc = _encode_all(pub_keys)
             recs["generation"] = recs["group"] = gen
             recs["crc"] = pub_crcs
             blob = recs.tobytes()
@@ -1571,33 +1736,60 @@ class PageStore:
         recs = np.zeros(m, REC_DTYPE)
         recs["segment"], recs["length"], recs["offset"] = segs, nbytes, offs
         todo_l = todo.tolist()
-        recs["depth"] = -1 if depths is None else np.asarray([int(depths[i]) for i in todo_l], np.int32)
+        if depths is None:
+            recs["depth"] = -1
+        elif isinstance(depths, np.ndarray):
+            recs["depth"] = depths[todo]
+        else:
+            recs["depth"] = np.asarray([depths[i] for i in todo_l], np.int32)
         recs["flags"] = FLAG_CRC
-        return recs, [keys[i].encode() for i in todo_l]
+        return recs, _encode_all(keys, todo_l)
 
-    def _hand_off_write(self, task: asyncio.Future, segs: np.ndarray, offs: np.ndarray, bounce) -> None:
-        """A write batch outlived its wait: free its slots (and bounce) when the engine is done with it.
+    async def _await_io(self, task: asyncio.Future, what: str, segs: np.ndarray, timeout_s: float | None = None):
+        """The engine's result for ``task``, or None when it outlived io_timeout_s.
 
-        The engine resolves the task only once none of the batch's ops is in flight (or when it is
-        closed, with the store), so a slot is never handed out again while the kernel may still
-        write into it. Nothing of the batch was published.
+        Either way this returns only once the engine batch has ended: until then the kernel may
+        still read or write the caller's memory, the slots and the bounce buffer. At the timeout
+        the stall is counted and logged once with its segments and the engine is asked to cancel
+        (io_uring tries IORING_OP_ASYNC_CANCEL; block I/O usually runs on to its end or to the
+        block layer's timeout, and the wait goes on). A cancellation of our caller waits the same
+        way (awaiting a task that is cancelled waits for its end). One timer per call: no
+        wait_for/shield futures on the hot path.
         """
-        seg_l, off_l = segs.tolist(), offs.tolist()
-        self._late_writes += 1
+        stalled_at = None
 
-        def done(t: asyncio.Future) -> None:
-            self._late_writes -= 1
-            if not t.cancelled() and t.exception() is not None:
-                log.debug("%s: late write batch ended with %r", self.path, t.exception())
-            free = self._alloc.free
-            for s, o in zip(seg_l, off_l):
-                free(s, o)
-            if bounce is not None and not self._closed:
-                self._bounce.put(bounce)
-            if not self._closed:
-                log.warning("%s: a timed-out write of %d objects completed late; its slots are free again", self.path, len(seg_l))
+        def on_timeout() -> None:
+            nonlocal stalled_at
+            if task.done():
+                return
+            stalled_at = time.monotonic()
+            n = len(segs)
+            self._counters["timeouts"] += 1
+            self._stalled_ops += n
+            u = np.unique(segs)
+            names = ", ".join(segment_name(int(x)) for x in u[:4].tolist()) + (" ..." if len(u) > 4 else "")
+            log.error(
+                "%s: %s of %d objects outlived io_timeout_s=%.1f s on %s; cancelling it and waiting for the "
+                "kernel to give back the memory", self.path, what, n, self.timeout_s, names,
+            )  # fmt: skip
+            task.cancel()
 
-        task.add_done_callback(done)
+        h = asyncio.get_running_loop().call_later(self.timeout_s if timeout_s is None else timeout_s, on_timeout)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if stalled_at is None or (me is not None and me.cancelling()):
+                if not task.done():  # our caller gave up: the engine batch still owns the memory
+                    task.cancel()
+                    await _settle(task)
+                raise
+            return None  # our own timeout: the batch has ended (task is done)
+        finally:
+            h.cancel()
+            if stalled_at is not None and task.done():
+                self._late_completions += len(segs)
+                self._stalled_wait_s = max(self._stalled_wait_s, time.monotonic() - stalled_at)
 
     async def _write_device(self, route: str, fds, offs, addrs, lens):
         """(results, crcs) for a write from CUDA memory; the CRC is computed on a host copy."""
@@ -1619,7 +1811,8 @@ class PageStore:
                     ctypes.memset(h + n, 0, -n % SLOT_ALIGN_BYTES)
                 return [crc32c((h, n)) for _, h, n in pairs]
 
-            crcs = await asyncio.get_running_loop().run_in_executor(None, stage)
+            # the thread writes the bounce buffer until it returns
+            crcs = await _wait_out(asyncio.get_running_loop().run_in_executor(None, stage))
             res = await self._write_engine.write_many(fds, offs, host, blen)
             return np.where(res == blen, lens, np.minimum(res, lens)), np.asarray(crcs, np.uint32)
         finally:
@@ -1661,8 +1854,9 @@ class PageStore:
                     gds._device_ops.copy_h2d([(h, int(a), n) for h, a, n, o in zip(host_l, addrs.tolist(), len_l, out) if o])
                     return out
 
-                checked = np.asarray(await asyncio.get_running_loop().run_in_executor(None, check_and_copy), bool)
-                return ok, checked
+                # it copies into the caller's device memory until it returns
+                checked = await _wait_out(asyncio.get_running_loop().run_in_executor(None, check_and_copy))
+                return ok, np.asarray(checked, bool)
             finally:
                 self._bounce.put(bounce)
         ok = res >= lens
@@ -1679,7 +1873,7 @@ class PageStore:
             raise ValueError(f"get_many needs one buffer per key: {n} keys, {len(buffers)} buffers")
         results = [False] * n
         if self._closed:
-            log.warning("get_many on closed store %s", self.path)
+            self._closed_call("get_many")
             return results
         self._enter()
         try:
@@ -1694,9 +1888,37 @@ class PageStore:
         self._counters["misses"] += n - hits
         return results
 
+    def _index_keys(self, keys) -> list[bytes | None]:
+        """Index key bytes per key; None for a key no index key can hold (not a str, empty, no
+        lossless bytes, too long): that key alone is a miss."""
+        maxk = self._index.max_key_bytes
+        if _plain_keys(keys) and (not keys or max(map(len, keys)) <= maxk):
+            return [k.encode() for k in keys]
+        enc = []
+        for k in keys:
+            b = encode_key(k) if key_error(k) is None else None
+            enc.append(b if b is not None and len(b) <= maxk else None)
+        return enc
+
+    def _index_lookup(self, keys) -> list[bytes | None]:
+        """Readers: the index record per key (None: absent, or a key that cannot be stored)."""
+        enc = self._index_keys(keys)
+        if None not in enc:
+            return self._index.get_records(enc)
+        found = iter(self._index.get_records([b for b in enc if b is not None]))
+        return [None if b is None else next(found) for b in enc]
+
+    def _writer_rows(self, keys) -> list:
+        """Writers: the row per key, None when absent (a key that is not a str is never present)."""
+        try:
+            return list(map(self._keys.get, keys))
+        except TypeError:  # an unhashable key
+            get = self._keys.get
+            return [get(k) if type(k) is str else None for k in keys]
+
     def _lookup_reader(self, keys: list[str]):
         """Readers: records from LMDB -> (idx, seg, off, len, crc, flags, gen) arrays for present keys."""
-        vals = self._index.get_records([k.encode() for k in keys])
+        vals = self._index_lookup(keys)
         idx = [i for i, v in enumerate(vals) if v is not None and len(v) == REC_BYTES]
         if not idx:
             return None
@@ -1717,7 +1939,7 @@ class PageStore:
         rows = None
         n = len(keys)
         if writer:
-            rows_l = list(map(self._keys.get, keys))
+            rows_l = self._writer_rows(keys)
             if None in rows_l:
                 idx_l = [i for i, r in enumerate(rows_l) if r is not None]
                 if not idx_l:
@@ -1836,16 +2058,29 @@ class PageStore:
             bounds = _part_bounds(m_host, int(lens[:m_host].sum()) if m_host else 0)
             window = asyncio.Semaphore(_READ_PARTS_IN_FLIGHT) if len(bounds) - 1 > _READ_PARTS_IN_FLIGHT else None
 
+            async def read(lo: int, hi: int):
+                left = deadline - loop.time()
+                if left <= 0:  # an earlier part stalled the window: give up before submitting
+                    raise asyncio.TimeoutError
+                task = asyncio.ensure_future(engine.read_many(fds[lo:hi], offs[lo:hi], io_addr[lo:hi], io_len[lo:hi]))
+                res = await self._await_io(task, "read", segs[lo:hi], left)
+                if res is None:
+                    raise asyncio.TimeoutError
+                return res
+
             async def part(lo: int, hi: int) -> None:
-                async with asyncio.timeout_at(deadline):
-                    if window is None:
-                        res = await engine.read_many(fds[lo:hi], offs[lo:hi], io_addr[lo:hi], io_len[lo:hi])
-                    else:
-                        async with window:
-                            res = await engine.read_many(fds[lo:hi], offs[lo:hi], io_addr[lo:hi], io_len[lo:hi])
+                if window is None:
+                    res = await read(lo, hi)
+                else:
+                    async with window:
+                        res = await read(lo, hi)
                 ok = res >= lens[lo:hi]  # the object must come back whole; more is padding
                 good[lo:hi] = ok
-                verified[lo:hi] = await loop.run_in_executor(None, finish, lo, hi, ok) if need_cpu else ok
+                if need_cpu:
+                    # the thread copies into the caller's memory: it must end before we return
+                    verified[lo:hi] = await _wait_out(loop.run_in_executor(None, finish, lo, hi, ok))
+                else:
+                    verified[lo:hi] = ok
 
             async def device_part(lo: int, hi: int) -> None:
                 sl = slice(lo, hi)
@@ -1875,15 +2110,14 @@ class PageStore:
                     log.error("%s: read batch failed: %r", self.path, r)
                     verified[:] = False
             if timed_out:
-                self._counters["timeouts"] += 1
-                log.error("%s: read of %d objects took longer than io_timeout_s=%.1f s", self.path, m, self.timeout_s)
-                return
+                return  # counted and logged by _await_io
         finally:
-            # Every engine await above has returned, timed out or not: the engine drains a
-            # cancelled batch before it lets the await end, so no read of these slots is in flight.
+            # Every engine await above has ended, timed out or cancelled or not (_await_io and
+            # the engines wait for the kernel's completions): no read into these slots, the
+            # bounce or the caller's memory is in flight any more.
             if rows is not None:
                 self._unpin(rows)
-            if bounce is not None and not timed_out:
+            if bounce is not None:
                 self._bounce.put(bounce)
         if not writer:
             # another process may have evicted and reused the slot while we read it
@@ -1926,23 +2160,37 @@ class PageStore:
     # ----------------------------------------------------------------------------- exists / delete
 
     def exists_many_nowait(self, keys: list[str]) -> list[bool]:
-        """Thread-safe: dict reads are atomic under the GIL; LMDB read txns are per call."""
+        """Thread-safe: dict reads are atomic under the GIL; LMDB read txns are per call. A key
+        that cannot be stored (not a str, empty, no lossless bytes) is False alone."""
+        if self._closed:
+            self._closed_call("exists_many")
+            return [False] * len(keys)
         if self.readonly:
-            if self._closed:
-                return [False] * len(keys)
-            return [v is not None for v in self._index.get_records([k.encode() for k in keys])]
+            return [v is not None for v in self._index_lookup(keys)]
         d = self._keys
-        return [k in d for k in keys]
+        try:
+            return [k in d for k in keys]
+        except TypeError:  # an unhashable key
+            return [type(k) is str and k in d for k in keys]
 
     def exists_prefix_nowait(self, keys: list[str]) -> int:
+        if self._closed:
+            self._closed_call("exists_prefix")
+            return 0
         if self.readonly:
-            return 0 if self._closed else self._index.exists_prefix([k.encode() for k in keys])
+            enc = self._index_keys(keys)
+            if None in enc:
+                enc = enc[: enc.index(None)]
+            return self._index.exists_prefix(enc)
         d = self._keys
         n = 0
-        for k in keys:
-            if k not in d:
-                break
-            n += 1
+        try:
+            for k in keys:
+                if k not in d:
+                    break
+                n += 1
+        except TypeError:  # an unhashable key is absent: the prefix ends there
+            pass
         return n
 
     async def exists_many(self, keys: list[str]) -> list[bool]:
@@ -1956,11 +2204,11 @@ class PageStore:
             raise ReadOnlyStoreError(f"store {self.path} was opened read-only; delete_many is not allowed")
         results = [False] * len(keys)
         if self._closed:
+            self._closed_call("delete_many")
             return results
         rows, where = [], []
         seen = set()
-        for i, k in enumerate(keys):
-            r = self._keys.get(k)
+        for i, r in enumerate(self._writer_rows(keys)):
             if r is not None and r not in seen:
                 seen.add(r)
                 rows.append(r)
@@ -1975,6 +2223,7 @@ class PageStore:
         if self.readonly:
             raise ReadOnlyStoreError(f"store {self.path} was opened read-only; clear is not allowed")
         if self._closed:
+            self._closed_call("clear")
             return
         async with self._commit_lock:
             rows = list(self._keys.values())
@@ -1991,8 +2240,11 @@ class PageStore:
 
     async def flush(self) -> bool:
         """fdatasync every segment and the index. True when all of it is durable."""
-        if self._closed or self.readonly:
-            return not self._closed
+        if self._closed:
+            self._closed_call("flush")
+            return False
+        if self.readonly:
+            return True
         return await self._flush()
 
     async def flush_for_close(self) -> None:
@@ -2041,6 +2293,9 @@ class PageStore:
             o_direct=self._files.any_direct if self._files is not None else None,
             open_seconds=round(self.open_seconds, 4) if hasattr(self, "open_seconds") else None,
             index_bytes=self._index.file_bytes() if self._index is not None else 0,
+            stalled_ops=self._stalled_ops,
+            late_completions=self._late_completions,
+            stalled_wait_s=round(self._stalled_wait_s, 3),
         )
         if not self.readonly and hasattr(self, "_alloc"):
             s.update(
@@ -2054,12 +2309,19 @@ class PageStore:
                 size_classes=self._alloc.class_counts(),
                 pinned_slots=int((self._rows_pins[: self._nrows] > 0).sum()),
                 late_writes=self._late_writes,
+                effective_capacity_bytes=self._effective_capacity(),
             )
         else:
             s.update(objects=self._object_count())
         return s
 
     # ----------------------------------------------------------------------------- in-flight tracking
+
+    def _closed_call(self, op: str) -> None:
+        """Calls after close() answer False / 0 without touching files; one line says so."""
+        if not self._closed_logged:
+            self._closed_logged = True
+            log.warning("%s: %s after close(); every call now answers False / 0 (logged once)", self.path, op)
 
     def _enter(self) -> None:
         self._inflight += 1

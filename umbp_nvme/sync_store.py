@@ -1,9 +1,11 @@
 """SyncPageStore: a PageStore on a private event-loop thread, callable from any thread.
 
 SGLang calls storage synchronously from several controller threads; none of them has (or may
-rely on) a running loop. Every call here is one ``run_coroutine_threadsafe`` hop bounded by the
-store's ``io_timeout_s``; a call that runs past it returns all-False instead of hanging. The
-exists calls skip the hop: they read the index directly (see ``PageStore.exists_*_nowait``).
+rely on) a running loop. Every call here is one ``run_coroutine_threadsafe`` hop. A data call
+that runs past a few ``io_timeout_s`` is cancelled and reports all-False, but only once the store
+call has really ended: until then the kernel may still read or write the caller's memory (the
+store waits for its completions; the block layer's own timeout bounds that). The exists calls
+skip the hop: they read the index directly (see ``PageStore.exists_*_nowait``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class SyncPageStore:
         self._thread = threading.Thread(target=self._run, name="umbp-store-loop", daemon=True)
         self._thread.start()
         self._closed = False
+        self._closed_logged = False
         try:
             self.store: PageStore = self._call(
                 PageStore.open(
@@ -73,15 +76,45 @@ class SyncPageStore:
             fut.cancel()
             raise
 
-    def _bounded(self, coro, n: int, what: str) -> list[bool]:
+    def _closed_call(self, what: str) -> bool:
         if self._closed:
+            if not self._closed_logged:
+                self._closed_logged = True
+                log.warning("%s on a closed store; every call now answers False / 0 (logged once)", what)
+            return True
+        return False
+
+    def _bounded(self, coro, n: int, what: str) -> list[bool]:
+        if self._closed_call(what):
             coro.close()
-            log.warning("%s on a closed store", what)
             return [False] * n
+        ended = threading.Event()
+        started = []
+
+        async def run():
+            started.append(True)
+            try:
+                return await coro
+            finally:
+                ended.set()
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
         try:
-            return self._call(coro)
+            return fut.result(self._timeout_s)
         except concurrent.futures.TimeoutError:
-            log.error("%s of %d keys did not finish within %.1f s; reporting misses", what, n, self._timeout_s)
+            fut.cancel()
+            log.error(
+                "%s of %d keys did not finish within %.1f s; cancelled, waiting for the kernel to give back "
+                "the memory, then reporting misses", what, n, self._timeout_s,
+            )  # fmt: skip
+            # The store call ends only once no I/O into the caller's buffers is in flight. A call
+            # the loop never started (it was blocked all along) never will: the loop runs the
+            # cancel before this sentinel.
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._loop).result()
+            if started:
+                ended.wait()
+            else:
+                coro.close()
             return [False] * n
 
     # --- data path ---
@@ -96,9 +129,13 @@ class SyncPageStore:
         return self._bounded(self.store.delete_many(keys), len(keys), "delete_many")
 
     def exists_many(self, keys) -> list[bool]:
+        if self._closed_call("exists_many"):
+            return [False] * len(keys)
         return self.store.exists_many_nowait(keys)
 
     def exists_prefix(self, keys) -> int:
+        if self._closed_call("exists_prefix"):
+            return 0
         return self.store.exists_prefix_nowait(keys)
 
     exists_many_nowait = exists_many
@@ -107,24 +144,34 @@ class SyncPageStore:
     # --- management ---
 
     def register_memory(self, address: int, nbytes: int) -> bool:
+        if self._closed_call("register_memory"):
+            return False
+
         async def reg():
             return self.store.register_memory(address, nbytes)
 
         return self._call(reg())
 
     def stats(self) -> dict:
+        if self._closed:  # the loop is stopped; the closed store's counters are plain reads
+            return self.store.stats()
+
         async def st():
             return self.store.stats()
 
         return self._call(st())
 
     def flush(self) -> bool:
+        if self._closed_call("flush"):
+            return False
         try:
             return self._call(self.store.flush())
         except concurrent.futures.TimeoutError:
             return False
 
     def clear(self) -> None:
+        if self._closed_call("clear"):
+            return
         self._call(self.store.clear())
 
     @property
@@ -140,9 +187,15 @@ class SyncPageStore:
             return
         self._closed = True
         try:
-            self._call(self.store.close())
-        except concurrent.futures.TimeoutError:
-            log.error("closing %s timed out", self.store.path)
+            fut = asyncio.run_coroutine_threadsafe(self.store.close(), self._loop)
+            try:
+                fut.result(self._timeout_s)
+            except concurrent.futures.TimeoutError:
+                # store.close() waits for calls whose I/O the kernel still holds; stopping the
+                # loop under them would strand their callers (and the kernel may still write
+                # their memory), so the close waits too
+                log.error("closing %s waits for I/O the kernel still holds", self.store.path)
+                fut.result()
         finally:
             self._stop_loop()
 

@@ -231,7 +231,11 @@ class PosixEngine:
                     raise
                 job.drained = job.loop.create_future()
                 drained = job.drained
-            await drained
+            while not drained.done():
+                try:
+                    await asyncio.shield(drained)
+                except asyncio.CancelledError:
+                    continue  # cancelled again: a running preadv may still write the caller's memory
             raise
 
     def _spawn_locked(self, wanted: int) -> None:

@@ -19,7 +19,9 @@ general path through ``IoBatch.of`` (conversions, zero-length ops, exact error m
 
 Memory safety: the kernel writes into caller memory until an op's CQE is posted. A batch's
 await therefore returns only once none of its ops is in flight: a cancelled await stops the
-batch's queued ops and still waits for the running ones; ``close()`` cancels, waits (bounded)
+batch's queued ops, asks the kernel to cancel the running ones and waits for them however long
+it takes (a read from a pipe is cancelled; block I/O usually runs to its end or to the block
+layer's timeout); ``close()`` cancels, waits (bounded)
 and, if the kernel still holds ops after that, leaks the ring instead of unmapping it.
 """
 
@@ -55,7 +57,6 @@ DEFAULT_QUEUE_DEPTH = 256
 DEFAULT_ASYNC_MIN_BYTES = 64 << 10
 MAX_RETRIES = 8  # EAGAIN/EINTR resubmissions per op
 CLOSE_TIMEOUT_S = 5.0
-DRAIN_TIMEOUT_S = 30.0  # a cancelled await waits this long for its running ops
 _SLOT_SHIFT = 32
 _IDX_MASK = (1 << _SLOT_SHIFT) - 1
 _U64 = np.uint64
@@ -329,7 +330,10 @@ class UringEngine:
             raise
 
     async def _drain_after_cancel(self, b: _Batch) -> None:
-        """The caller gave up, but the kernel may still write its memory: wait for its ops."""
+        """The caller gave up, but the kernel may still write its memory: ask the kernel to cancel
+        the batch's running ops, then wait for every one of their completions, however long (the
+        block layer's own command timeout bounds it). Returning earlier would let a late DMA land
+        in memory the caller already reuses."""
         if b.left == 0 or self._closed:
             return
         b.abandoned = True
@@ -338,17 +342,25 @@ class UringEngine:
             self._finish(b)
             return
         b.drained = self._loop.create_future()
-        deadline = self._loop.time() + DRAIN_TIMEOUT_S
+        self._cancel_running(b)
         while not b.drained.done():
             try:
-                await asyncio.wait_for(asyncio.shield(b.drained), max(0.0, deadline - self._loop.time()))
+                await asyncio.shield(b.drained)
             except asyncio.CancelledError:
                 continue  # cancelled again: still may not return while the kernel holds the memory
-            except asyncio.TimeoutError:
-                log.error(
-                    "io_uring: %d ops of a cancelled batch still in flight after %.0f s", b.left, DRAIN_TIMEOUT_S
-                )
-                return
+
+    def _cancel_running(self, b: _Batch) -> None:
+        """Best-effort IORING_OP_ASYNC_CANCEL for the submitted ops of ``b`` not yet complete."""
+        k = b.next
+        d = b.done[:k]
+        running = np.flatnonzero((d >= 0) & (d < np.asarray(b.lens[:k])))
+        if not len(running):
+            return
+        ud = (np.uint64(b.slot) << np.uint64(_SLOT_SHIFT)) | running.astype(np.uint64)
+        try:
+            self._ring.cancel(ud)
+        except Exception as e:  # noqa: BLE001 - cancelling is an optimisation; the wait is what matters
+            log.debug("io_uring: cancel of %d ops failed: %s", len(ud), e)
 
     def _drop_unsubmitted(self, b: _Batch) -> None:
         k = b.n - b.next
