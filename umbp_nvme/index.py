@@ -340,6 +340,7 @@ def check_own_file(path: str, st: os.stat_result | None = None) -> None:
 
 
 _ENVS: dict[str, list] = {}  # realpath -> [env, refcount, writable]
+_DETACHED: list[list] = []  # entries of files moved aside while another handle still held them
 _ENVS_LOCK = threading.Lock()
 
 
@@ -418,6 +419,12 @@ def quarantine(path: str, *, lock_file: bool = True) -> str:
         dest = f"{path}.corrupt-{stamp}.{n}"
         n += 1
     os.rename(path, dest)
+    with _ENVS_LOCK:
+        # A handle still open in this process (a store whose close is finishing on its index
+        # thread, a follower) maps the old file: the next open must get a new environment.
+        entry = _ENVS.pop(os.path.realpath(path), None)
+        if entry is not None:
+            _DETACHED.append(entry)
     if lock_file:
         try:
             os.unlink(f"{path}-lock")
@@ -440,6 +447,13 @@ def _release_env(env: lmdb.Environment) -> None:
                 entry[1] -= 1
                 if entry[1] == 0:
                     del _ENVS[real]
+                    env.close()
+                return
+        for entry in _DETACHED:
+            if entry[0] is env:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    _DETACHED.remove(entry)
                     env.close()
                 return
 

@@ -975,6 +975,15 @@ class PageStore:
                 await self._idle.wait()
         if not self.readonly and self._index is not None and not self.strict:
             await self.flush_for_close()
+        if self._index_pool is not None and self._index is not None:
+            # close the index after whatever is queued on its thread, and wait for it (bounded):
+            # a reopen in this process right after close() must not share the closing handle
+            ix, self._index = self._index, None
+            fut = asyncio.get_running_loop().run_in_executor(self._index_pool, ix.close)
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("%s: the index closes in the background (a commit is still on its thread)", self.path)
         self._release_resources()
 
     def _release_resources(self) -> None:
