@@ -32,7 +32,7 @@ from umbp_nvme.errors import (
     StoreDamagedError,
     UnsafeStorePathError,
 )
-from umbp_nvme.index import INDEX_FILE, REC_DTYPE, Index, check_index_file
+from umbp_nvme.index import FLAG_KEYCRC, INDEX_FILE, REC_DTYPE, Index, check_index_file, key_crcs
 from umbp_nvme.maintenance import StoreReader, verify_records
 from umbp_nvme.segments import SegmentAllocator, segment_name
 from umbp_nvme.store import MANIFEST_FILE, PageStore, read_manifest
@@ -292,8 +292,13 @@ async def _store_with_odd_keys(path) -> tuple[list[str], list[str]]:
     await st.close()
     # through Index: LMDB allows one handle per file and process (the store's closes on a thread)
     idx = Index(os.path.join(path, INDEX_FILE), readonly=False, map_size=1 << 30, durable=True)
-    recs = idx.get_records([g.encode() for g in good[: len(_ODD_KEYS)]])
-    idx.commit(puts=list(zip(_ODD_KEYS, recs)), deletes=[g.encode() for g in good[: len(_ODD_KEYS)]])
+    recs = np.frombuffer(b"".join(idx.get_records([g.encode() for g in good[: len(_ODD_KEYS)]])), REC_DTYPE).copy()
+    # as a writer would have written them: the key checksum is of the odd key's bytes; the
+    # first one is a record from before key checksums existed (FLAG_KEYCRC clear)
+    recs["key_crc"] = key_crcs(list(_ODD_KEYS))
+    recs["flags"][0] &= ~np.uint32(FLAG_KEYCRC)
+    puts = [(k, recs[i : i + 1].tobytes()) for i, k in enumerate(_ODD_KEYS)]
+    idx.commit(puts=puts, deletes=[g.encode() for g in good[: len(_ODD_KEYS)]])
     idx.close()
     return [decode_key(k) for k in _ODD_KEYS], good
 
@@ -613,4 +618,28 @@ async def test_a_key_renamed_in_its_leaf_never_serves_another_keys_bytes(templat
     await st.close()
     st = await PageStore.open(path, cfg())
     assert await got(st, keys) == [True] * _TEMPLATE_KEYS
+    await st.close()
+
+
+async def test_a_key_renamed_into_a_new_key_in_order_is_not_served(template, tmp_path, caplog):
+    """A flipped key byte that keeps LMDB's order and names a key the store never held: the record's
+    key checksum (FLAG_KEYCRC) tells it belongs to another key, so no opener serves it."""
+    path = str(tmp_path / "s")
+    shutil.copytree(template, path)
+    keys = [f"{'p' * 90}-{i:05d}" for i in range(_TEMPLATE_KEYS)]
+    ghost = f"{'p' * 90}-0001/"  # sorts between keys[9] and keys[10]: LMDB's order still holds
+    assert keys[9] < ghost < keys[10]
+    _rename_key_in_leaf(os.path.join(path, INDEX_FILE), keys[10].encode(), ghost.encode())
+    ro = await PageStore.open(path, cfg(), readonly=True)  # a follower looks keys up one by one
+    assert await got(ro, [ghost, keys[10], keys[11]]) == [False, False, True]
+    assert await ro.exists_many([ghost, keys[11]]) == [False, True]
+    assert await ro.exists_prefix([keys[9], ghost]) == 1
+    await ro.close()
+    caplog.set_level(logging.INFO, logger="umbp_nvme")
+    st = await PageStore.open(path, cfg())  # the writer's scan finds it and rebuilds without it
+    errs = errors_logged(caplog)
+    assert len(errs) == 1 and "1 keys that do not match" in errs[0], errs
+    assert await st.exists_many([ghost, keys[10]]) == [False, False]
+    hits = await got(st, keys + [ghost])
+    assert [k for k, h in zip(keys + [ghost], hits) if not h] == [keys[10], ghost]
     await st.close()

@@ -46,17 +46,44 @@ REC_DTYPE = np.dtype(
         ("crc", "<u4"),  # CRC32C of the object bytes
         ("depth", "<i4"),  # prefix depth given to put_many, -1 when none
         ("flags", "<u4"),
-        ("reserved", "<u4"),
+        ("key_crc", "<u4"),  # CRC32C of the key bytes (FLAG_KEYCRC): a key renamed on disk is not served
     ]
 )
 REC_BYTES = REC_DTYPE.itemsize
 assert REC_BYTES == 48
 FLAG_CRC = 1  # crc field is valid
+FLAG_KEYCRC = 2  # key_crc field is valid (records written before it existed lack it)
+_FLAGS_KEYCRC = struct.Struct("<II")  # (flags, key_crc) at the end of a record
+_FLAGS_AT = REC_DTYPE.fields["flags"][1]
 
 _CREATING_WAIT_S = 2.0  # how long a reader waits for a new store's writer to create its databases
 _NEW_ENV_BYTES = 2 * 4096  # an environment whose two meta pages are not written yet is being created
 _META_NEXT_GEN = b"next_generation"
 _U64 = struct.Struct("<Q")
+
+
+def key_crcs(keys: list[bytes]) -> np.ndarray:
+    """CRC32C of each key's bytes (uint32), in one C call over the joined keys."""
+    from ._uring import crc32c_many
+
+    n = len(keys)
+    out = np.zeros(n, np.uint32)
+    if not n:
+        return out
+    lens = np.fromiter(map(len, keys), np.int64, n)
+    buf = np.frombuffer(b"".join(keys) or b"\0", np.uint8)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.uint64)
+    crc32c_many(np.uint64(buf.ctypes.data) + starts, lens, out)
+    return out
+
+
+def _key_matches(key: bytes, rec: bytes) -> bool:
+    flags, kcrc = _FLAGS_KEYCRC.unpack_from(rec, _FLAGS_AT)
+    if not flags & FLAG_KEYCRC:
+        return True
+    from ._uring import crc32c
+
+    return crc32c(key) == kcrc
 
 # LMDB's answers for a file that is not (or no longer) a readable LMDB environment
 _DAMAGED = (
@@ -557,6 +584,17 @@ class Index:
                 keys = [keys[i] for i in good]
                 blob = b"".join(vals[i] for i in good)
             del vals
+            recs = np.frombuffer(blob, dtype=REC_DTYPE)
+            has = (recs["flags"] & FLAG_KEYCRC) != 0
+            if has.any():
+                renamed = has & (key_crcs(keys) != recs["key_crc"])
+                if renamed.any():
+                    # a damaged key byte: the record belongs to another key, never serve it
+                    why = f"{int(renamed.sum())} keys that do not match their record's key checksum"
+                    self.scan_damage = why if self.scan_damage is None else f"{self.scan_damage}; {why}"
+                    good = np.flatnonzero(~renamed)
+                    keys = [keys[i] for i in good.tolist()]
+                    blob = recs[good].tobytes()
             # one decode per key: a key's bytes may hold any byte (an older or crashed process, or
             # damage), so keys are never joined and split on a separator
             return decode_keys(keys), np.frombuffer(blob, dtype=REC_DTYPE)  # read-only view
@@ -565,16 +603,22 @@ class Index:
                 gc.enable()
 
     def get_records(self, keys: list[bytes]) -> list[bytes | None]:
+        """Each key's record, None when absent or when the record's key checksum says it is not this key's."""
         with self._read_txn(self._objects) as txn:
             get = txn.get
-            return [get(k) for k in keys]
+            vals = [get(k) for k in keys]
+        for i, v in enumerate(vals):
+            if v is not None and len(v) == REC_BYTES and not _key_matches(keys[i], v):
+                vals[i] = None
+        return vals
 
     def exists_prefix(self, keys: list[bytes]) -> int:
         n = 0
         with self._read_txn(self._objects) as txn:
             get = txn.get
             for k in keys:
-                if get(k) is None:
+                v = get(k)
+                if v is None or (len(v) == REC_BYTES and not _key_matches(k, v)):
                     break
                 n += 1
         return n

@@ -50,7 +50,7 @@ from .errors import (
     UnsafeStorePathError,
 )
 from .keybytes import encode_key, key_error, printable_key
-from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index, check_own_file, quarantine, wrap_lmdb_error
+from .index import FLAG_CRC, FLAG_KEYCRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index, key_crcs, check_own_file, quarantine, wrap_lmdb_error
 from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, SegmentFiles, segment_name, size_classes
 
 log = logging.getLogger(__name__)
@@ -1694,8 +1694,9 @@ class PageStore:
                 pub_depths = -1 if depths is None else np.asarray([int(depths[i]) for i in pub_idx], np.int32)
                 recs = np.zeros(npub, REC_DTYPE)
                 recs["segment"], recs["length"], recs["offset"] = segs[pj], nbytes[pj], offs[pj]
-                recs["depth"], recs["flags"] = pub_depths, FLAG_CRC
+                recs["depth"], recs["flags"] = pub_depths, FLAG_CRC | FLAG_KEYCRC
                 enc = _encode_all(pub_keys)
+                recs["key_crc"] = key_crcs(enc)
             recs["generation"] = recs["group"] = gen
             recs["crc"] = pub_crcs
             blob = recs.tobytes()
@@ -1751,8 +1752,10 @@ class PageStore:
             recs["depth"] = depths[todo]
         else:
             recs["depth"] = np.asarray([depths[i] for i in todo_l], np.int32)
-        recs["flags"] = FLAG_CRC
-        return recs, _encode_all(keys, todo_l)
+        recs["flags"] = FLAG_CRC | FLAG_KEYCRC
+        enc = _encode_all(keys, todo_l)
+        recs["key_crc"] = key_crcs(enc)
+        return recs, enc
 
     async def _await_io(self, task: asyncio.Future, what: str, segs: np.ndarray, timeout_s: float | None = None):
         """The engine's result for ``task``, or None when it outlived io_timeout_s.
