@@ -169,8 +169,7 @@ async def test_crc_mismatch_is_a_miss_and_drops_the_entry(store_dir):
     data = payload("c", 8 * KiB)
     await st.put_many(["c", "ok"], [data, payload("ok", 8 * KiB)])
     await st.flush()
-    row = st._keys["c"]
-    seg, off = int(st._rows_seg[row]), int(st._rows_off[row])
+    seg, off = st.locate(["c"])[0][:2]
     with open(os.path.join(store_dir, segment_name(seg)), "r+b") as f:
         f.seek(off + 100)
         f.write(b"\x00\xff\x00\xff")

@@ -115,8 +115,7 @@ async def test_pinned_slot_is_not_reused_while_a_read_is_in_flight(store_dir):
     cap = 2 * MiB
     st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB))
     await st.put_many(["victim"], [payload("victim", 64 * KiB)])
-    row = st._keys["victim"]
-    slot = (int(st._rows_seg[row]), int(st._rows_off[row]))
+    slot = tuple(st.locate(["victim"])[0][:2])
     real = st._read_engine.read_many
     started = asyncio.Event()
 
@@ -134,7 +133,7 @@ async def test_pinned_slot_is_not_reused_while_a_read_is_in_flight(store_dir):
     # fill the store so every free slot is taken; the pinned one must stay out of use
     for i in range(40):
         await st.put_many([f"f{i}"], [payload(f"f{i}", 64 * KiB)])
-        slots = {(int(st._rows_seg[r]), int(st._rows_off[r])) for r in st._keys.values()}
+        slots = {tuple(e[:2]) for e in st.locate([f"f{j}" for j in range(i + 1)]) if e is not None}
         assert slot not in slots
     assert await reader == [True]
     assert bytes(out) == bytes(payload("victim", 64 * KiB))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import KiB, MiB, payload, small_config
-from umbp_nvme import store as store_mod
+from umbp_nvme.store import staging as staging_mod
 from umbp_nvme import sync_store as sync_mod
 from umbp_nvme.engine import uring as uring_mod
 from umbp_nvme.engine.faults import FaultPlan, FaultRule, install
@@ -159,11 +159,11 @@ async def test_bad_depths_fail_alone(store_dir):
     keys = [f"d{i}" for i in range(4)]
     r = await st.put_many(keys, [pl(k, OBJ) for k in keys], depths=[0, None, 1 << 40, 3])
     assert r == [True, False, False, True]
-    assert st._rows_depth[[st._keys["d0"], st._keys["d3"]]].tolist() == [0, 3]
+    assert [e.depth for e in st.locate(["d0", "d3"])] == [0, 3]
     keys = [f"n{i}" for i in range(3)]  # a numpy array whose values do not fit int32: no wrap
     r = await st.put_many(keys, [pl(k, OBJ) for k in keys], depths=np.array([1, 1 << 40, 2], np.int64))
     assert r == [True, False, True]
-    assert st._rows_depth[[st._keys["n0"], st._keys["n2"]]].tolist() == [1, 2]
+    assert [e.depth for e in st.locate(["n0", "n2"])] == [1, 2]
     await st.close()
 
 
@@ -200,7 +200,7 @@ def _blocking_memmove(monkeypatch):
         release.wait(10)
         return real(dst, src, n)
 
-    monkeypatch.setattr(store_mod, "_memmove", slow)
+    monkeypatch.setattr(staging_mod, "_memmove", slow)
     return entered, release
 
 
@@ -280,7 +280,7 @@ async def test_register_memory_refuses_ranges_that_wrap(store_dir):
         with pytest.raises(TypeError):
             st.register_memory(a, n)
     st.register_memory(np.uint64(1 << 40), np.int64(4096))  # numpy ints are ints
-    assert st._ranges == [(1 << 40, (1 << 40) + 4096)]
+    assert st.registered_memory() == [(1 << 40, 4096)]
     await st.close()
 
 

@@ -141,11 +141,10 @@ def page_keys(tag: str, pages: int, start: int = 0) -> list[str]:
 def store_extents(store: PageStore, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(segment, offset) of each key, from the writer's in-memory view of the index.
 
-    Reaches into PageStore internals (``_keys`` and the ``_rows_*`` arrays): there is no public
-    API for extents, and the raw engine must hit exactly the store's blocks.
+    The raw engine must hit exactly the store's blocks (PageStore.locate).
     """
-    rows = np.fromiter((store._keys[k] for k in keys), np.int64, len(keys))
-    return store._rows_seg[rows].copy(), store._rows_off[rows].copy()
+    ext = store.locate(keys)
+    return np.fromiter((e.segment for e in ext), np.int64, len(keys)), np.fromiter((e.offset for e in ext), np.int64, len(keys))
 
 
 class SegFds:

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import NotAStoreError
-from .index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
 from .keybytes import KeyEncodingError, encode_key
-from .segments import SLOT_ALIGN_BYTES, SegmentAllocator, segment_name, size_classes
-from .store import lock_holder, read_manifest
+from .store.index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
+from .store.layout import SLOT_ALIGN_BYTES, lock_holder, read_manifest, segment_files, segment_name
+from .store.segments import SegmentAllocator, size_classes
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +44,9 @@ def _crc32c():
 # --- the directory ---------------------------------------------------------------------------
 
 
-_SEGMENTS_MAX = 1 << 20  # a segment file name beyond this is not one the store made
-
-
 def segment_files_on_disk(path: str) -> dict[int, str]:
-    out = {}
-    for name in os.listdir(path):
-        if name.startswith("seg-") and name.endswith(".dat"):
-            digits = name[4:-4]
-            if digits.isascii() and digits.isdigit() and int(digits) < _SEGMENTS_MAX:
-                out[int(digits)] = os.path.join(path, name)
-    return out
+    os.listdir(path)  # an unreadable directory raises here, as it always did
+    return {i: os.path.join(path, name) for i, name in segment_files(path).items()}
 
 
 # --- records ---------------------------------------------------------------------------------

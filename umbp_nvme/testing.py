@@ -327,7 +327,7 @@ class CrashSpec:
 
 def _install_kill_hooks(spec: CrashSpec, rng: _random.Random) -> None:
     from . import index as index_mod
-    from . import store as store_mod
+    from .store import opening as store_mod
     from .engine.faults import FaultPlan, FaultRule
 
     def die():

@@ -351,7 +351,7 @@ class patch_open_engine:
         self._orig = None
 
     def __enter__(self):
-        from .. import store as store_mod
+        from ..store import opening as store_mod
 
         self._orig = orig = store_mod.open_engine
         plan = self.plan
@@ -363,6 +363,6 @@ class patch_open_engine:
         return self.plan
 
     def __exit__(self, *exc):
-        from .. import store as store_mod
+        from ..store import opening as store_mod
 
         store_mod.open_engine = self._orig

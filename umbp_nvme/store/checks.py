@@ -1,0 +1,47 @@
+"""Per-key checks shared by the put and get paths, and the one log line per call for refused keys."""
+
+from __future__ import annotations
+
+import logging
+
+from ..keybytes import encode_key, printable_key
+
+log = logging.getLogger("umbp_nvme.store")
+
+
+class Refusals:
+    """One log line per call for the keys it refused, naming the first reason."""
+
+    __slots__ = ("op", "count", "first")
+
+    def __init__(self, op: str):
+        self.op, self.count, self.first = op, 0, None
+
+    def add(self, key, reason: str) -> None:
+        self.count += 1
+        if self.first is None:
+            shown = repr(printable_key(key)) if type(key) is str else f"of type {type(key).__name__}"
+            self.first = f"key {shown}: {reason}"
+
+    def log(self, total: int) -> None:
+        if self.count:
+            log.warning("%s: %d of %d keys failed (first: %s)", self.op, self.count, total, self.first)
+
+
+def plain_keys(keys) -> bool:
+    """True when every key is a non-empty ASCII str (one C-level pass): such keys encode as they
+    are. False sends the batch to the per-key checks (keybytes.key_error)."""
+    try:
+        return all(map(str.isascii, keys)) and "" not in keys
+    except TypeError:  # a key that is not a str
+        return False
+
+
+def encode_all(keys, idx=None) -> list[bytes]:
+    """Bytes of keys (``keys[i] for i in idx``) already accepted by key_error (or plain):
+    ``str.encode`` unless a key holds escaped bytes (U+DC80..U+DCFF), which only
+    keybytes.encode_key maps back."""
+    try:
+        return [k.encode() for k in keys] if idx is None else [keys[i].encode() for i in idx]
+    except UnicodeEncodeError:
+        return [encode_key(k) for k in keys] if idx is None else [encode_key(keys[i]) for i in idx]

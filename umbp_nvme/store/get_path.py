@@ -1,0 +1,435 @@
+"""The get lifecycle: look up -> pin -> read (staged where O_DIRECT needs it) -> verify (CRC) ->
+unpin -> [readers: recheck the generation] -> account.
+
+A writer pins the rows it reads so no eviction reuses their slots meanwhile. A reader in another
+process cannot pin: it checks the CRC and that each key still has the generation it looked up
+once the read is done. A mixin of PageStore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from ..keybytes import encode_key, key_error
+from . import staging
+from .checks import Refusals, plain_keys
+from .index import FLAG_CRC, REC_BYTES, REC_DTYPE
+from .staging import wait_out
+
+log = logging.getLogger("umbp_nvme.store")
+
+PART_BYTES_MIN = 1 << 20  # a read sub-batch moves at least this much (its submit and wake-up cost ~tens of us)
+PARTS_MAX = 8
+READ_PARTS_IN_FLIGHT = 3  # read sub-batches submitted at a time (see _read)
+
+
+def part_bounds(m: int, nbytes: int) -> list[int]:
+    """Split m reads into sub-batches verified as each completes: a few large ones, then smaller
+    ones, so the CRC left to do after the last completion is a small fraction of the batch."""
+    if m == 0:
+        return [0]
+    p = max(1, min(PARTS_MAX, m // 8, nbytes // PART_BYTES_MIN))
+    if p == 1:
+        return [0, m]
+    # weights 2,2,...,2,1,1: the last two parts are half size
+    w = np.array([2] * (p - 2) + [1, 1], np.float64)
+    edges = np.rint(np.concatenate([[0], np.cumsum(w)]) / w.sum() * m).astype(int)
+    return sorted(set(edges.tolist()))
+
+
+class ReadBatch:
+    """The objects one get_many reads: key index, extent, checks and destination per object."""
+
+    FIELDS = ("idx", "segs", "offs", "lens", "crcs", "flags", "gens", "rows", "dst", "devm")
+    __slots__ = FIELDS
+
+    def __init__(self, idx, segs, offs, lens, crcs, flags, gens, rows=None):
+        self.idx, self.segs, self.offs, self.lens, self.crcs, self.flags, self.gens, self.rows = (
+            idx, segs, offs, lens, crcs, flags, gens, rows,
+        )  # fmt: skip
+        self.dst = self.devm = None
+
+    def keep(self, sel) -> None:
+        for name in self.FIELDS:
+            a = getattr(self, name)
+            if a is not None:
+                setattr(self, name, a[sel])
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+
+class GetPath:
+    async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
+        n = len(keys)
+        if len(buffers) != n:
+            raise ValueError(f"get_many needs one buffer per key: {n} keys, {len(buffers)} buffers")
+        results = [False] * n
+        if self._closed:
+            self._closed_call("get_many")
+            return results
+        self._enter()
+        try:
+            await self._get(keys, buffers, results)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: get_many failed", self.path)
+        finally:
+            self._leave()
+        hits = sum(results)
+        self._counters["gets"] += n
+        self._counters["hits"] += hits
+        self._counters["misses"] += n - hits
+        return results
+
+    def exists_many_nowait(self, keys: list[str]) -> list[bool]:
+        """Thread-safe: dict reads are atomic under the GIL; LMDB read txns are per call. A key
+        that cannot be stored (not a str, empty, no lossless bytes) is False alone."""
+        if self._closed:
+            self._closed_call("exists_many")
+            return [False] * len(keys)
+        if self.readonly:
+            return [v is not None for v in self._index_lookup(keys)]
+        d = self._keys
+        try:
+            return [k in d for k in keys]
+        except TypeError:  # an unhashable key
+            return [type(k) is str and k in d for k in keys]
+
+    def exists_prefix_nowait(self, keys: list[str]) -> int:
+        if self._closed:
+            self._closed_call("exists_prefix")
+            return 0
+        if self.readonly:
+            enc = self._index_keys(keys)
+            if None in enc:
+                enc = enc[: enc.index(None)]
+            return self._index.exists_prefix(enc)
+        d = self._keys
+        n = 0
+        try:
+            for k in keys:
+                if k not in d:
+                    break
+                n += 1
+        except TypeError:  # an unhashable key is absent: the prefix ends there
+            pass
+        return n
+
+    async def exists_many(self, keys: list[str]) -> list[bool]:
+        return self.exists_many_nowait(keys)
+
+    async def exists_prefix(self, keys: list[str]) -> int:
+        return self.exists_prefix_nowait(keys)
+
+    def _index_keys(self, keys) -> list[bytes | None]:
+        """Index key bytes per key; None for a key no index key can hold (not a str, empty, no
+        lossless bytes, too long): that key alone is a miss."""
+        maxk = self._index.max_key_bytes
+        if plain_keys(keys) and (not keys or max(map(len, keys)) <= maxk):
+            return [k.encode() for k in keys]
+        enc = []
+        for k in keys:
+            b = encode_key(k) if key_error(k) is None else None
+            enc.append(b if b is not None and len(b) <= maxk else None)
+        return enc
+
+    def _index_lookup(self, keys) -> list[bytes | None]:
+        """Readers: the index record per key (None: absent, or a key that cannot be stored)."""
+        enc = self._index_keys(keys)
+        if None not in enc:
+            return self._index.get_records(enc)
+        found = iter(self._index.get_records([b for b in enc if b is not None]))
+        return [None if b is None else next(found) for b in enc]
+
+    def _writer_rows(self, keys) -> list:
+        """Writers: the row per key, None when absent (a key that is not a str is never present)."""
+        try:
+            return list(map(self._keys.get, keys))
+        except TypeError:  # an unhashable key
+            get = self._keys.get
+            return [get(k) if type(k) is str else None for k in keys]
+
+    def _lookup_reader(self, keys: list[str]) -> ReadBatch | None:
+        """Readers: records from LMDB for the present keys."""
+        vals = self._index_lookup(keys)
+        idx = [i for i, v in enumerate(vals) if v is not None and len(v) == REC_BYTES]
+        if not idx:
+            return None
+        recs = np.frombuffer(b"".join(vals[i] for i in idx), dtype=REC_DTYPE)
+        return ReadBatch(
+            np.asarray(idx, np.int64),
+            recs["segment"].astype(np.int64),
+            recs["offset"].astype(np.int64),
+            recs["length"].astype(np.int64),
+            recs["crc"].astype(np.uint32),
+            recs["flags"].astype(np.uint32),
+            recs["generation"].astype(np.uint64),
+        )
+
+    def _lookup(self, keys) -> ReadBatch | None:
+        """The stored objects among ``keys`` (None when there is none)."""
+        if self.readonly:
+            b = self._lookup_reader(keys)
+            if b is None:
+                return None
+            for s in np.unique(b.segs).tolist():
+                if not self._files.ensure(s):
+                    b.keep(b.segs != s)
+            return b if len(b) else None
+        rows_l = self._writer_rows(keys)
+        if None in rows_l:
+            idx_l = [i for i, r in enumerate(rows_l) if r is not None]
+            if not idx_l:
+                return None
+            idx = np.asarray(idx_l, np.int64)
+            rows = np.asarray([rows_l[i] for i in idx_l], np.int64)
+        else:
+            if not len(keys):
+                return None
+            idx = np.arange(len(keys), dtype=np.int64)
+            rows = np.asarray(rows_l, np.int64)
+        t = self._rows
+        return ReadBatch(idx, t.seg[rows], t.off[rows], t.len[rows], t.crc[rows], t.flags[rows], t.gen[rows], rows)
+
+    def _destinations(self, b: ReadBatch, keys, buffers, refused) -> None:
+        """Resolve the caller's buffer per object; keep the usable ones, host memory first, CUDA last."""
+        m, n = len(b), len(keys)
+        pair = self._memory.resolve_pairs(buffers if m == n else [buffers[i] for i in b.idx.tolist()])
+        if pair is not None and not (pair[1] < b.lens).any():
+            b.dst = pair[0]
+            return
+        dst = np.zeros(m, np.uint64)
+        ok = np.ones(m, bool)
+        devm = np.zeros(m, bool)
+        for j, i in enumerate(b.idx.tolist()):
+            r = self._memory.resolve(buffers[i], writable=True)
+            if isinstance(r, str):
+                refused.add(keys[i], r)
+                ok[j] = False
+                continue
+            if r[1] < b.lens[j]:
+                refused.add(keys[i], f"buffer of {r[1]} bytes is smaller than the {int(b.lens[j])}-byte object")
+                ok[j] = False
+                continue
+            dst[j] = r[0]
+            devm[j] = r[2]
+        b.dst, b.devm = dst, devm
+        if not ok.all() or devm.any():
+            b.keep(np.concatenate([np.flatnonzero(ok & ~devm), np.flatnonzero(ok & devm)]))
+
+    async def _get(self, keys, buffers, results) -> None:
+        refused = Refusals("get_many")
+        b = self._lookup(keys)
+        if b is None:
+            return
+        self._destinations(b, keys, buffers, refused)
+        m = len(b)
+        if not m:
+            refused.log(len(keys))
+            return
+        m_host = m if b.devm is None else m - int(b.devm.sum())
+        route = None
+        if m_host < m:
+            try:
+                route = await self._gds_route()
+            except OSError as e:
+                for j in range(m_host, m):
+                    refused.add(keys[int(b.idx[j])], str(e))
+        outcome = await self._read(b, m_host, route)
+        if outcome is None:
+            return  # timed out: counted and logged by _await_io
+        good, verified = outcome
+        if self.readonly:
+            verified &= self._unchanged(b, keys)
+        await self._account(b, keys, good, verified, results, refused)
+
+    async def _read(self, b: ReadBatch, m_host: int, route):
+        """Pin, read, verify, unpin: (complete, verified) per object; None when the read timed out."""
+        m = len(b)
+        rows = b.rows
+        if rows is not None:
+            self._rows.pin(rows)
+        plan = None
+        good = np.zeros(m, bool)
+        verified = np.zeros(m, bool)
+        try:
+            files = self._files
+            plan = staging.plan(self._bounce, files.direct[b.segs], files.align[b.segs], b.dst, b.lens, b.devm)
+            jobs = [self._read_part(b, plan, lo, hi, good, verified, window)
+                    for lo, hi, window in self._parts(b, m_host)]  # fmt: skip
+            if route is not None:
+                jobs.append(self._read_device_part(b, route, m_host, m, good, verified))
+            timed_out = False
+            if len(jobs) == 1:
+                try:
+                    await jobs[0]
+                    outcome = ()
+                except Exception as e:  # noqa: BLE001
+                    outcome = (e,)
+            else:
+                outcome = await asyncio.gather(*jobs, return_exceptions=True)
+            for r in outcome:
+                if isinstance(r, asyncio.TimeoutError):
+                    timed_out = True
+                elif isinstance(r, BaseException):
+                    log.error("%s: read batch failed: %r", self.path, r)
+                    verified[:] = False
+            if timed_out:
+                return None
+        finally:
+            # Every engine await above has ended, timed out or cancelled or not (_await_io and
+            # the engines wait for the kernel's completions): no read into these slots, the
+            # bounce or the caller's memory is in flight any more.
+            if rows is not None:
+                self._rows.unpin(rows)
+            if plan is not None:
+                plan.release(self._bounce)
+        return good, verified
+
+    def _parts(self, b: ReadBatch, m_host: int):
+        """(lo, hi, window) per host sub-batch. Sub-batches go to the device a few at a time, in
+        order: with every op in flight at once the device finishes them interleaved, so every part
+        completed near the end and no CRC overlapped any I/O. A window of parts still keeps the
+        device busy (several MiB queued) while the parts before it are verified."""
+        bounds = part_bounds(m_host, int(b.lens[:m_host].sum()) if m_host else 0)
+        window = asyncio.Semaphore(READ_PARTS_IN_FLIGHT) if len(bounds) - 1 > READ_PARTS_IN_FLIGHT else None
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        return [(lo, hi, (window, deadline)) for lo, hi in zip(bounds, bounds[1:])]
+
+    async def _read_part(self, b: ReadBatch, plan, lo: int, hi: int, good, verified, window) -> None:
+        """Read ops [lo, hi) and verify them as soon as they complete (the CRC overlaps the rest's I/O)."""
+        sem, deadline = window
+        if sem is None:
+            res = await self._read_host(b, plan, lo, hi, deadline)
+        else:
+            async with sem:
+                res = await self._read_host(b, plan, lo, hi, deadline)
+        ok = res >= b.lens[lo:hi]  # the object must come back whole; more is padding
+        good[lo:hi] = ok
+        if self.verify_crc or plan.bounced:
+            # the thread copies into the caller's memory: it must end before we return
+            loop = asyncio.get_running_loop()
+            verified[lo:hi] = await wait_out(loop.run_in_executor(None, self._finish_part, b, plan, lo, hi, ok))
+        else:
+            verified[lo:hi] = ok
+
+    async def _read_host(self, b: ReadBatch, plan, lo: int, hi: int, deadline: float):
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:  # an earlier part stalled the window: give up before submitting
+            raise asyncio.TimeoutError
+        fds = self._files.fds[b.segs[lo:hi]]
+        task = asyncio.ensure_future(
+            self._read_engine.read_many(fds, b.offs[lo:hi], plan.io_addr[lo:hi], plan.io_len[lo:hi])
+        )
+        res = await self._await_io(task, "read", b.segs[lo:hi], left)
+        if res is None:
+            raise asyncio.TimeoutError
+        return res
+
+    def _finish_part(self, b: ReadBatch, plan, lo: int, hi: int, ok: np.ndarray) -> np.ndarray:
+        """Worker thread: copy bounced objects out, then check the CRCs of [lo, hi) in one C call."""
+        plan.copy_out(lo, hi, ok)
+        if not self.verify_crc:
+            return ok
+        got = np.empty(hi - lo, np.uint32)
+        self._crc32c_many(b.dst[lo:hi], b.lens[lo:hi], got)
+        return ok & ((got == b.crcs[lo:hi]) | ((b.flags[lo:hi] & FLAG_CRC) == 0))
+
+    async def _read_device_part(self, b: ReadBatch, route, lo: int, hi: int, good, verified) -> None:
+        sl = slice(lo, hi)
+        fds = self._files.fds[b.segs[sl]]
+        ok, checked = await asyncio.wait_for(
+            self._read_device(route, fds, b.offs[sl], b.dst[sl], b.lens[sl], b.crcs[sl], b.flags[sl]), self.timeout_s
+        )
+        good[sl] = ok
+        verified[sl] = checked
+
+    def _unchanged(self, b: ReadBatch, keys) -> np.ndarray:
+        """Readers: which keys still have the generation looked up (another process may have
+        evicted and reused the slot while we read it)."""
+        m = len(b)
+        after = self._lookup_reader([keys[i] for i in b.idx.tolist()])
+        now = np.zeros(m, np.uint64)
+        present = np.zeros(m, bool)
+        if after is not None:
+            now[after.idx] = after.gens
+            present[after.idx] = True
+        return present & (now == b.gens)
+
+    async def _account(self, b: ReadBatch, keys, good, verified, results, refused) -> None:
+        """Results and counters; a writer drops entries whose bytes failed the CRC and stamps hits."""
+        idx, lens, m, n = b.idx, b.lens, len(b), len(keys)
+        if verified.all():
+            if m == n:
+                results[:] = [True] * n
+            else:
+                for i in idx.tolist():
+                    results[i] = True
+            self._counters["bytes_read"] += int(lens.sum())
+        else:
+            for i in idx[verified].tolist():
+                results[i] = True
+            self._counters["bytes_read"] += int(lens[verified].sum())
+        bad_crc = np.flatnonzero(good & ~verified).tolist()
+        writer = not self.readonly
+        if bad_crc:
+            self._counters["crc_errors"] += len(bad_crc)
+            for j in bad_crc[:1]:
+                refused.add(keys[int(idx[j])], "checksum mismatch (entry dropped)" if writer else "checksum or generation mismatch")
+        if writer:
+            rows, t = b.rows, self._rows
+            if bad_crc:
+                drop = [
+                    int(rows[j]) for j in bad_crc
+                    if t.live[rows[j]] and t.key[rows[j]] == keys[int(idx[j])]
+                ]  # fmt: skip
+                await self._drop_rows(sorted(set(drop)), evicted=False)
+            hit_rows = rows[verified]
+            if len(hit_rows):
+                t.tick[hit_rows] = self._tick()
+        refused.log(len(keys))
+
+    async def _read_device(self, route: str, fds, offs, addrs, lens, crcs, flags) -> tuple[np.ndarray, np.ndarray]:
+        """(complete, verified) per op for a read into CUDA memory."""
+        from ..engine import gds
+
+        gate = self._gds_gate
+        verify = self.verify_crc
+        got = None
+        if route == "gds":
+            res = await gate.engine.read_many(fds, offs, addrs, lens)
+            if verify:
+                got = await gds.device_crc32c_many(addrs, lens)
+        else:
+            # staging: O_DIRECT read of whole blocks into a host bounce, check, then copy to the device
+            blen, starts, bounce = staging.device_layout(self._bounce, lens)
+            try:
+                host = np.uint64(bounce.address) + starts.astype(np.uint64)
+                res = await self._read_engine.read_many(fds, offs, host, blen)
+                ok = res >= lens
+                crc32c = self._crc32c
+                host_l, len_l = host.tolist(), lens.tolist()
+                good_l = ok.tolist()
+
+                def check_and_copy() -> list[bool]:
+                    out = list(good_l)
+                    if verify:
+                        for j, (h, n) in enumerate(zip(host_l, len_l)):
+                            if out[j] and flags[j] & FLAG_CRC and crc32c((h, n)) != int(crcs[j]):
+                                out[j] = False
+                    gds._device_ops.copy_h2d([(h, int(a), n) for h, a, n, o in zip(host_l, addrs.tolist(), len_l, out) if o])
+                    return out
+
+                # it copies into the caller's device memory until it returns
+                checked = await wait_out(asyncio.get_running_loop().run_in_executor(None, check_and_copy))
+                return ok, np.asarray(checked, bool)
+            finally:
+                self._bounce.put(bounce)
+        ok = res >= lens
+        checked = ok.copy()
+        if got is not None:
+            checked &= (got.astype(np.uint32) == crcs) | ((flags & FLAG_CRC) == 0)
+        return ok, checked

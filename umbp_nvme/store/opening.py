@@ -1,0 +1,386 @@
+"""Opening a store: directory and lock, manifest and capacity, index, the writer's rows, engines.
+
+The steps run in that order (``_open``); any failure releases what was taken. The on-disk rules
+they apply live in layout.py; this module applies them to one store and logs what it repaired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import lmdb
+import numpy as np
+
+from ..config import StoreConfig
+from ..engine import open_engine
+from ..engine.base import errno_name
+from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, UnsafeStorePathError
+from ..keybytes import encode_key
+from . import layout
+from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
+from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
+from .rows import RowTable
+from .segments import SegmentAllocator, SegmentFiles, segment_name
+
+log = logging.getLogger("umbp_nvme.store")
+
+WRITE_BATCHES_IN_FLIGHT = 2  # put batches submitting at a time: the device queue keeps room for reads
+
+
+def _crc32c_fn():
+    try:
+        from .._uring import crc32c, crc32c_many
+    except ImportError as e:
+        raise ImportError(
+            f"umbp_nvme._uring (the native extension) is required for CRC32C: {e}; build it with "
+            "`pip install -e .` (needs a C compiler)"
+        ) from None
+    return crc32c, crc32c_many
+
+
+def is_strict(mode: str) -> bool:
+    m = (mode or "strict").strip().lower()
+    if m in ("strict", "sync"):
+        return True
+    if m in ("relaxed", "async"):
+        return False
+    raise ValueError(f"ssd_durability_mode must be one of: strict, sync, relaxed, async; got {mode!r}")
+
+
+class OpenSteps:
+    """PageStore's open path (a mixin: these steps fill in the store's state)."""
+
+    async def _open(
+        self, path, cfg: StoreConfig, readonly: bool, namespace: dict | None, capacity_from_manifest: bool = False,
+        shrink: bool = False, engine_factory=None,
+    ) -> None:  # fmt: skip
+        t0 = time.perf_counter()
+        self._check_config(cfg, readonly)
+        try:
+            self.path = layout.prepare_dir(path, readonly=readonly)
+            if not readonly:
+                self._lock_fd = layout.take_lock(self.path)
+            self._open_manifest(cfg, namespace, capacity_from_manifest, shrink)
+            self._open_index()
+            self._files = SegmentFiles(
+                self.path,
+                self.segment_bytes,
+                readonly=readonly,
+                o_direct=bool(cfg.o_direct),
+                n_segments=max(1, self.capacity_bytes // self.segment_bytes),
+            )
+            if not readonly:
+                self._load_writer_state()
+                self._index_pool = ThreadPoolExecutor(1, thread_name_prefix="umbp-index")
+                self._write_sem = asyncio.Semaphore(WRITE_BATCHES_IN_FLIGHT)
+                self._commit_lock = asyncio.Lock()
+            await self._open_engines(engine_factory or open_engine)
+        except BaseException:
+            self._release_resources()
+            raise
+        self.open_seconds = time.perf_counter() - t0
+        log.info(
+            "opened store %s (%s, %s, %d objects, %.3f s, engine %s)",
+            self.path,
+            "read-only" if readonly else "writer",
+            "strict" if self.strict else "relaxed",
+            self._object_count(),
+            self.open_seconds,
+            self._read_engine.capabilities.name,
+        )
+
+    def _check_config(self, cfg: StoreConfig, readonly: bool) -> None:
+        self.config = cfg
+        self.readonly = readonly
+        self.strict = is_strict(cfg.ssd_durability_mode)
+        self.verify_crc = bool(cfg.verify_crc)
+        self.timeout_s = float(cfg.io_timeout_s)
+        if not 0 < cfg.ssd_low_watermark <= cfg.ssd_high_watermark <= 1:
+            raise ValueError(
+                f"watermarks must satisfy 0 < low <= high <= 1; got low={cfg.ssd_low_watermark} "
+                f"high={cfg.ssd_high_watermark}"
+            )
+        if cfg.eviction_policy not in ("lru", "prefix_aware"):
+            raise ValueError(f"eviction_policy must be 'lru' or 'prefix_aware'; got {cfg.eviction_policy!r}")
+        self._crc32c, self._crc32c_many = _crc32c_fn()
+
+    async def _open_engines(self, factory) -> None:
+        """Two engines for a writer (reads never queue behind writes), one for a reader."""
+        qd = int(self.config.ssd_queue_depth)
+        self._read_engine = await factory(self.config.ssd_io_backend, qd)
+        self._engines.append(self._read_engine)
+        if not self.readonly:
+            self._write_engine = await factory(self.config.ssd_io_backend, qd)
+            self._engines.append(self._write_engine)
+
+    def _open_manifest(self, cfg: StoreConfig, namespace: dict | None, capacity_from_manifest: bool = False,
+                       shrink: bool = False) -> None:  # fmt: skip
+        if namespace is not None and not isinstance(namespace, dict):
+            raise TypeError(f"namespace must be a dict of JSON values, got {type(namespace).__name__}")
+        self._shrink_from = None  # (old capacity, old segment count) while a permitted shrink runs
+        self._manifest_created = False  # this open wrote a new manifest (no index records to trust yet)
+        mpath = os.path.join(self.path, MANIFEST_FILE)
+        damage = None
+        try:
+            m = layout.read_manifest_or_none(self.path)
+        except ManifestDamagedError as e:
+            if self.readonly:
+                raise
+            m, damage = None, str(e)
+        if m is None and damage is None and not self.readonly and (
+            layout.segment_files_extent(self.path) or os.path.lexists(os.path.join(self.path, INDEX_FILE))
+        ):
+            damage = f"{mpath} is missing but the directory holds store files"
+        if m is None:
+            if self.readonly:
+                raise FileNotFoundError(f"{self.path} has no {MANIFEST_FILE}; it is not a store (open it for writing first)")
+            m = layout.new_manifest(cfg.ssd_capacity_bytes, cfg.ssd_segment_size_bytes, namespace)
+            if damage is not None:
+                m = self._recover_manifest(mpath, m, damage)
+                shrink = True  # the files' extent is a guess: fit it to the capacity asked for, never refuse
+            else:
+                self._manifest_created = True
+            layout.write_json_atomic(mpath, m)
+        else:
+            stored = m.get("namespace") or {}
+            layout.check_namespace(self.path, stored, namespace)
+            if not stored and namespace and not self.readonly:
+                m["namespace"] = namespace  # first declaration on a store created without one
+                layout.write_json_atomic(mpath, m)
+        self.manifest = m
+        self.segment_bytes = int(m["layout"]["segment_bytes"])
+        if self.segment_bytes != cfg.ssd_segment_size_bytes and not self.readonly:
+            log.info("%s keeps its segment size of %d bytes (config asks %d)", self.path, self.segment_bytes, cfg.ssd_segment_size_bytes)
+        if self.readonly:
+            self.capacity_bytes = layout.recorded_capacity_bytes(m) or int(cfg.ssd_capacity_bytes)
+            return
+        self.capacity_bytes, self._shrink_from = layout.writer_capacity(
+            self.path, m, self.segment_bytes, int(cfg.ssd_capacity_bytes), capacity_from_manifest, shrink
+        )
+
+    def _recover_manifest(self, mpath: str, fresh: dict, damage: str) -> dict:
+        """A writer's manifest after damage: the damaged file moved aside, its facts re-derived.
+
+        ``segment_bytes`` comes from the segment files when they all have one valid size (they
+        are preallocated to it), else from the config (``fresh``); the namespace is the one this
+        open declares; the capacity is re-recorded from the files' extent and the config by
+        ``layout.writer_capacity``. Index records that do not fit the derived layout are dropped at load.
+        """
+        dest = None
+        if os.path.lexists(mpath):
+            try:
+                dest = quarantine(mpath, lock_file=False)
+            except OSError as e:
+                raise StoreError(f"{damage}, and it cannot be moved aside ({e.strerror or e}); remove it") from None
+        seg, source = fresh["layout"]["segment_bytes"], "the config"
+        on_disk = layout.segment_bytes_on_disk(self.path)
+        if on_disk is not None:
+            seg, source = on_disk, "the segment files"
+        m = dict(fresh, layout={"segment_bytes": seg, "slot_align_bytes": SLOT_ALIGN_BYTES})
+        del m["ssd_capacity_bytes"]  # re-derived: the files' extent, fitted to the capacity asked for
+        log.error(
+            "%s: the store manifest is damaged (%s); %s and re-derived it (segment_bytes=%d from %s, namespace "
+            "from this open); keeping the index records that fit it",
+            self.path, damage, f"moved it to {dest}" if dest else "writing a new one", seg, source,
+        )  # fmt: skip
+        return m
+    def _open_index(self) -> None:
+        """Open index.lmdb; a writer also reads every record (``self._scan``).
+
+        The index is a cache of what the segments hold: a writer that finds it damaged moves it
+        aside (``index.lmdb.corrupt-<time>``) and starts empty, so the segments' space is reused.
+        A read-only opener raises IndexDamagedError naming the file.
+        """
+        ipath = os.path.join(self.path, INDEX_FILE)
+        map_size = layout.map_size_bytes(self.capacity_bytes)
+        self._scan = None
+        if not self.readonly and not self._manifest_created and not os.path.lexists(ipath):
+            log.error(
+                "%s: the store index %s is missing; starting with an empty index (the objects it listed are lost; "
+                "their space is reused)", self.path, ipath,
+            )  # fmt: skip
+        try:
+            self._index = Index(ipath, readonly=self.readonly, map_size=map_size, durable=self.strict)
+            if not self.readonly:
+                self._scan = self._index.scan()
+                self._scan_next_gen = self._index.next_generation()
+                if self._index.scan_damage is not None:
+                    self._rebuild_index(ipath, map_size)
+            return
+        except IndexDamagedError as e:
+            if self.readonly:
+                raise
+            if self._index is not None:
+                self._index.close()
+                self._index = None
+            reason = e
+        try:
+            dest = quarantine(ipath)
+        except OSError as e:
+            raise StoreError(
+                f"store index {ipath} is damaged ({reason}) and cannot be moved aside ({e.strerror or e}); remove it"
+            ) from None
+        log.error(
+            "%s: %s; moved it to %s and starting with an empty index (the objects it listed are lost; their "
+            "space is reused)",
+            self.path, reason, dest,
+        )  # fmt: skip
+        self._index = Index(ipath, readonly=False, map_size=map_size, durable=self.strict)
+        self._scan = self._index.scan()
+        # generations keep growing across the reset: a follower still reading the old index
+        # can never match a new record's generation to an old one
+        self._scan_next_gen = time.time_ns() // 1000
+
+    def _rebuild_index(self, ipath: str, map_size: int) -> None:
+        """The scan found damaged nodes (and left their keys out): move the file aside and write
+        a new index holding every record that scanned clean, so nothing intact is lost and no
+        damaged node stays where a later lookup or delete could land on it."""
+        reason = self._index.scan_damage
+        keys, recs = self._scan
+        self._index.close()
+        self._index = None
+        try:
+            dest = quarantine(ipath)
+        except OSError as e:
+            raise StoreError(
+                f"store index {ipath} is damaged ({reason}) and cannot be moved aside ({e.strerror or e}); remove it"
+            ) from None
+        self._index = Index(ipath, readonly=False, map_size=map_size, durable=self.strict)
+        blob = recs.tobytes()
+        puts = [(encode_key(k), blob[i * REC_BYTES : (i + 1) * REC_BYTES]) for i, k in enumerate(keys)]
+        try:
+            self._index.commit(puts=puts, next_generation=self._scan_next_gen)
+            self._index.sync()
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(ipath, e, f"rebuilding it from {len(keys)} intact records") from None
+        log.error(
+            "%s: the store index %s is damaged (%s); moved it to %s and rebuilt it from its %d intact records",
+            self.path, ipath, reason, dest, len(keys),
+        )  # fmt: skip
+
+    def _load_writer_state(self) -> None:
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # a million fresh dict entries and strs would trigger useless full collections
+        try:
+            self._load_writer_state_nogc()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+
+    def _load_writer_state_nogc(self) -> None:
+        n_segments = self.capacity_bytes // self.segment_bytes
+        if n_segments == 0:
+            raise ValueError(
+                f"ssd_capacity_bytes={self.capacity_bytes} is smaller than this store's segment size "
+                f"({self.segment_bytes} bytes)"
+            )
+        self._alloc = SegmentAllocator(n_segments, self.segment_bytes)
+        self._high_bytes = int(self._alloc.capacity_bytes * self.config.ssd_high_watermark)
+        self._low_bytes = int(self._alloc.capacity_bytes * self.config.ssd_low_watermark)
+        keys, recs = self._scan
+        self._scan = None
+        if len(keys):
+            keys, recs = self._drop_unreadable(keys, recs, n_segments)
+        if self._shrink_from is not None:
+            # durable order: index entries gone (and synced) first, then the files, then the record
+            self._index.sync()
+            self._files.unlink_beyond(n_segments)
+            self.manifest["ssd_capacity_bytes"] = self.capacity_bytes
+            layout.write_json_atomic(os.path.join(self.path, MANIFEST_FILE), self.manifest)
+            log.warning(
+                "%s: shrunk to ssd_capacity_bytes=%d (%d segments)", self.path, self.capacity_bytes, n_segments
+            )
+            self._shrink_from = None
+        self._rows = RowTable(keys, recs, self._alloc.free)
+        self._keys = self._rows.index  # key -> row (the same dict)
+        gen_max = int(recs["generation"].max()) if len(keys) else 0
+        if self._scan_next_gen >= GENERATION_MAX:
+            log.error("%s: the index's next generation %d is damaged; continuing after its records' highest",
+                      self.path, self._scan_next_gen)  # fmt: skip
+            self._scan_next_gen = max(gen_max + 1, time.time_ns() // 1000)
+        self._clock = max(self._scan_next_gen, gen_max + 1)
+
+    def _drop_unreadable(self, keys: list, recs: np.ndarray, n_segments: int):
+        """(keys, records) the allocator accepts and whose bytes are on disk; the rest deleted from the index.
+
+        A record whose segment file is gone (ENOENT) or too short for its extent cannot be read
+        back: drop it. Any other failure (EMFILE, EACCES, EIO...) may be transient: refuse to open
+        rather than destroy the index over it.
+        """
+        n = len(keys)
+        segs = recs["segment"]
+        shrunk = int((segs >= n_segments).sum()) if self._shrink_from is not None else 0
+        keep = self._alloc.rebuild(segs, recs["offset"], recs["length"], recs["generation"])
+        # generations count puts: one near 2**64 is damage and would overflow the clock
+        keep &= recs["generation"] < GENERATION_MAX
+        kk = np.flatnonzero(keep)
+        ks = segs[kk].astype(np.int64)
+        sizes = np.full(n_segments, -1, np.int64)  # -1: the file is gone
+        for s in np.unique(ks).tolist():
+            size = self._segment_size(s)
+            sizes[s] = -1 if size is None else size
+        ends = recs["offset"][kk].astype(np.int64) + recs["length"][kk].astype(np.int64)
+        keep[kk] = ends <= sizes[ks]
+        for s in np.unique(segs[keep]).tolist():
+            self._open_segment_for_load(s)
+        if keep.all():
+            return keys, recs
+        drop = [encode_key(keys[i]) for i in np.flatnonzero(~keep).tolist()]
+        if shrunk:
+            log.warning(
+                "%s: shrinking from ssd_capacity_bytes=%d to %d (%d -> %d segments): evicting %d objects "
+                "stored in the removed segments",
+                self.path, self._shrink_from[0], self.capacity_bytes, self._shrink_from[1], n_segments, shrunk,
+            )  # fmt: skip
+        if len(drop) > shrunk:
+            log.warning(
+                "%s: dropping %d index records whose data is gone (segment file missing or short) or that are damaged "
+                "(outside their segment, misaligned, overlapping another)",
+                self.path, len(drop) - shrunk,
+            )  # fmt: skip
+        try:
+            self._index.commit(deletes=drop)
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(self._index.path, e, f"deleting {len(drop)} records at open") from None
+        idx = np.flatnonzero(keep)
+        keys = [keys[i] for i in idx.tolist()]
+        recs = recs[idx]
+        self._alloc.rebuild(recs["segment"], recs["offset"], recs["length"], recs["generation"])
+        return keys, recs
+    def _segment_size(self, s: int) -> int | None:
+        """Size of segment file s; None when it is gone. Raises StoreError for any other failure."""
+        p = os.path.join(self.path, segment_name(s))
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(
+                f"cannot stat segment file {p} ({e.strerror or e}); refusing to open the store rather than drop "
+                "the index records of that segment: fix the cause and open it again"
+            ) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeStorePathError(
+                f"segment file {p} is not a regular file (a symlink or special file); remove it and open the store again"
+            )
+        return st.st_size
+
+    def _open_segment_for_load(self, s: int) -> None:
+        """Open segment s, which holds records; any failure refuses the open (nothing is dropped)."""
+        try:
+            self._files.open_existing(s)
+        except OSError as e:
+            p = os.path.join(self.path, segment_name(s))
+            raise StoreError(
+                f"cannot open segment file {p} ({errno_name(-e.errno) if e.errno else ''} {e.strerror or e}); the "
+                "store was not opened and its index was left as it is: fix the cause (open-file limit, "
+                "permissions, disk) and open it again"
+            ) from None
+

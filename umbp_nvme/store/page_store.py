@@ -1,0 +1,471 @@
+"""PageStore: the asyncio key -> object store on local NVMe.
+
+One call = one index pass, one engine submission, one CRC pass off the loop thread, one index
+commit. The lifecycle of a put is reserve (slot) -> write -> [fdatasync] -> publish (index
+commit) | abort (put_path.py); of a get: look up + pin -> read -> verify -> unpin (get_path.py).
+An entry is visible only after its bytes are on the file (publish after write); a slot is reused
+only after the delete of its old entry is committed (durable eviction) and no read of it is in
+flight here (pins). A reader in another process cannot pin, so it checks the CRC and that the
+key still has the generation it looked up once the read is done.
+
+Opening (opening.py), room for a put (space.py, eviction.py), the row table (rows.py), caller
+memory (memory.py) and bounce staging (staging.py) each have their module; this one holds the
+store's state, its public calls that are not puts or gets, index commits and the I/O wait.
+
+Reads never wait behind writes: reads and writes go to two engine instances (two rings or two
+thread pools), and at most ``opening.WRITE_BATCHES_IN_FLIGHT`` put batches submit at a time, so
+the device queue always has room for reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from ..config import StoreConfig
+from ..errors import ReadOnlyStoreError
+from ..keybytes import encode_key
+from .get_path import GetPath
+from .memory import Ranges
+from .opening import OpenSteps
+from .put_path import PutPath
+from .segments import segment_name
+from .space import SpaceSteps
+from .staging import BouncePool, settle
+
+log = logging.getLogger("umbp_nvme.store")
+
+
+class Extent(NamedTuple):
+    segment: int
+    offset: int
+    length: int
+    depth: int  # -1 when put without depths
+
+COUNTERS = (
+    "puts", "put_dedup", "put_failed", "gets", "hits", "misses", "crc_errors", "evictions", "deletes",
+    "bytes_written", "bytes_read", "timeouts",
+)  # fmt: skip
+
+
+class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath):
+    """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
+
+    # Per-instance once set; class defaults so every open path has them.
+    _closed_logged = False  # the one log line for calls after close()
+    _stalled_ops = 0  # ops that outlived io_timeout_s (the call waited for the kernel)
+    _late_completions = 0  # of those, ended since (== stalled_ops when none is in flight)
+    _stalled_wait_s = 0.0  # longest wait past io_timeout_s
+    _space_limit_segments = None  # segments with files when one could not be created (ENOSPC)
+    _space_retry_at = 0.0
+    _rows = None  # writers: the row table (rows.py)
+
+    @classmethod
+    async def open(
+        cls,
+        path,
+        config: StoreConfig | None = None,
+        *,
+        readonly: bool = False,
+        namespace: dict | None = None,
+        capacity_from_manifest: bool = False,
+        shrink: bool = False,
+        engine_factory=None,
+    ) -> "PageStore":
+        """Open (a writer creates) the store at ``path``.
+
+        Capacity (writers): the manifest records the ``ssd_capacity_bytes`` the store runs with.
+        ``capacity_from_manifest=True`` adopts the recorded capacity and ignores the config's
+        (tools that open a store they did not size: the CLI without --capacity). Otherwise the
+        config's capacity is used: a larger one grows the store; a smaller one that would take
+        segments away raises CapacityShrinkError naming both values, unless ``shrink=True``, which
+        evicts everything stored in the removed segments durably (index entries deleted and
+        synced first, then the files) and records the new capacity.
+
+        ``engine_factory``: ``async (backend, queue_depth) -> IoEngine``, called once per engine
+        (two for a writer: reads and writes); default ``engine.open_engine``. Tests and fault
+        injection wrap engines here.
+        """
+        self = cls.__new__(cls)
+        self._init_state()
+        await self._open(path, config or StoreConfig(), readonly, namespace, capacity_from_manifest, shrink,
+                         engine_factory)  # fmt: skip
+        return self
+
+    def _init_state(self) -> None:
+        self._closed = False
+        self._lock_fd = -1
+        self._index = None
+        self._files = None
+        self._engines = []
+        self._index_pool = None
+        self._bounce = BouncePool()
+        self._gds_gate = None  # opened on the first CUDA buffer (engine/gds.py)
+        self._memory = Ranges()  # registered (address, nbytes) ranges
+        self._inflight = 0
+        self._late_writes = 0  # write batches that outlived io_timeout_s and still hold slots
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._counters = dict.fromkeys(COUNTERS, 0)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._inflight:
+            try:
+                await asyncio.wait_for(self._idle.wait(), self.timeout_s)
+            except asyncio.TimeoutError:
+                # every call ends once the kernel gave back its memory (see _await_io); closing
+                # the engines before that would let a late completion land in freed memory
+                log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, self._inflight)
+                await self._idle.wait()
+        if not self.readonly and self._index is not None and not self.strict:
+            await self.flush_for_close()
+        if self._index_pool is not None and self._index is not None:
+            # close the index after whatever is queued on its thread, and wait for it (bounded):
+            # a reopen in this process right after close() must not share the closing handle
+            ix, self._index = self._index, None
+            fut = asyncio.get_running_loop().run_in_executor(self._index_pool, ix.close)
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("%s: the index closes in the background (a commit is still on its thread)", self.path)
+        self._release_resources()
+
+    def _release_resources(self) -> None:
+        for e in self._engines:
+            try:
+                e.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._engines = []
+        gate, self._gds_gate = getattr(self, "_gds_gate", None), None
+        if gate is not None:
+            if gate.engine is not None and self._files is not None:
+                for f in self._files.files.values():
+                    gate.engine.forget_fd(f.fd)
+            gate.close()
+        if self._files is not None:
+            self._files.close()
+        if self._index_pool is not None:
+            # A commit stuck on a slow fsync must not block the loop thread: the index closes on
+            # its own thread after whatever is queued there (the env is refcounted per process,
+            # so a reopen meanwhile shares it safely).
+            if self._index is not None:
+                self._index_pool.submit(self._index.close)
+                self._index = None
+            self._index_pool.shutdown(wait=False)
+            self._index_pool = None
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        self._bounce.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ----------------------------------------------------------------------------- memory
+    # ----------------------------------------------------------------------------- memory
+
+    def register_memory(self, address: int, nbytes: int) -> bool:
+        """Allow (address, nbytes) buffers inside this range; offer it to the engines as fixed buffers."""
+        ranges = self._memory.add(address, nbytes)
+        fixed = False
+        for e in self._engines:
+            try:
+                fixed = bool(e.register_buffers(ranges)) or fixed
+            except Exception as ex:  # noqa: BLE001 - registration is an optimisation
+                log.info("engine %s did not take registered buffers: %s", e.capabilities.name, ex)
+        return fixed
+
+    def registered_memory(self) -> list[tuple[int, int]]:
+        """The registered ranges as (address, nbytes), sorted by address."""
+        return [(a, b - a) for a, b in self._memory.ranges]
+
+    def locate(self, keys) -> list[Extent | None]:
+        """Writers: where each key's object lives (segment, offset, length, depth); None when absent.
+
+        For tools and tests that look at the files themselves (the bench's raw engine comparison,
+        corruption tests); the store's calls never need it.
+        """
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; locate needs the writer's rows")
+        t = self._rows
+        out = []
+        for r in self._writer_rows(keys):
+            out.append(None if r is None else Extent(int(t.seg[r]), int(t.off[r]), int(t.len[r]), int(t.depth[r])))
+        return out
+
+    async def _gds_route(self) -> str:
+        """'gds' | 'staging'; raises EngineUnavailable (the caller reports per-key False)."""
+        from ..engine import gds
+
+        if self._gds_gate is None:
+            self._gds_gate = gds.GdsGate(
+                queue_depth=int(self.config.ssd_queue_depth),
+                probe_dir=self.path,
+                staging=bool(getattr(self.config, "gds_staging", False)),
+            )
+        return await self._gds_gate.route()
+
+    def _object_count(self) -> int:
+        if self.readonly:
+            try:
+                return self._index.count()
+            except Exception:  # noqa: BLE001
+                return -1
+        return len(self._keys)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # ----------------------------------------------------------------------------- index commits
+
+    async def _commit(self, puts=(), deletes=()) -> bool:
+        """One index transaction; strict commits fsync, so they run on the index thread."""
+        try:
+            ix, nxt = self._index, self._clock + 1
+            if self.strict:
+                fut = asyncio.get_running_loop().run_in_executor(
+                    self._index_pool, lambda: ix.commit(puts, deletes, next_generation=nxt)
+                )
+                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            else:
+                ix.commit(puts, deletes, next_generation=nxt)
+            return True
+        except asyncio.TimeoutError:
+            self._counters["timeouts"] += 1
+            log.error("%s: index commit took longer than io_timeout_s=%.1f s", self.path, self.timeout_s)
+            raise
+        except Exception as e:  # noqa: BLE001 - lmdb.Error (ENOSPC, MapFull) becomes a failed batch
+            log.error("%s: index commit of %d puts / %d deletes failed: %s", self.path, len(puts), len(deletes), e)
+            return False
+
+    async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
+        """Durably remove rows' keys from the index, then free their slots. Caller holds no lock."""
+        if not rows:
+            return True
+        keys = [self._rows.key[r] for r in rows]
+        for k in keys:
+            del self._keys[k]  # invisible to new readers first: nothing new pins these rows
+        self._rows.live[rows] = False
+        async with self._commit_lock:
+            try:
+                ok = await self._commit(deletes=[encode_key(k) for k in keys])  # decoded from bytes: always encodes
+            except asyncio.TimeoutError:
+                ok = None  # the commit may still land: keep the slots out of use
+        if ok:
+            self._rows.release(rows)
+            self._counters["evictions" if evicted else "deletes"] += len(rows)
+            return True
+        if ok is False:  # nothing committed: the entries stand, keep serving them
+            orphans = []
+            for r, k in zip(rows, keys):
+                if k not in self._keys:
+                    self._keys[k] = r
+                    self._rows.live[r] = True
+                else:
+                    orphans.append(r)  # re-put meanwhile: the index holds the new record, not this one
+            self._rows.release(orphans)
+        return False
+
+    # ----------------------------------------------------------------------------- eviction
+
+    async def _await_io(self, task: asyncio.Future, what: str, segs: np.ndarray, timeout_s: float | None = None):
+        """The engine's result for ``task``, or None when it outlived io_timeout_s.
+
+        Either way this returns only once the engine batch has ended: until then the kernel may
+        still read or write the caller's memory, the slots and the bounce buffer. At the timeout
+        the stall is counted and logged once with its segments and the engine is asked to cancel
+        (io_uring tries IORING_OP_ASYNC_CANCEL; block I/O usually runs on to its end or to the
+        block layer's timeout, and the wait goes on). A cancellation of our caller waits the same
+        way (awaiting a task that is cancelled waits for its end). One timer per call: no
+        wait_for/shield futures on the hot path.
+        """
+        stalled_at = None
+
+        def on_timeout() -> None:
+            nonlocal stalled_at
+            if task.done():
+                return
+            stalled_at = time.monotonic()
+            n = len(segs)
+            self._counters["timeouts"] += 1
+            self._stalled_ops += n
+            u = np.unique(segs)
+            names = ", ".join(segment_name(int(x)) for x in u[:4].tolist()) + (" ..." if len(u) > 4 else "")
+            log.error(
+                "%s: %s of %d objects outlived io_timeout_s=%.1f s on %s; cancelling it and waiting for the "
+                "kernel to give back the memory", self.path, what, n, self.timeout_s, names,
+            )  # fmt: skip
+            task.cancel()
+
+        h = asyncio.get_running_loop().call_later(self.timeout_s if timeout_s is None else timeout_s, on_timeout)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if stalled_at is None or (me is not None and me.cancelling()):
+                if not task.done():  # our caller gave up: the engine batch still owns the memory
+                    task.cancel()
+                    await settle(task)
+                raise
+            return None  # our own timeout: the batch has ended (task is done)
+        finally:
+            h.cancel()
+            if stalled_at is not None and task.done():
+                self._late_completions += len(segs)
+                self._stalled_wait_s = max(self._stalled_wait_s, time.monotonic() - stalled_at)
+
+    # ----------------------------------------------------------------------------- delete
+
+    async def delete_many(self, keys: list[str]) -> list[bool]:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; delete_many is not allowed")
+        results = [False] * len(keys)
+        if self._closed:
+            self._closed_call("delete_many")
+            return results
+        rows, where = [], []
+        seen = set()
+        for i, r in enumerate(self._writer_rows(keys)):
+            if r is not None and r not in seen:
+                seen.add(r)
+                rows.append(r)
+                where.append(i)
+        if rows and await self._drop_rows(rows, evicted=False):
+            for i in where:
+                results[i] = True
+        return results
+
+    async def clear(self) -> None:
+        """Drop every entry durably and free all space (slots being read are freed after the read)."""
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; clear is not allowed")
+        if self._closed:
+            self._closed_call("clear")
+            return
+        async with self._commit_lock:
+            rows = list(self._keys.values())
+            self._keys.clear()
+            self._rows.live[rows] = False
+            ix, nxt = self._index, self._clock + 1
+            if self.strict:
+                fut = asyncio.get_running_loop().run_in_executor(self._index_pool, lambda: ix.drop_all(next_generation=nxt))
+                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            else:
+                ix.drop_all(next_generation=nxt)
+            self._rows.release(rows)
+            self._counters["deletes"] += len(rows)
+
+    async def flush(self) -> bool:
+        """fdatasync every segment and the index. True when all of it is durable."""
+        if self._closed:
+            self._closed_call("flush")
+            return False
+        if self.readonly:
+            return True
+        return await self._flush()
+
+    async def flush_for_close(self) -> None:
+        # relaxed mode: a clean close still leaves data and index durable
+        try:
+            await self._flush()
+        except Exception as e:  # noqa: BLE001 - closing must not raise for a flush
+            log.warning("%s: flush at close failed: %s", self.path, e)
+
+    async def _flush(self) -> bool:
+        # all segments at once: a slow disk costs one io_timeout_s, not one per segment
+        segs = list(self._files.files)
+        done = await asyncio.gather(
+            *(asyncio.wait_for(self._write_engine.sync(int(self._files.fds[s])), self.timeout_s) for s in segs),
+            return_exceptions=True,
+        )
+        ok = True
+        for s, r in zip(segs, done):
+            if isinstance(r, BaseException):
+                log.error("%s: fdatasync of segment %d failed: %r", self.path, s, r)
+                ok = False
+        try:
+            await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._index_pool, self._index.sync), self.timeout_s
+            )
+        except Exception as e:  # noqa: BLE001
+            log.error("%s: index sync failed: %s", self.path, e)
+            ok = False
+        return ok
+
+    # ----------------------------------------------------------------------------- stats
+
+    def stats(self) -> dict:
+        s = dict(self._counters)
+        s.update(
+            path=self.path,
+            readonly=self.readonly,
+            durability="strict" if self.strict else "relaxed",
+            capacity_bytes=self.capacity_bytes,
+            segment_bytes=self.segment_bytes,
+            high_watermark=self.config.ssd_high_watermark,
+            low_watermark=self.config.ssd_low_watermark,
+            eviction_policy=self.config.eviction_policy,
+            verify_crc=self.verify_crc,
+            engine=self._read_engine.capabilities.name if self._engines else None,
+            o_direct=self._files.any_direct if self._files is not None else None,
+            open_seconds=round(self.open_seconds, 4) if hasattr(self, "open_seconds") else None,
+            index_bytes=self._index.file_bytes() if self._index is not None else 0,
+            stalled_ops=self._stalled_ops,
+            late_completions=self._late_completions,
+            stalled_wait_s=round(self._stalled_wait_s, 3),
+        )
+        if not self.readonly and hasattr(self, "_alloc"):
+            s.update(
+                objects=len(self._keys),
+                bytes_used=self._alloc.used_bytes,
+                usable_bytes=self._alloc.capacity_bytes,
+                segments=self._alloc.n_segments,
+                segments_free=self._alloc.free_segments(),
+                segment_files=len(self._files.files),
+                disk_bytes=self._files.disk_bytes(),
+                size_classes=self._alloc.class_counts(),
+                pinned_slots=self._rows.pinned_count(),
+                late_writes=self._late_writes,
+                effective_capacity_bytes=self._effective_capacity(),
+            )
+        else:
+            s.update(objects=self._object_count())
+        return s
+
+    # ----------------------------------------------------------------------------- in-flight tracking
+
+    def _closed_call(self, op: str) -> None:
+        """Calls after close() answer False / 0 without touching files; one line says so."""
+        if not self._closed_logged:
+            self._closed_logged = True
+            log.warning("%s: %s after close(); every call now answers False / 0 (logged once)", self.path, op)
+
+    def _enter(self) -> None:
+        self._inflight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        if not self._inflight:
+            self._idle.set()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

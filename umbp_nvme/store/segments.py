@@ -1,0 +1,390 @@
+"""Segment files and the size-class slot allocator.
+
+On disk: ``seg-00000.dat`` ... each exactly ``segment_bytes`` long, preallocated, created lazily
+and never more than ``capacity // segment_bytes`` of them, so the bytes on disk stay under the
+configured capacity whatever is stored.
+
+A segment that holds data belongs to one size class (object bytes rounded up to 4 KiB) and is
+carved into equal slots; per class, the segments with free slots keep a stack of free offsets.
+A segment whose slots are all free goes back to the free-segment pool and can serve any class
+next time. Objects of one pool have one size, so in practice each pool owns a few segments and
+there is no fragmentation inside a class. The allocator does no I/O; ``SegmentFiles`` opens
+and creates the files.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import logging
+import os
+import threading
+
+import numpy as np
+
+from ..engine.files import DataFile, _preallocate, open_data_file
+from .layout import SLOT_ALIGN_BYTES, segment_files, segment_name  # noqa: F401 - re-exported
+
+log = logging.getLogger("umbp_nvme.segments")  # the name operators know; kept across the move
+
+
+
+def size_class(nbytes: int) -> int:
+    return -(-nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+
+
+def size_classes(lengths: np.ndarray) -> np.ndarray:
+    return (-(-lengths.astype(np.int64) // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
+
+
+class SegmentAllocator:
+    """Slots in ``n_segments`` segments of ``segment_bytes`` each. Not thread-safe (loop thread)."""
+
+    def __init__(self, n_segments: int, segment_bytes: int):
+        if type(segment_bytes) is not int or segment_bytes <= 0 or segment_bytes % SLOT_ALIGN_BYTES:
+            raise ValueError(f"segment_bytes={segment_bytes!r} must be a positive multiple of {SLOT_ALIGN_BYTES}")
+        if type(n_segments) is not int or n_segments < 0:
+            raise ValueError(f"n_segments={n_segments!r} must be a non-negative integer")
+        self.n_segments = n_segments
+        self.segment_bytes = segment_bytes
+        self.seg_class = [0] * n_segments  # slot bytes; 0 = unassigned
+        self.seg_used = [0] * n_segments  # slots handed out (published or in flight)
+        self._free_segs = list(range(n_segments))  # a heap: low indices first, their files exist first
+        # class -> {segment: free offsets as a stack, lowest offset on top}
+        self._class_free: dict[int, dict[int, list[int]]] = {}
+        self.used_bytes = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.n_segments * self.segment_bytes
+
+    def free_segments(self) -> int:
+        return len(self._free_segs)
+
+    def next_free_segment(self) -> int | None:
+        return self._free_segs[0] if self._free_segs else None
+
+    def alloc(self, cls: int, ensure_file=None) -> tuple[int, int] | None:
+        """A slot of size class ``cls``; None when every segment is taken (or its file cannot be made)."""
+        segs = self._class_free.get(cls)
+        if segs:
+            seg = next(iter(segs))
+            offs = segs[seg]
+            off = offs.pop()
+            if not offs:
+                del segs[seg]
+        else:
+            if not self._free_segs or cls > self.segment_bytes:
+                return None
+            seg = heapq.heappop(self._free_segs)
+            if ensure_file is not None and not ensure_file(seg):
+                heapq.heappush(self._free_segs, seg)
+                return None
+            self.seg_class[seg] = cls
+            n = self.segment_bytes // cls
+            offs = list(range((n - 1) * cls, -1, -cls))
+            off = offs.pop()
+            if offs:
+                self._class_free.setdefault(cls, {})[seg] = offs
+        self.seg_used[seg] += 1
+        self.used_bytes += cls
+        return seg, off
+
+    def alloc_many(self, cls: int, n: int, ensure_file=None) -> list[tuple[int, int] | None]:
+        """n slots of one class (None for each that has no room), taking whole runs of free offsets."""
+        out: list[tuple[int, int] | None] = []
+        segs = self._class_free.get(cls)
+        while len(out) < n:
+            if segs:
+                seg = next(iter(segs))
+                offs = segs[seg]
+                k = min(n - len(out), len(offs))
+                take = offs[len(offs) - k :][::-1]  # lowest offsets first: sequential on disk
+                del offs[len(offs) - k :]
+                if not offs:
+                    del segs[seg]
+                self.seg_used[seg] += k
+                self.used_bytes += cls * k
+                out.extend((seg, o) for o in take)
+                continue
+            slot = self.alloc(cls, ensure_file)  # assigns a fresh segment
+            if slot is None:
+                out.extend([None] * (n - len(out)))
+                break
+            out.append(slot)
+            segs = self._class_free.get(cls)
+        return out
+
+    def alloc_array(self, cls: int, n: int, ensure_file=None) -> tuple[np.ndarray, np.ndarray]:
+        """alloc_many as two int64 arrays (segment, offset); -1 in both where there was no room."""
+        segs = np.full(n, -1, np.int64)
+        offs = np.full(n, -1, np.int64)
+        got = 0
+        classes = self._class_free
+        while got < n:
+            free_segs = classes.get(cls)
+            if free_segs:
+                seg = next(iter(free_segs))
+                stack = free_segs[seg]
+                k = min(n - got, len(stack))
+                offs[got : got + k] = stack[len(stack) - k :][::-1]  # lowest offsets first: sequential on disk
+                del stack[len(stack) - k :]
+                if not stack:
+                    del free_segs[seg]
+                segs[got : got + k] = seg
+                self.seg_used[seg] += k
+                self.used_bytes += cls * k
+                got += k
+                continue
+            slot = self.alloc(cls, ensure_file)  # assigns a fresh segment
+            if slot is None:
+                break
+            segs[got], offs[got] = slot
+            got += 1
+        return segs, offs
+
+    def free_many(self, segs, offs) -> None:
+        free = self.free
+        for s, o in zip(np.asarray(segs).tolist(), np.asarray(offs).tolist()):
+            free(s, o)
+
+    def free(self, seg: int, off: int) -> None:
+        cls = self.seg_class[seg]
+        if not cls or self.seg_used[seg] <= 0:
+            # a double free would hand one slot to two objects: refuse loudly, change nothing
+            raise RuntimeError(f"slot {off} of segment {seg} is not allocated")
+        self.seg_used[seg] -= 1
+        self.used_bytes -= cls
+        if self.seg_used[seg] == 0:
+            segs = self._class_free.get(cls)
+            if segs is not None:
+                segs.pop(seg, None)
+            self.seg_class[seg] = 0
+            heapq.heappush(self._free_segs, seg)
+        else:
+            self._class_free.setdefault(cls, {}).setdefault(seg, []).append(off)
+
+    def rebuild(self, segs: np.ndarray, offs: np.ndarray, lengths: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """Mark the slots of existing records used; returns the mask of records to keep.
+
+        Dropped: records outside the current segments (capacity shrank), misaligned ones, ones
+        whose size class differs from their segment's majority class, and all but the newest of
+        records sharing a slot (a relaxed-mode power loss can resurrect an evicted record whose
+        slot was reused; its CRC would fail anyway).
+        """
+        # offsets are u64 on disk: one of 2**63 or more wraps negative in int64, so it is dropped
+        # by ``offs >= 0``; every sum below then stays far inside int64
+        segs = segs.astype(np.int64)
+        offs = offs.astype(np.int64)
+        cls = size_classes(lengths)
+        keep = (
+            (lengths > 0)
+            & (offs >= 0)
+            & (segs >= 0)
+            & (segs < self.n_segments)
+            & (cls <= self.segment_bytes)
+            & (offs % np.maximum(cls, 1) == 0)
+            & (offs + cls <= self.segment_bytes)
+        )
+        self._reset()
+        idx = np.flatnonzero(keep)
+        if not len(idx):
+            return keep
+        per_seg = self.segment_bytes // SLOT_ALIGN_BYTES + 1
+        # majority size class per segment (one class per segment by construction; this heals damage)
+        sc = segs[idx] * per_seg + cls[idx] // SLOT_ALIGN_BYTES
+        u, counts = np.unique(sc, return_counts=True)
+        if len(np.unique(u // per_seg)) != len(u):
+            order = np.lexsort((-counts, u // per_seg))
+            u = u[order]
+            first = np.ones(len(u), dtype=bool)
+            first[1:] = (u[1:] // per_seg) != (u[:-1] // per_seg)
+            seg_cls = np.zeros(self.n_segments, dtype=np.int64)
+            seg_cls[u[first] // per_seg] = (u[first] % per_seg) * SLOT_ALIGN_BYTES
+            keep[idx] &= seg_cls[segs[idx]] == cls[idx]
+            idx = np.flatnonzero(keep)
+        # one record per slot: the newest generation wins
+        slot = segs[idx] * self.segment_bytes + offs[idx]
+        order = np.argsort(slot, kind="stable")
+        sk = slot[order]
+        if len(sk) > 1 and (sk[1:] == sk[:-1]).any():
+            order = np.lexsort((gens[idx], slot))
+            sk = slot[order]
+            last = np.ones(len(order), dtype=bool)
+            last[:-1] = sk[1:] != sk[:-1]
+            keep[idx[order[~last]]] = False
+            order = order[last]
+        # slots in (segment, offset) order: each segment's records are one run
+        s_all, o_all, c_all = segs[idx][order], offs[idx][order], cls[idx][order]
+        bounds = np.flatnonzero(np.diff(s_all)) + 1
+        starts = np.concatenate([[0], bounds]).tolist()
+        ends = np.concatenate([bounds, [len(s_all)]]).tolist()
+        used_segs = set()
+        for a, b in zip(starts, ends):
+            seg, c = int(s_all[a]), int(c_all[a])
+            used_segs.add(seg)
+            self.seg_class[seg] = c
+            self.seg_used[seg] = b - a
+            self.used_bytes += c * (b - a)
+            nslots = self.segment_bytes // c
+            if b - a < nslots:
+                free = np.ones(nslots, dtype=bool)
+                free[o_all[a:b] // c] = False
+                self._class_free.setdefault(c, {})[seg] = (np.flatnonzero(free)[::-1] * c).tolist()
+        self._free_segs = [i for i in range(self.n_segments) if i not in used_segs]
+        heapq.heapify(self._free_segs)
+        return keep
+
+    def _reset(self) -> None:
+        self.seg_class = [0] * self.n_segments
+        self.seg_used = [0] * self.n_segments
+        self._free_segs = list(range(self.n_segments))
+        self._class_free = {}
+        self.used_bytes = 0
+
+    def class_counts(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for c, u in zip(self.seg_class, self.seg_used):
+            if c:
+                out[c] = out.get(c, 0) + u
+        return out
+
+
+class SegmentFiles:
+    """Open segment files by index; created (and preallocated) on first use by the writer."""
+
+    def __init__(self, directory: str, segment_bytes: int, *, readonly: bool, o_direct: bool, n_segments: int = 16):
+        self.directory = directory
+        self.segment_bytes = segment_bytes
+        self.readonly = readonly
+        self.o_direct = o_direct
+        self.files: dict[int, DataFile] = {}
+        # sized for every segment up front, so a background open never reallocates under a reader
+        n = max(16, n_segments)
+        self.fds = np.full(n, -1, dtype=np.int32)
+        self.direct = np.zeros(n, dtype=bool)
+        self.align = np.full(n, SLOT_ALIGN_BYTES, dtype=np.int64)
+        self._failed_errno: int | None = None
+        self._lock = threading.Lock()  # ensure() also runs on a worker thread (precreate)
+        self._precreating: set[int] = set()
+        self._closed = False
+
+    def path(self, i: int) -> str:
+        return os.path.join(self.directory, segment_name(i))
+
+    def exists(self, i: int) -> bool:
+        try:
+            return os.lstat(self.path(i)).st_size >= self.segment_bytes
+        except OSError:
+            return False
+
+    def ensure(self, i: int) -> bool:
+        """Open segment i (creating and preallocating it for the writer). False on failure, logged."""
+        if i in self.files:
+            return True
+        with self._lock:
+            return self._ensure_locked(i)
+
+    def precreate(self, i: int) -> None:
+        """Create segment i ahead of need (on a worker thread): fallocate stays off the put path."""
+        try:
+            self.ensure(i)
+        finally:
+            self._precreating.discard(i)
+
+    def want_precreate(self, i: int) -> bool:
+        if self.readonly or self._closed or self._failed_errno is not None or i in self.files or i in self._precreating:
+            return False
+        self._precreating.add(i)
+        return True
+
+    def open_existing(self, i: int) -> None:
+        """Open segment i, which must exist (the writer's load path). Raises OSError; never creates
+        or removes anything. A short file is extended to full size when the disk allows it."""
+        with self._lock:
+            if i in self.files:
+                return
+            if self._closed:
+                raise OSError(errno.EBADF, "segment files are closed")
+            if self.readonly:
+                f = open_data_file(self.path(i), readonly=True, direct=self.o_direct)
+            else:
+                f = open_data_file(self.path(i), direct=self.o_direct)
+                try:
+                    if os.fstat(f.fd).st_size < self.segment_bytes:
+                        _preallocate(f.fd, self.path(i), self.segment_bytes)
+                except OSError as e:  # slots past the end are written (and allocated) on use instead
+                    log.warning("segment %s is short and cannot be extended now: %s", self.path(i), e)
+            self._install(i, f)
+
+    def _ensure_locked(self, i: int) -> bool:
+        if i in self.files:
+            return True
+        if self._closed:
+            return False
+        try:
+            if self.readonly:
+                f = open_data_file(self.path(i), readonly=True, direct=self.o_direct)
+            else:
+                f = open_data_file(self.path(i), create=True, size=self.segment_bytes, direct=self.o_direct)
+        except OSError as e:
+            if e.errno != self._failed_errno:  # one line per failure kind, not per attempt
+                self._failed_errno = e.errno
+                log.warning("segment %s unavailable: %s", self.path(i), e)
+            if e.errno == errno.ENOSPC and not self.readonly:
+                # posix_fallocate may leave a partial file; give its blocks back
+                try:
+                    os.unlink(self.path(i))
+                except OSError:
+                    pass
+            return False
+        self._failed_errno = None
+        self._install(i, f)
+        return True
+
+    def _install(self, i: int, f: DataFile) -> None:
+        if i >= len(self.fds):
+            n = max(i + 1, 2 * len(self.fds))
+            self.fds = np.concatenate([self.fds, np.full(n - len(self.fds), -1, dtype=np.int32)])
+            self.direct = np.concatenate([self.direct, np.zeros(n - len(self.direct), dtype=bool)])
+            self.align = np.concatenate([self.align, np.full(n - len(self.align), SLOT_ALIGN_BYTES, dtype=np.int64)])
+        self.files[i] = f
+        self.fds[i] = f.fd
+        self.direct[i] = f.direct
+        self.align[i] = max(f.align, 1)
+
+    @property
+    def any_direct(self) -> bool | None:
+        if not self.files:
+            return None
+        return bool(self.direct[list(self.files)].all())
+
+    def disk_bytes(self) -> int:
+        total = 0
+        for i in self.files:
+            try:
+                total += os.fstat(self.files[i].fd).st_blocks * 512
+            except OSError:
+                pass
+        return total
+
+    def unlink_beyond(self, n_segments: int) -> None:
+        """Remove segment files past the current capacity (a deliberate shrink, after the index
+        entries pointing into them were deleted durably). The store calls it only then."""
+        for i, name in segment_files(self.directory).items():
+            if i >= n_segments:
+                try:
+                    os.unlink(os.path.join(self.directory, name))
+                except OSError as e:
+                    log.warning("cannot remove %s beyond capacity: %s", name, e)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        self._closed = True
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+        self.fds[:] = -1

@@ -1,0 +1,131 @@
+"""Room for a put: watermarks, eviction, reclaiming a whole segment, and running below the
+configured capacity while the file system refuses new segment files (ENOSPC).
+
+A mixin of PageStore: it works on the store's allocator, segment files and rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import time
+
+import numpy as np
+
+from ..engine.base import errno_name
+from . import eviction
+from .segments import size_classes
+
+log = logging.getLogger("umbp_nvme.store")
+
+GROW_RETRY_S = 30.0  # after a segment file could not be created, try to grow again this often
+RECLAIM_ROUNDS_MAX = 16  # segments reclaimed for one batch whose size class has no room
+
+
+class SpaceSteps:
+    def _effective_capacity(self) -> int:
+        """Bytes the store runs with: the configured capacity, or, while the file system refuses
+        new segment files below it, the segments it has (see _reserve)."""
+        lim = self._space_limit_segments
+        full = self._alloc.capacity_bytes
+        return full if lim is None else min(full, lim * self.segment_bytes)
+
+    async def _make_room(self, need_bytes: int) -> None:
+        used = self._alloc.used_bytes
+        high, low = self._high_bytes, self._low_bytes
+        if self._space_limit_segments is not None:  # watermarks over the space the disk gave us
+            eff = self._effective_capacity()
+            high = min(high, int(eff * self.config.ssd_high_watermark))
+            low = min(low, int(eff * self.config.ssd_low_watermark))
+        if used + need_bytes <= high:
+            return
+        victims = eviction.victims(eviction.POLICIES[self.config.eviction_policy], self._rows, used + need_bytes - low)
+        if victims:
+            await self._drop_rows(victims, evicted=True)
+
+    def _try_grow(self) -> None:
+        """Running below capacity after ENOSPC: create the next segment file if the file system
+        has room again (once per GROW_RETRY_S; a create costs what any grow costs)."""
+        files = self._files.files
+        nxt = next((i for i in range(self._alloc.n_segments) if i not in files), None)
+        if nxt is None:
+            self._space_limit_segments = None
+            return
+        self._note_space(not self._files.ensure(nxt), True)
+
+    def _note_space(self, failed_create: bool, tried: bool) -> None:
+        """Adopt (or lift) the effective capacity after a batch's segment creation."""
+        have = len(self._files.files)
+        lim = self._space_limit_segments
+        if failed_create:
+            self._space_retry_at = time.monotonic() + GROW_RETRY_S
+            if lim is None:
+                self._space_limit_segments = have
+                log.warning(
+                    "%s: the file system has no room for segment %d (%s); running with the %d segments it has "
+                    "(%d MiB of the configured %d MiB), evicting within them; trying to grow again every %.0f s",
+                    self.path, have, errno_name(-(getattr(self._files, "_failed_errno", None) or errno.EIO)),
+                    have, have * self.segment_bytes >> 20, self._alloc.capacity_bytes >> 20, GROW_RETRY_S,
+                )  # fmt: skip
+        elif lim is not None and tried and have > lim:
+            self._space_limit_segments = None
+            log.warning("%s: the file system has room again; growing towards %d MiB", self.path, self._alloc.capacity_bytes >> 20)
+
+    async def _reclaim_segment(self) -> bool:
+        """Empty the least recently used segment whose slots are all published and unpinned."""
+        rows = eviction.reclaim_segment(self._rows, self._alloc.n_segments, self._alloc.seg_used)
+        if not rows:
+            return False
+        return await self._drop_rows(rows, evicted=True)
+
+    async def _reserve(self, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(segment, offset) per object (-1 where there is no room), and whether a segment file
+        could not be created. Evicts first when the batch would cross the high watermark."""
+        m0 = len(lens)
+        classes = size_classes(lens)
+        if self._space_limit_segments is not None and time.monotonic() >= self._space_retry_at:
+            self._try_grow()
+        await self._make_room(int(classes.sum()))
+        failed_create = False
+        files = self._files
+        # Once a segment file could not be created (a full file system below the configured
+        # capacity), the store runs within the segments it has: no create per batch, eviction
+        # over that space; every GROW_RETRY_S it tries to grow again.
+        may_grow = self._space_limit_segments is None or time.monotonic() >= self._space_retry_at
+
+        def ensure(seg: int) -> bool:
+            nonlocal failed_create
+            if seg in files.files:
+                return True
+            if failed_create or not may_grow:
+                return False
+            ok = files.ensure(seg)
+            failed_create = not ok
+            return ok
+
+        alloc = self._alloc
+        uc = np.unique(classes)
+        if len(uc) == 1:
+            segs, offs = alloc.alloc_array(int(uc[0]), m0, ensure)
+        else:
+            segs = np.full(m0, -1, np.int64)
+            offs = np.full(m0, -1, np.int64)
+            for c in uc.tolist():
+                js = np.flatnonzero(classes == c)
+                segs[js], offs[js] = alloc.alloc_array(c, len(js), ensure)
+        self._note_space(failed_create, may_grow)
+        rounds = 0
+        while (segs < 0).any() and rounds < RECLAIM_ROUNDS_MAX:
+            # every segment is taken and this size class has no free slot: empty a whole segment
+            rounds += 1
+            if not await self._reclaim_segment():
+                break
+            for j in np.flatnonzero(segs < 0).tolist():
+                slot = alloc.alloc(int(classes[j]), ensure)
+                if slot is not None:
+                    segs[j], offs[j] = slot
+        nxt = alloc.next_free_segment()
+        if nxt is not None and self._space_limit_segments is None and self._files.want_precreate(nxt):
+            asyncio.get_running_loop().run_in_executor(None, self._files.precreate, nxt)
+        return segs, offs, failed_create

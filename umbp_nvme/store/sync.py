@@ -1,0 +1,216 @@
+"""SyncPageStore: a PageStore on a private event-loop thread, callable from any thread.
+
+SGLang calls storage synchronously from several controller threads; none of them has (or may
+rely on) a running loop. Every call here is one ``run_coroutine_threadsafe`` hop. A data call
+that runs past a few ``io_timeout_s`` is cancelled and reports all-False, but only once the store
+call has really ended: until then the kernel may still read or write the caller's memory (the
+store waits for its completions; the block layer's own timeout bounds that). The exists calls
+skip the hop: they read the index directly (see ``PageStore.exists_*_nowait``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+
+from ..config import StoreConfig
+from .page_store import PageStore
+
+log = logging.getLogger("umbp_nvme.sync_store")  # the name operators know; kept across the move
+
+_CALL_SLACK_S = 5.0  # a call may wait on a few io_timeout_s-bounded steps (evict, write, sync, commit)
+
+
+class SyncPageStore:
+    """The serving facade (the SGLang backend opens its stores through it).
+
+    Capacity: the config's ``ssd_capacity_bytes`` is the server's deliberate setting, so by
+    default (``shrink=True``) a writer opened with less than the store records shrinks it,
+    evicting the objects in the removed segments durably and logging it. Pass ``shrink=False`` to
+    be refused instead, or ``capacity_from_manifest=True`` to run with the recorded capacity.
+    """
+
+    def __init__(
+        self,
+        path,
+        config: StoreConfig | None = None,
+        *,
+        readonly: bool = False,
+        namespace: dict | None = None,
+        capacity_from_manifest: bool = False,
+        shrink: bool = True,
+    ):
+        config = config or StoreConfig()
+        self._timeout_s = float(config.io_timeout_s) * 4 + _CALL_SLACK_S
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="umbp-store-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._closed_logged = False
+        try:
+            self.store: PageStore = self._call(
+                PageStore.open(
+                    path, config, readonly=readonly, namespace=namespace,
+                    capacity_from_manifest=capacity_from_manifest, shrink=shrink,
+                )  # fmt: skip
+            )
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def open(cls, path, config: StoreConfig | None = None, **kw) -> "SyncPageStore":
+        return cls(path, config, **kw)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _call(self, coro, timeout: float | None = None):
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout if timeout is not None else self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    def _closed_call(self, what: str) -> bool:
+        if self._closed:
+            if not self._closed_logged:
+                self._closed_logged = True
+                log.warning("%s on a closed store; every call now answers False / 0 (logged once)", what)
+            return True
+        return False
+
+    def _bounded(self, coro, n: int, what: str) -> list[bool]:
+        if self._closed_call(what):
+            coro.close()
+            return [False] * n
+        ended = threading.Event()
+        started = []
+
+        async def run():
+            started.append(True)
+            try:
+                return await coro
+            finally:
+                ended.set()
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            return fut.result(self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            log.error(
+                "%s of %d keys did not finish within %.1f s; cancelled, waiting for the kernel to give back "
+                "the memory, then reporting misses", what, n, self._timeout_s,
+            )  # fmt: skip
+            # The store call ends only once no I/O into the caller's buffers is in flight. A call
+            # the loop never started (it was blocked all along) never will: the loop runs the
+            # cancel before this sentinel.
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._loop).result()
+            if started:
+                ended.wait()
+            else:
+                coro.close()
+            return [False] * n
+
+    # --- data path ---
+
+    def put_many(self, keys, buffers, *, depths=None) -> list[bool]:
+        return self._bounded(self.store.put_many(keys, buffers, depths=depths), len(keys), "put_many")
+
+    def get_many(self, keys, buffers) -> list[bool]:
+        return self._bounded(self.store.get_many(keys, buffers), len(keys), "get_many")
+
+    def delete_many(self, keys) -> list[bool]:
+        return self._bounded(self.store.delete_many(keys), len(keys), "delete_many")
+
+    def exists_many(self, keys) -> list[bool]:
+        if self._closed_call("exists_many"):
+            return [False] * len(keys)
+        return self.store.exists_many_nowait(keys)
+
+    def exists_prefix(self, keys) -> int:
+        if self._closed_call("exists_prefix"):
+            return 0
+        return self.store.exists_prefix_nowait(keys)
+
+    exists_many_nowait = exists_many
+    exists_prefix_nowait = exists_prefix
+
+    # --- management ---
+
+    def register_memory(self, address: int, nbytes: int) -> bool:
+        if self._closed_call("register_memory"):
+            return False
+
+        async def reg():
+            return self.store.register_memory(address, nbytes)
+
+        return self._call(reg())
+
+    def stats(self) -> dict:
+        if self._closed:  # the loop is stopped; the closed store's counters are plain reads
+            return self.store.stats()
+
+        async def st():
+            return self.store.stats()
+
+        return self._call(st())
+
+    def flush(self) -> bool:
+        if self._closed_call("flush"):
+            return False
+        try:
+            return self._call(self.store.flush())
+        except concurrent.futures.TimeoutError:
+            return False
+
+    def clear(self) -> None:
+        if self._closed_call("clear"):
+            return
+        self._call(self.store.clear())
+
+    @property
+    def readonly(self) -> bool:
+        return self.store.readonly
+
+    @property
+    def path(self) -> str:
+        return self.store.path
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            fut = asyncio.run_coroutine_threadsafe(self.store.close(), self._loop)
+            try:
+                fut.result(self._timeout_s)
+            except concurrent.futures.TimeoutError:
+                # store.close() waits for calls whose I/O the kernel still holds; stopping the
+                # loop under them would strand their callers (and the kernel may still write
+                # their memory), so the close waits too
+                log.error("closing %s waits for I/O the kernel still holds", self.store.path)
+                fut.result()
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=self._timeout_s)
+        if not self._thread.is_alive():
+            try:
+                self._loop.close()
+            except RuntimeError as e:  # never fail a close over the loop's own bookkeeping
+                log.warning("event loop of %s not closed: %s", getattr(self, "store", None) and self.store.path, e)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
