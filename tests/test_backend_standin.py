@@ -1,8 +1,8 @@
-"""UMBPNvmeStore without SGLang: the package must not need it (design.md; spec §10).
+"""UMBPNvmeStore without SGLang: the package must not need it (design.md; docs/sglang.md §1).
 
 The backend module is loaded a second time with UMBP_NVME_NO_SGLANG=1, so it builds on the local
 HiCacheStorage stand-in whether or not the sglang wheel is installed here, and is driven with a
-small numpy host pool that has the interface SGLang's pools have (sglang-interface.md §5).
+small numpy host pool that has the interface SGLang's pools have (docs/sglang.md §3).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def mod():
 
 
 class FakeMHAPool:
-    """page_first MHA host pool over one numpy buffer: K half, then V half (spec §5.1)."""
+    """page_first MHA host pool over one numpy buffer: K half, then V half (docs/sglang.md §3)."""
 
     layout = "page_first"
     page_size = PAGE

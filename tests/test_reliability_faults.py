@@ -17,7 +17,7 @@ import pytest
 from conftest import KiB, MiB, payload, small_config
 from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.engine.base import EngineClosed
-from umbp_nvme.engine.faults import FaultPlan, FaultRule, FaultyEngine, install, parse_spec
+from support.faults import FaultPlan, FaultRule, FaultyEngine, parse_spec
 from umbp_nvme.engine.files import open_data_file
 from umbp_nvme.engine.posix import PosixEngine
 from umbp_nvme.store import PageStore
@@ -110,9 +110,8 @@ def test_parse_spec():
 
 async def _store(path, **kw):
     kw.setdefault("io_timeout_s", 1.0)
-    st = await PageStore.open(path, small_config(**kw))
     plan = FaultPlan(seed=1)
-    install(st, plan)
+    st = await PageStore.open(path, small_config(**kw), engine_factory=plan.engine_factory())
     return st, plan
 
 

@@ -1,6 +1,6 @@
 """Bad input (issue item 4) and security hygiene (item 5).
 
-Hypothesis drives the checkers of ``umbp_nvme.testing``: each returns the findings for one input
+Hypothesis drives the checkers of ``support.testing`` (tests/support/testing.py): each returns the findings for one input
 (an empty list = handled as documented: a ValueError naming key and value, or per-page False).
 Guard zones of canary bytes around the host pool catch any write outside registered memory.
 """
@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from umbp_nvme.testing import (
+from support.testing import (
     CONFIG_KEYS,
     WEIRD_KEYS,
     HostilePool,

@@ -1,5 +1,5 @@
 """UMBPNvmeStore against the real sglang==0.5.23 wheel: loaded by SGLang's factory, driven with
-SGLang's own host pools and page hashes, asserting bytes and counts (sglang-interface.md)."""
+SGLang's own host pools and page hashes, asserting bytes and counts (docs/sglang.md)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_mla_pages_round_trip_byte_exact(root, layout):
     idx = pool.alloc_pages(130)
     written = E.fill_random(pool.host, idx, seed=2)
     assert set_all(backend, hashes, idx) == 130
-    assert backend.exists(hashes[0]) and backend._store.exists_many([hashes[0] + "__k"]) == [True]  # UMBP's h__k
+    assert backend.exists(hashes[0]) and backend.store.exists_many([hashes[0] + "__k"]) == [True]  # UMBP's h__k
     E.zero_pages(pool.host, idx)
     assert get_all(backend, hashes, idx) == 130
     assert E.read_pages(pool.host, idx) == written
@@ -140,9 +140,9 @@ def test_partial_prefixes_count_whole_pages_from_the_start(root):
     pool, backend, hashes, idx, _ = loaded(root, 20, seed=4)
     assert all(backend.batch_set_v1(hashes[:10], idx[: 10 * E.PAGE_SIZE]))
     assert backend.batch_exists(hashes) == 10
-    # Only K of page 10: a page needs all of its objects (spec §6.5: 21 // 2 == 10).
+    # Only K of page 10: a page needs all of its objects (docs/sglang.md §5: 21 // 2 == 10).
     k_ptr, k_size = E.page_objects(pool.host, idx[10 * E.PAGE_SIZE : 11 * E.PAGE_SIZE])[0]
-    assert backend._store.put_many([hashes[10] + "_0_k"], [(k_ptr, k_size)]) == [True]
+    assert backend.store.put_many([hashes[10] + "_0_k"], [(k_ptr, k_size)]) == [True]
     assert backend.batch_exists(hashes) == 10
     assert backend.batch_exists(hashes[1:]) == 9  # chained keys: a later start still counts leading pages
     res = backend.batch_get_v1(hashes[8:14], idx[8 * E.PAGE_SIZE : 14 * E.PAGE_SIZE])
@@ -200,7 +200,7 @@ def test_tp2_ranks_use_their_own_directories_and_suffixes(root):
         idx = p.alloc_pages(12)
         data.append((idx, E.fill_random(p.host, idx, seed=100 + r)))
         assert all(b.batch_set_v1(hashes, idx))
-        assert b._store.exists_many([hashes[0] + f"_{r}_k", hashes[0] + f"_{r}_v"]) == [True, True]
+        assert b.store.exists_many([hashes[0] + f"_{r}_k", hashes[0] + f"_{r}_v"]) == [True, True]
     for (idx, written), b, p in zip(data, backends, pools):
         E.zero_pages(p.host, idx)
         assert all(b.batch_get_v1(hashes, idx))
@@ -217,7 +217,7 @@ def test_pp2_stages_use_their_own_directories_and_suffixes(root):
         idx = p.alloc_pages(6)
         written = E.fill_random(p.host, idx, seed=200 + s)
         assert all(b.batch_set_v1(hashes, idx))
-        assert b._store.exists_many([hashes[0] + f"_0_{s}_k"]) == [True]
+        assert b.store.exists_many([hashes[0] + f"_0_{s}_k"]) == [True]
         E.zero_pages(p.host, idx)
         assert all(b.batch_get_v1(hashes, idx))
         assert E.read_pages(p.host, idx) == written
@@ -238,7 +238,7 @@ def test_legacy_flat_pages_round_trip_and_never_collide_with_v1_keys(root):
     assert out[5] is None
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(out[:5], pages))  # bytes: random bf16 has NaNs
     assert backend.get(hashes[0], pool.host.get_dummy_flat_data_page()) is not None
-    assert backend._store.exists_many([hashes[0] + "_0_k"]) == [False]  # flat keys are not v1 keys
+    assert backend.store.exists_many([hashes[0] + "_0_k"]) == [False]  # flat keys are not v1 keys
     backend.close()
     v1 = E.load_backend(E.storage_config(str(root) + "-v1"), pool.host)
     assert v1.batch_exists(hashes) == 0
@@ -331,7 +331,7 @@ def test_side_pools_round_trip_byte_exact_in_one_call(hybrid):
     res = backend.batch_set_v2([transfer("swa", swa, hashes, s_idx), transfer("mamba", mamba, hashes, m_idx)])
     assert res == {ns.PoolName.SWA: [True] * 10, ns.PoolName.MAMBA: [True] * 10}
     assert res["swa"] == [True] * 10  # str-enum keys read with plain strings
-    assert backend._store.exists_many([f"{E.MODEL.replace('/', '-')}_{hashes[0]}_0_swa_k"]) == [True]
+    assert backend.store.exists_many([f"{E.MODEL.replace('/', '-')}_{hashes[0]}_0_swa_k"]) == [True]
     E.zero_pages(swa.host, s_idx)
     E.zero_pages(mamba.host, m_idx)
     got = backend.batch_get_v2([transfer("swa", swa, hashes, s_idx), transfer("mamba", mamba, hashes, m_idx)])

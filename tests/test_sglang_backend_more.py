@@ -1,6 +1,6 @@
-"""More UMBPNvmeStore paths against the real sglang==0.5.23 wheel (sglang-interface.md):
-split heads (§5.1, §6.1-6.2), page envelopes (§10), BLOCK_GROUPS (§10) and
-restorable_prefix_pages (§6.6) through batch_exists_v2. Bytes and counts are asserted."""
+"""More UMBPNvmeStore paths against the real sglang==0.5.23 wheel (docs/sglang.md):
+split heads (§3, §4), page envelopes (§3), BLOCK_GROUPS (§5) and
+restorable_prefix_pages (§5) through batch_exists_v2. Bytes and counts are asserted."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_split_heads_keys_pointers_and_bytes(root, tp_rank, tp_size, lcm, heads)
     host = pool.host
     try:
         assert backend.scheme.split_factor == sf
-        # §6.2: per page, [h_{r}_k, h_{r}_v for r in split ranks], nothing else.
+        # docs/sglang.md §4: per page, [h_{r}_k, h_{r}_v for r in split ranks], nothing else.
         assert backend._v1_sfx == tuple(f"_{r}_{c}" for r in ranks for c in ("k", "v"))
         assert backend.scheme.v1_keys(hashes[:1]) == [f"{hashes[0]}_{r}_{c}" for r in ranks for c in ("k", "v")]
 
@@ -85,7 +85,7 @@ def test_split_heads_keys_pointers_and_bytes(root, tp_rank, tp_size, lcm, heads)
         E.fill_random(host, idx, seed=61)
         expected_pages = E.read_pages(host, idx)
 
-        put_spy = _Spy(backend._store, "put_many")
+        put_spy = _Spy(backend.store, "put_many")
         assert backend.batch_set_v1(hashes, idx) == [True] * pages
         (args, _kw, res), = put_spy.calls
         objkeys, bufs = args
@@ -101,11 +101,11 @@ def test_split_heads_keys_pointers_and_bytes(root, tp_rank, tp_size, lcm, heads)
             for g, r in enumerate(ranks):
                 for c, kv in (("k", 0), ("v", 1)):
                     want = _bytes(host.kv_buffer[kv, page, g * hpg : (g + 1) * hpg])
-                    assert _read_object(backend._store, f"{hashes[i]}_{r}_{c}", len(want)) == want
+                    assert _read_object(backend.store, f"{hashes[i]}_{r}_{c}", len(want)) == want
 
         E.zero_pages(host, idx)
         assert E.read_pages(host, idx) != expected_pages
-        get_spy = _Spy(backend._store, "get_many")
+        get_spy = _Spy(backend.store, "get_many")
         assert hit_pages(backend, hashes) == pages
         assert backend.batch_get_v1(hashes, idx) == [True] * pages
         (gargs, _gkw, _gres), = get_spy.calls
@@ -126,8 +126,8 @@ def test_split_heads_page_counts_only_when_all_2sf_objects_exist(root, which):
         assert backend.batch_exists(hashes) == 4
         r, c = ranks[which // 2], ("k", "v")[which % 2]
         victim = f"{hashes[1]}_{r}_{c}"
-        assert backend._store.delete_many([victim]) == [True]
-        assert backend._store.exists_many([victim]) == [False]
+        assert backend.store.delete_many([victim]) == [True]
+        assert backend.store.exists_many([victim]) == [False]
         assert backend.batch_exists(hashes) == 1  # page 1 has 2*sf-1 objects: it does not count
         assert backend.batch_exists(hashes[2:]) == 2
         assert not backend.exists(hashes[1]) and backend.exists(hashes[0])
@@ -148,7 +148,7 @@ def test_split_heads_objects_differ_from_unsplit_keys(root):
     try:
         E.fill_random(pool.host, idx, seed=76)
         assert all(backend.batch_set_v1(hashes, idx))
-        assert backend._store.exists_many([f"{hashes[0]}_0_k", f"{hashes[0]}_0_v", f"{hashes[0]}_1_k"]) == [True, True, True]
+        assert backend.store.exists_many([f"{hashes[0]}_0_k", f"{hashes[0]}_0_v", f"{hashes[0]}_1_k"]) == [True, True, True]
         sizes = backend._namespace["kv_object_bytes"]
         full = pool.host.get_page_buffer_meta(idx[: E.PAGE_SIZE])[1]
         assert sizes == [int(full[0]) // 2] * 4  # each split object is half a page's K (or V)
@@ -194,21 +194,21 @@ def test_page_envelope_anchor_round_trip(root, layout, split):
         ptrs, sizes = host.get_page_buffer_meta(idx)
         assert len(ptrs) == pages and all(int(s) == host.item_bytes for s in sizes)
         written = E.fill_random(host, idx, seed=81)
-        put_spy = _Spy(backend._store, "put_many")
+        put_spy = _Spy(backend.store, "put_many")
         assert backend.batch_set_v1(hashes, idx, E.extra_info([])) == [True] * pages
         (args, _kw, _res), = put_spy.calls
         # One object per page under `{h}_{mha_suffix}_kv`; envelopes are never split (the rank's own suffix).
         assert args[0] == [f"{h}_0_kv" for h in hashes]
         assert [(int(p), int(s)) for p, s in args[1]] == [(int(p), int(s)) for p, s in zip(ptrs, sizes)]
-        assert backend._store.exists_many([f"{hashes[0]}_0_k", f"{hashes[0]}_0_v", f"{hashes[0]}_1_kv"]) == [False] * 3
-        assert _read_object(backend._store, f"{hashes[2]}_0_kv", host.item_bytes) == written[2]
+        assert backend.store.exists_many([f"{hashes[0]}_0_k", f"{hashes[0]}_0_v", f"{hashes[0]}_1_kv"]) == [False] * 3
+        assert _read_object(backend.store, f"{hashes[2]}_0_kv", host.item_bytes) == written[2]
         assert hit_pages(backend, hashes) == pages
         E.zero_pages(host, idx)
         assert E.read_pages(host, idx) != written
         assert backend.batch_get_v1(hashes, idx) == [True] * pages
         assert E.read_pages(host, idx) == written
         # Remove page 3's envelope: the prefix stops at 3 and only that page misses.
-        assert backend._store.delete_many([f"{hashes[3]}_0_kv"]) == [True]
+        assert backend.store.delete_many([f"{hashes[3]}_0_kv"]) == [True]
         assert backend.batch_exists(hashes) == 3
         E.zero_pages(host, idx)
         assert backend.batch_get_v1(hashes, idx) == [True, True, True, False, True]
@@ -246,12 +246,12 @@ def _kv_and(backend, kv, n, seed):
 
 
 def _reference(backend, hashes, kv_hit, transfers):
-    """hits.v2_hits over the store's real existence answers: the pure reference of spec §6.6."""
+    """hits.v2_hits over the store's real existence answers: the pure reference of docs/sglang.md §5."""
     return H.v2_hits(
         hashes,
         kv_hit,
         transfers,
-        backend._store.exists_many,
+        backend.store.exists_many,
         lambda page_keys, t: backend.scheme.side_pool_keys(page_keys, t.name, backend.registry.get(t.name)),
         kv_name=ns.PoolName.KV,
     )

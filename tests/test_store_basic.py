@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import KiB, MiB, payload, small_config
+from support.faults import EngineHooks
 from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.errors import NamespaceMismatchError, ReadOnlyStoreError, StoreLockedError, UnsafeStorePathError
 from umbp_nvme.segments import segment_name
@@ -22,7 +23,8 @@ from umbp_nvme.store import PageStore
 async def open_store(path, **kw):
     ro = kw.pop("readonly", False)
     ns = kw.pop("namespace", None)
-    return await PageStore.open(path, small_config(**kw), readonly=ro, namespace=ns)
+    factory = kw.pop("engine_factory", None)
+    return await PageStore.open(path, small_config(**kw), readonly=ro, namespace=ns, engine_factory=factory)
 
 
 async def test_put_get_roundtrip_every_buffer_kind(store_dir):
@@ -320,34 +322,16 @@ async def test_verify_crc_off_still_reads(store_dir):
     await st.close()
 
 
-class _StuckEngine:
-    """An engine whose I/O never completes."""
-
-    def __init__(self, real):
-        self.capabilities = real.capabilities
-        self._real = real
-
-    async def read_many(self, *a):
-        await asyncio.sleep(3600)
-
-    async def write_many(self, *a):
-        await asyncio.sleep(3600)
-
-    async def sync(self, fd, datasync=True):
-        await asyncio.sleep(3600)
-
-    def register_buffers(self, ranges):
-        return False
-
-    def close(self):
-        self._real.close()
+async def _never(real, *a):
+    """I/O that never completes (until cancelled)."""
+    await asyncio.Event().wait()
 
 
 async def test_stuck_disk_becomes_false_within_io_timeout(store_dir):
-    st = await open_store(store_dir, io_timeout_s=0.3)
+    hooks = EngineHooks()
+    st = await open_store(store_dir, io_timeout_s=0.3, engine_factory=hooks.engine_factory())
     await st.put_many(["k"], [payload("k", 4096)])
-    st._read_engine = _StuckEngine(st._read_engine)
-    st._write_engine = _StuckEngine(st._write_engine)
+    hooks.read = hooks.write = hooks.sync = _never
     t = asyncio.get_running_loop().time()
     assert await st.get_many(["k"], [np.zeros(4096, np.uint8)]) == [False]
     assert await st.put_many(["x"], [payload("x", 4096)]) == [False]

@@ -10,6 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from support.faults import EngineHooks
 from conftest import KiB, MiB, payload, small_config
 from umbp_nvme.store import PageStore
 
@@ -113,54 +114,62 @@ async def test_size_class_without_room_reclaims_a_whole_segment(store_dir):
 
 async def test_pinned_slot_is_not_reused_while_a_read_is_in_flight(store_dir):
     cap = 2 * MiB
-    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB))
+    hooks = EngineHooks()
+    st = await PageStore.open(
+        store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB), engine_factory=hooks.engine_factory()
+    )
     await st.put_many(["victim"], [payload("victim", 64 * KiB)])
     slot = tuple(st.locate(["victim"])[0][:2])
-    real = st._read_engine.read_many
-    started = asyncio.Event()
+    started, release = asyncio.Event(), asyncio.Event()
 
-    async def slow_read(*a):
+    async def held_read(real, *a):
         started.set()
-        await asyncio.sleep(0.3)
+        await release.wait()
         return await real(*a)
 
-    st._read_engine.read_many = slow_read
+    hooks.read = held_read
     out = np.zeros(64 * KiB, np.uint8)
     reader = asyncio.ensure_future(st.get_many(["victim"], [out]))
     await started.wait()
     assert await st.delete_many(["victim"]) == [True]
-    st._read_engine.read_many = real
+    hooks.read = None
     # fill the store so every free slot is taken; the pinned one must stay out of use
     for i in range(40):
         await st.put_many([f"f{i}"], [payload(f"f{i}", 64 * KiB)])
         slots = {tuple(e[:2]) for e in st.locate([f"f{j}" for j in range(i + 1)]) if e is not None}
         assert slot not in slots
+    assert st.stats()["pinned_slots"] == 1
+    release.set()
     assert await reader == [True]
     assert bytes(out) == bytes(payload("victim", 64 * KiB))
-    assert slot in st._alloc._class_free.get(64 * KiB, {}).get(slot[0], []) or st.stats()["pinned_slots"] == 0
+    s = st.stats()  # the read ended: the victim's slot is free now (counted in no object, pinned by none)
+    assert s["pinned_slots"] == 0 and s["bytes_used"] == s["objects"] * 64 * KiB
     await st.close()
 
 
 async def test_put_that_cannot_get_space_fails_only_that_key(store_dir):
     cap = 1 * MiB
-    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB))
+    hooks = EngineHooks()
+    st = await PageStore.open(
+        store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB), engine_factory=hooks.engine_factory()
+    )
     # all 16 slots pinned by an in-flight read: nothing can be evicted
     keys = await fill(st, "p", 16, 64 * KiB)
-    real = st._read_engine.read_many
-    gate = asyncio.Event()
+    started, gate = asyncio.Event(), asyncio.Event()
 
-    async def held_read(*a):
+    async def held_read(real, *a):
+        started.set()
         await gate.wait()
         return await real(*a)
 
-    st._read_engine.read_many = held_read
+    hooks.read = held_read
     reader = asyncio.ensure_future(st.get_many(keys, [np.zeros(64 * KiB, np.uint8) for _ in keys]))
-    await asyncio.sleep(0.05)
+    await started.wait()
     r = await st.put_many(["x", "tiny"], [payload("x", 64 * KiB), payload("tiny", 64 * KiB)])
     assert r == [False, False]
     gate.set()
     assert await reader == [True] * 16
-    st._read_engine.read_many = real
+    hooks.read = None
     assert await st.put_many(["x"], [payload("x", 64 * KiB)]) == [True]  # usable again
     await st.close()
 
@@ -195,7 +204,8 @@ async def test_enospc_adopts_the_segments_it_has_and_keeps_caching(tmp_path):
         assert per_batch[-10:] == [8] * 10  # every batch after the fill is stored whole
         assert st.stats()["o_direct"] in (True, False)  # tmpfs takes O_DIRECT only since Linux 6.6
         last = [f"e19-{j}" for j in range(8)]
-        present = [k for i in range(20) for j in range(8) if (k := f"e{i}-{j}") in st._keys]
+        have = set(st.keys())
+        present = [k for i in range(20) for j in range(8) if (k := f"e{i}-{j}") in have]
         assert set(last) <= set(present) and len(present) < 160
         outs = [np.zeros(128 * KiB, np.uint8) for _ in present]
         assert await st.get_many(present, outs) == [True] * len(present)

@@ -77,9 +77,10 @@ async def _verify(path, mode, cap, acked, must_exist: bool, rng) -> int:
     st = await PageStore.open(path, small_config(ssd_durability_mode=mode, ssd_capacity_bytes=cap,
                                                  ssd_segment_size_bytes=2 << 20))
     try:
-        existing = list(st._keys)
+        existing = st.keys()
         if must_exist:
-            missing = [k for k in acked if k not in st._keys]
+            have = set(existing)
+            missing = [k for k in acked if k not in have]
             assert not missing, f"acknowledged keys lost: {missing[:5]}"
         # every existing key reads back exactly its bytes (sampled across rounds to stay fast)
         sample = existing if len(existing) <= 400 else rng.sample(existing, 400)

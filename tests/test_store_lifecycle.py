@@ -20,7 +20,7 @@ import pytest
 
 from conftest import KiB, MiB, payload, small_config
 from umbp_nvme import segments as segments_mod
-from umbp_nvme.engine.faults import FaultPlan, FaultRule, install
+from support.faults import FaultPlan, FaultRule
 from umbp_nvme.errors import CapacityShrinkError, IndexDamagedError, NotAStoreError, StoreError
 from umbp_nvme.index import INDEX_FILE
 from umbp_nvme.segments import segment_name
@@ -269,10 +269,9 @@ async def test_public_manifest_and_lock_helpers(store_dir, tmp_path):
 
 
 async def test_timed_out_read_unpins_its_slot(store_dir):
-    st = await PageStore.open(store_dir, cfg(4, io_timeout_s=0.3))
-    assert await put(st, ["a"]) == [True]
     plan = FaultPlan(seed=1)
-    install(st, plan)
+    st = await PageStore.open(store_dir, cfg(4, io_timeout_s=0.3), engine_factory=plan.engine_factory())
+    assert await put(st, ["a"]) == [True]
     plan.set_rules([FaultRule("delay", ops=("read",), delay_s=3.0, limit=1)])
     assert await check(st, ["a"]) == [False]
     assert st.stats()["timeouts"] == 1 and st.stats()["pinned_slots"] == 0
@@ -284,9 +283,8 @@ async def test_timed_out_read_unpins_its_slot(store_dir):
 async def test_timed_out_write_frees_its_slots_when_the_engine_completes(store_dir):
     # put_many returns only once the engine let go of the batch (here the cancelled delay ends
     # it at once): nothing of it is in flight afterwards, so its slots are free at return
-    st = await PageStore.open(store_dir, cfg(1, io_timeout_s=0.3))  # one segment
     plan = FaultPlan(seed=1)
-    install(st, plan)
+    st = await PageStore.open(store_dir, cfg(1, io_timeout_s=0.3), engine_factory=plan.engine_factory())  # one segment
     plan.set_rules([FaultRule("delay", ops=("write",), delay_s=1.0, limit=1)])
     keys = [f"w{i}" for i in range(4)]
     assert await put(st, keys) == [False] * 4
@@ -300,11 +298,10 @@ async def test_timed_out_write_frees_its_slots_when_the_engine_completes(store_d
 
 
 async def test_late_write_slots_are_released_at_close(store_dir):
-    st = await PageStore.open(store_dir, cfg(1, io_timeout_s=0.3))
     plan = FaultPlan(seed=1)
-    install(st, plan)
+    st = await PageStore.open(store_dir, cfg(1, io_timeout_s=0.3), engine_factory=plan.engine_factory())
     plan.set_rules([FaultRule("stuck", ops=("write",), limit=1)])
     assert await put(st, ["s"]) == [False]
-    assert st.stats()["late_writes"] == 0 and st._alloc.used_bytes == 0  # the stuck batch was never submitted
+    assert st.stats()["late_writes"] == 0 and st.stats()["bytes_used"] == 0  # the stuck batch was never submitted
     await st.close()
-    assert st._late_writes == 0 and st._alloc.used_bytes == 0
+    assert st.stats()["late_writes"] == 0 and st.stats()["bytes_used"] == 0

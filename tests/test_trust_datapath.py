@@ -22,7 +22,7 @@ from conftest import KiB, MiB, payload, small_config
 from umbp_nvme.store import staging as staging_mod
 from umbp_nvme import sync_store as sync_mod
 from umbp_nvme.engine import uring as uring_mod
-from umbp_nvme.engine.faults import FaultPlan, FaultRule, install
+from support.faults import FaultPlan, FaultRule
 from umbp_nvme.store import PageStore
 from umbp_nvme.sync_store import SyncPageStore
 
@@ -86,10 +86,9 @@ async def test_a_bad_key_after_submit_cannot_lose_a_later_acknowledged_batch(sto
     # Before: "\ud800" raised in _pack_pending after the write was submitted; the slots were freed
     # while the (here delayed) write still owned them, the next batch got the same slots, was
     # acknowledged, and the first batch's late write then overwrote it.
-    st = await PageStore.open(store_dir, cfg())
-    arena = Arena(st, 16 * OBJ)
     plan = FaultPlan(seed=1)
-    install(st, plan)
+    st = await PageStore.open(store_dir, cfg(), engine_factory=plan.engine_factory())
+    arena = Arena(st, 16 * OBJ)
     plan.set_rules([FaultRule("delay", ops=("write",), delay_s=0.3, limit=1)])
     first = [f"a{i}" for i in range(4)] + ["\ud800"]
     for j in range(4):
@@ -219,7 +218,7 @@ async def test_cancelled_put_returns_only_after_its_staging_copy(store_dir, monk
     release.set()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert st.stats()["bytes_used"] == OBJ and list(st._keys) == ["w"]  # nothing published, the slot is free
+    assert st.stats()["bytes_used"] == OBJ and st.keys() == ["w"]  # nothing published, the slot is free
     monkeypatch.undo()
     assert await st.put_many(["t"], [pl("t", n)]) == [True]
     out = np.zeros(n, np.uint8)
@@ -509,9 +508,9 @@ async def test_a_full_file_system_below_capacity_keeps_caching_within_the_segmen
         s = st.stats()
         assert s["capacity_bytes"] == 16 * MiB and MiB <= s["effective_capacity_bytes"] <= 3 * MiB
         assert min(stored[2:]) >= 8, stored  # before: 0 of 32 per batch from the fill on
-        present = [k for k in st._keys]
+        present = st.keys()
         last = [f"p11-{j}" for j in range(32)]
-        assert sum(k in st._keys for k in last) == stored[-1]
+        assert sum(await st.exists_many(last)) == stored[-1]
         outs = [np.zeros(64 * KiB, np.uint8) for _ in present]
         assert await st.get_many(present, outs) == [True] * len(present)
         assert all(bytes(o) == bytes(pl(k, 64 * KiB)) for o, k in zip(outs, present))

@@ -34,9 +34,11 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")  # forkserver children
+TESTS = os.path.join(ROOT, "tests")  # tests/support/: the harness (not shipped in the package)
+for _p in (TESTS, ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+os.environ["PYTHONPATH"] = os.pathsep.join((ROOT, TESTS, os.environ.get("PYTHONPATH", "")))  # forkserver children
 
 
 def main(argv=None) -> int:
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.WARNING if a.verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s")
-    from umbp_nvme.testing import check_legacy_pointer, crash_run, fault_run, fuzz_run, hygiene_run, soak_run
+    from support.testing import check_legacy_pointer, crash_run, fault_run, fuzz_run, hygiene_run, soak_run
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from chaos_fuzz import FULL_TARGETS, run_fuzzers

@@ -1,6 +1,6 @@
 """UMBPNvmeStore: SGLang's HiCache L3 storage backend over the local-NVMe PageStore.
 
-Loaded by SGLang's ``dynamic`` storage backend (sglang-interface.md §1)::
+Loaded by SGLang's ``dynamic`` storage backend (docs/sglang.md §1)::
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
         "backend_name": "umbp_nvme", "module_path": "umbp_nvme.sglang_backend",
@@ -81,7 +81,9 @@ _METRICS_MAX = 4096  # entries kept per metrics list between two get_stats() cal
 class UMBPNvmeStore(HiCacheStorage):
     """HiCacheStorage on local NVMe. See the module docstring for the rules it keeps."""
 
-    def __init__(self, storage_config=None, mem_pool_host=None, **kwargs):
+    def __init__(self, storage_config=None, mem_pool_host=None, *, engine_factory=None, **kwargs):
+        # engine_factory: PageStore.open's hook (tests and fault injection wrap the engines there)
+        self._engine_factory = engine_factory
         # The dynamic loader passes its kwargs dict as the second positional argument; only a
         # real host pool (something with a layout) is registered here, as UMBP's own form does.
         self.storage_config = storage_config
@@ -149,7 +151,7 @@ class UMBPNvmeStore(HiCacheStorage):
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         if not self.registry.register(host_pool_name, host_pool):
-            return  # the KV anchor is never a side pool (spec §6.4)
+            return  # the KV anchor is never a side pool (docs/sglang.md §4)
         self.registered_pools[host_pool_name] = host_pool
         self._add_ranges(host_pool)
 
@@ -299,7 +301,7 @@ class UMBPNvmeStore(HiCacheStorage):
         batches: dict[int, tuple[Any, list, list, list]] = {}
         for t in transfers or ():
             name = t.name
-            pool = self.registry.get(name)  # raises "Unregistered UMBP hybrid pool: ..." (spec §6.8)
+            pool = self.registry.get(name)  # raises "Unregistered UMBP hybrid pool: ..." (docs/sglang.md §6)
             keys = list(t.keys or [])
             if not keys or t.host_indices is None:
                 results[name] = [False] * len(keys)
@@ -518,6 +520,11 @@ class UMBPNvmeStore(HiCacheStorage):
             level=logging.INFO,
         )
 
+    @property
+    def store(self):
+        """This rank's SyncPageStore (the shared one, read-only, on an MLA follower); None until opened."""
+        return self._store
+
     def _open_main(self, *, raise_errors: bool):
         """Open this rank's store if it is not open; None while a follower waits for its leader."""
         if self._store is not None or self._closed or not self.config.ssd_enabled or self._namespace is None:
@@ -534,7 +541,10 @@ class UMBPNvmeStore(HiCacheStorage):
                 return None
             self._next_follower_try = now + _FOLLOWER_RETRY_S
             try:
-                store = SyncPageStore(self.store_dir, self.config, readonly=True, namespace=self._namespace)
+                store = SyncPageStore(
+                    self.store_dir, self.config, readonly=True, namespace=self._namespace,
+                    engine_factory=self._engine_factory,
+                )  # fmt: skip
             except StoreDamagedError as e:
                 # the leader (the writer) moves damaged metadata aside at its open: miss until then
                 self._log_once("follower_damaged", "follower: %s; reporting misses until the leader repairs it", e)
@@ -547,7 +557,10 @@ class UMBPNvmeStore(HiCacheStorage):
                     raise
                 return None
         else:
-            store = SyncPageStore(self.store_dir, self.config, readonly=False, namespace=self._namespace)
+            store = SyncPageStore(
+                self.store_dir, self.config, readonly=False, namespace=self._namespace,
+                engine_factory=self._engine_factory,
+            )  # fmt: skip
         self._register_ranges(store, self._ranges)
         self._store = store
         return store
@@ -579,7 +592,9 @@ class UMBPNvmeStore(HiCacheStorage):
                     from .sync_store import SyncPageStore
 
                     ns = dict(self._namespace or {}, kind=NAMESPACE_KIND + "/sidecar")
-                    store = SyncPageStore(self.private_dir, self.config, readonly=False, namespace=ns)
+                    store = SyncPageStore(
+                        self.private_dir, self.config, readonly=False, namespace=ns, engine_factory=self._engine_factory
+                    )  # fmt: skip
                     self._register_ranges(store, self._ranges)
                     self._private = store
         return self._private
@@ -625,7 +640,7 @@ def _truthy(value) -> bool:
 
 
 def _normalise_sizes(sizes, n: int) -> list:
-    """UMBP v1 accepts an int or a one-element list for every object (spec §5)."""
+    """UMBP v1 accepts an int or a one-element list for every object (docs/sglang.md §3)."""
     if isinstance(sizes, int):
         return [sizes] * n
     sizes = list(sizes)

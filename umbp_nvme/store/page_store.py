@@ -193,6 +193,12 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath):
         """The registered ranges as (address, nbytes), sorted by address."""
         return [(a, b - a) for a, b in self._memory.ranges]
 
+    def keys(self) -> list[str]:
+        """Writers: every published key (a snapshot)."""
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; keys() needs the writer's rows")
+        return list(self._keys)
+
     def locate(self, keys) -> list[Extent | None]:
         """Writers: where each key's object lives (segment, offset, length, depth); None when absent.
 

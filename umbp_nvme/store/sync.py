@@ -41,6 +41,7 @@ class SyncPageStore:
         namespace: dict | None = None,
         capacity_from_manifest: bool = False,
         shrink: bool = True,
+        engine_factory=None,
     ):
         config = config or StoreConfig()
         self._timeout_s = float(config.io_timeout_s) * 4 + _CALL_SLACK_S
@@ -53,7 +54,7 @@ class SyncPageStore:
             self.store: PageStore = self._call(
                 PageStore.open(
                     path, config, readonly=readonly, namespace=namespace,
-                    capacity_from_manifest=capacity_from_manifest, shrink=shrink,
+                    capacity_from_manifest=capacity_from_manifest, shrink=shrink, engine_factory=engine_factory,
                 )  # fmt: skip
             )
         except BaseException:

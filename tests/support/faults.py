@@ -22,6 +22,8 @@ decides its fate:
 as above.
 
 Deterministic for a given seed and call order. ``FaultPlan.injected`` counts per rule name.
+Attach a plan by opening a store with ``engine_factory=plan.engine_factory()`` (PageStore.open,
+SyncPageStore, UMBPNvmeStore): nothing is patched.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .base import RESULT_DTYPE, EngineClosed, IoBatch
+from umbp_nvme.engine import open_engine
+from umbp_nvme.engine.base import RESULT_DTYPE, EngineClosed, IoBatch
 
 KINDS = ("eio", "enospc", "errno", "short", "bitflip", "delay", "stuck", "kill")
 OPS = ("read", "write", "sync")
@@ -88,6 +91,7 @@ class FaultPlan:
         self.rules: list[FaultRule] = list(rules)
         self.rng = random.Random(seed)
         self.enabled = enabled
+        self.engines: list = []  # FaultyEngines made by engine_factory()
         self.injected: dict[str, int] = {}
         self.ops_seen = 0
         self._lock = threading.Lock()
@@ -107,6 +111,19 @@ class FaultPlan:
 
     def wrap(self, engine) -> "FaultyEngine":
         return FaultyEngine(engine, self)
+
+    def engine_factory(self, inner=None):
+        """An ``engine_factory`` for PageStore.open / SyncPageStore / UMBPNvmeStore: every engine the
+        store opens is wrapped with this plan (``self.engines`` lists the wrappers, reads first)."""
+        inner = inner or open_engine
+        engines = self.engines
+
+        async def factory(backend, queue_depth):
+            fe = self.wrap(await inner(backend, queue_depth))
+            engines.append(fe)
+            return fe
+
+        return factory
 
     def _pick(self, op: str, fd: int, offset: int, length: int) -> FaultRule | None:
         # caller holds the lock
@@ -279,28 +296,7 @@ class FaultyEngine:
         return await f(fds, offsets, addrs, lengths)
 
 
-# --- attaching a plan to a store ---------------------------------------------------------------
-
-
-def install(page_store, plan: FaultPlan) -> list[FaultyEngine]:
-    """Wrap an open PageStore's engines with ``plan`` in place. Returns the wrappers."""
-    wrapped = []
-    for attr in ("_read_engine", "_write_engine"):
-        eng = getattr(page_store, attr, None)
-        if eng is None:
-            continue
-        if isinstance(eng, FaultyEngine):
-            eng.plan = plan
-            wrapped.append(eng)
-            continue
-        fe = FaultyEngine(eng, plan)
-        setattr(page_store, attr, fe)
-        wrapped.append(fe)
-    engines = getattr(page_store, "_engines", None)
-    if isinstance(engines, list):
-        by_id = {id(w.inner): w for w in wrapped}
-        page_store._engines = [by_id.get(id(e), e) for e in engines]
-    return wrapped
+# --- plans from a spec string -----------------------------------------------------------------
 
 
 def parse_spec(spec: str) -> list[FaultRule]:
@@ -340,29 +336,46 @@ class FaultCounter:
             self.total += v
 
 
-class patch_open_engine:
-    """Context manager: every engine ``umbp_nvme.store`` opens meanwhile is wrapped with ``plan``.
+# --- engines whose calls a test can hold or replace ------------------------------------------
 
-    Works for any layer above PageStore (SyncPageStore, UMBPNvmeStore) without touching it.
+
+class EngineHooks:
+    """An ``engine_factory`` whose engines send reads / writes / syncs through replaceable hooks.
+
+    ``hooks.read = async fn(real_read_many, fds, offsets, addrs, lengths)`` (likewise ``write``,
+    and ``sync(real_sync, fd, datasync)``); None sends the call straight to the real engine. For
+    tests that hold a read in flight or make the disk hang, without touching the store's insides.
     """
 
-    def __init__(self, plan: FaultPlan):
-        self.plan = plan
-        self._orig = None
+    def __init__(self, inner=None):
+        self.read = self.write = self.sync = None
+        self.engines: list = []
+        self._inner = inner or open_engine
 
-    def __enter__(self):
-        from ..store import opening as store_mod
+    def engine_factory(self):
+        async def factory(backend, queue_depth):
+            e = HookedEngine(await self._inner(backend, queue_depth), self)
+            self.engines.append(e)
+            return e
 
-        self._orig = orig = store_mod.open_engine
-        plan = self.plan
+        return factory
 
-        async def open_engine(*a, **k):
-            return plan.wrap(await orig(*a, **k))
 
-        store_mod.open_engine = open_engine
-        return self.plan
+class HookedEngine:
+    def __init__(self, inner, hooks: EngineHooks):
+        self.inner, self.hooks = inner, hooks
 
-    def __exit__(self, *exc):
-        from ..store import opening as store_mod
+    def __getattr__(self, name):  # capabilities, register_buffers, close, ...
+        return getattr(self.inner, name)
 
-        store_mod.open_engine = self._orig
+    async def read_many(self, *a):
+        h = self.hooks.read
+        return await (self.inner.read_many(*a) if h is None else h(self.inner.read_many, *a))
+
+    async def write_many(self, *a):
+        h = self.hooks.write
+        return await (self.inner.write_many(*a) if h is None else h(self.inner.write_many, *a))
+
+    async def sync(self, fd, datasync=True):
+        h = self.hooks.sync
+        return await (self.inner.sync(fd, datasync) if h is None else h(self.inner.sync, fd, datasync))

@@ -1,8 +1,9 @@
 """Test support for the reliability suite: stand-in host pools, a byte oracle, backend factories.
 
-Importable by tests and tools (``tools/chaos_report.py``) without SGLang:
+Importable by tests (as ``support.testing``: tests/ is on sys.path) and tools (``tools/chaos_report.py``
+puts tests/ on sys.path) without SGLang:
 
-* ``HostPool``: a numpy/mmap-backed stand-in for SGLang's MHA / MLA host pools (spec §5.1, §5.2,
+* ``HostPool``: a numpy/mmap-backed stand-in for SGLang's MHA / MLA host pools (docs/sglang.md §3,
   ``page_first``): ``kv_buffer`` (a torch tensor when torch imports), ``get_page_buffer_meta``
   computed exactly as SGLang does -- no validation, so bad indices make bad pointers, which the
   backend must refuse -- and canary guard zones around the pool memory that only an
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support/ -> the checkout
 
 try:  # torch is what SGLang's pools are made of; the stand-in works without it (numpy indices)
     import torch
@@ -221,11 +224,15 @@ def backend_extra(store_dir: str, *, mode: str = "strict", capacity: int = 64 * 
     return extra
 
 
-def make_backend(store_dir: str, pool: HostPool | None = None, *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, **extra_kw):
+def make_backend(store_dir: str, pool: HostPool | None = None, *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                 engine_factory=None, **extra_kw):  # fmt: skip
     """UMBPNvmeStore built the way SGLang's dynamic loader builds it: cls(config, {}), then register."""
-    from .sglang_backend import UMBPNvmeStore
+    from umbp_nvme.sglang_backend import UMBPNvmeStore
 
-    be = UMBPNvmeStore(storage_config(backend_extra(store_dir, **extra_kw), mla=mla, tp_rank=tp_rank, tp_size=tp_size), {})
+    be = UMBPNvmeStore(
+        storage_config(backend_extra(store_dir, **extra_kw), mla=mla, tp_rank=tp_rank, tp_size=tp_size), {},
+        engine_factory=engine_factory,
+    )  # fmt: skip
     if pool is not None:
         be.register_mem_pool_host(pool)
     return be
@@ -304,7 +311,7 @@ def _mp_context():
     global _CTX
     if _CTX is None:
         ctx = _mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["umbp_nvme.testing", "umbp_nvme.sglang_backend", "umbp_nvme.store"])
+        ctx.set_forkserver_preload(["support.testing", "umbp_nvme.sglang_backend", "umbp_nvme.store"])
         _CTX = ctx
     return _CTX
 
@@ -325,10 +332,12 @@ class CrashSpec:
     salt: str = "crash"
 
 
-def _install_kill_hooks(spec: CrashSpec, rng: _random.Random) -> None:
-    from . import index as index_mod
-    from .store import opening as store_mod
-    from .engine.faults import FaultPlan, FaultRule
+def _install_kill_hooks(spec: CrashSpec, rng: _random.Random):
+    """The engine_factory that kills the child in its phase (None for index phases: Index.commit is
+    wrapped instead, in this child only)."""
+    from umbp_nvme.store import index as index_mod
+
+    from .faults import FaultPlan, FaultRule
 
     def die():
         os.kill(os.getpid(), _signal.SIGKILL)
@@ -337,12 +346,7 @@ def _install_kill_hooks(spec: CrashSpec, rng: _random.Random) -> None:
         ops = ("sync",) if spec.phase == "sync" else ("write",)
         when = rng.choice(("before", "after")) if spec.phase == "sync" else spec.phase.split("-")[1]
         plan = FaultPlan([FaultRule("kill", ops=ops, probability=spec.kill_p, when=when)], seed=spec.seed)
-        orig = store_mod.open_engine
-
-        async def open_engine(*a, **k):
-            return plan.wrap(await orig(*a, **k))
-
-        store_mod.open_engine = open_engine
+        return plan.engine_factory()
     elif spec.phase in ("commit", "evict"):
         orig_commit = index_mod.Index.commit
         lock_rng = _random.Random(spec.seed)
@@ -357,6 +361,7 @@ def _install_kill_hooks(spec: CrashSpec, rng: _random.Random) -> None:
             return orig_commit(self, puts, deletes, **kw)
 
         index_mod.Index.commit = commit
+    return None
 
 
 def crash_child(spec: CrashSpec, ready) -> None:
@@ -365,9 +370,10 @@ def crash_child(spec: CrashSpec, ready) -> None:
 
     logging.getLogger("umbp_nvme").setLevel(logging.CRITICAL)  # the parent reports; keep stderr quiet
     rng = _random.Random(spec.seed)
-    _install_kill_hooks(spec, rng)
+    factory = _install_kill_hooks(spec, rng)
     pool = HostPool(page_num=2 * spec.batch, page_size=spec.page_size)
-    be = make_backend(spec.root, pool, mode=spec.mode, capacity=spec.capacity, segment=spec.segment)
+    be = make_backend(spec.root, pool, mode=spec.mode, capacity=spec.capacity, segment=spec.segment,
+                      engine_factory=factory)  # fmt: skip
     fd = os.open(spec.ack_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     universe = [page_key(i, spec.salt) for i in range(spec.universe)]
     acked: list[str] = []
@@ -644,19 +650,17 @@ class Caller:
 
 
 def _fault_backend(root, plan, pool, **kw):
-    from .engine.faults import patch_open_engine
 
     kw.setdefault("io_timeout_s", 1.0)
     kw.setdefault("capacity", 8 * MiB)
     kw.setdefault("segment", 512 * KiB)
     kw.setdefault("mode", "relaxed")
-    with patch_open_engine(plan):
-        return make_backend(root, pool, **kw)
+    return make_backend(root, pool, engine_factory=plan.engine_factory(), **kw)
 
 
 def fault_run(root: str, *, rounds: int = 40, seed: int = 0, log=None) -> dict:
     """Injected and real faults; every v1 call must return bools in bounded time, never wrong bytes."""
-    from .engine.faults import FaultPlan, FaultRule
+    from .faults import FaultPlan, FaultRule
 
     out = dict(faults_injected=0, wrong_bytes=0, hangs=0, raised_from_v1=0, scenarios={}, errors=[])
     rng = _random.Random(seed)
@@ -873,7 +877,7 @@ def soak_follower(root: str, seconds: float, result_q) -> None:
             stats["hits"] += sum(r)
             c.exists(keys)
         stats.update(calls=c.calls, wrong=c.wrong, raised=c.raised, hangs=c.hangs, max_s=round(c.max_s, 2))
-        # a set on a follower must answer True per page without writing (spec §6.7)
+        # a set on a follower must answer True per page without writing (docs/sglang.md §6)
         r = be.batch_set_v1(universe[:4], pool.indices(0, 4))
         if r != [True] * 4:
             stats["raised"] += 1
@@ -1015,7 +1019,7 @@ CONFIG_KEYS = [
 
 def check_config_value(key: str, value) -> list[str]:
     """load_config({key: value}): a StoreConfig or a ValueError naming the key and the value."""
-    from .config import load_config
+    from umbp_nvme.config import load_config
 
     try:
         cfg = load_config({key: value}, env={})
@@ -1283,7 +1287,7 @@ def hygiene_run(root: str, log=None) -> dict:
     """Permissions, symlinks, the writer lock and foreign ownership. Returns findings and checks."""
     import pwd
 
-    from .errors import UnsafeStorePathError
+    from umbp_nvme.errors import UnsafeStorePathError
 
     findings: list[str] = []
     checks = 0
@@ -1362,11 +1366,11 @@ def hygiene_run(root: str, log=None) -> dict:
     checks += 1
     r = _subprocess.run(
         [__import__("sys").executable, "-c",
-         "import sys; from umbp_nvme.testing import HostPool, make_backend\n"
+         "import sys; from support.testing import HostPool, make_backend\n"
          "try:\n make_backend(sys.argv[1], HostPool(16)); print('OPENED')\n"
          "except Exception as e: print(type(e).__name__, e)", d],
         capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, UMBP_NVME_NO_SGLANG="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        env=dict(os.environ, UMBP_NVME_NO_SGLANG="1", PYTHONPATH=os.pathsep.join((_REPO, os.path.join(_REPO, "tests")))),
     )
     msg = r.stdout.strip()
     if not msg.startswith("StoreLockedError") or str(os.getpid()) not in msg:
