@@ -1,0 +1,495 @@
+"""Store benchmark: PageStore against the raw io_uring engine on the same segment files.
+
+    python tools/bench_store.py [--dir DIR] [--quick | --smoke] [--json PATH] [--plot PATH]
+    python -m umbp_nvme.bench store [same args]
+
+Systems:
+  umbp_store   PageStore.put_many / get_many: 128-page batches of 2 objects per page (256
+               objects per call, one call at a time, as SGLang's controller issues them), memory
+               passed as (address, nbytes) inside a registered range (the backend's hot path).
+               Index lookup, slot allocation, CRC32C of every object, index commit all counted.
+  umbp_uring   the raw UringEngine: one write_many / read_many of the same 256 ops per call, at
+               the very (segment file, offset) extents the store chose for those objects in the
+               same round, from/into the same memory; fdatasync of the touched segments per
+               call when the store runs strict (the store does the same). No index, no CRC.
+
+Each measured round is, per (object size, memory kind): store put, raw put (overwrites the same
+extents with the same bytes, so the store's CRCs stay valid), store get, raw get, then an
+untimed delete of the round's keys. Reads are cold: the segment files are O_DIRECT (a note says
+so otherwise). One untimed warm-up round per size first writes every extent once (fallocated but
+never written blocks cost extent conversion on the first write) and starts the thread pools.
+``vs_umbp_uring`` is the median over rounds of store/raw from the same round.
+
+Memory kinds as in the engine benchmark: "4k" (anonymous mmap) and "huge" (2 MiB hugetlb pages,
+reserved through /proc/sys/vm/nr_hugepages as root, restored at exit). Both kinds are registered
+with the store (register_memory) and, when the store took them as io_uring fixed buffers, with
+the raw engine too, so both systems run with the same buffer kind (the row says ``fixed``).
+
+Extra rows:
+  op "exists"       ``await store.exists_prefix(keys)`` of 128 present keys on the large store
+                    (the writer's in-memory view), and ``umbp_store_ro`` (a read-only open of the
+                    same store, which asks LMDB). latency_us_p50 / _p99 per call, per run.
+  op "reopen"       seconds to open the writer on a store of ``--reopen-objects`` (default 1 M)
+                    objects, page cache warm (a process restart); latency_us_p50 holds it in
+                    microseconds (seconds_p50 in seconds). "reopen_cold": after drop_caches (root).
+                    The large store is built once with tiny objects (``--reopen-object-bytes``,
+                    4 KiB) through the store's real put_many path in batches of 8192 and kept in
+                    DIR/reopen-<N>-<bytes>/ for the next run (--rebuild forces a new one).
+
+Rows follow benchlib's format ("bench": "store"); queue_depth is objects per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from .engine import HugePages, Memory
+from .common import Sample, bench_dir, Stopwatch, check_buffers, drop_caches, finish, make_row, paired_ratio, parse_bytes, print_table
+
+from umbp_nvme.buffers import HUGE_PAGE_BYTES
+from umbp_nvme.config import StoreConfig
+from umbp_nvme.engine import open_data_file, open_engine
+from umbp_nvme.segments import segment_name
+from umbp_nvme.store import PageStore
+
+BENCH = "store"
+OBJECTS_PER_PAGE = 2
+REOPEN_BATCH = 8192
+REOPEN_MARKER = "bench_store_reopen.json"
+DEFAULT_DIR = "/tmp/umbp-bench-store"
+MiB, GiB = 1 << 20, 1 << 30
+
+TARGETS = {
+    "put_vs_raw": 0.9,
+    "get_vs_raw": 0.9,
+    "exists_us": 100.0,
+    "reopen_s": 2.0,
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="bench_store", description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default=None, help=f"bench directory, kept between runs for the reopen store (default {DEFAULT_DIR})")
+    p.add_argument("--sizes", default=None, help="object sizes (default 64k,1m,4m; --quick 64k,1m)")
+    p.add_argument("--batch-pages", type=int, default=None, help="pages per call, 2 objects each (default 128)")
+    p.add_argument("--sample-bytes", default=None, help="bytes moved per measurement (default 1g; --quick 256m)")
+    p.add_argument("--buffers", default="4k,huge", help="memory kinds: 4k,huge")
+    p.add_argument("--ops", default="put,get,exists,reopen", help="subset of put,get,exists,reopen")
+    p.add_argument("--runs", type=int, default=None, help="alternating rounds (default 3; --quick 2)")
+    p.add_argument("--durability", default="strict", choices=("strict", "relaxed"), help="store durability mode")
+    p.add_argument("--segment-bytes", default="256m", help="store segment size")
+    p.add_argument("--reopen-objects", type=int, default=None, help="objects in the reopen store (default 1000000; --quick 100000)")
+    p.add_argument("--reopen-object-bytes", default="4k", help="object size of the reopen store")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the cached reopen store")
+    p.add_argument("--exists-calls", type=int, default=None, help="exists_prefix calls per run (default 2000)")
+    p.add_argument("--quick", action="store_true", help="small matrix, under a minute (reopen store of 100 k objects)")
+    p.add_argument("--smoke", action="store_true", help="tiny run for tests: a few small objects, a few seconds")
+    p.add_argument("--json", help="write the rows as JSON here")
+    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    a = p.parse_args(argv)
+    q, s = a.quick, a.smoke
+    a.sizes = [parse_bytes(x) for x in (a.sizes or ("64k" if s else "64k,1m" if q else "64k,1m,4m")).split(",")]
+    a.batch_pages = a.batch_pages or (8 if s else 128)
+    a.sample_bytes = parse_bytes(a.sample_bytes or ("4m" if s else "256m" if q else "1g"))
+    a.buffers = [b for b in a.buffers.split(",") if b]
+    a.ops = [o for o in a.ops.split(",") if o]
+    a.runs = a.runs or (1 if s else 2 if q else 3)
+    a.segment_bytes = parse_bytes("16m" if s and a.segment_bytes == "256m" else a.segment_bytes)
+    a.reopen_objects = a.reopen_objects or (2000 if s else 100_000 if q else 1_000_000)
+    a.reopen_object_bytes = parse_bytes(a.reopen_object_bytes)
+    a.exists_calls = a.exists_calls or (200 if s else 2000)
+    check_buffers(p, a.buffers)
+    for o in a.ops:
+        if o not in ("put", "get", "exists", "reopen"):
+            p.error(f"unknown op {o!r}; expected some of put,get,exists,reopen")
+    for size in a.sizes + [a.reopen_object_bytes]:
+        if size <= 0 or size % 4096:
+            p.error(f"object size {size} must be a positive multiple of 4096")
+    if a.batch_pages < 1 or a.runs < 1 or a.reopen_objects < 128:
+        p.error("--batch-pages and --runs must be >= 1, --reopen-objects >= 128")
+    return a
+
+
+# -- keys and helpers --------------------------------------------------------------------------
+
+
+def page_keys(tag: str, pages: int, start: int = 0) -> list[str]:
+    """v1 object keys as the backend composes them: 64-hex page hash + "_0_k" / "_0_v"."""
+    out = []
+    for i in range(start, start + pages):
+        h = hashlib.sha256(f"{tag}/{i}".encode()).hexdigest()
+        out.append(h + "_0_k")
+        out.append(h + "_0_v")
+    return out
+
+
+def store_extents(store: PageStore, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(segment, offset) of each key, from the writer's in-memory view of the index.
+
+    The raw engine must hit exactly the store's blocks (PageStore.locate).
+    """
+    ext = store.locate(keys)
+    return np.fromiter((e.segment for e in ext), np.int64, len(keys)), np.fromiter((e.offset for e in ext), np.int64, len(keys))
+
+
+class SegFds:
+    """The raw engine's own descriptors on the store's segment files (O_DIRECT like the store's)."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.files: dict[int, object] = {}
+
+    def fds(self, segs: np.ndarray) -> np.ndarray:
+        out = np.empty(len(segs), np.int32)
+        for s in np.unique(segs).tolist():
+            f = self.files.get(s)
+            if f is None:
+                f = self.files[s] = open_data_file(os.path.join(self.directory, segment_name(s)))
+            out[segs == s] = f.fd
+        return out
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+
+
+# -- throughput: put / get ---------------------------------------------------------------------
+
+
+def _store_config(cfg, path: str, capacity: int) -> StoreConfig:
+    """The benchmark's stores: io_uring at QD 256, --segment-bytes and --durability."""
+    return StoreConfig(
+        ssd_storage_dir=path,
+        ssd_capacity_bytes=capacity,
+        ssd_segment_size_bytes=cfg.segment_bytes,
+        ssd_durability_mode=cfg.durability,
+        ssd_io_backend="io_uring",
+        ssd_queue_depth=256,
+    )
+
+
+async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -> list[dict]:
+    n_obj = cfg.batch_pages * OBJECTS_PER_PAGE
+    sample_cap = max(max(cfg.sample_bytes, n_obj * s) for s in cfg.sizes)
+    seg = cfg.segment_bytes
+    capacity = -(-int(sample_cap * 1.5 + 4 * seg) // seg) * seg
+    path = os.path.join(directory, "tput")
+    shutil.rmtree(path, ignore_errors=True)
+    scfg = _store_config(cfg, path, capacity)
+    store = await PageStore.open(path, scfg)
+    raw = await open_engine("io_uring", queue_depth=256)
+    segfds = SegFds(store.path)
+    rows: list[dict] = []
+    try:
+        if raw.capabilities.name != "io_uring":
+            notes.append("umbp_uring: io_uring unavailable, the raw engine fell back to posix")
+        fixed = False
+        ranges = [(b.address, b.nbytes) for b in mem.bufs.values()]
+        for a, n in ranges:
+            fixed = store.register_memory(a, n) or fixed
+        if fixed:
+            fixed = bool(raw.register_buffers(ranges))
+        notes.append(f"store: {cfg.durability}, capacity {capacity >> 20} MiB, segments {seg >> 20} MiB, "
+                     f"fixed buffers {'on' if fixed else 'off'} for both systems")
+        strict = cfg.durability == "strict"
+        rnd = [0]
+
+        async def one_round(size: int, kind: str):
+            buf = mem.bufs[kind]
+            k_batches = max(1, -(-cfg.sample_bytes // (n_obj * size)))
+            rnd[0] += 1
+            keys = [page_keys(f"r{rnd[0]}/{size}/{kind}/{b}", cfg.batch_pages) for b in range(k_batches)]
+            addrs = buf.address + np.arange(n_obj, dtype=np.uint64) * np.uint64(size)
+            tuples = [(int(a), size) for a in addrs.tolist()]
+            lens = np.full(n_obj, size, np.int64)
+            total = k_batches * n_obj
+            out = {}
+            # store put
+            gc.collect()
+            with Stopwatch() as sw:
+                for b in range(k_batches):
+                    res = await store.put_many(keys[b], tuples)
+                    if not all(res):
+                        raise RuntimeError(f"put_many failed for {res.count(False)} of {n_obj} objects ({size} B)")
+            out["put", "umbp_store"] = sw.sample(total * size, total)
+            ext = [store_extents(store, keys[b]) for b in range(k_batches)]
+            plan = [(segfds.fds(s), o) for s, o in ext]
+            # raw put on the same extents
+            with Stopwatch() as sw:
+                for fds, offs in plan:
+                    r = await raw.write_many(fds, offs, addrs, lens)
+                    if (r != lens).any():
+                        raise RuntimeError(f"raw write returned {int(r[r != lens][0])}")
+                    if strict:
+                        await asyncio.gather(*(raw.sync(int(fd)) for fd in np.unique(fds).tolist()))
+            out["put", "umbp_uring"] = sw.sample(total * size, total)
+            # store get (cold: O_DIRECT)
+            buf.array[:n_obj * size] = 0
+            with Stopwatch() as sw:
+                for b in range(k_batches):
+                    res = await store.get_many(keys[b], tuples)
+                    if not all(res):
+                        raise RuntimeError(f"get_many missed {res.count(False)} of {n_obj} objects ({size} B)")
+            out["get", "umbp_store"] = sw.sample(total * size, total)
+            with Stopwatch() as sw:
+                for fds, offs in plan:
+                    r = await raw.read_many(fds, offs, addrs, lens)
+                    if (r != lens).any():
+                        raise RuntimeError(f"raw read returned {int(r[r != lens][0])}")
+            out["get", "umbp_uring"] = sw.sample(total * size, total)
+            for b in range(k_batches):
+                await store.delete_many(keys[b])
+            return out
+
+        for kind, buf in mem.bufs.items():
+            buf.array[:] = np.random.default_rng(7).integers(0, 256, buf.nbytes, dtype=np.uint8)
+        for size in cfg.sizes:
+            for kind in mem.bufs:
+                samples: dict[tuple[str, str], list[Sample]] = {}
+                await one_round(size, kind)  # warm-up: every extent written once
+                for _ in range(cfg.runs):
+                    for key, s in (await one_round(size, kind)).items():
+                        samples.setdefault(key, []).append(s)
+                for op in ("put", "get"):
+                    if op not in cfg.ops:
+                        continue
+                    base = samples[op, "umbp_uring"]
+                    for system in ("umbp_store", "umbp_uring"):
+                        ss = samples[op, system]
+                        vs = paired_ratio(ss, base) if system == "umbp_store" else None
+                        rows.append(make_row(BENCH, system, op, size, n_obj, ss, buffers=kind, fixed=fixed,
+                                             vs_umbp_uring=vs, cold=(op == "get")))
+        st = store.stats()
+        if st.get("o_direct") is False:
+            notes.append(f"O_DIRECT refused on {path}: reads were not cold (page cache)")
+        if st.get("crc_errors"):
+            notes.append(f"store reported {st['crc_errors']} CRC errors")
+    finally:
+        segfds.close()
+        raw.close()
+        await store.close()
+        shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+# -- the large store: exists, reopen -------------------------------------------------------------
+
+
+def _reopen_config(cfg, path: str) -> StoreConfig:
+    seg = cfg.segment_bytes
+    data = cfg.reopen_objects * cfg.reopen_object_bytes
+    capacity = -(-int(data / 0.8 + 2 * seg) // seg) * seg
+    return _store_config(cfg, path, capacity)
+
+
+def reopen_keys(n: int) -> list[str]:
+    return page_keys("reopen", -(-n // OBJECTS_PER_PAGE))[:n]
+
+
+async def ensure_reopen_store(cfg, directory: str, notes: list[str]) -> tuple[str, list[str]]:
+    n, size = cfg.reopen_objects, cfg.reopen_object_bytes
+    path = os.path.join(directory, f"reopen-{n}-{size}")
+    marker = os.path.join(path, REOPEN_MARKER)
+    want = {"objects": n, "object_bytes": size, "segment_bytes": cfg.segment_bytes, "keys": "sha256(reopen/i)_0_k|v",
+            "build": "put_many"}
+    keys = reopen_keys(n)
+    if not cfg.rebuild and os.path.exists(marker):
+        try:
+            with open(marker) as f:
+                have = json.load(f)
+        except (OSError, ValueError):
+            have = None
+        if have and all(have.get(k) == v for k, v in want.items()):
+            notes.append(f"reopen store: reused {path} ({n} objects, built in {have.get('build_s', 0):.1f} s)")
+            return path, keys
+    shutil.rmtree(path, ignore_errors=True)
+    scfg = _reopen_config(cfg, path)
+    scfg.ssd_durability_mode = "relaxed"  # building only; one flush at close
+    t0 = time.perf_counter()
+    store = await PageStore.open(path, scfg)
+    from umbp_nvme.buffers import AlignedBuffer
+
+    with AlignedBuffer(REOPEN_BATCH * size) as buf:
+        buf.array[:] = np.random.default_rng(3).integers(0, 256, buf.nbytes, dtype=np.uint8)
+        store.register_memory(buf.address, buf.nbytes)
+        tuples = [(buf.address + i * size, size) for i in range(REOPEN_BATCH)]
+        try:
+            for lo in range(0, n, REOPEN_BATCH):
+                batch = keys[lo : lo + REOPEN_BATCH]
+                res = await store.put_many(batch, tuples[: len(batch)])
+                if not all(res):
+                    raise RuntimeError(f"building the reopen store: put_many failed for {res.count(False)} objects")
+            count = store.stats()["objects"]
+        finally:
+            await store.close()
+    build_s = time.perf_counter() - t0
+    if count != n:
+        raise RuntimeError(f"reopen store holds {count} objects, expected {n} (evicted?)")
+    with open(marker, "w") as f:
+        json.dump(dict(want, build_s=build_s), f)
+    notes.append(f"reopen store: built {path} with {n} x {size} B objects through put_many "
+                 f"(batches of {REOPEN_BATCH}) in {build_s:.1f} s; kept for the next run")
+    return path, keys
+
+
+async def _latency_sample_us(coro_fn, calls: int) -> tuple[Sample, float, float]:
+    """Per-call latency of ``await coro_fn()`` on the running loop: (sample, p50 us, p99 us)."""
+    lat = np.empty(calls, np.float64)
+    pc = time.perf_counter
+    with Stopwatch() as sw:
+        for i in range(calls):
+            t = pc()
+            await coro_fn()
+            lat[i] = pc() - t
+    return sw.sample(0, calls), float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
+
+
+async def bench_large(cfg, directory: str, notes: list[str]) -> list[dict]:
+    path, keys = await ensure_reopen_store(cfg, directory, notes)
+    scfg = _reopen_config(cfg, path)
+    n = cfg.reopen_objects
+    rows: list[dict] = []
+    # reopen (warm page cache, then cold)
+    variants = [("reopen", False)] + ([("reopen_cold", True)] if os.geteuid() == 0 else [])
+    if os.geteuid() != 0:
+        notes.append("reopen_cold skipped: not root (cannot drop the page cache)")
+    samples: dict[str, list[tuple[Sample, float]]] = {v: [] for v, _ in variants}
+    store = await PageStore.open(path, scfg)  # warm the cache once
+    await store.close()
+    if "reopen" in cfg.ops:
+        for _ in range(cfg.runs):
+            for op, cold in variants:  # alternate warm and cold
+                if cold:
+                    drop_caches()
+                gc.collect()
+                with Stopwatch() as sw:
+                    store = await PageStore.open(path, scfg)
+                count = store.stats()["objects"]
+                await store.close()
+                if count != n:
+                    raise RuntimeError(f"reopened store holds {count} objects, expected {n}")
+                samples[op].append((sw.sample(0, n), sw.wall_s))
+        for op, _ in variants:
+            ss = [s for s, _ in samples[op]]
+            secs = [w for _, w in samples[op]]
+            med = statistics.median(secs)
+            rows.append(make_row(BENCH, "umbp_store", op, cfg.reopen_object_bytes, 0, ss, buffers="",
+                                 objects=n, seconds_p50=med, latency_us_p50=med * 1e6,
+                                 latency_us_p50_min=min(secs) * 1e6, latency_us_p50_max=max(secs) * 1e6))
+    if "exists" in cfg.ops:
+        store = await PageStore.open(path, scfg)
+        ro = await PageStore.open(path, scfg, readonly=True)
+        try:
+            start = (n // 2) // OBJECTS_PER_PAGE * OBJECTS_PER_PAGE
+            probe = keys[start : start + 128]
+            assert await store.exists_prefix(probe) == 128, "exists_prefix of present keys did not count 128"
+            assert await ro.exists_prefix(probe) == 128, "read-only exists_prefix did not count 128"
+            ex: dict[str, list] = {"umbp_store": [], "umbp_store_ro": []}
+            for _ in range(cfg.runs):
+                for name, s in (("umbp_store", store), ("umbp_store_ro", ro)):
+                    ex[name].append(await _latency_sample_us(lambda s=s: s.exists_prefix(probe), cfg.exists_calls))
+            for name, res in ex.items():
+                p50 = [r[1] for r in res]
+                p99 = [r[2] for r in res]
+                rows.append(make_row(BENCH, name, "exists", 0, 128, [r[0] for r in res], buffers="",
+                                     objects=n, latency_us_p50=statistics.median(p50), latency_us_p50_min=min(p50),
+                                     latency_us_p50_max=max(p50), latency_us_p99=statistics.median(p99)))
+        finally:
+            await ro.close()
+            await store.close()
+    return rows
+
+
+# -- driver ------------------------------------------------------------------------------------
+
+
+async def bench(cfg) -> tuple[list[dict], list[str]]:
+    notes: list[str] = []
+    directory, tmpdir = bench_dir(cfg, DEFAULT_DIR, "umbp-bench-store-")
+    rows: list[dict] = []
+    huge = HugePages()
+    mem = None
+    try:
+        if "put" in cfg.ops or "get" in cfg.ops:
+            buffers = list(cfg.buffers)
+            nbytes = cfg.batch_pages * OBJECTS_PER_PAGE * max(cfg.sizes)
+            if "huge" in buffers:
+                ok, why = huge.reserve(nbytes + HUGE_PAGE_BYTES)
+                if not ok:
+                    notes.append(f"huge buffers skipped: {why}")
+                    buffers.remove("huge")
+            mem = Memory(nbytes, buffers, notes)
+            if not mem.bufs:
+                raise RuntimeError("no memory kind could be allocated")
+            rows += await bench_throughput(cfg, directory, mem, notes)
+            mem.close()
+            mem = None
+            huge.restore()
+        if "exists" in cfg.ops or "reopen" in cfg.ops:
+            rows += await bench_large(cfg, directory, notes)
+    finally:
+        if mem is not None:
+            mem.close()
+        huge.restore()
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    return rows, notes
+
+
+def print_extra(rows: list[dict], file=None) -> None:
+    lat = [r for r in rows if "latency_us_p50" in r]
+    if not lat:
+        return
+    print("", file=file)
+    print("latency rows (latency_us_p50 med [min-max]):", file=file)
+    for r in sorted(lat, key=lambda r: (r["op"], r["system"])):
+        extra = f"  p99 {r['latency_us_p99']:.1f} us" if "latency_us_p99" in r else ""
+        secs = f"  = {r['seconds_p50']:.3f} s" if "seconds_p50" in r else ""
+        print(f"  {r['op']:<12} {r['system']:<14} objects={r.get('objects')}  {r['latency_us_p50']:.1f} us "
+              f"[{r['latency_us_p50_min']:.1f}-{r['latency_us_p50_max']:.1f}]{secs}{extra}", file=file)
+
+
+def targets(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        if r["system"] == "umbp_store" and r["op"] in ("put", "get") and r.get("vs_umbp_uring") is not None:
+            v = r["vs_umbp_uring"]
+            out.append(f"{r['op']} {r['object_bytes'] >> 10} KiB {r['buffers']}: store/raw = {v:.3f} "
+                       f"(target >= {TARGETS['put_vs_raw']}) {'MET' if v >= 0.9 else 'NOT MET'}")
+        if r["system"] == "umbp_store" and r["op"] == "exists":
+            v = r["latency_us_p50"]
+            out.append(f"exists_prefix(128) p50 = {v:.1f} us (target <= 100) {'MET' if v <= 100 else 'NOT MET'}")
+        if r["op"] == "reopen":
+            v = r["seconds_p50"]
+            scale = "" if r.get("objects") == 1_000_000 else f" (at {r.get('objects')} objects; the target is for 1 M)"
+            out.append(f"reopen = {v:.3f} s (target <= 2 s){scale} {'MET' if v <= 2 else 'NOT MET'}")
+    return out
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    started = time.perf_counter()
+    rows, notes = asyncio.run(bench(cfg))
+    print(f"store benchmark: {len(rows)} rows, {cfg.runs} alternating runs, {cfg.batch_pages} pages x "
+          f"{OBJECTS_PER_PAGE} objects per call, {time.perf_counter() - started:.0f} s total")
+    print_table([r for r in rows if r["op"] in ("put", "get")], ratio_keys=("vs_umbp_uring",))
+    print_extra(rows)
+    finish(cfg, rows, notes, targets=targets(rows), plot_rows=[r for r in rows if r["op"] in ("put", "get")],
+           title="PageStore vs raw io_uring engine")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
