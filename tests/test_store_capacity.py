@@ -100,7 +100,7 @@ async def test_prefix_aware_evicts_deepest_pages_with_all_their_components(store
 async def test_size_class_without_room_reclaims_a_whole_segment(store_dir):
     cap = 4 * MiB
     st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB,
-                                                      ssd_high_watermark=1.0, ssd_low_watermark=1.0))
+                                                      ssd_high_watermark=1.0, ssd_low_watermark=0.99))
     small = await fill(st, "s", cap // (64 * KiB), 64 * KiB)  # every segment now belongs to 64 KiB
     assert st.stats()["segments_free"] == 0
     assert await st.put_many(["big"], [payload("big", 512 * KiB)]) == [True]

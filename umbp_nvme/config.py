@@ -8,6 +8,10 @@ remote modes (`master_address`, `standalone_*`) and SPDK (`ssd_backend` other th
 Layering: field defaults, then `UMBP_*` environment variables, then `extra_config`. Each
 layer is parsed with the same rules; errors name where the value came from
 (`extra_config['key']` or the environment variable), the value, and what is allowed.
+
+A StoreConfig is frozen and checked once, when it is made (``__post_init__``): every StoreConfig
+that exists is valid, so nothing downstream checks it again. Durability aliases (sync, async) are
+mapped there too; ``dataclasses.replace`` makes a changed copy.
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ GiB = 1 << 30
 MiB = 1 << 20
 SEGMENT_ALIGN_BYTES = 4096  # segments are written with O_DIRECT; offsets stay block-aligned
 
-IO_BACKENDS = ("posix", "io_uring")
+IO_BACKENDS = ("posix", "io_uring", "auto")  # auto: io_uring, falling back to posix with one warning
 DURABILITY_ALIASES = {"strict": "strict", "sync": "strict", "relaxed": "relaxed", "async": "relaxed"}
 SSD_BACKENDS = ("file", "spdk", "spdk_proxy")
 EVICTION_POLICIES = ("lru", "prefix_aware")
 
 
-@dataclass
+@dataclass(frozen=True)
 class StoreConfig:
     # Names follow UMBP's extra_config keys (sglang-interface.md §6.11) where one exists.
     ssd_storage_dir: str = "/tmp/umbp_ssd"
@@ -47,6 +51,7 @@ class StoreConfig:
     verify_crc: bool = True
     io_timeout_s: float = 30.0  # bound on every wait for the disk; a stuck device becomes a failure
     o_direct: bool = True  # used when the file system allows it (probed once per store)
+    gds_staging: bool = False  # CUDA buffers without GPUDirect Storage: stage through pinned host memory
     extra_backend_tag: str | None = None
     # UMBP knobs kept for compatibility and stats; they change nothing in this store.
     ssd_enabled: bool = True  # UMBP's SSD-tier switch; False leaves the backend nothing to store
@@ -54,8 +59,18 @@ class StoreConfig:
     eviction_candidate_window: int = 16
     auto_promote_on_read: bool = True
 
+    def __post_init__(self):
+        mode = self.ssd_durability_mode
+        if isinstance(mode, str) and mode.strip().lower() in DURABILITY_ALIASES:
+            object.__setattr__(self, "ssd_durability_mode", DURABILITY_ALIASES[mode.strip().lower()])
+        self._check()
+
     def validate(self) -> "StoreConfig":
-        """Check cross-field rules; raise ValueError naming the fields and values. Returns self."""
+        """Every StoreConfig was checked when it was made; kept for callers that call it. Returns self."""
+        return self
+
+    def _check(self) -> None:
+        """Check every field and the rules between them; raise ValueError naming the fields and values."""
         if not isinstance(self.ssd_storage_dir, str) or not self.ssd_storage_dir.strip():
             raise ValueError(f"ssd_storage_dir must be a non-empty path, got {self.ssd_storage_dir!r}")
         for name in ("ssd_capacity_bytes", "ssd_segment_size_bytes", "ssd_queue_depth"):
@@ -89,7 +104,6 @@ class StoreConfig:
             )
         if not (isinstance(self.io_timeout_s, (int, float)) and math.isfinite(self.io_timeout_s) and self.io_timeout_s > 0):
             raise ValueError(f"io_timeout_s must be a positive number of seconds, got {self.io_timeout_s!r}")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +186,7 @@ def _parse_io_backend(value: Any, label: str) -> str:
     norm = str(value).strip().lower()
     if norm not in IO_BACKENDS:
         # The text up to ';' is UMBP's message, so logs and tests written for it still match.
-        raise ValueError(f"{label} must be one of: posix, io_uring; got {value!r}")
+        raise ValueError(f"{label} must be one of: posix, io_uring; got {value!r} (umbp_nvme also takes 'auto')")
     return norm
 
 
@@ -230,6 +244,7 @@ _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
     "verify_crc": ("verify_crc", parse_bool),
     "io_timeout_s": ("io_timeout_s", _parse_positive_float),
     "o_direct": ("o_direct", parse_bool),
+    "gds_staging": ("gds_staging", parse_bool),
     "extra_backend_tag": ("extra_backend_tag", _parse_tag),
     "ssd_enabled": ("ssd_enabled", parse_bool),
     "dram_capacity_bytes": ("dram_capacity_bytes", _int_parser(0)),
@@ -320,6 +335,7 @@ ENV_KEYS: dict[str, str] = {
     "UMBP_SSD_QUEUE_DEPTH": "ssd_queue_depth",
     "UMBP_IO_TIMEOUT_S": "io_timeout_s",
     "UMBP_O_DIRECT": "o_direct",
+    "UMBP_GDS_STAGING": "gds_staging",
 }
 
 # Environment variables that select a remote mode or SPDK in UMBP.
@@ -334,7 +350,7 @@ def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | No
     """
     env = os.environ if env is None else env
     extra = dict(extra_config or {})
-    cfg = StoreConfig()
+    values: dict[str, Any] = {}  # field -> parsed value; the config is made (and checked) once, at the end
     valid_fields = {f.name for f in fields(StoreConfig)}
 
     for var in _REMOTE_ENV:
@@ -348,7 +364,7 @@ def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | No
         field, parse = _FIELD_KEYS[key]
         parsed = parse(raw, var)
         if field is not None:
-            setattr(cfg, field, parsed)
+            values[field] = parsed
 
     for key, value in extra.items():
         label = f"extra_config[{key!r}]"
@@ -363,7 +379,7 @@ def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | No
             parsed = parse(value, label)
             if field is not None:
                 assert field in valid_fields
-                setattr(cfg, field, parsed)
+                values[field] = parsed
         elif key in DISTRIBUTED_ONLY_KEYS:
             logger.warning(
                 "umbp_nvme: extra_config[%r] only applies to UMBP's distributed mode and is ignored "
@@ -376,4 +392,4 @@ def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | No
                 "are UMBP's (ssd_storage_dir, ssd_capacity_bytes, ssd_io_backend, ...).",
                 key,
             )
-    return cfg.validate()
+    return StoreConfig(**values)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import hashlib
 import json
@@ -315,8 +316,7 @@ async def ensure_reopen_store(cfg, directory: str, notes: list[str]) -> tuple[st
             notes.append(f"reopen store: reused {path} ({n} objects, built in {have.get('build_s', 0):.1f} s)")
             return path, keys
     shutil.rmtree(path, ignore_errors=True)
-    scfg = _reopen_config(cfg, path)
-    scfg.ssd_durability_mode = "relaxed"  # building only; one flush at close
+    scfg = dataclasses.replace(_reopen_config(cfg, path), ssd_durability_mode="relaxed")  # building only; one flush at close
     t0 = time.perf_counter()
     store = await PageStore.open(path, scfg)
     from umbp_nvme.buffers import AlignedBuffer

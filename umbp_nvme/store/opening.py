@@ -44,15 +44,6 @@ def _crc32c_fn():
     return crc32c, crc32c_many
 
 
-def is_strict(mode: str) -> bool:
-    m = (mode or "strict").strip().lower()
-    if m in ("strict", "sync"):
-        return True
-    if m in ("relaxed", "async"):
-        return False
-    raise ValueError(f"ssd_durability_mode must be one of: strict, sync, relaxed, async; got {mode!r}")
-
-
 class OpenSteps:
     """PageStore's open path (a mixin: these steps fill in the store's state)."""
 
@@ -96,18 +87,14 @@ class OpenSteps:
         )
 
     def _check_config(self, cfg: StoreConfig, readonly: bool) -> None:
+        # a StoreConfig was checked when it was made (config.py): nothing to check again here
+        if not isinstance(cfg, StoreConfig):
+            raise TypeError(f"config must be a StoreConfig (config.load_config makes one), got {type(cfg).__name__}")
         self.config = cfg
         self.readonly = readonly
-        self.strict = is_strict(cfg.ssd_durability_mode)
+        self.strict = cfg.ssd_durability_mode == "strict"  # aliases were mapped by StoreConfig
         self.verify_crc = bool(cfg.verify_crc)
         self.timeout_s = float(cfg.io_timeout_s)
-        if not 0 < cfg.ssd_low_watermark <= cfg.ssd_high_watermark <= 1:
-            raise ValueError(
-                f"watermarks must satisfy 0 < low <= high <= 1; got low={cfg.ssd_low_watermark} "
-                f"high={cfg.ssd_high_watermark}"
-            )
-        if cfg.eviction_policy not in ("lru", "prefix_aware"):
-            raise ValueError(f"eviction_policy must be 'lru' or 'prefix_aware'; got {cfg.eviction_policy!r}")
         self._crc32c, self._crc32c_many = _crc32c_fn()
 
     async def _open_engines(self, factory) -> None:

@@ -221,7 +221,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath):
             self._gds_gate = gds.GdsGate(
                 queue_depth=int(self.config.ssd_queue_depth),
                 probe_dir=self.path,
-                staging=bool(getattr(self.config, "gds_staging", False)),
+                staging=self.config.gds_staging,
             )
         return await self._gds_gate.route()
 
