@@ -224,6 +224,21 @@ def _write_json_atomic(path: str, obj) -> None:
         os.close(dfd)
 
 
+_MANIFEST_CRC = "crc32c"  # of the other fields' canonical JSON: a flipped byte is damage, not another namespace
+
+
+def _manifest_crc(m: dict) -> str:
+    from ._uring import crc32c
+
+    body = json.dumps({k: v for k, v in m.items() if k != _MANIFEST_CRC}, sort_keys=True, separators=(",", ":"))
+    return f"{crc32c(body.encode()):08x}"
+
+
+def _write_manifest(path: str, m: dict) -> None:
+    m[_MANIFEST_CRC] = _manifest_crc(m)
+    _write_json_atomic(path, m)
+
+
 _MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few hundred bytes: anything this large is damage
 _SEGMENT_BYTES_MAX = 1 << 40
 _CAPACITY_BYTES_MAX = 1 << 60
@@ -260,6 +275,9 @@ def _check_manifest(p: str, m) -> dict:
     cap = m.get("ssd_capacity_bytes")
     if cap is not None:
         _manifest_int(p, "ssd_capacity_bytes", cap, layout["segment_bytes"], _CAPACITY_BYTES_MAX)
+    # last, so a field out of range is named; manifests written before the checksum have none
+    if _MANIFEST_CRC in m and m[_MANIFEST_CRC] != _manifest_crc(m):
+        raise ManifestDamagedError(f"{p}: its checksum does not match its content; the manifest is damaged")
     return m
 
 
@@ -660,13 +678,13 @@ class PageStore:
                 shrink = True  # the files' extent is a guess: fit it to the capacity asked for, never refuse
             else:
                 self._manifest_created = True
-            _write_json_atomic(mpath, m)
+            _write_manifest(mpath, m)
         else:
             stored = m.get("namespace") or {}
             _check_namespace(self.path, stored, namespace)
             if not stored and namespace and not self.readonly:
                 m["namespace"] = namespace  # first declaration on a store created without one
-                _write_json_atomic(mpath, m)
+                _write_manifest(mpath, m)
         self.manifest = m
         self.segment_bytes = int(m["layout"]["segment_bytes"])
         if self.segment_bytes != cfg.ssd_segment_size_bytes and not self.readonly:
@@ -745,7 +763,7 @@ class PageStore:
             if recorded_capacity_bytes(m) is not None:
                 log.info("%s: capacity %d -> %d bytes", self.path, recorded, requested)
             m["ssd_capacity_bytes"] = requested
-            _write_json_atomic(os.path.join(self.path, MANIFEST_FILE), m)
+            _write_manifest(os.path.join(self.path, MANIFEST_FILE), m)
         return requested
 
     def _open_index(self) -> None:
@@ -892,7 +910,7 @@ class PageStore:
             self._index.sync()
             self._files.unlink_beyond(n_segments)
             self.manifest["ssd_capacity_bytes"] = self.capacity_bytes
-            _write_json_atomic(os.path.join(self.path, MANIFEST_FILE), self.manifest)
+            _write_manifest(os.path.join(self.path, MANIFEST_FILE), self.manifest)
             log.warning(
                 "%s: shrunk to ssd_capacity_bytes=%d (%d segments)", self.path, self.capacity_bytes, n_segments
             )
