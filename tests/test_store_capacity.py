@@ -119,10 +119,11 @@ async def test_pinned_slot_is_not_reused_while_a_read_is_in_flight(store_dir):
     slot = (int(st._rows_seg[row]), int(st._rows_off[row]))
     real = st._read_engine.read_many
     started = asyncio.Event()
+    release = asyncio.Event()  # the read stays in flight until the store has been filled
 
     async def slow_read(*a):
         started.set()
-        await asyncio.sleep(0.3)
+        await release.wait()
         return await real(*a)
 
     st._read_engine.read_many = slow_read
@@ -136,6 +137,7 @@ async def test_pinned_slot_is_not_reused_while_a_read_is_in_flight(store_dir):
         await st.put_many([f"f{i}"], [payload(f"f{i}", 64 * KiB)])
         slots = {(int(st._rows_seg[r]), int(st._rows_off[r])) for r in st._keys.values()}
         assert slot not in slots
+    release.set()
     assert await reader == [True]
     assert bytes(out) == bytes(payload("victim", 64 * KiB))
     assert slot in st._alloc._class_free.get(64 * KiB, {}).get(slot[0], []) or st.stats()["pinned_slots"] == 0
