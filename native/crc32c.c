@@ -1,14 +1,25 @@
 /* CRC32C (Castagnoli, reflected polynomial 0x82F63B78), as iSCSI/ext4/RocksDB use it.
  *
- * Hardware path: the SSE4.2 crc32 instruction has 3-cycle latency and 1-cycle throughput, so
- * one dependent chain runs at a third of the possible speed. Large buffers are cut into three
- * interleaved streams whose CRCs are merged with "append N zero bytes" operators (Mark Adler's
- * construction), which roughly triples throughput.
- * Table path: slicing-by-8 for CPUs without SSE4.2 (and for testing the fallback).
+ * Four implementations, chosen once at first use (runtime dispatch, per-function target attributes, so the
+ * shared object loads and runs on any x86_64 and still builds elsewhere):
+ *   vpclmul  AVX-512 VPCLMULQDQ: four 512-bit accumulators (256 bytes per step) folded with carry-less
+ *            multiplies, then reduced 4x512 -> 512 -> 4x128 -> 128 -> crc32 instruction.
+ *   pclmul   PCLMULQDQ: four 128-bit accumulators (64 bytes per step), same folding.
+ *   sse42    the crc32 instruction has 3-cycle latency and 1-cycle throughput, so one dependent chain runs
+ *            at a third of the possible speed. Large buffers are cut into three interleaved streams whose
+ *            CRCs are merged with "append N zero bytes" operators (Mark Adler's construction).
+ *   table    slicing-by-8 for CPUs without SSE4.2 and non-x86 builds (and the reference for the others).
+ * The folding method is the one of Intel's white paper "Fast CRC Computation for Generic Polynomials Using
+ * PCLMULQDQ"; native/gen_crc32c_consts.py derives the constants for this bit order and generates
+ * crc32c_consts.h. The environment variable UMBP_CRC32C_IMPL=table|sse42|pclmul|vpclmul caps the choice (a
+ * name above what the CPU supports gives the best supported one).
  */
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "crc32c.h"
+#include "crc32c_consts.h"
 #include "uring.h"
 
 #define POLY 0x82F63B78U
@@ -20,6 +31,9 @@ static uint32_t zeros_long[4][256];
 static uint32_t zeros_short[4][256];
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 static int hw_available;
+static int supported[UMBP_CRC32C_NIMPL];
+static int active_impl;
+static const char *const impl_names[UMBP_CRC32C_NIMPL] = {"table", "sse42", "pclmul", "vpclmul"};
 
 static uint32_t gf2_matrix_times(const uint32_t *mat, uint32_t vec) {
     uint32_t sum = 0;
@@ -87,10 +101,33 @@ static void init_tables(void) {
     }
     zeros_table(zeros_long, LONG_BLOCK);
     zeros_table(zeros_short, SHORT_BLOCK);
-#if defined(__x86_64__) || defined(__i386__)
+#if UMBP_CRC32C_X86
     __builtin_cpu_init();
     hw_available = __builtin_cpu_supports("sse4.2");
 #endif
+    supported[UMBP_CRC32C_TABLE] = 1;
+#if UMBP_CRC32C_X86
+    supported[UMBP_CRC32C_SSE42] = hw_available;
+    /* the folding paths finish with the crc32 instruction and pextrq (SSE4.1) */
+    supported[UMBP_CRC32C_PCLMUL] = hw_available && __builtin_cpu_supports("pclmul");
+#if UMBP_HAVE_VPCLMUL
+    /* libgcc's avx512f check includes the OS saving the zmm state (XCR0) */
+    supported[UMBP_CRC32C_VPCLMUL] = supported[UMBP_CRC32C_PCLMUL] && __builtin_cpu_supports("avx512f") &&
+                                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq");
+#endif
+#endif
+    int best = UMBP_CRC32C_TABLE;
+    for (int i = 0; i < UMBP_CRC32C_NIMPL; i++)
+        if (supported[i]) best = i;
+    const char *cap = getenv("UMBP_CRC32C_IMPL");
+    if (cap && *cap) {
+        int want = umbp_crc32c_impl_index(cap);
+        if (want >= 0 && want < best) {
+            best = want;
+            while (!supported[best]) best--; /* table is always there */
+        }
+    }
+    active_impl = best;
 }
 
 static uint32_t crc32c_table(uint32_t crc, const unsigned char *p, size_t len) {
@@ -113,8 +150,8 @@ static uint32_t crc32c_table(uint32_t crc, const unsigned char *p, size_t len) {
     return ~crc;
 }
 
-#if defined(__x86_64__)
-#include <nmmintrin.h>
+#if UMBP_CRC32C_X86
+#include <immintrin.h>
 
 __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(uint32_t crc, const unsigned char *p,
                                                                 size_t len) {
@@ -159,7 +196,157 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(uint32_t crc, con
     while (len--) c0 = _mm_crc32_u8((uint32_t)c0, *p++);
     return ~(uint32_t)c0;
 }
+
+/* ------------------------------------------------------------------ carry-less folding */
+
+#define XLOAD(p) _mm_loadu_si128((const __m128i *)(p))
+#define KPAIR(d) _mm_set_epi64x((long long)UMBP_K##d##_HI, (long long)UMBP_K##d##_LO)
+
+/* X moved d bits forward (k = KPAIR(d)): low qword times x^(d+31), high qword times x^(d-33), mod P. */
+__attribute__((target("sse4.2,pclmul"))) static inline __m128i fold128(__m128i x, __m128i k) {
+    return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
+}
+
+/* The crc32 instruction over the register's 16 bytes from state 0 is X * x^32 mod P: the CRC state. */
+__attribute__((target("sse4.2,pclmul"))) static inline uint64_t reduce128(__m128i x) {
+    return _mm_crc32_u64(_mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x)), (uint64_t)_mm_extract_epi64(x, 1));
+}
+
+__attribute__((target("sse4.2"))) static inline uint64_t crc_tail(uint64_t c, const unsigned char *p, size_t len) {
+    while (len >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        c = _mm_crc32_u64(c, w);
+        p += 8;
+        len -= 8;
+    }
+    while (len--) c = _mm_crc32_u8((uint32_t)c, *p++);
+    return c;
+}
+
+/* 128-bit register y (already holding everything before p) folded over the remaining 16-byte blocks, reduced,
+ * and the last 0..15 bytes through the crc32 instruction. */
+__attribute__((target("sse4.2,pclmul"))) static inline uint32_t finish128(__m128i y, const unsigned char *p,
+                                                                          size_t len) {
+    const __m128i k128 = KPAIR(128);
+    while (len >= 16) {
+        y = _mm_xor_si128(fold128(y, k128), XLOAD(p));
+        p += 16;
+        len -= 16;
+    }
+    return ~(uint32_t)crc_tail(reduce128(y), p, len);
+}
+
+__attribute__((target("sse4.2,pclmul"))) static uint32_t crc32c_pclmul(uint32_t crc, const unsigned char *p,
+                                                                         size_t len) {
+    uint64_t c = ~crc & 0xffffffffU;
+    if (len < 64) return ~(uint32_t)crc_tail(c, p, len);
+    __m128i x0 = _mm_xor_si128(XLOAD(p), _mm_cvtsi32_si128((int)(uint32_t)c));
+    __m128i x1 = XLOAD(p + 16), x2 = XLOAD(p + 32), x3 = XLOAD(p + 48);
+    p += 64;
+    len -= 64;
+    const __m128i k512 = KPAIR(512);
+    while (len >= 64) {
+        x0 = _mm_xor_si128(fold128(x0, k512), XLOAD(p));
+        x1 = _mm_xor_si128(fold128(x1, k512), XLOAD(p + 16));
+        x2 = _mm_xor_si128(fold128(x2, k512), XLOAD(p + 32));
+        x3 = _mm_xor_si128(fold128(x3, k512), XLOAD(p + 48));
+        p += 64;
+        len -= 64;
+    }
+    __m128i y = _mm_xor_si128(_mm_xor_si128(fold128(x0, KPAIR(384)), fold128(x1, KPAIR(256))),
+                              _mm_xor_si128(fold128(x2, KPAIR(128)), x3));
+    return finish128(y, p, len);
+}
+
+#if UMBP_HAVE_VPCLMUL
+#define VPCLMUL_TARGET "avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"
+#define ZLOAD(p) _mm512_loadu_si512((const void *)(p))
+#define ZKPAIR(d) _mm512_broadcast_i32x4(KPAIR(d))
+#define XOR3(a, b, c) _mm512_ternarylogic_epi64((a), (b), (c), 0x96)
+
+/* Four 128-bit lanes at once, each moved d bits forward, XORed with data. */
+__attribute__((target(VPCLMUL_TARGET))) static inline __m512i fold512_xor(__m512i x, __m512i k, __m512i data) {
+    return XOR3(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11), data);
+}
+
+__attribute__((target(VPCLMUL_TARGET))) static uint32_t crc32c_vpclmul(uint32_t crc, const unsigned char *p,
+                                                                         size_t len) {
+    if (len < 256) return crc32c_pclmul(crc, p, len);
+    uint64_t c = ~crc & 0xffffffffU;
+    __m512i z0 = _mm512_xor_si512(ZLOAD(p), _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, (long long)c));
+    __m512i z1 = ZLOAD(p + 64), z2 = ZLOAD(p + 128), z3 = ZLOAD(p + 192);
+    p += 256;
+    len -= 256;
+    const __m512i k2048 = ZKPAIR(2048);
+    while (len >= 256) {
+        z0 = fold512_xor(z0, k2048, ZLOAD(p));
+        z1 = fold512_xor(z1, k2048, ZLOAD(p + 64));
+        z2 = fold512_xor(z2, k2048, ZLOAD(p + 128));
+        z3 = fold512_xor(z3, k2048, ZLOAD(p + 192));
+        p += 256;
+        len -= 256;
+    }
+    const __m512i k512 = ZKPAIR(512);
+    __m512i z = XOR3(fold512_xor(z0, ZKPAIR(1536), _mm512_setzero_si512()),
+                     fold512_xor(z1, ZKPAIR(1024), _mm512_setzero_si512()), fold512_xor(z2, k512, z3));
+    while (len >= 64) {
+        z = fold512_xor(z, k512, ZLOAD(p));
+        p += 64;
+        len -= 64;
+    }
+    __m128i y = _mm_xor_si128(
+        _mm_xor_si128(fold128(_mm512_castsi512_si128(z), KPAIR(384)), fold128(_mm512_extracti32x4_epi32(z, 1), KPAIR(256))),
+        _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(z, 2), KPAIR(128)), _mm512_extracti32x4_epi32(z, 3)));
+    return finish128(y, p, len);
+}
 #endif
+#endif /* UMBP_CRC32C_X86 */
+
+/* ------------------------------------------------------------------ dispatch */
+
+int umbp_crc32c_impl_index(const char *name) {
+    for (int i = 0; i < UMBP_CRC32C_NIMPL; i++)
+        if (strcmp(name, impl_names[i]) == 0) return i;
+    return -1;
+}
+
+const char *umbp_crc32c_impl_name(int impl) {
+    return impl >= 0 && impl < UMBP_CRC32C_NIMPL ? impl_names[impl] : NULL;
+}
+
+int umbp_crc32c_impl_supported(int impl) {
+    pthread_once(&tables_once, init_tables);
+    return impl >= 0 && impl < UMBP_CRC32C_NIMPL && supported[impl];
+}
+
+int umbp_crc32c_impl(void) {
+    pthread_once(&tables_once, init_tables);
+    return active_impl;
+}
+
+uint32_t umbp_crc32c_with(int impl, uint32_t crc, const void *buf, size_t len) {
+    pthread_once(&tables_once, init_tables);
+    const unsigned char *p = buf;
+    switch (impl) {
+#if UMBP_CRC32C_X86
+#if UMBP_HAVE_VPCLMUL
+    case UMBP_CRC32C_VPCLMUL:
+        if (supported[impl]) return crc32c_vpclmul(crc, p, len);
+        break;
+#endif
+    case UMBP_CRC32C_PCLMUL:
+        if (supported[impl]) return crc32c_pclmul(crc, p, len);
+        break;
+    case UMBP_CRC32C_SSE42:
+        if (supported[impl]) return crc32c_sse42(crc, p, len);
+        break;
+#endif
+    default:
+        break;
+    }
+    return crc32c_table(crc, p, len);
+}
 
 int umbp_crc32c_hw_available(void) {
     pthread_once(&tables_once, init_tables);
@@ -168,8 +355,5 @@ int umbp_crc32c_hw_available(void) {
 
 uint32_t umbp_crc32c(uint32_t crc, const void *buf, size_t len, int force_table) {
     pthread_once(&tables_once, init_tables);
-#if defined(__x86_64__)
-    if (hw_available && !force_table) return crc32c_sse42(crc, (const unsigned char *)buf, len);
-#endif
-    return crc32c_table(crc, (const unsigned char *)buf, len);
+    return umbp_crc32c_with(force_table ? UMBP_CRC32C_TABLE : active_impl, crc, buf, len);
 }
