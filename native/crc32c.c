@@ -4,6 +4,8 @@
  * shared object loads and runs on any x86_64 and still builds elsewhere):
  *   vpclmul  AVX-512 VPCLMULQDQ: four 512-bit accumulators (256 bytes per step) folded with carry-less
  *            multiplies, then reduced 4x512 -> 512 -> 4x128 -> 128 -> crc32 instruction.
+ *   vpclmul256  AVX2 + VPCLMULQDQ on ymm (CPUs with VPCLMULQDQ but no AVX-512): four 256-bit accumulators
+ *            (128 bytes per step), same folding.
  *   pclmul   PCLMULQDQ: four 128-bit accumulators (64 bytes per step), same folding.
  *   sse42    the crc32 instruction has 3-cycle latency and 1-cycle throughput, so one dependent chain runs
  *            at a third of the possible speed. Large buffers are cut into three interleaved streams whose
@@ -11,7 +13,7 @@
  *   table    slicing-by-8 for CPUs without SSE4.2 and non-x86 builds (and the reference for the others).
  * The folding method is the one of Intel's white paper "Fast CRC Computation for Generic Polynomials Using
  * PCLMULQDQ"; native/gen_crc32c_consts.py derives the constants for this bit order and generates
- * crc32c_consts.h. The environment variable UMBP_CRC32C_IMPL=table|sse42|pclmul|vpclmul caps the choice (a
+ * crc32c_consts.h. The environment variable UMBP_CRC32C_IMPL=table|sse42|pclmul|vpclmul256|vpclmul caps the choice (a
  * name above what the CPU supports gives the best supported one).
  */
 #include <pthread.h>
@@ -33,7 +35,8 @@ static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 static int hw_available;
 static int supported[UMBP_CRC32C_NIMPL];
 static int active_impl;
-static const char *const impl_names[UMBP_CRC32C_NIMPL] = {"table", "sse42", "pclmul", "vpclmul"};
+static const char *const impl_names[UMBP_CRC32C_NIMPL] = {"table", "sse42", "pclmul", "vpclmul256",
+                                                                   "vpclmul"};
 
 static uint32_t gf2_matrix_times(const uint32_t *mat, uint32_t vec) {
     uint32_t sum = 0;
@@ -112,6 +115,8 @@ static void init_tables(void) {
     supported[UMBP_CRC32C_PCLMUL] = hw_available && __builtin_cpu_supports("pclmul");
 #if UMBP_HAVE_VPCLMUL
     /* libgcc's avx512f check includes the OS saving the zmm state (XCR0) */
+    supported[UMBP_CRC32C_VPCLMUL256] = supported[UMBP_CRC32C_PCLMUL] && __builtin_cpu_supports("avx2") &&
+                                        __builtin_cpu_supports("vpclmulqdq");
     supported[UMBP_CRC32C_VPCLMUL] = supported[UMBP_CRC32C_PCLMUL] && __builtin_cpu_supports("avx512f") &&
                                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq");
 #endif
@@ -260,6 +265,45 @@ __attribute__((target("sse4.2,pclmul"))) static uint32_t crc32c_pclmul(uint32_t 
 }
 
 #if UMBP_HAVE_VPCLMUL
+#define VPCLMUL256_TARGET "avx2,vpclmulqdq,pclmul,sse4.2"
+#define YLOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define YKPAIR(d) _mm256_broadcastsi128_si256(KPAIR(d))
+
+/* Two 128-bit lanes at once, each moved d bits forward, XORed with data. */
+__attribute__((target(VPCLMUL256_TARGET))) static inline __m256i fold256_xor(__m256i x, __m256i k, __m256i data) {
+    return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00), _mm256_clmulepi64_epi128(x, k, 0x11)),
+                            data);
+}
+
+__attribute__((target(VPCLMUL256_TARGET))) static uint32_t crc32c_vpclmul256(uint32_t crc, const unsigned char *p,
+                                                                               size_t len) {
+    if (len < 128) return crc32c_pclmul(crc, p, len);
+    uint64_t c = ~crc & 0xffffffffU;
+    __m256i y0 = _mm256_xor_si256(YLOAD(p), _mm256_set_epi64x(0, 0, 0, (long long)c));
+    __m256i y1 = YLOAD(p + 32), y2 = YLOAD(p + 64), y3 = YLOAD(p + 96);
+    p += 128;
+    len -= 128;
+    const __m256i k1024 = YKPAIR(1024);
+    while (len >= 128) {
+        y0 = fold256_xor(y0, k1024, YLOAD(p));
+        y1 = fold256_xor(y1, k1024, YLOAD(p + 32));
+        y2 = fold256_xor(y2, k1024, YLOAD(p + 64));
+        y3 = fold256_xor(y3, k1024, YLOAD(p + 96));
+        p += 128;
+        len -= 128;
+    }
+    const __m256i k256 = YKPAIR(256), zero = _mm256_setzero_si256();
+    __m256i y = _mm256_xor_si256(_mm256_xor_si256(fold256_xor(y0, YKPAIR(768), zero), fold256_xor(y1, YKPAIR(512), zero)),
+                                 fold256_xor(y2, k256, y3));
+    while (len >= 32) {
+        y = fold256_xor(y, k256, YLOAD(p));
+        p += 32;
+        len -= 32;
+    }
+    __m128i x = _mm_xor_si128(fold128(_mm256_castsi256_si128(y), KPAIR(128)), _mm256_extracti128_si256(y, 1));
+    return finish128(x, p, len);
+}
+
 #define VPCLMUL_TARGET "avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"
 #define ZLOAD(p) _mm512_loadu_si512((const void *)(p))
 #define ZKPAIR(d) _mm512_broadcast_i32x4(KPAIR(d))
@@ -333,6 +377,9 @@ uint32_t umbp_crc32c_with(int impl, uint32_t crc, const void *buf, size_t len) {
 #if UMBP_HAVE_VPCLMUL
     case UMBP_CRC32C_VPCLMUL:
         if (supported[impl]) return crc32c_vpclmul(crc, p, len);
+        break;
+    case UMBP_CRC32C_VPCLMUL256:
+        if (supported[impl]) return crc32c_vpclmul256(crc, p, len);
         break;
 #endif
     case UMBP_CRC32C_PCLMUL:

@@ -6,7 +6,14 @@
 #include <stdint.h>
 
 /* In dispatch order, lowest first: the best one the CPU supports wins, UMBP_CRC32C_IMPL caps it. */
-enum { UMBP_CRC32C_TABLE, UMBP_CRC32C_SSE42, UMBP_CRC32C_PCLMUL, UMBP_CRC32C_VPCLMUL, UMBP_CRC32C_NIMPL };
+enum {
+    UMBP_CRC32C_TABLE,
+    UMBP_CRC32C_SSE42,
+    UMBP_CRC32C_PCLMUL,
+    UMBP_CRC32C_VPCLMUL256, /* AVX2 + VPCLMULQDQ on ymm: Zen 3, Alder Lake and later clients (no AVX-512) */
+    UMBP_CRC32C_VPCLMUL,    /* AVX-512 VPCLMULQDQ on zmm */
+    UMBP_CRC32C_NIMPL
+};
 
 /* The x86_64 paths; -DUMBP_CRC32C_PORTABLE builds the table alone (how the non-x86 build is checked here). */
 #if defined(__x86_64__) && !defined(UMBP_CRC32C_PORTABLE)

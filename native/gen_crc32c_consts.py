@@ -21,14 +21,15 @@ for this bit order):
 * Final reduction needs no Barrett constants: the SSE4.2 crc32 instruction on the two qwords of the last
   register (starting from state 0) computes X*x^32 mod P, which is exactly the CRC state after those bits.
 
-Distances used: 128, 256, 384 (4x128 -> 1x128), 512 (4x128 loop; 4x512 -> 1x512 and 1x512 loop),
-1024, 1536 (4x512 -> 1x512) and 2048 (4x512 loop).
+Distances used: 128, 256, 384 (4x128 -> 1x128; 2x128 -> 128; 1x128 loop), 512 (4x128 loop; 4x256 -> 1x256;
+4x512 -> 1x512 and 1x512 loop), 768 (4x256 -> 1x256), 1024 (4x256 loop; 4x512 -> 1x512), 1536 (4x512 -> 1x512)
+and 2048 (4x512 loop).
 
 Run: python3 native/gen_crc32c_consts.py > native/crc32c_consts.h  (tests/test_crc32c.py checks it matches).
 """
 
 POLY = 0x82F63B78
-DISTANCES = (128, 256, 384, 512, 1024, 1536, 2048)
+DISTANCES = (128, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 def xpow_mod(n: int) -> int:

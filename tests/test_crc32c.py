@@ -15,8 +15,13 @@ import pytest
 _uring = pytest.importorskip("umbp_nvme._uring", reason="extension not built: python setup.py build_ext --inplace")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMPLS = ("table", "sse42", "pclmul", "vpclmul")  # dispatch order, lowest first
-CPU_FLAG = {"sse42": "sse4_2", "pclmul": "pclmulqdq", "vpclmul": "avx512f+avx512vl+vpclmulqdq"}
+IMPLS = ("table", "sse42", "pclmul", "vpclmul256", "vpclmul")  # dispatch order, lowest first
+CPU_FLAG = {
+    "sse42": "sse4_2",
+    "pclmul": "pclmulqdq",
+    "vpclmul256": "avx2+vpclmulqdq",
+    "vpclmul": "avx512f+avx512vl+vpclmulqdq",
+}
 
 
 def _need(impl: str) -> None:

@@ -3,8 +3,8 @@
     python tools/bench_crc32c.py [--sizes 4K,64K,1M,4M] [--runs 5] [--cold-mib N] [--json [PATH]]
 
 Implementations (dispatch order, best last): table (slicing-by-8), sse42 (the crc32 instruction, three
-interleaved streams), pclmul (PCLMULQDQ folding, 4 x 128 bits), vpclmul (AVX-512 VPCLMULQDQ folding,
-4 x 512 bits). Each runs in its own subprocess with UMBP_CRC32C_IMPL=<impl>, driving the extension's
+interleaved streams), pclmul (PCLMULQDQ folding, 4 x 128 bits), vpclmul256 (AVX2 + VPCLMULQDQ folding,
+4 x 256 bits), vpclmul (AVX-512 VPCLMULQDQ folding, 4 x 512 bits). Each runs in its own subprocess with UMBP_CRC32C_IMPL=<impl>, driving the extension's
 ``crc32c_many`` (one call, GIL released) so that even 4 KiB buffers are timed without Python call overhead.
 
 Modes:
@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-IMPLS = ("table", "sse42", "pclmul", "vpclmul")
+IMPLS = ("table", "sse42", "pclmul", "vpclmul256", "vpclmul")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
