@@ -242,8 +242,8 @@ __attribute__((target("sse4.2,pclmul"))) static inline uint32_t finish128(__m128
     return ~(uint32_t)crc_tail(reduce128(y), p, len);
 }
 
-__attribute__((target("sse4.2,pclmul"))) static uint32_t crc32c_pclmul(uint32_t crc, const unsigned char *p,
-                                                                         size_t len) {
+__attribute__((target("sse4.2,pclmul"))) static uint32_t crc32c_pclmul_fold(uint32_t crc, const unsigned char *p,
+                                                                              size_t len) {
     uint64_t c = ~crc & 0xffffffffU;
     if (len < 64) return ~(uint32_t)crc_tail(c, p, len);
     __m128i x0 = _mm_xor_si128(XLOAD(p), _mm_cvtsi32_si128((int)(uint32_t)c));
@@ -264,6 +264,70 @@ __attribute__((target("sse4.2,pclmul"))) static uint32_t crc32c_pclmul(uint32_t 
     return finish128(y, p, len);
 }
 
+/* ------------------------------------------------------------------ hybrid: folding + crc32 streams side by side
+ * PCLMULQDQ and the crc32 instruction issue on different ports (port 5 and port 1 on Intel), so one loop can
+ * fold F bytes with carry-less multiplies while three crc32 chains run over three following stretches of S bytes
+ * each. Every block is computed from state 0; the pieces and the incoming state are merged with shifts
+ * (one PCLMULQDQ + one crc32 each, constants UMBP_SHIFT_<n>), so consecutive blocks do not wait on each other. */
+
+static inline uint64_t load64(const unsigned char *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
+/* c * x^(8n) mod P, k = UMBP_SHIFT_<n>. */
+__attribute__((target("sse4.2,pclmul"))) static inline uint64_t shift_state(uint64_t c, uint64_t k) {
+    __m128i prod = _mm_clmulepi64_si128(_mm_cvtsi64_si128((long long)c), _mm_cvtsi64_si128((long long)k), 0x00);
+    return _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(prod));
+}
+
+#define STREAMS16(q, S, i)                                                                                            \
+    do {                                                                                                              \
+        s0 = _mm_crc32_u64(_mm_crc32_u64(s0, load64((q) + 16 * (i))), load64((q) + 16 * (i) + 8));                    \
+        s1 = _mm_crc32_u64(_mm_crc32_u64(s1, load64((q) + (S) + 16 * (i))), load64((q) + (S) + 16 * (i) + 8));        \
+        s2 = _mm_crc32_u64(_mm_crc32_u64(s2, load64((q) + 2 * (S) + 16 * (i))), load64((q) + 2 * (S) + 16 * (i) + 8)); \
+    } while (0)
+
+/* One block of 112k bytes from state 0: 64k folded (4 x 128 bits), then 3 streams of 16k. */
+__attribute__((target("sse4.2,pclmul"))) static inline uint64_t pclmul_block(const unsigned char *p, size_t k,
+                                                                             uint64_t sh1, uint64_t sh2, uint64_t sh3) {
+    const size_t S = 16 * k;
+    const unsigned char *q = p + 64 * k;
+    __m128i x0 = XLOAD(p), x1 = XLOAD(p + 16), x2 = XLOAD(p + 32), x3 = XLOAD(p + 48);
+    uint64_t s0 = 0, s1 = 0, s2 = 0;
+    const __m128i k512 = KPAIR(512);
+    STREAMS16(q, S, 0);
+    for (size_t i = 1; i < k; i++) {
+        const unsigned char *f = p + 64 * i;
+        x0 = _mm_xor_si128(fold128(x0, k512), XLOAD(f));
+        x1 = _mm_xor_si128(fold128(x1, k512), XLOAD(f + 16));
+        x2 = _mm_xor_si128(fold128(x2, k512), XLOAD(f + 32));
+        x3 = _mm_xor_si128(fold128(x3, k512), XLOAD(f + 48));
+        STREAMS16(q, S, i);
+    }
+    __m128i y = _mm_xor_si128(_mm_xor_si128(fold128(x0, KPAIR(384)), fold128(x1, KPAIR(256))),
+                              _mm_xor_si128(fold128(x2, KPAIR(128)), x3));
+    return shift_state(reduce128(y), sh3) ^ shift_state(s0, sh2) ^ shift_state(s1, sh1) ^ s2;
+}
+
+__attribute__((target("sse4.2,pclmul"))) static uint32_t crc32c_pclmul(uint32_t crc, const unsigned char *p,
+                                                                         size_t len) {
+    uint64_t c = ~crc & 0xffffffffU;
+    if (len < 112 * 16) return crc32c_pclmul_fold(crc, p, len);
+    while (len >= 112 * 64) {
+        c = shift_state(c, UMBP_SHIFT_7168) ^ pclmul_block(p, 64, UMBP_SHIFT_1024, UMBP_SHIFT_2048, UMBP_SHIFT_3072);
+        p += 112 * 64;
+        len -= 112 * 64;
+    }
+    while (len >= 112 * 16) {
+        c = shift_state(c, UMBP_SHIFT_1792) ^ pclmul_block(p, 16, UMBP_SHIFT_256, UMBP_SHIFT_512, UMBP_SHIFT_768);
+        p += 112 * 16;
+        len -= 112 * 16;
+    }
+    return crc32c_pclmul_fold(~(uint32_t)c, p, len);
+}
+
 #if UMBP_HAVE_VPCLMUL
 #define VPCLMUL256_TARGET "avx2,vpclmulqdq,pclmul,sse4.2"
 #define YLOAD(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -277,7 +341,7 @@ __attribute__((target(VPCLMUL256_TARGET))) static inline __m256i fold256_xor(__m
 
 __attribute__((target(VPCLMUL256_TARGET))) static uint32_t crc32c_vpclmul256(uint32_t crc, const unsigned char *p,
                                                                                size_t len) {
-    if (len < 128) return crc32c_pclmul(crc, p, len);
+    if (len < 128) return crc32c_pclmul_fold(crc, p, len);
     uint64_t c = ~crc & 0xffffffffU;
     __m256i y0 = _mm256_xor_si256(YLOAD(p), _mm256_set_epi64x(0, 0, 0, (long long)c));
     __m256i y1 = YLOAD(p + 32), y2 = YLOAD(p + 64), y3 = YLOAD(p + 96);
@@ -316,7 +380,7 @@ __attribute__((target(VPCLMUL_TARGET))) static inline __m512i fold512_xor(__m512
 
 __attribute__((target(VPCLMUL_TARGET))) static uint32_t crc32c_vpclmul(uint32_t crc, const unsigned char *p,
                                                                          size_t len) {
-    if (len < 256) return crc32c_pclmul(crc, p, len);
+    if (len < 256) return crc32c_pclmul_fold(crc, p, len);
     uint64_t c = ~crc & 0xffffffffU;
     __m512i z0 = _mm512_xor_si512(ZLOAD(p), _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, (long long)c));
     __m512i z1 = ZLOAD(p + 64), z2 = ZLOAD(p + 128), z3 = ZLOAD(p + 192);

@@ -20,4 +20,16 @@
 #define UMBP_K2048_LO 0xdcb17aa4ULL
 #define UMBP_K2048_HI 0xb9e02b86ULL
 
+/* UMBP_SHIFT_<n> = x^(8n-33) mod P: multiplies a CRC state by x^(8n) (n zero bytes appended). */
+#define UMBP_SHIFT_256 0xb9e02b86ULL
+#define UMBP_SHIFT_512 0xdd7e3b0cULL
+#define UMBP_SHIFT_768 0xd7a4825cULL
+#define UMBP_SHIFT_1024 0x170076faULL
+#define UMBP_SHIFT_1792 0xaa7c7ad5ULL
+#define UMBP_SHIFT_2048 0xa51b6135ULL
+#define UMBP_SHIFT_2816 0x8515c07fULL
+#define UMBP_SHIFT_3072 0x359674f7ULL
+#define UMBP_SHIFT_7168 0xa9232e2bULL
+#define UMBP_SHIFT_11264 0x2deb01bbULL
+
 #endif
