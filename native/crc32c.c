@@ -339,8 +339,9 @@ __attribute__((target(VPCLMUL256_TARGET))) static inline __m256i fold256_xor(__m
                             data);
 }
 
-__attribute__((target(VPCLMUL256_TARGET))) static uint32_t crc32c_vpclmul256(uint32_t crc, const unsigned char *p,
-                                                                               size_t len) {
+__attribute__((target(VPCLMUL256_TARGET))) static uint32_t crc32c_vpclmul256_fold(uint32_t crc,
+                                                                                    const unsigned char *p,
+                                                                                    size_t len) {
     if (len < 128) return crc32c_pclmul_fold(crc, p, len);
     uint64_t c = ~crc & 0xffffffffU;
     __m256i y0 = _mm256_xor_si256(YLOAD(p), _mm256_set_epi64x(0, 0, 0, (long long)c));
@@ -366,6 +367,49 @@ __attribute__((target(VPCLMUL256_TARGET))) static uint32_t crc32c_vpclmul256(uin
     }
     __m128i x = _mm_xor_si128(fold128(_mm256_castsi256_si128(y), KPAIR(128)), _mm256_extracti128_si256(y, 1));
     return finish128(x, p, len);
+}
+
+/* Hybrid block of 176k bytes from state 0: 128k folded (4 x 256 bits), then 3 crc32 streams of 16k. */
+__attribute__((target(VPCLMUL256_TARGET))) static inline uint64_t vpclmul256_block(const unsigned char *p, size_t k,
+                                                                                   uint64_t sh1, uint64_t sh2,
+                                                                                   uint64_t sh3) {
+    const size_t S = 16 * k;
+    const unsigned char *q = p + 128 * k;
+    __m256i y0 = YLOAD(p), y1 = YLOAD(p + 32), y2 = YLOAD(p + 64), y3 = YLOAD(p + 96);
+    uint64_t s0 = 0, s1 = 0, s2 = 0;
+    const __m256i k1024 = YKPAIR(1024);
+    STREAMS16(q, S, 0);
+    for (size_t i = 1; i < k; i++) {
+        const unsigned char *f = p + 128 * i;
+        y0 = fold256_xor(y0, k1024, YLOAD(f));
+        y1 = fold256_xor(y1, k1024, YLOAD(f + 32));
+        y2 = fold256_xor(y2, k1024, YLOAD(f + 64));
+        y3 = fold256_xor(y3, k1024, YLOAD(f + 96));
+        STREAMS16(q, S, i);
+    }
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i y = _mm256_xor_si256(_mm256_xor_si256(fold256_xor(y0, YKPAIR(768), zero), fold256_xor(y1, YKPAIR(512), zero)),
+                                 fold256_xor(y2, YKPAIR(256), y3));
+    __m128i x = _mm_xor_si128(fold128(_mm256_castsi256_si128(y), KPAIR(128)), _mm256_extracti128_si256(y, 1));
+    return shift_state(reduce128(x), sh3) ^ shift_state(s0, sh2) ^ shift_state(s1, sh1) ^ s2;
+}
+
+__attribute__((target(VPCLMUL256_TARGET))) static uint32_t crc32c_vpclmul256(uint32_t crc, const unsigned char *p,
+                                                                               size_t len) {
+    uint64_t c = ~crc & 0xffffffffU;
+    if (len < 176 * 16) return crc32c_vpclmul256_fold(crc, p, len);
+    while (len >= 176 * 64) {
+        c = shift_state(c, UMBP_SHIFT_11264) ^
+            vpclmul256_block(p, 64, UMBP_SHIFT_1024, UMBP_SHIFT_2048, UMBP_SHIFT_3072);
+        p += 176 * 64;
+        len -= 176 * 64;
+    }
+    while (len >= 176 * 16) {
+        c = shift_state(c, UMBP_SHIFT_2816) ^ vpclmul256_block(p, 16, UMBP_SHIFT_256, UMBP_SHIFT_512, UMBP_SHIFT_768);
+        p += 176 * 16;
+        len -= 176 * 16;
+    }
+    return crc32c_vpclmul256_fold(~(uint32_t)c, p, len);
 }
 
 #define VPCLMUL_TARGET "avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"
