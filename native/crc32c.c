@@ -412,6 +412,9 @@ __attribute__((target(VPCLMUL256_TARGET))) static uint32_t crc32c_vpclmul256(uin
     return crc32c_vpclmul256_fold(~(uint32_t)c, p, len);
 }
 
+/* From DRAM one core is bound by the misses in flight; software prefetch 4 KiB ahead measured +10% there
+ * (13.2 -> 14.7 GB/s, 960 MiB pool), nothing in cache. */
+#define PREFETCH_AHEAD 4096
 #define VPCLMUL_TARGET "avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"
 #define ZLOAD(p) _mm512_loadu_si512((const void *)(p))
 #define ZKPAIR(d) _mm512_broadcast_i32x4(KPAIR(d))
@@ -432,6 +435,12 @@ __attribute__((target(VPCLMUL_TARGET))) static uint32_t crc32c_vpclmul(uint32_t 
     len -= 256;
     const __m512i k2048 = ZKPAIR(2048);
     while (len >= 256) {
+        if (len >= PREFETCH_AHEAD + 256) { /* only inside the buffer: the next object may be elsewhere */
+            _mm_prefetch((const char *)p + PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + PREFETCH_AHEAD + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + PREFETCH_AHEAD + 192, _MM_HINT_T0);
+        }
         z0 = fold512_xor(z0, k2048, ZLOAD(p));
         z1 = fold512_xor(z1, k2048, ZLOAD(p + 64));
         z2 = fold512_xor(z2, k2048, ZLOAD(p + 128));
