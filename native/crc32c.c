@@ -1,20 +1,23 @@
 /* CRC32C (Castagnoli, reflected polynomial 0x82F63B78), as iSCSI/ext4/RocksDB use it.
  *
- * Four implementations, chosen once at first use (runtime dispatch, per-function target attributes, so the
- * shared object loads and runs on any x86_64 and still builds elsewhere):
- *   vpclmul  AVX-512 VPCLMULQDQ: four 512-bit accumulators (256 bytes per step) folded with carry-less
- *            multiplies, then reduced 4x512 -> 512 -> 4x128 -> 128 -> crc32 instruction.
- *   vpclmul256  AVX2 + VPCLMULQDQ on ymm (CPUs with VPCLMULQDQ but no AVX-512): four 256-bit accumulators
- *            (128 bytes per step), same folding.
- *   pclmul   PCLMULQDQ: four 128-bit accumulators (64 bytes per step), same folding.
- *   sse42    the crc32 instruction has 3-cycle latency and 1-cycle throughput, so one dependent chain runs
- *            at a third of the possible speed. Large buffers are cut into three interleaved streams whose
- *            CRCs are merged with "append N zero bytes" operators (Mark Adler's construction).
- *   table    slicing-by-8 for CPUs without SSE4.2 and non-x86 builds (and the reference for the others).
+ * Five implementations, chosen once at first use (runtime dispatch, per-function target attributes, so the
+ * shared object loads and runs on any x86_64 and still builds elsewhere), best first:
+ *   vpclmul     AVX-512 VPCLMULQDQ: four 512-bit accumulators (256 bytes per step) folded with carry-less
+ *               multiplies, reduced 4x512 -> 512 -> 4x128 -> 128 -> crc32 instruction; prefetches 4 KiB ahead.
+ *   vpclmul256  AVX2 + VPCLMULQDQ on ymm (CPUs with VPCLMULQDQ but no AVX-512: Zen 3, Alder Lake): four
+ *               256-bit accumulators, plus three crc32 streams beside them (hybrid, below).
+ *   pclmul      PCLMULQDQ: four 128-bit accumulators, plus three crc32 streams beside them (hybrid).
+ *   sse42       the crc32 instruction has 3-cycle latency and 1-cycle throughput, so one dependent chain runs
+ *               at a third of the possible speed. Large buffers are cut into three interleaved streams whose
+ *               CRCs are merged with "append N zero bytes" operators (Mark Adler's construction).
+ *   table       slicing-by-8 for CPUs without SSE4.2 and non-x86 builds (and the reference for the others).
+ * Hybrid: the carry-less multiplier and the crc32 instruction use different execution ports, so below AVX-512
+ * one loop folds one stretch while three crc32 chains run over the next three; pieces are merged with
+ * clmul-based shifts. (Measured: on zmm the crc32 streams gain nothing, the fold alone is at its limit.)
  * The folding method is the one of Intel's white paper "Fast CRC Computation for Generic Polynomials Using
  * PCLMULQDQ"; native/gen_crc32c_consts.py derives the constants for this bit order and generates
- * crc32c_consts.h. The environment variable UMBP_CRC32C_IMPL=table|sse42|pclmul|vpclmul256|vpclmul caps the choice (a
- * name above what the CPU supports gives the best supported one).
+ * crc32c_consts.h. The environment variable UMBP_CRC32C_IMPL=table|sse42|pclmul|vpclmul256|vpclmul caps the
+ * choice (a name above what the CPU supports gives the best supported one; an unknown name is ignored).
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -35,8 +38,7 @@ static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 static int hw_available;
 static int supported[UMBP_CRC32C_NIMPL];
 static int active_impl;
-static const char *const impl_names[UMBP_CRC32C_NIMPL] = {"table", "sse42", "pclmul", "vpclmul256",
-                                                                   "vpclmul"};
+static const char *const impl_names[UMBP_CRC32C_NIMPL] = {"table", "sse42", "pclmul", "vpclmul256", "vpclmul"};
 
 static uint32_t gf2_matrix_times(const uint32_t *mat, uint32_t vec) {
     uint32_t sum = 0;

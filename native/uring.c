@@ -1381,8 +1381,8 @@ static PyObject *mod_crc32c(PyObject *mod, PyObject *args, PyObject *kwds) {
     if (impl_name && !force_table) {
         impl = umbp_crc32c_impl_index(impl_name);
         if (impl < 0) {
-            PyErr_Format(PyExc_ValueError, "unknown crc32c implementation '%s' (table, sse42, pclmul, vpclmul256, vpclmul)",
-                         impl_name);
+            PyErr_Format(PyExc_ValueError,
+                         "unknown crc32c implementation '%s' (table, sse42, pclmul, vpclmul256, vpclmul)", impl_name);
             return NULL;
         }
         if (!umbp_crc32c_impl_supported(impl)) {
@@ -1547,7 +1547,8 @@ static PyMethodDef module_methods[] = {
     {"crc32c_many", (PyCFunction)mod_crc32c_many, METH_VARARGS,
      "crc32c_many(addrs uint64[], lengths int64[], out uint32[]) -> n; one CRC per range, GIL released"},
     {"crc32c_impl", (PyCFunction)mod_crc32c_impl, METH_NOARGS,
-     "crc32c_impl() -> str: the dispatched implementation (table, sse42, pclmul, vpclmul256, vpclmul); UMBP_CRC32C_IMPL caps it"},
+     "crc32c_impl() -> str: the dispatched implementation (table, sse42, pclmul, vpclmul256, vpclmul); "
+     "UMBP_CRC32C_IMPL caps it"},
     {"crc32c_impls", (PyCFunction)mod_crc32c_impls, METH_NOARGS,
      "crc32c_impls() -> tuple of the implementations this CPU supports, in dispatch order"},
     {"probe", (PyCFunction)mod_probe, METH_NOARGS, "probe() -> dict: ring works, kernel features, ops, sse42, crc32c"},
