@@ -150,6 +150,41 @@ def test_large_sizes_with_odd_tails(impl, blob):
     assert _uring.crc32c(blob, impl=impl) == _uring.crc32c((base, blob.nbytes), impl="table")
 
 
+@pytest.mark.parametrize("api", ["crc32c", "crc32c_many"])
+def test_gil_released_during_a_long_checksum(api):
+    # 64 MiB through the table path takes tens of ms; a thread holding the GIL that long would stall this one
+    import threading
+    import time
+
+    data = np.zeros(64 << 20, dtype=np.uint8)
+    done = threading.Event()
+    span = {}
+
+    def work():
+        span["t0"] = time.perf_counter()
+        if api == "crc32c":
+            _uring.crc32c(data, impl="table")
+        else:
+            n = 32  # the dispatched implementation: 2 GiB, tens of ms even at memory speed
+            addrs = np.full(n, data.ctypes.data, dtype=np.uint64)
+            _uring.crc32c_many(addrs, np.full(n, data.nbytes, dtype=np.int64), np.zeros(n, dtype=np.uint32))
+        span["t1"] = time.perf_counter()
+        done.set()
+
+    t = threading.Thread(target=work)
+    last, gaps = time.perf_counter(), []
+    t.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    t.join()
+    took = span["t1"] - span["t0"]
+    if took < 0.01:
+        pytest.skip(f"checksum took {took * 1e3:.1f} ms: too fast to tell")
+    assert max(gaps) < 0.6 * took, (max(gaps), took)
+
+
 _CAPPED = textwrap.dedent(
     """
     import json, numpy as np

@@ -192,7 +192,8 @@ def main(argv=None) -> int:
             for impl in wanted:
                 if impl not in supported:
                     continue
-                r = next((r for r in rows if r["impl"] == impl and r["mode"] == mode and r["object_bytes"] == size), None)
+                key = (impl, mode, size)
+                r = next((r for r in rows if (r["impl"], r["mode"], r["object_bytes"]) == key), None)
                 if r is None:
                     cells.append("-")
                 elif r["vs_sse42"]:
