@@ -291,9 +291,18 @@ __attribute__((target("sse4.2,pclmul"))) static inline uint64_t shift_state(uint
         s2 = _mm_crc32_u64(_mm_crc32_u64(s2, load64((q) + 2 * (S) + 16 * (i))), load64((q) + 2 * (S) + 16 * (i) + 8)); \
     } while (0)
 
+/* The hybrid reads four places at once, which the hardware prefetchers follow worse than one sequential stream
+ * (from DRAM: 10 GB/s against the plain fold's 14); so each block prefetches the next one, a few lines a step,
+ * when the next one is inside the buffer. */
+#define PREFETCH_LINES(a, n)                                                                                          \
+    do {                                                                                                              \
+        for (int l_ = 0; l_ < (n); l_++) _mm_prefetch((const char *)(a) + 64 * l_, _MM_HINT_T0);                      \
+    } while (0)
+
 /* One block of 112k bytes from state 0: 64k folded (4 x 128 bits), then 3 streams of 16k. */
 __attribute__((target("sse4.2,pclmul"))) static inline uint64_t pclmul_block(const unsigned char *p, size_t k,
-                                                                             uint64_t sh1, uint64_t sh2, uint64_t sh3) {
+                                                                             uint64_t sh1, uint64_t sh2, uint64_t sh3,
+                                                                             int pf) {
     const size_t S = 16 * k;
     const unsigned char *q = p + 64 * k;
     __m128i x0 = XLOAD(p), x1 = XLOAD(p + 16), x2 = XLOAD(p + 32), x3 = XLOAD(p + 48);
@@ -307,6 +316,7 @@ __attribute__((target("sse4.2,pclmul"))) static inline uint64_t pclmul_block(con
         x2 = _mm_xor_si128(fold128(x2, k512), XLOAD(f + 32));
         x3 = _mm_xor_si128(fold128(x3, k512), XLOAD(f + 48));
         STREAMS16(q, S, i);
+        if (pf) PREFETCH_LINES(p + 112 * k + 128 * (i - 1), 2);
     }
     __m128i y = _mm_xor_si128(_mm_xor_si128(fold128(x0, KPAIR(384)), fold128(x1, KPAIR(256))),
                               _mm_xor_si128(fold128(x2, KPAIR(128)), x3));
@@ -318,12 +328,14 @@ __attribute__((target("sse4.2,pclmul"))) static uint32_t crc32c_pclmul(uint32_t 
     uint64_t c = ~crc & 0xffffffffU;
     if (len < 112 * 16) return crc32c_pclmul_fold(crc, p, len);
     while (len >= 112 * 64) {
-        c = shift_state(c, UMBP_SHIFT_7168) ^ pclmul_block(p, 64, UMBP_SHIFT_1024, UMBP_SHIFT_2048, UMBP_SHIFT_3072);
+        c = shift_state(c, UMBP_SHIFT_7168) ^
+            pclmul_block(p, 64, UMBP_SHIFT_1024, UMBP_SHIFT_2048, UMBP_SHIFT_3072, len >= 2 * 112 * 64);
         p += 112 * 64;
         len -= 112 * 64;
     }
     while (len >= 112 * 16) {
-        c = shift_state(c, UMBP_SHIFT_1792) ^ pclmul_block(p, 16, UMBP_SHIFT_256, UMBP_SHIFT_512, UMBP_SHIFT_768);
+        c = shift_state(c, UMBP_SHIFT_1792) ^
+            pclmul_block(p, 16, UMBP_SHIFT_256, UMBP_SHIFT_512, UMBP_SHIFT_768, len >= 2 * 112 * 16);
         p += 112 * 16;
         len -= 112 * 16;
     }
@@ -374,7 +386,7 @@ __attribute__((target(VPCLMUL256_TARGET))) static uint32_t crc32c_vpclmul256_fol
 /* Hybrid block of 176k bytes from state 0: 128k folded (4 x 256 bits), then 3 crc32 streams of 16k. */
 __attribute__((target(VPCLMUL256_TARGET))) static inline uint64_t vpclmul256_block(const unsigned char *p, size_t k,
                                                                                    uint64_t sh1, uint64_t sh2,
-                                                                                   uint64_t sh3) {
+                                                                                   uint64_t sh3, int pf) {
     const size_t S = 16 * k;
     const unsigned char *q = p + 128 * k;
     __m256i y0 = YLOAD(p), y1 = YLOAD(p + 32), y2 = YLOAD(p + 64), y3 = YLOAD(p + 96);
@@ -388,6 +400,7 @@ __attribute__((target(VPCLMUL256_TARGET))) static inline uint64_t vpclmul256_blo
         y2 = fold256_xor(y2, k1024, YLOAD(f + 64));
         y3 = fold256_xor(y3, k1024, YLOAD(f + 96));
         STREAMS16(q, S, i);
+        if (pf) PREFETCH_LINES(p + 176 * k + 192 * (i - 1), 3);
     }
     const __m256i zero = _mm256_setzero_si256();
     __m256i y = _mm256_xor_si256(_mm256_xor_si256(fold256_xor(y0, YKPAIR(768), zero), fold256_xor(y1, YKPAIR(512), zero)),
@@ -402,12 +415,13 @@ __attribute__((target(VPCLMUL256_TARGET))) static uint32_t crc32c_vpclmul256(uin
     if (len < 176 * 16) return crc32c_vpclmul256_fold(crc, p, len);
     while (len >= 176 * 64) {
         c = shift_state(c, UMBP_SHIFT_11264) ^
-            vpclmul256_block(p, 64, UMBP_SHIFT_1024, UMBP_SHIFT_2048, UMBP_SHIFT_3072);
+            vpclmul256_block(p, 64, UMBP_SHIFT_1024, UMBP_SHIFT_2048, UMBP_SHIFT_3072, len >= 2 * 176 * 64);
         p += 176 * 64;
         len -= 176 * 64;
     }
     while (len >= 176 * 16) {
-        c = shift_state(c, UMBP_SHIFT_2816) ^ vpclmul256_block(p, 16, UMBP_SHIFT_256, UMBP_SHIFT_512, UMBP_SHIFT_768);
+        c = shift_state(c, UMBP_SHIFT_2816) ^
+            vpclmul256_block(p, 16, UMBP_SHIFT_256, UMBP_SHIFT_512, UMBP_SHIFT_768, len >= 2 * 176 * 16);
         p += 176 * 16;
         len -= 176 * 16;
     }
