@@ -209,6 +209,13 @@ def cmd_stats(args) -> int:
                     cfg.ssd_high_watermark, cfg.ssd_low_watermark)
     s["capacity_source"] = "configured" if _capacity_given(args) else "segment files on disk (pass --capacity for the server's)"
     s["counters"] = _live_counters(args.store)
+    if getattr(args, "prometheus", False):
+        from .metrics import available, store_on_disk_exposition
+
+        if not available():
+            raise CliError("--prometheus needs prometheus_client: pip install 'umbp_nvme[metrics]'")
+        sys.stdout.write(store_on_disk_exposition(s, s["counters"]).decode())
+        return EXIT_OK
     lines = [
         f"store        {s['store']}  (writer: {'pid ' + s['writer_pid'] if s['writer_pid'] else 'none'})",
         f"namespace    {json.dumps(s['namespace'], sort_keys=True)}",
@@ -451,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     _store_arg(s)
     _config_args(s)
     _output_args(s, progress=False)
+    s.add_argument("--prometheus", action="store_true", help="print the umbp_nvme_* metric families (text exposition)")
     s.set_defaults(func=cmd_stats)
 
     v = _sub(subs, "verify", "check every object's CRC32C (exit 1 when any is bad)",
