@@ -621,7 +621,7 @@ class UMBPNvmeStore(HiCacheStorage):
             try:
                 from .doctor import log_report
 
-                log_report(store.path, self.config)
+                log_report(store.path, self.config, ranges=list(self._ranges))
             except Exception as e:  # noqa: BLE001
                 log.warning("umbp_nvme: doctor at start failed: %r", e)
         if not self._prometheus:
