@@ -203,3 +203,33 @@ def test_sglang_metrics_endpoint_shows_the_umbp_nvme_families(tmp_path):
     assert fams["umbp_nvme_objects"].samples[0].value == 16
     counts = {s.labels["op"]: s.value for s in fams["umbp_nvme_batch_seconds"].samples if s.name.endswith("_count")}
     assert counts == {"put": 1.0, "get": 1.0, "exists": 1.0}
+
+
+def test_multiprocess_mode_refreshes_counters_gauges_and_histograms_while_the_store_runs(store_dir):
+    # the push path (what SGLang's multiprocess /metrics reads) on an in-memory registry
+    import time
+
+    sync = SyncPageStore(store_dir, small_config())
+    reg = CollectorRegistry()
+    m = metrics.Metrics(reg, multiprocess=True, refresh_s=0.05)
+    m.watch(sync, {"tp_rank": 2})
+    try:
+        ks = [f"k{i}" for i in range(6)]
+        assert sync.put_many(ks, [payload(k, OBJ) for k in ks]) == [True] * 6
+        assert sync.get_many(ks[:4], [np.zeros(OBJ, np.uint8) for _ in range(4)]) == [True] * 4
+        time.sleep(0.5)  # several refreshes: deltas must not be added twice
+        s = scrape(reg)
+        assert value(s, "umbp_nvme_puts_total", tp_rank="2") == 6
+        assert value(s, "umbp_nvme_hits_total", tp_rank="2") == 4
+        assert value(s, "umbp_nvme_objects", tp_rank="2") == 6
+        assert value(s, "umbp_nvme_batch_seconds_count", tp_rank="2", op="get") == 1
+        assert value(s, "umbp_nvme_object_seconds_count", tp_rank="2", op="put") == 1
+        assert sync.put_many(["x"], [payload("x", OBJ)]) == [True]
+        time.sleep(0.3)
+        s = scrape(reg)
+        assert value(s, "umbp_nvme_puts_total", tp_rank="2") == 7
+        assert value(s, "umbp_nvme_batch_seconds_count", tp_rank="2", op="put") == 2
+    finally:
+        m.unwatch(sync)
+        m.close()
+        sync.close()

@@ -24,11 +24,14 @@ Two ways out, picked once per process:
   seen, so a daemon thread copies ``stats()`` into multiprocess Counters and Gauges
   (``multiprocess_mode="mostrecent"``) every ``refresh_s`` seconds and once more at detach.
 
-The histograms are ordinary ``prometheus_client.Histogram`` objects in both modes.
+The histograms are counted per call in a small ``Latency`` accumulator (a bisect and a lock, about
+1 us) and exported like the rest: built at scrape time in one process, added to multiprocess
+``Histogram`` files by the refresh thread.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
@@ -251,6 +254,57 @@ def count_io_errors(page_store, errors: dict) -> None:
         page_store._engines = [swapped.get(id(e), e) for e in engines]
 
 
+# ------------------------------------------------------------------------------ latency
+
+
+class Latency:
+    """Bucket counts of one op's calls: per batch and per object (the batch's time over its objects).
+
+    A bisect and four adds under a lock (about 1 us), instead of two prometheus_client observes
+    (about 2 us each): the histograms are built from these at scrape time (one process) or copied
+    into multiprocess Histograms by the refresh thread.
+    """
+
+    __slots__ = ("lock", "batch", "obj", "batch_sum", "obj_sum")
+
+    def __init__(self):
+        n = len(LATENCY_BUCKETS_S) + 1  # the last is +Inf
+        self.lock = threading.Lock()
+        self.batch, self.obj = [0] * n, [0] * n
+        self.batch_sum = self.obj_sum = 0.0
+
+    def add(self, seconds: float, n: int) -> None:
+        i = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)  # le: a value on a bound counts in it
+        if n:
+            per = seconds / n
+            j = bisect.bisect_left(LATENCY_BUCKETS_S, per)
+        with self.lock:
+            self.batch[i] += 1
+            self.batch_sum += seconds
+            if n:
+                self.obj[j] += 1
+                self.obj_sum += per
+
+    def snapshot(self) -> tuple[list, float, list, float]:
+        with self.lock:
+            return list(self.batch), self.batch_sum, list(self.obj), self.obj_sum
+
+
+def _histogram_family(name: str, rows):
+    """A HistogramMetricFamily from ``[(label values, per-bucket counts, sum)]``."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    help_ = dict(HISTOGRAMS)[name]
+    fam = HistogramMetricFamily(name, help_, labels=LABELS + ("op",))
+    for lv, counts, total in rows:
+        cum, buckets = 0, []
+        for bound, c in zip(LATENCY_BUCKETS_S + (float("inf"),), counts):
+            cum += c
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
+        fam.add_metric(lv, buckets, total)
+    return fam
+
+
 # ------------------------------------------------------------------------------ per store
 
 
@@ -266,17 +320,14 @@ class StoreWatch:
         self.asked_engine = getattr(cfg, "ssd_io_backend", None)
         self.asked_o_direct = getattr(cfg, "o_direct", None)
         self._pushed: dict = {}
-        lv = [self.labels[k] for k in LABELS]
-        self._batch = {op: owner.batch_hist.labels(*lv, op) for op in OPS}
-        self._object = {op: owner.object_hist.labels(*lv, op) for op in OPS}
+        self.latency = {op: Latency() for op in OPS}
+        self._lat_pushed = {op: ([0] * (len(LATENCY_BUCKETS_S) + 1), 0.0, [0] * (len(LATENCY_BUCKETS_S) + 1), 0.0)
+                            for op in OPS}
         count_io_errors(sync_store.store, self.io_errors)
 
     def observe(self, op: str, t0: float, n: int) -> None:
         """One batch call of ``n`` objects that started at ``perf_counter() == t0``."""
-        dt = time.perf_counter() - t0
-        self._batch[op].observe(dt)
-        if n:
-            self._object[op].observe(dt / n)
+        self.latency[op].add(time.perf_counter() - t0, n)
 
     def sample(self) -> list[tuple[str, str, dict, float]]:
         try:
@@ -299,10 +350,13 @@ class Metrics:
         self.refresh_s = float(refresh_s)
         self._lock = threading.Lock()
         self._watches: list[StoreWatch] = []
-        self.batch_hist, self.object_hist = (
-            Histogram(n, h, labelnames=LABELS + ("op",), buckets=LATENCY_BUCKETS_S, registry=self.registry)
-            for n, h in HISTOGRAMS
-        )
+        self.batch_hist = self.object_hist = None
+        if self.multiprocess:  # files-backed Histograms the refresh thread adds to
+            self.batch_hist, self.object_hist = (
+                Histogram(n, h, labelnames=LABELS + ("op",), buckets=LATENCY_BUCKETS_S, registry=self.registry)
+                for n, h in HISTOGRAMS
+            )
+        self._push_lock = threading.Lock()  # the refresh thread and unwatch() never add the same delta twice
         self._mp: dict = {}  # multiprocess Counters / Gauges by (family, label names)
         self._thread = None
         self._wake = threading.Event()
@@ -339,6 +393,10 @@ class Metrics:
     # --- multiprocess: copy stats() into files-backed metric objects ---
 
     def push(self, w: StoreWatch) -> None:
+        with self._push_lock:
+            self._push(w)
+
+    def _push(self, w: StoreWatch) -> None:
         from prometheus_client import Counter, Gauge
 
         for name, kind, extra, value in w.sample():
@@ -361,6 +419,18 @@ class Metrics:
                 w._pushed[sk] = value
             else:
                 child.set(value)
+        self._push_latency(w)
+
+    def _push_latency(self, w: StoreWatch) -> None:
+        lv = [w.labels[k] for k in LABELS]
+        for op in OPS:
+            b, bs, o, os_ = w.latency[op].snapshot()
+            pb, pbs, po, pos = w._lat_pushed[op]
+            for hist, counts, prev, total, ptotal in ((self.batch_hist, b, pb, bs, pbs), (self.object_hist, o, po, os_, pos)):
+                if counts == prev:
+                    continue
+                _add_to_histogram(hist.labels(*lv, op), [c - p for c, p in zip(counts, prev)], total - ptotal)
+            w._lat_pushed[op] = (b, bs, o, os_)
 
     def _start_pusher(self) -> None:
         with self._lock:
@@ -381,6 +451,21 @@ class Metrics:
         self._wake.set()
 
 
+def _add_to_histogram(child, deltas: list, dsum: float) -> None:
+    """Add per-bucket counts to a prometheus_client Histogram child (multiprocess files included)."""
+    buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+    if buckets is not None and total is not None and len(buckets) == len(deltas):
+        for b, d in zip(buckets, deltas):
+            if d:
+                b.inc(d)
+        total.inc(dsum)
+        return
+    # another prometheus_client layout: replay at the bucket bounds (sum approximate)
+    for bound, d in zip(LATENCY_BUCKETS_S + (LATENCY_BUCKETS_S[-1] * 2,), deltas):
+        for _ in range(d):
+            child.observe(bound)
+
+
 class _Collector:
     """Reads every watched store's stats() at scrape time (one-process mode)."""
 
@@ -394,7 +479,18 @@ class _Collector:
         m = self._metrics()
         if m is None:
             return []
-        return families([({k: w.labels[k] for k in LABELS}, w.sample()) for w in m.watches()])
+        watches = m.watches()
+        out = families([({k: w.labels[k] for k in LABELS}, w.sample()) for w in watches])
+        batch, obj = [], []
+        for w in watches:
+            lv = [w.labels[k] for k in LABELS]
+            for op in OPS:
+                b, bs, o, os_ = w.latency[op].snapshot()
+                batch.append((lv + [op], b, bs))
+                obj.append((lv + [op], o, os_))
+        if watches:
+            out += [_histogram_family(HISTOGRAMS[0][0], batch), _histogram_family(HISTOGRAMS[1][0], obj)]
+        return out
 
 
 _default: Metrics | None = None
