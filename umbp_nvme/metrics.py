@@ -75,7 +75,7 @@ FAMILIES = (
     ("umbp_nvme_objects", "gauge", "objects", "Objects stored."),
     ("umbp_nvme_bytes_used", "gauge", "bytes_used", "Bytes in allocated slots (what capacity counts)."),
     ("umbp_nvme_capacity_bytes", "gauge", "capacity_bytes", "Configured capacity (ssd_capacity_bytes)."),
-    ("umbp_nvme_effective_capacity_bytes", "gauge", "effective_capacity_bytes", "Capacity the store can really use now (file system free space included)."),
+    ("umbp_nvme_effective_capacity_bytes", "gauge", "effective_capacity_bytes", "Capacity the store runs with: the configured one, or less while the file system refuses new segment files."),
     ("umbp_nvme_disk_bytes", "gauge", "disk_bytes", "Bytes the segment files occupy on disk."),
     ("umbp_nvme_index_bytes", "gauge", "index_bytes", "Size of index.lmdb."),
     ("umbp_nvme_segments_free", "gauge", "segments_free", "Segments holding no object."),
