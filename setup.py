@@ -6,7 +6,7 @@ setup(
         Extension(
             "umbp_nvme._uring",
             sources=["native/uring.c", "native/crc32c.c"],
-            depends=["native/uring.h"],
+            depends=["native/uring.h", "native/crc32c.h", "native/crc32c_consts.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )
     ]

@@ -22,6 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "crc32c.h"
 #include "uring.h"
 
 #define MAX_OP_BYTES (1ULL << 30)
@@ -1365,14 +1366,29 @@ static PyTypeObject RingType = {
 /* ------------------------------------------------------------------ crc32c */
 
 static PyObject *mod_crc32c(PyObject *mod, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"data", "seed", "force_table", NULL};
+    static char *kwlist[] = {"data", "seed", "force_table", "impl", NULL};
     PyObject *data;
     unsigned long long seed = 0;
     int force_table = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|Kp", kwlist, &data, &seed, &force_table)) return NULL;
+    const char *impl_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|Kpz", kwlist, &data, &seed, &force_table, &impl_name))
+        return NULL;
     if (seed > 0xffffffffULL) {
         PyErr_Format(PyExc_ValueError, "seed must be a 32-bit CRC, got %llu", seed);
         return NULL;
+    }
+    int impl = force_table ? UMBP_CRC32C_TABLE : umbp_crc32c_impl();
+    if (impl_name && !force_table) {
+        impl = umbp_crc32c_impl_index(impl_name);
+        if (impl < 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "unknown crc32c implementation '%s' (table, sse42, pclmul, vpclmul256, vpclmul)", impl_name);
+            return NULL;
+        }
+        if (!umbp_crc32c_impl_supported(impl)) {
+            PyErr_Format(PyExc_ValueError, "crc32c implementation '%s' is not supported on this CPU/build", impl_name);
+            return NULL;
+        }
     }
     const void *p;
     size_t n;
@@ -1397,10 +1413,10 @@ static PyObject *mod_crc32c(PyObject *mod, PyObject *args, PyObject *kwds) {
     uint32_t crc;
     if (n >= CRC_GIL_RELEASE_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        crc = umbp_crc32c((uint32_t)seed, p, n, force_table);
+        crc = umbp_crc32c_with(impl, (uint32_t)seed, p, n);
         Py_END_ALLOW_THREADS
     } else {
-        crc = umbp_crc32c((uint32_t)seed, p, n, force_table);
+        crc = umbp_crc32c_with(impl, (uint32_t)seed, p, n);
     }
     if (held) PyBuffer_Release(&view);
     return PyLong_FromUnsignedLong(crc);
@@ -1442,6 +1458,25 @@ done:
     arr_release(&l);
     arr_release(&o);
     return ret;
+}
+
+/* crc32c_impl() -> name of the dispatched implementation; crc32c_impls() -> those this CPU supports. */
+static PyObject *mod_crc32c_impl(PyObject *mod, PyObject *unused) {
+    return PyUnicode_FromString(umbp_crc32c_impl_name(umbp_crc32c_impl()));
+}
+
+static PyObject *mod_crc32c_impls(PyObject *mod, PyObject *unused) {
+    PyObject *t = PyList_New(0);
+    for (int i = 0; t && i < UMBP_CRC32C_NIMPL; i++) {
+        if (!umbp_crc32c_impl_supported(i)) continue;
+        PyObject *name = PyUnicode_FromString(umbp_crc32c_impl_name(i));
+        if (!name || PyList_Append(t, name) < 0) Py_CLEAR(t);
+        Py_XDECREF(name);
+    }
+    if (!t) return NULL;
+    PyObject *r = PyList_AsTuple(t);
+    Py_DECREF(t);
+    return r;
 }
 
 /* ------------------------------------------------------------------ probe */
@@ -1488,6 +1523,7 @@ static PyObject *mod_probe(PyObject *mod, PyObject *unused) {
         {PyUnicode_FromString("submit_all"), PyBool_FromLong(!!(flags & UMBP_SETUP_SUBMIT_ALL))},
         {PyUnicode_FromString("coop_taskrun"), PyBool_FromLong(!!(flags & UMBP_SETUP_COOP_TASKRUN))},
         {PyUnicode_FromString("sse42"), PyBool_FromLong(umbp_crc32c_hw_available())},
+        {PyUnicode_FromString("crc32c"), PyUnicode_FromString(umbp_crc32c_impl_name(umbp_crc32c_impl()))},
         {PyUnicode_FromString("kernel"), PyUnicode_FromString(kernel)},
         {PyUnicode_FromString("ops"), ops},
     };
@@ -1506,10 +1542,16 @@ static PyObject *mod_probe(PyObject *mod, PyObject *unused) {
 
 static PyMethodDef module_methods[] = {
     {"crc32c", (PyCFunction)(void (*)(void))mod_crc32c, METH_VARARGS | METH_KEYWORDS,
-     "crc32c(data | (address, nbytes), seed=0, force_table=False) -> int; chainable via seed; GIL released"},
+     "crc32c(data | (address, nbytes), seed=0, force_table=False, impl=None) -> int; chainable via seed; GIL "
+     "released; impl names one implementation (see crc32c_impls())"},
     {"crc32c_many", (PyCFunction)mod_crc32c_many, METH_VARARGS,
      "crc32c_many(addrs uint64[], lengths int64[], out uint32[]) -> n; one CRC per range, GIL released"},
-    {"probe", (PyCFunction)mod_probe, METH_NOARGS, "probe() -> dict: ring works, kernel features, ops, sse42"},
+    {"crc32c_impl", (PyCFunction)mod_crc32c_impl, METH_NOARGS,
+     "crc32c_impl() -> str: the dispatched implementation (table, sse42, pclmul, vpclmul256, vpclmul); "
+     "UMBP_CRC32C_IMPL caps it"},
+    {"crc32c_impls", (PyCFunction)mod_crc32c_impls, METH_NOARGS,
+     "crc32c_impls() -> tuple of the implementations this CPU supports, in dispatch order"},
+    {"probe", (PyCFunction)mod_probe, METH_NOARGS, "probe() -> dict: ring works, kernel features, ops, sse42, crc32c"},
     {NULL}};
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "umbp_nvme._uring",

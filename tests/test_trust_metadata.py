@@ -643,3 +643,28 @@ async def test_a_key_renamed_into_a_new_key_in_order_is_not_served(template, tmp
     hits = await got(st, keys + [ghost])
     assert [k for k, h in zip(keys + [ghost], hits) if not h] == [keys[10], ghost]
     await st.close()
+
+
+async def test_a_flipped_byte_in_the_manifest_namespace_is_damage_not_another_model(store_dir, caplog):
+    """The manifest carries a checksum: a byte flipped inside the namespace is damage (moved aside,
+    the writer keeps serving), while a manifest written for another model is still refused."""
+    from umbp_nvme.errors import NamespaceMismatchError
+
+    ns = {"model": "llama-8b", "tp_size": 1}
+    st = await PageStore.open(store_dir, cfg(), namespace=ns)
+    assert all(await put(st, ["a", "b"]))
+    await st.close()
+    mpath = os.path.join(store_dir, MANIFEST_FILE)
+    data = open(mpath, "rb").read()
+    assert b'"crc32c"' in data
+    open(mpath, "wb").write(data.replace(b"llama-8b", b"llama-9b"))  # still valid JSON, another model
+    caplog.set_level(logging.INFO, logger="umbp_nvme")
+    st = await PageStore.open(store_dir, cfg(), namespace=ns)
+    errs = errors_logged(caplog)
+    assert len(errs) == 1 and "checksum does not match" in errs[0], errs
+    assert len(glob.glob(mpath + ".corrupt-*")) == 1
+    assert all(await put(st, ["c"])) and (await got(st, ["c"])) == [True]
+    await st.close()
+    assert read_manifest(store_dir)["namespace"] == ns
+    with pytest.raises(NamespaceMismatchError, match="llama-8b"):  # a real other model: refused
+        await PageStore.open(store_dir, cfg(), namespace={"model": "qwen", "tp_size": 1})

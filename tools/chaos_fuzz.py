@@ -417,24 +417,33 @@ def raw_keys(rng: random.Random, n: int, salt: str) -> list[bytes]:
 def job_inject(job) -> dict:
     """Rename index records of placeholder keys to raw key bytes, straight in LMDB (the store is closed)."""
     import lmdb
+    import numpy as np
+    from umbp_nvme.index import REC_DTYPE, key_crcs
 
     env = lmdb.open(os.path.join(job["path"], "index.lmdb"), subdir=False, max_dbs=4, lock=True, map_size=1 << 30)
     done = 0
     try:
         db = env.open_db(b"objects", create=False)
         with env.begin(write=True, db=db) as txn:
-            if job.get("swap"):  # swap the records of the first two keys
+            if job.get("swap"):
+                # swap the records of the first two keys, each re-stamped with its new key's
+                # checksum: a swap the store itself cannot detect, so only the harness's byte
+                # comparison can see it
                 a, b = (bytes.fromhex(x) for x in job["raw_hex"][:2])
-                ra, rb = txn.get(a), txn.get(b)
-                txn.put(a, rb)
-                txn.put(b, ra)
+                ra, rb = (np.frombuffer(txn.get(k), REC_DTYPE).copy() for k in (a, b))
+                ra["key_crc"], rb["key_crc"] = key_crcs([b, a])
+                txn.put(a, rb.tobytes())
+                txn.put(b, ra.tobytes())
                 return {"injected": 2}
             for ph, raw in zip(job["placeholders"], job["raw_hex"]):
                 rec = txn.get(ph.encode())
                 if rec is None:
                     continue
                 txn.delete(ph.encode())
-                txn.put(bytes.fromhex(raw), rec)
+                # stamped as a writer would have stamped a record of that key
+                rec = np.frombuffer(rec, REC_DTYPE).copy()
+                rec["key_crc"] = key_crcs([bytes.fromhex(raw)])
+                txn.put(bytes.fromhex(raw), rec.tobytes())
                 done += 1
     finally:
         env.close()

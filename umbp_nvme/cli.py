@@ -209,6 +209,13 @@ def cmd_stats(args) -> int:
                     cfg.ssd_high_watermark, cfg.ssd_low_watermark)
     s["capacity_source"] = "configured" if _capacity_given(args) else "segment files on disk (pass --capacity for the server's)"
     s["counters"] = _live_counters(args.store)
+    if getattr(args, "prometheus", False):
+        from .metrics import available, store_on_disk_exposition
+
+        if not available():
+            raise CliError("--prometheus needs prometheus_client: pip install 'umbp_nvme[metrics]'")
+        sys.stdout.write(store_on_disk_exposition(s, s["counters"]).decode())
+        return EXIT_OK
     lines = [
         f"store        {s['store']}  (writer: {'pid ' + s['writer_pid'] if s['writer_pid'] else 'none'})",
         f"namespace    {json.dumps(s['namespace'], sort_keys=True)}",
@@ -230,6 +237,14 @@ def cmd_stats(args) -> int:
         lines.append("counters     none published (a running store keeps hit/miss/evict counters in its own process)")
     _emit(args, s, "\n".join(lines))
     return EXIT_OK
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import format_text, report
+
+    r = report(args.store, _load_config(args), probe=not args.no_probe)
+    _emit(args, r, format_text(r))
+    return EXIT_PROBLEMS if r["status"] == "fail" else EXIT_OK
 
 
 def _live_counters(store: str) -> dict | None:
@@ -361,6 +376,9 @@ Interrupt with Ctrl-C and run the same command again: present keys are skipped."
     "stats": """examples:
   umbp-nvme stats --store /mnt/nvme/umbp
   umbp-nvme stats --store /mnt/nvme/umbp --capacity 500g --json""",
+    "doctor": """examples:
+  umbp-nvme doctor --store /mnt/nvme/umbp
+  umbp-nvme doctor --store /mnt/nvme/umbp --json --no-probe""",
     "verify": """examples:
   umbp-nvme verify --store /mnt/nvme/umbp            # exit 0 clean, 1 bad objects found
   umbp-nvme verify --store /mnt/nvme/umbp --repair   # drop them (needs the store to itself)""",
@@ -451,7 +469,18 @@ def build_parser() -> argparse.ArgumentParser:
     _store_arg(s)
     _config_args(s)
     _output_args(s, progress=False)
+    s.add_argument("--prometheus", action="store_true", help="print the umbp_nvme_* metric families (text exposition)")
     s.set_defaults(func=cmd_stats)
+
+    dr = _sub(subs, "doctor", "what the store will use on this machine and what the machine can do",
+              "Check io_uring, the engine, O_DIRECT, RLIMIT_MEMLOCK, hugepages, file system, I/O scheduler and "
+              "GDS, and measure the store against raw O_DIRECT (a few seconds, in a scratch directory beside it). "
+              "Each finding comes with a fix. Exit 1 when a check fails.")
+    _store_arg(dr)
+    _config_args(dr)
+    dr.add_argument("--no-probe", action="store_true", help="skip the measured read/write probe")
+    _output_args(dr, progress=False)
+    dr.set_defaults(func=cmd_doctor)
 
     v = _sub(subs, "verify", "check every object's CRC32C (exit 1 when any is bad)",
              "Read every object and check its CRC32C. Without --repair it is read-only and works beside a running server.")

@@ -88,6 +88,9 @@ class UMBPNvmeStore(HiCacheStorage):
         # real host pool (something with a layout) is registered here, as UMBP's own form does.
         self.storage_config = storage_config
         extra = dict(getattr(storage_config, "extra_config", None) or {})
+        # our own switches (not StoreConfig fields): Prometheus export and a doctor report at open
+        prometheus = extra.pop("prometheus", None)
+        self._doctor_at_start = _truthy(extra.pop("doctor_at_start", False))
         self.config: StoreConfig = load_config(extra)
         self.interface_v1 = _truthy(extra.get("interface_v1", 0))
         self.scheme = KeyScheme.from_storage_config(storage_config)
@@ -95,6 +98,7 @@ class UMBPNvmeStore(HiCacheStorage):
         self.is_mla_follower = is_mla_follower(storage_config)
         self.enable_storage_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self.model_name = getattr(storage_config, "model_name", None) or ""
+        self._prometheus = self.enable_storage_metrics if prometheus is None else _truthy(prometheus)
         self.root_dir = os.path.abspath(self.config.ssd_storage_dir)
         sub = rank_subdir(storage_config)
         cp_size = int(getattr(storage_config, "attn_cp_size", 1) or 1)
@@ -451,6 +455,8 @@ class UMBPNvmeStore(HiCacheStorage):
         for store in stores:
             if store is None:
                 continue
+            if getattr(store, "metrics", None) is not None:
+                store.metrics.owner.unwatch(store)
             try:
                 if not store.readonly:
                     store.flush()
@@ -562,6 +568,7 @@ class UMBPNvmeStore(HiCacheStorage):
                 engine_factory=self._engine_factory,
             )  # fmt: skip
         self._register_ranges(store, self._ranges)
+        self._watch(store, "main")
         self._store = store
         return store
 
@@ -596,6 +603,7 @@ class UMBPNvmeStore(HiCacheStorage):
                         self.private_dir, self.config, readonly=False, namespace=ns, engine_factory=self._engine_factory
                     )  # fmt: skip
                     self._register_ranges(store, self._ranges)
+                    self._watch(store, "sidecar")
                     self._private = store
         return self._private
 
@@ -621,6 +629,26 @@ class UMBPNvmeStore(HiCacheStorage):
         with self._metrics_lock:
             pgs.append(sum(1 for r in results if r))
             bws.append(nbytes / dt / 1e9 if dt > 0 else 0.0)
+
+    def _watch(self, store, role: str) -> None:
+        """Export the store's metrics (and log a doctor report) when asked; never fails an open."""
+        if self._doctor_at_start and role == "main":
+            try:
+                from .doctor import log_report
+
+                log_report(store.path, self.config, ranges=list(self._ranges))
+            except Exception as e:  # noqa: BLE001
+                log.warning("umbp_nvme: doctor at start failed: %r", e)
+        if not self._prometheus:
+            return
+        try:
+            from . import metrics
+
+            m = metrics.default()
+            if m is not None:
+                m.watch(store, metrics.labels_from_storage_config(self.storage_config, role))
+        except Exception as e:  # noqa: BLE001 - metrics never take the backend down
+            self._log_once("metrics", "metrics for %s not exported: %r", store.path, e, level=logging.WARNING)
 
     def _log_once(self, kind: str, msg: str, *args, level: int = logging.ERROR) -> None:
         if kind in self._logged:

@@ -208,6 +208,22 @@ def write_json_atomic(path: str, obj) -> None:
         os.close(dfd)
 
 
+MANIFEST_CRC = "crc32c"  # of the other fields' canonical JSON: a flipped byte is damage, not another namespace
+
+
+def manifest_crc(m: dict) -> str:
+    from .._uring import crc32c
+
+    body = json.dumps({k: v for k, v in m.items() if k != MANIFEST_CRC}, sort_keys=True, separators=(",", ":"))
+    return f"{crc32c(body.encode()):08x}"
+
+
+def write_manifest(path: str, m: dict) -> None:
+    """Write the manifest ``m`` (its checksum set first) atomically to ``path``."""
+    m[MANIFEST_CRC] = manifest_crc(m)
+    write_json_atomic(path, m)
+
+
 _MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few hundred bytes: anything this large is damage
 _SEGMENT_BYTES_MAX = 1 << 40
 _CAPACITY_BYTES_MAX = 1 << 60
@@ -244,6 +260,9 @@ def _check_manifest(p: str, m) -> dict:
     cap = m.get("ssd_capacity_bytes")
     if cap is not None:
         _manifest_int(p, "ssd_capacity_bytes", cap, layout["segment_bytes"], _CAPACITY_BYTES_MAX)
+    # last, so a field out of range is named; manifests written before the checksum have none
+    if MANIFEST_CRC in m and m[MANIFEST_CRC] != manifest_crc(m):
+        raise ManifestDamagedError(f"{p}: its checksum does not match its content; the manifest is damaged")
     return m
 
 
@@ -409,5 +428,5 @@ def writer_capacity(
         if recorded_capacity_bytes(m) is not None:
             log.info("%s: capacity %d -> %d bytes", path, recorded, requested)
         m["ssd_capacity_bytes"] = requested
-        write_json_atomic(os.path.join(path, MANIFEST_FILE), m)
+        write_manifest(os.path.join(path, MANIFEST_FILE), m)
     return requested, None

@@ -133,13 +133,13 @@ class OpenSteps:
                 shrink = True  # the files' extent is a guess: fit it to the capacity asked for, never refuse
             else:
                 self._manifest_created = True
-            layout.write_json_atomic(mpath, m)
+            layout.write_manifest(mpath, m)
         else:
             stored = m.get("namespace") or {}
             layout.check_namespace(self.path, stored, namespace)
             if not stored and namespace and not self.readonly:
                 m["namespace"] = namespace  # first declaration on a store created without one
-                layout.write_json_atomic(mpath, m)
+                layout.write_manifest(mpath, m)
         self.manifest = m
         self.segment_bytes = int(m["layout"]["segment_bytes"])
         if self.segment_bytes != cfg.ssd_segment_size_bytes and not self.readonly:
@@ -280,7 +280,7 @@ class OpenSteps:
             self._index.sync()
             self._files.unlink_beyond(n_segments)
             self.manifest["ssd_capacity_bytes"] = self.capacity_bytes
-            layout.write_json_atomic(os.path.join(self.path, MANIFEST_FILE), self.manifest)
+            layout.write_manifest(os.path.join(self.path, MANIFEST_FILE), self.manifest)
             log.warning(
                 "%s: shrunk to ssd_capacity_bytes=%d (%d segments)", self.path, self.capacity_bytes, n_segments
             )

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 
 from ..config import StoreConfig
 from .page_store import PageStore
@@ -50,6 +51,7 @@ class SyncPageStore:
         self._thread.start()
         self._closed = False
         self._closed_logged = False
+        self.metrics = None  # a metrics.StoreWatch while exported: times each batch call
         try:
             self.store: PageStore = self._call(
                 PageStore.open(
@@ -121,10 +123,18 @@ class SyncPageStore:
     # --- data path ---
 
     def put_many(self, keys, buffers, *, depths=None) -> list[bool]:
-        return self._bounded(self.store.put_many(keys, buffers, depths=depths), len(keys), "put_many")
+        t0 = time.perf_counter()
+        r = self._bounded(self.store.put_many(keys, buffers, depths=depths), len(keys), "put_many")
+        if self.metrics is not None:
+            self.metrics.observe("put", t0, len(keys))
+        return r
 
     def get_many(self, keys, buffers) -> list[bool]:
-        return self._bounded(self.store.get_many(keys, buffers), len(keys), "get_many")
+        t0 = time.perf_counter()
+        r = self._bounded(self.store.get_many(keys, buffers), len(keys), "get_many")
+        if self.metrics is not None:
+            self.metrics.observe("get", t0, len(keys))
+        return r
 
     def delete_many(self, keys) -> list[bool]:
         return self._bounded(self.store.delete_many(keys), len(keys), "delete_many")
@@ -132,12 +142,20 @@ class SyncPageStore:
     def exists_many(self, keys) -> list[bool]:
         if self._closed_call("exists_many"):
             return [False] * len(keys)
-        return self.store.exists_many_nowait(keys)
+        t0 = time.perf_counter()
+        r = self.store.exists_many_nowait(keys)
+        if self.metrics is not None:
+            self.metrics.observe("exists", t0, len(keys))
+        return r
 
     def exists_prefix(self, keys) -> int:
         if self._closed_call("exists_prefix"):
             return 0
-        return self.store.exists_prefix_nowait(keys)
+        t0 = time.perf_counter()
+        r = self.store.exists_prefix_nowait(keys)
+        if self.metrics is not None:
+            self.metrics.observe("exists", t0, len(keys))
+        return r
 
     exists_many_nowait = exists_many
     exists_prefix_nowait = exists_prefix
@@ -153,14 +171,14 @@ class SyncPageStore:
 
         return self._call(reg())
 
-    def stats(self) -> dict:
+    def stats(self, timeout_s: float | None = None) -> dict:
         if self._closed:  # the loop is stopped; the closed store's counters are plain reads
             return self.store.stats()
 
         async def st():
             return self.store.stats()
 
-        return self._call(st())
+        return self._call(st(), timeout_s)
 
     def flush(self) -> bool:
         if self._closed_call("flush"):

@@ -1,0 +1,633 @@
+"""`umbp-nvme doctor`: what a store will actually use on this machine, and what the machine can do.
+
+``report(store_dir, config) -> dict`` checks, in this order, each as one item of the report:
+
+* ``io_uring``: the kernel's ring (``_uring.probe()``): works or why not, feature bits, ops,
+  ``kernel.io_uring_disabled``.
+* ``engine``: the engine the store would open with this config (the real ``open_engine``) and why.
+* ``o_direct``: whether a data file on the store's file system opens with O_DIRECT, and its
+  alignment (``statx`` DIO alignment), or buffered I/O and the reason.
+* ``memlock``: RLIMIT_MEMLOCK (registered buffers count against it) and a real registration.
+* ``hugepages``: hugetlb pages reserved / free, transparent hugepages, and whether the host pool
+  ranges (when a server runs the doctor at start) are hugepage-backed.
+* ``filesystem``: type, device, free space against the configured capacity.
+* ``scheduler``: the block device's I/O scheduler and whether it honours I/O priorities.
+* ``gpu``: GPU / GDS (KvikIO) status, with the exact reason when it is off.
+* ``probe``: a few seconds of put_many / get_many through a scratch store at the store's object
+  size, in GB/s and as a fraction of raw O_DIRECT I/O of the same size on the same file system.
+
+Every finding has a level (``ok``, ``info``, ``warn``, ``fail``) and a plain-language fix. Nothing
+here writes into the store itself: the probe uses a scratch directory beside it, removed after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import logging
+import os
+import resource
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from .config import StoreConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OBJECT_BYTES = 256 << 10
+PROBE_SECONDS = 0.8  # per phase; four phases (store write/read, raw write/read)
+PROBE_FILE_BYTES = 256 << 20  # the raw baseline cycles over a file of this size
+PROBE_BATCH_BYTES = 16 << 20  # bytes per batch call, as a HiCache backup of a few pages
+PROBE_MIN_FREE_BYTES = 1 << 30
+_PRIORITY_SCHEDULERS = ("bfq", "mq-deadline")  # the blk-mq schedulers that honour ioprio
+
+
+def _finding(findings: list, item: str, level: str, message: str, fix: str = "") -> None:
+    findings.append({"item": item, "level": level, "message": message, "fix": fix})
+
+
+def _existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------------------ io_uring, engine
+
+
+def check_io_uring(findings: list) -> dict:
+    disabled = _read("/proc/sys/kernel/io_uring_disabled")
+    try:
+        from . import _uring
+
+        p = dict(_uring.probe())
+    except ImportError as e:
+        p = {"ring": False, "error": f"native extension not built ({e})"}
+    p["io_uring_disabled_sysctl"] = None if disabled is None else int(disabled)
+    p["kernel"] = p.get("kernel") or os.uname().release
+    if p.get("ring"):
+        missing = [op for op, ok in (p.get("ops") or {}).items() if not ok]
+        _finding(findings, "io_uring", "ok" if not missing else "warn",
+                 f"io_uring works on kernel {p['kernel']}" + (f"; ops missing: {', '.join(missing)}" if missing else ""),
+                 "" if not missing else "upgrade the kernel (5.19+ has every op the store uses)")
+    else:
+        why = p.get("error") or os.strerror(p.get("errno") or errno.ENOSYS)
+        fix = ("set kernel.io_uring_disabled=0 (sysctl -w kernel.io_uring_disabled=0)" if disabled not in (None, "0")
+               else "run on Linux 5.6+ outside a seccomp profile that blocks io_uring (docker: --security-opt "
+                    "seccomp=unconfined or a profile allowing io_uring_setup/enter/register)")
+        _finding(findings, "io_uring", "warn", f"io_uring unavailable: {why}", fix)
+    return p
+
+
+def check_engine(config: StoreConfig, findings: list) -> dict:
+    from .engine import FORCE_NO_URING_ENV, open_engine
+
+    asked = config.ssd_io_backend
+    forced = os.environ.get(FORCE_NO_URING_ENV, "") not in ("", "0")
+
+    async def pick():
+        eng = await open_engine(asked, 8)
+        try:
+            return eng.capabilities.name
+        finally:
+            eng.close()
+
+    logging.getLogger("umbp_nvme.engine").disabled, was = True, logging.getLogger("umbp_nvme.engine").disabled
+    try:
+        chosen = asyncio.run(pick())
+    finally:
+        logging.getLogger("umbp_nvme.engine").disabled = was
+    if chosen != "posix":
+        why = f"io_uring works and ssd_io_backend={asked!r}"
+        _finding(findings, "engine", "ok", f"engine {chosen}: {why}")
+    elif asked == "posix":
+        why = "ssd_io_backend='posix' in the config"
+        _finding(findings, "engine", "info", f"engine posix: chosen by the config ({why})",
+                 "set ssd_io_backend to 'io_uring' (or 'auto') for fewer threads and lower latency")
+    elif forced:
+        why = f"io_uring disabled by {FORCE_NO_URING_ENV}=1 in the environment"
+        _finding(findings, "engine", "warn", f"engine posix (fallback; asked {asked!r}): {why}",
+                 f"unset {FORCE_NO_URING_ENV} unless you mean to run without io_uring")
+    else:
+        why = "io_uring cannot start on this machine (see io_uring)"
+        _finding(findings, "engine", "warn", f"engine posix (fallback; asked {asked!r}): {why}",
+                 "fix the io_uring item above; the store works but uses a thread pool")
+    return {"asked": asked, "chosen": chosen, "fallback": asked != "posix" and chosen == "posix", "reason": why}
+
+
+# ------------------------------------------------------------------------------ file system
+
+
+def _mount_of(path: str) -> dict:
+    """The /proc/self/mountinfo entry holding path: mount point, fs type, source."""
+    best = {"mount_point": "/", "fs_type": "?", "source": "?"}
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mp = left.split()[4].replace("\\040", " ")
+                fs = right.split()
+                if (path == mp or path.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best["mount_point"]):
+                    best = {"mount_point": mp, "fs_type": fs[0], "source": fs[1] if len(fs) > 1 else "?"}
+    except OSError:
+        pass
+    return best
+
+
+def _block_queue(dev: int) -> str | None:
+    """/sys/block/<disk>/queue of the device holding st_dev ``dev`` (the whole disk for a partition)."""
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    if not os.path.exists(base):
+        return None
+    real = os.path.realpath(base)
+    if os.path.exists(os.path.join(real, "partition")):
+        real = os.path.dirname(real)
+    q = os.path.join(real, "queue")
+    return q if os.path.isdir(q) else None
+
+
+def check_filesystem(store_dir: str, config: StoreConfig, findings: list) -> dict:
+    where = _existing(store_dir)
+    st = os.stat(where)
+    sv = os.statvfs(where)
+    m = _mount_of(os.path.realpath(where))
+    free = sv.f_bavail * sv.f_frsize
+    out = {**m, "path": where, "free_bytes": free, "size_bytes": sv.f_blocks * sv.f_frsize,
+           "capacity_bytes": int(config.ssd_capacity_bytes), "device": f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"}
+    q = _block_queue(st.st_dev)
+    out["block_device"] = os.path.basename(os.path.dirname(q)) if q else None
+    out["rotational"] = None if q is None else _read(os.path.join(q, "rotational")) == "1"
+    used = 0
+    if os.path.isdir(store_dir):
+        for n in os.listdir(store_dir):
+            if n.startswith("seg-"):
+                try:
+                    used += os.stat(os.path.join(store_dir, n)).st_blocks * 512
+                except OSError:
+                    pass
+    out["store_disk_bytes"] = used
+    if m["fs_type"] in ("tmpfs", "ramfs"):
+        _finding(findings, "filesystem", "warn", f"the store is on {m['fs_type']} ({m['mount_point']}): it lives in RAM, "
+                 "not on a drive, and is gone at reboot", "point ssd_storage_dir at a directory on the NVMe drive "
+                 "(an ext4 or xfs mount)")
+    elif m["fs_type"] in ("overlay", "nfs", "nfs4", "fuse", "cifs") or m["fs_type"].startswith("fuse"):
+        _finding(findings, "filesystem", "warn", f"the store is on {m['fs_type']} ({m['mount_point']}): extra copies "
+                 "and often no O_DIRECT", "bind-mount a host NVMe directory (ext4/xfs) into the container and use it")
+    else:
+        _finding(findings, "filesystem", "ok", f"{m['fs_type']} on {m['source']} at {m['mount_point']}")
+    if out["rotational"]:
+        _finding(findings, "filesystem", "warn", f"{out['block_device']} reports itself rotational (a spinning disk; "
+                 "virtual disks often report this whatever is below them)",
+                 "use an NVMe SSD; a spinning disk cannot serve KV pages fast enough to beat recomputation")
+    need = int(config.ssd_capacity_bytes) - used
+    if need > free:
+        _finding(findings, "filesystem", "warn",
+                 f"capacity {config.ssd_capacity_bytes / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB free "
+                 f"(+{used / 2**30:.1f} GiB already in the store): the store will stop short of its capacity",
+                 "lower ssd_capacity_bytes below the free space or free space on the drive")
+    return out
+
+
+def check_o_direct(store_dir: str, config: StoreConfig, findings: list) -> dict:
+    from .engine.files import DEFAULT_DIO_ALIGN_BYTES, open_data_file
+
+    where = _existing(store_dir)
+    out: dict = {"asked": bool(config.o_direct)}
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".umbp-doctor-odirect-", dir=where)
+        os.close(fd)
+    except OSError as e:
+        out.update(direct=None, error=f"cannot create a probe file in {where}: {e.strerror}")
+        _finding(findings, "o_direct", "fail", out["error"], f"make {where} writable by this user")
+        return out
+    try:
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT
+        try:
+            os.close(os.open(probe, flags))
+            out["kernel_accepts"] = True
+            out["error"] = ""
+        except OSError as e:
+            out["kernel_accepts"] = False
+            out["error"] = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
+        if config.o_direct:
+            with open_data_file(probe) as f:
+                out.update(direct=f.direct, align_bytes=f.align)
+        else:
+            out.update(direct=False, align_bytes=None)
+    finally:
+        os.unlink(probe)
+    m = _mount_of(os.path.realpath(where))
+    if out["direct"]:
+        note = f"O_DIRECT on {m['fs_type']}, alignment {out['align_bytes']} bytes"
+        if out["align_bytes"] == DEFAULT_DIO_ALIGN_BYTES:
+            note += " (statx reports none or 4 KiB)"
+        _finding(findings, "o_direct", "ok", note)
+    elif not config.o_direct:
+        _finding(findings, "o_direct", "info", "buffered I/O: o_direct=false in the config",
+                 "set o_direct=true so reads bypass the page cache (they are CRC-checked anyway)")
+    else:
+        _finding(findings, "o_direct", "warn",
+                 f"buffered I/O (fallback): {m['fs_type']} refuses O_DIRECT ({out['error'] or 'refused earlier in this process'}); "
+                 "reads and writes go through the page cache",
+                 "put the store on ext4 or xfs on the NVMe drive (tmpfs before Linux 6.6, overlay and many FUSE "
+                 "file systems refuse O_DIRECT)")
+    return out
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def check_memlock(findings: list, pool_bytes: int | None = None) -> dict:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    inf = resource.RLIM_INFINITY
+    out = {"soft_bytes": None if soft == inf else soft, "hard_bytes": None if hard == inf else hard,
+           "unlimited": soft == inf}
+    # a real registration of 64 MiB (a modest host pool share) tells what the kernel allows
+    try:
+        from . import _uring
+    except ImportError:
+        _uring = None
+    ok = None
+    if _uring is not None:
+        from .buffers import AlignedBuffer
+
+        with AlignedBuffer(64 << 20) as b:
+            try:
+                ring = _uring.Ring(8)
+            except OSError as e:
+                ring = None
+                out["register_error"] = f"no ring ({e.strerror})"
+            if ring is not None:
+                try:
+                    ring.register_buffers([(b.address, b.nbytes)])
+                    ring.unregister_buffers()
+                    ok = True
+                except OSError as e:
+                    ok = False
+                    out["register_error"] = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
+                finally:
+                    ring.close()
+    out["register_64mib_ok"] = ok
+    lim = "unlimited" if soft == inf else f"{soft / 2**20:.0f} MiB"
+    if ok is False or (soft != inf and pool_bytes and soft < pool_bytes):
+        _finding(findings, "memlock", "warn", f"RLIMIT_MEMLOCK {lim}: the host pool cannot be registered with io_uring "
+                 "(fixed buffers off; each I/O maps its pages instead, a few % more CPU)",
+                 "raise it: `ulimit -l unlimited`, docker --ulimit memlock=-1, systemd LimitMEMLOCK=infinity")
+    else:
+        bypass = " (this process may lock memory beyond the limit: root or CAP_IPC_LOCK)" if (
+            ok and soft != inf and soft < 64 << 20) else ""
+        _finding(findings, "memlock", "ok", f"RLIMIT_MEMLOCK {lim}; registering 64 MiB "
+                 + ("works" if ok else "not tested (no io_uring)") + bypass)
+    return out
+
+
+def _smaps_page_sizes(ranges) -> list[dict]:
+    """KernelPageSize / AnonHugePages of the mappings holding each (address, nbytes)."""
+    out = []
+    try:
+        with open("/proc/self/smaps", encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return out
+    maps = []
+    cur = None
+    for line in text.splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            cur = {"lo": lo, "hi": hi, "kps": 4, "thp": 0}
+            maps.append(cur)
+        elif cur is not None and head == "KernelPageSize:":
+            cur["kps"] = int(line.split()[1])
+        elif cur is not None and head == "AnonHugePages:":
+            cur["thp"] = int(line.split()[1])
+    for addr, nbytes in ranges:
+        hit = [m for m in maps if m["lo"] <= addr < m["hi"]]
+        if hit:
+            out.append({"address": hex(addr), "nbytes": nbytes, "kernel_page_kib": hit[0]["kps"],
+                        "thp_kib": hit[0]["thp"]})
+    return out
+
+
+def check_hugepages(findings: list, ranges=None) -> dict:
+    info = {}
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        k, _, v = line.partition(":")
+        if k in ("HugePages_Total", "HugePages_Free", "Hugepagesize", "AnonHugePages"):
+            info[k] = int(v.split()[0])
+    thp = _read("/sys/kernel/mm/transparent_hugepage/enabled")
+    out = {"total": info.get("HugePages_Total", 0), "free": info.get("HugePages_Free", 0),
+           "page_kib": info.get("Hugepagesize"), "thp": thp,
+           "pool": _smaps_page_sizes(ranges) if ranges else None}
+    if out["pool"]:
+        huge = all(p["kernel_page_kib"] >= 2048 or p["thp_kib"] > 0 for p in out["pool"])
+        out["pool_hugepage_backed"] = huge
+        if huge:
+            _finding(findings, "hugepages", "ok", "the host pool is hugepage-backed")
+        else:
+            _finding(findings, "hugepages", "info", "the host pool is on 4 KiB pages (more TLB misses on large copies)",
+                     "reserve hugetlb pages (echo N > /proc/sys/vm/nr_hugepages) or set transparent_hugepage to "
+                     "'always'/'madvise'")
+    else:
+        out["pool_hugepage_backed"] = None
+        msg = (f"{out['free']} of {out['total']} hugetlb pages of {out['page_kib']} KiB free; THP {thp or '?'}; "
+               "host pool not in this process (run the doctor at server start to check it)")
+        _finding(findings, "hugepages", "info", msg,
+                 "" if out["total"] else "optional: reserve 2 MiB pages (echo N > /proc/sys/vm/nr_hugepages) "
+                                         "for a hugepage-backed host pool")
+    return out
+
+
+# ------------------------------------------------------------------------------ scheduler, GPU
+
+
+def check_scheduler(store_dir: str, findings: list) -> dict:
+    q = _block_queue(os.stat(_existing(store_dir)).st_dev)
+    if q is None:
+        _finding(findings, "scheduler", "info", "no block device under the store (tmpfs, overlay or network "
+                 "file system): no I/O scheduler applies")
+        return {"device": None, "scheduler": None, "honours_priorities": None}
+    raw = _read(os.path.join(q, "scheduler")) or ""
+    active = raw[raw.find("[") + 1 : raw.find("]")] if "[" in raw else raw or None
+    prio = active in _PRIORITY_SCHEDULERS
+    out = {"device": os.path.basename(os.path.dirname(q)), "scheduler": active, "available": raw.replace("[", "").replace("]", "").split(),
+           "honours_priorities": prio, "nr_requests": _read(os.path.join(q, "nr_requests"))}
+    if prio:
+        _finding(findings, "scheduler", "ok", f"{out['device']}: {active}, honours I/O priorities")
+    else:
+        _finding(findings, "scheduler", "info",
+                 f"{out['device']}: {active}: does not honour I/O priorities (the store issues none today; "
+                 "on NVMe 'none' is the fastest choice)",
+                 f"only if you need priorities: echo mq-deadline > /sys/block/{out['device']}/queue/scheduler")
+    return out
+
+
+def check_gpu(findings: list) -> dict:
+    from .engine.gds import gds_available
+
+    try:
+        ok, why = gds_available()
+    except Exception as e:  # noqa: BLE001 - a broken CUDA stack is a finding, not a crash
+        ok, why = False, f"probe failed: {e!r}"
+    out = {"gds": ok, "detail": why}
+    try:
+        import torch
+
+        out["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        out["cuda_devices"] = None
+    if ok:
+        compat = "compat" in why.lower() and "compat_mode=off" not in why.lower()
+        _finding(findings, "gpu", "warn" if compat else "ok", f"GDS available: {why}",
+                 "KvikIO runs in compatibility mode (POSIX under the hood): install nvidia-fs and check "
+                 "/etc/cufile.json" if compat else "")
+    else:
+        _finding(findings, "gpu", "info", f"GDS off: {why}",
+                 "only needed for GPU-direct reads into CUDA buffers; host-pool serving is unaffected")
+    return out
+
+
+# ------------------------------------------------------------------------------ measured probe
+
+
+def _object_bytes(store_dir: str, config: StoreConfig) -> int:
+    try:
+        from .maintenance import read_manifest
+
+        ns = read_manifest(store_dir).get("namespace") or {}
+        sizes = ns.get("kv_object_bytes")
+        if sizes:
+            return int(max(sizes))
+    except Exception:  # noqa: BLE001 - no store yet: the default size
+        pass
+    return DEFAULT_OBJECT_BYTES
+
+
+async def _timed(seconds: float, step) -> tuple[int, float]:
+    moved, t0 = 0, time.perf_counter()
+    while True:
+        moved += await step()
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return moved, dt
+
+
+async def _probe(scratch: str, config: StoreConfig, obj: int, seconds: float) -> dict:
+    from .buffers import AlignedBuffer
+    from .engine import open_engine
+    from .engine.files import open_data_file
+    from .store import PageStore
+
+    per_batch = max(1, PROBE_BATCH_BYTES // obj)
+    nbytes = per_batch * obj
+    buf = AlignedBuffer(nbytes)
+    buf.array[:] = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    base = buf.address
+    out: dict = {"object_bytes": obj, "batch_objects": per_batch}
+
+    # through the store (index, CRC, allocator, engine)
+    cfg = dataclasses.replace(config, ssd_capacity_bytes=PROBE_FILE_BYTES * 2, ssd_storage_dir=scratch,
+                              ssd_segment_size_bytes=min(int(config.ssd_segment_size_bytes), 64 << 20))
+    st = await PageStore.open(os.path.join(scratch, "store"), cfg)
+    try:
+        st.register_memory(base, nbytes)
+        bufs = [(base + i * obj, obj) for i in range(per_batch)]
+        written: list[list[str]] = []
+        gen = iter(range(1 << 30))
+
+        async def put():
+            ks = [f"p{next(gen)}" for _ in range(per_batch)]
+            ok = await st.put_many(ks, bufs)
+            written.append(ks)
+            return sum(ok) * obj
+
+        await put()  # warm-up, untimed: the first batch creates a segment file and grows the index
+        moved, dt = await _timed(seconds, put)
+        out["store_write_gbps"] = moved / dt / 1e9
+        live = [ks for ks in written if all(await st.exists_many(ks))] or written[-1:]
+        it = iter(range(1 << 30))
+
+        async def get():
+            ks = live[next(it) % len(live)]
+            return sum(await st.get_many(ks, bufs)) * obj
+
+        moved, dt = await _timed(seconds, get)
+        out["store_read_gbps"] = moved / dt / 1e9
+        out["engine"] = st.stats()["engine"]
+        out["o_direct"] = st.stats()["o_direct"]
+    finally:
+        await st.close()
+
+    # raw O_DIRECT baseline: the same engine, batch and sizes on a plain file, nothing else
+    eng = await open_engine(config.ssd_io_backend, int(config.ssd_queue_depth))
+    f = open_data_file(os.path.join(scratch, "raw"), create=True, size=PROBE_FILE_BYTES, direct=True)
+    try:
+        eng.register_buffers([(base, nbytes)])
+        slots = PROBE_FILE_BYTES // nbytes
+        addrs = np.asarray([base + i * obj for i in range(per_batch)], np.uint64)
+        lens = np.full(per_batch, obj, np.int64)
+        # like for like: a strict store syncs its data once per put batch, so the baseline does too
+        strict = str(config.ssd_durability_mode).strip().lower() in ("strict", "sync")
+        out["raw_syncs_per_batch"] = strict
+        state = {"batch": 0, "written": 0}
+
+        def offs(limit: int):
+            s = state["batch"] % max(1, limit)
+            state["batch"] += 1
+            return np.arange(per_batch, dtype=np.int64) * obj + s * nbytes
+
+        async def w():
+            r = await eng.write_many(f.fd, offs(slots), addrs, lens)
+            if strict:
+                await eng.sync(f.fd)
+            state["written"] = min(slots, state["written"] + 1)
+            return int(r[r > 0].sum())
+
+        async def r_():
+            # only what was written: unwritten (fallocated) extents read as zeros without I/O
+            r = await eng.read_many(f.fd, offs(state["written"]), addrs, lens)
+            return int(r[r > 0].sum())
+
+        await w()  # warm-up, untimed, as for the store
+        moved, dt = await _timed(seconds, w)
+        out["raw_write_gbps"] = moved / dt / 1e9
+        state["batch"] = 0
+        moved, dt = await _timed(seconds, r_)
+        out["raw_read_gbps"] = moved / dt / 1e9
+        out["raw_o_direct"] = f.direct
+    finally:
+        f.close()
+        eng.close()
+        buf.close()
+    for op in ("write", "read"):
+        raw = out[f"raw_{op}_gbps"]
+        out[f"{op}_fraction_of_raw"] = out[f"store_{op}_gbps"] / raw if raw > 0 else None
+    return out
+
+
+def check_probe(store_dir: str, config: StoreConfig, findings: list, seconds: float = PROBE_SECONDS) -> dict:
+    where = _existing(store_dir)
+    if os.path.isdir(store_dir):
+        where = os.path.dirname(os.path.abspath(store_dir)) or where  # beside the store, same file system
+        if os.stat(where).st_dev != os.stat(store_dir).st_dev:
+            where = store_dir
+    sv = os.statvfs(where)
+    if sv.f_bavail * sv.f_frsize < PROBE_MIN_FREE_BYTES:
+        _finding(findings, "probe", "warn", f"skipped: under {PROBE_MIN_FREE_BYTES >> 20} MiB free at {where}",
+                 "free some space, or run the doctor with --no-probe")
+        return {"skipped": "no space"}
+    obj = _object_bytes(store_dir, config)
+    try:
+        scratch = tempfile.mkdtemp(prefix=".umbp-doctor-", dir=where)
+    except OSError as e:
+        _finding(findings, "probe", "warn", f"skipped: cannot create a scratch directory in {where} ({e.strerror})",
+                 f"make {where} writable, or run with --no-probe")
+        return {"skipped": str(e)}
+    try:
+        out = asyncio.run(_probe(scratch, config, obj, seconds))
+    except Exception as e:  # noqa: BLE001 - a failing probe is a finding
+        _finding(findings, "probe", "fail", f"the I/O probe failed: {e!r}", "run `umbp-nvme bench engine --quick` "
+                 "for detail and check the drive (dmesg)")
+        return {"error": repr(e)}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    msg = (f"{obj >> 10} KiB objects, {out['batch_objects']} per call: store write {out['store_write_gbps']:.2f} GB/s "
+           f"({_pct(out['write_fraction_of_raw'])} of raw), read {out['store_read_gbps']:.2f} GB/s "
+           f"({_pct(out['read_fraction_of_raw'])} of raw); raw {'O_DIRECT' if out['raw_o_direct'] else 'buffered'} "
+           f"write {out['raw_write_gbps']:.2f}, read {out['raw_read_gbps']:.2f} GB/s"
+           + ("; both sync each write batch (strict durability)" if out["raw_syncs_per_batch"] else ""))
+    low = [op for op in ("write", "read") if (out[f"{op}_fraction_of_raw"] or 1) < 0.5]
+    if low:
+        fix = ("check CPU contention (the CRC and the index share the cores), io_timeout_s stalls in the log, and "
+               "that the engine is io_uring")
+        if "write" in low and out["raw_syncs_per_batch"]:
+            fix = ("strict durability also commits and syncs the index (LMDB) after every put batch, which the raw "
+                   "baseline does not; if a lost tail of puts after a crash is acceptable for a cache, set "
+                   "ssd_durability_mode=relaxed. Otherwise " + fix)
+        _finding(findings, "probe", "warn", msg + f"; the store reaches under half of raw for {' and '.join(low)}", fix)
+    else:
+        _finding(findings, "probe", "ok", msg)
+    return out
+
+
+def _pct(x) -> str:
+    return "?" if x is None else f"{x * 100:.0f} %"
+
+
+# ------------------------------------------------------------------------------ the report
+
+
+def report(store_dir: str, config: StoreConfig | None = None, *, probe: bool = True, ranges=None,
+           probe_seconds: float = PROBE_SECONDS) -> dict:
+    """Every check above; ``ranges``: the host pool's (address, nbytes) when a server runs it."""
+    config = config or StoreConfig()
+    t0 = time.perf_counter()
+    findings: list = []
+    items: dict = {}
+    checks = [
+        ("io_uring", lambda: check_io_uring(findings)),
+        ("engine", lambda: check_engine(config, findings)),
+        ("o_direct", lambda: check_o_direct(store_dir, config, findings)),
+        ("memlock", lambda: check_memlock(findings, sum(n for _, n in ranges) if ranges else None)),
+        ("hugepages", lambda: check_hugepages(findings, ranges)),
+        ("filesystem", lambda: check_filesystem(store_dir, config, findings)),
+        ("scheduler", lambda: check_scheduler(store_dir, findings)),
+        ("gpu", lambda: check_gpu(findings)),
+    ]
+    if probe:
+        checks.append(("probe", lambda: check_probe(store_dir, config, findings, probe_seconds)))
+    for name, fn in checks:
+        t1 = time.perf_counter()
+        try:
+            items[name] = fn()
+        except Exception as e:  # noqa: BLE001 - one broken check never hides the others
+            items[name] = {"error": repr(e)}
+            _finding(findings, name, "fail", f"the check itself failed: {e!r}", "report this with `umbp-nvme doctor -v`")
+        if isinstance(items[name], dict):
+            items[name]["check_s"] = round(time.perf_counter() - t1, 3)
+    worst = max((("ok", "info", "warn", "fail").index(f["level"]) for f in findings), default=0)
+    return {"store": os.path.abspath(store_dir), "elapsed_s": round(time.perf_counter() - t0, 2),
+            "status": ("ok", "ok", "warn", "fail")[worst], "items": items, "findings": findings}
+
+
+def format_text(r: dict) -> str:
+    lines = [f"umbp-nvme doctor: {r['store']} ({r['status']}, {r['elapsed_s']:.1f} s)"]
+    for f in r["findings"]:
+        lines.append(f"  [{f['level']:<4}] {f['item']:<10} {f['message']}")
+        if f["fix"] and f["level"] != "ok":
+            lines.append(f"  {'':6} {'':10} fix: {f['fix']}")
+    return "\n".join(lines)
+
+
+def log_report(store_dir: str, config: StoreConfig | None = None, ranges=None) -> dict:
+    """The report without the probe (a server must not spend seconds of I/O at start), logged in one block.
+
+    Runs on a thread of its own: the engine check runs an event loop, and the caller may be inside one.
+    """
+    import threading
+
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(report(store_dir, config, probe=False, ranges=ranges)),
+                         name="umbp-doctor", daemon=True)
+    t.start()
+    t.join()
+    if not box:
+        raise RuntimeError("the doctor report failed (see the thread's traceback above)")
+    log.info("%s", format_text(box[0]))
+    return box[0]
