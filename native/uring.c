@@ -640,6 +640,72 @@ static int do_submit(RingObject *self, SubmitArgs *a) {
     }
 }
 
+/* The op arrays of one submit() or check() call, held until ops_release(). */
+typedef struct {
+    Arr fds, offs, addrs, lens, bidx, ud, flags;
+} OpArrays;
+
+static void ops_release(OpArrays *o) {
+    arr_release(&o->fds);
+    arr_release(&o->offs);
+    arr_release(&o->addrs);
+    arr_release(&o->lens);
+    arr_release(&o->bidx);
+    arr_release(&o->ud);
+    arr_release(&o->flags);
+}
+
+/* One parser for submit() and check(): fds (an int for every op, a 1-entry int32 array that
+ * broadcasts, or one int32 per op) and the op arrays, each checked for type and length; fills
+ * the op fields of *a. read/write ops need offsets, addrs and lengths; sync ops none. Returns -1
+ * with a Python error set (o is released by the caller either way). */
+static int parse_ops(int opcode, PyObject *o_fds, PyObject *o_offs, PyObject *o_addrs, PyObject *o_lens, PyObject *o_bidx,
+                     PyObject *o_ud, PyObject *o_flags, OpArrays *o, SubmitArgs *a) {
+    int rw = opcode <= OP_WRITE;
+    int fd_scalar = PyLong_Check(o_fds);
+    long fd_value = 0;
+    if (fd_scalar) {
+        fd_value = PyLong_AsLong(o_fds);
+        if (fd_value == -1 && PyErr_Occurred()) return -1;
+        if (fd_value < INT32_MIN || fd_value > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "fd %ld is out of range", fd_value);
+            return -1;
+        }
+    }
+    if ((!fd_scalar && arr_get(o_fds, &o->fds, "fds", 4, "i", 0, 0) < 0) ||
+        arr_get(o_offs, &o->offs, "offsets", 8, "lq", 0, !rw) < 0 || arr_get(o_addrs, &o->addrs, "addrs", 8, "LQ", 0, !rw) < 0 ||
+        arr_get(o_lens, &o->lens, "lengths", 8, "lq", 0, !rw) < 0 || arr_get(o_bidx, &o->bidx, "buf_index", 2, "h", 0, 1) < 0 ||
+        arr_get(o_ud, &o->ud, "user_data", 8, "LQ", 0, 1) < 0 || arr_get(o_flags, &o->flags, "flags", 1, "B", 0, 1) < 0)
+        return -1;
+    Py_ssize_t nf = fd_scalar ? 1 : arr_len(&o->fds);
+    Py_ssize_t n = nf == 1 && o->lens.held ? arr_len(&o->lens) : nf; /* one fd broadcasts */
+    if (nf == 1 && !fd_scalar) {
+        fd_scalar = 1;
+        fd_value = ((const int32_t *)o->fds.view.buf)[0];
+    }
+    const char *names[] = {"offsets", "addrs", "lengths", "buf_index", "user_data", "flags"};
+    Arr *others[] = {&o->offs, &o->addrs, &o->lens, &o->bidx, &o->ud, &o->flags};
+    for (int j = 0; j < 6; j++) {
+        if (others[j]->held && arr_len(others[j]) != n) {
+            PyErr_Format(PyExc_ValueError, "%s has %zd entries but fds has %zd; the arrays differ in length (each needs one entry per op)", names[j],
+                         arr_len(others[j]), n);
+            return -1;
+        }
+    }
+    memset(a, 0, sizeof *a);
+    a->opcode = opcode;
+    a->n = n;
+    a->fds = fd_scalar ? NULL : o->fds.view.buf;
+    a->fd_value = (int32_t)fd_value;
+    a->offs = o->offs.held ? o->offs.view.buf : NULL;
+    a->addrs = o->addrs.held ? o->addrs.view.buf : NULL;
+    a->lens = o->lens.held ? o->lens.view.buf : NULL;
+    a->bidx = o->bidx.held && rw ? o->bidx.view.buf : NULL;
+    a->ud = o->ud.held ? o->ud.view.buf : NULL;
+    a->flags = o->flags.held ? o->flags.view.buf : NULL;
+    return 0;
+}
+
 static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"opcode",          "fds",   "offsets", "addrs",   "lengths",    "buf_index", "user_data",
                              "flags",           "async_min_bytes",  "enter",   "ud_base", "auto_fixed", NULL};
@@ -663,63 +729,19 @@ static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "opcode must be OP_READ, OP_WRITE, OP_FSYNC or OP_FDATASYNC, got %d", opcode);
         return NULL;
     }
-    int rw = opcode <= OP_WRITE;
-    Arr fds, offs, addrs, lens, bidx, ud, flags;
-    fds.held = offs.held = addrs.held = lens.held = bidx.held = ud.held = flags.held = 0;
-    PyObject *ret = NULL;
-    /* fds: an int (every op), a 1-entry array (broadcast) or one per op. user_data: None means
-     * ud_base + op index. */
-    int fd_scalar = PyLong_Check(o_fds);
-    long fd_value = 0;
-    if (fd_scalar) {
-        fd_value = PyLong_AsLong(o_fds);
-        if (fd_value == -1 && PyErr_Occurred()) return NULL;
-        if (fd_value < INT32_MIN || fd_value > INT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "fd %ld is out of range", fd_value);
-            return NULL;
-        }
-    }
-    if ((!fd_scalar && arr_get(o_fds, &fds, "fds", 4, "i", 0, 0) < 0) ||
-        arr_get(o_offs, &offs, "offsets", 8, "lq", 0, !rw) < 0 || arr_get(o_addrs, &addrs, "addrs", 8, "LQ", 0, !rw) < 0 ||
-        arr_get(o_lens, &lens, "lengths", 8, "lq", 0, !rw) < 0 || arr_get(o_bidx, &bidx, "buf_index", 2, "h", 0, 1) < 0 ||
-        arr_get(o_ud, &ud, "user_data", 8, "LQ", 0, 1) < 0 || arr_get(o_flags, &flags, "flags", 1, "B", 0, 1) < 0)
-        goto done;
-    Py_ssize_t nf = fd_scalar ? 1 : arr_len(&fds);
-    Py_ssize_t n = nf == 1 && lens.held ? arr_len(&lens) : nf; /* one fd broadcasts */
-    if (nf == 1 && !fd_scalar) {
-        fd_scalar = 1;
-        fd_value = ((const int32_t *)fds.view.buf)[0];
-    }
-    const char *names[] = {"offsets", "addrs", "lengths", "buf_index", "user_data", "flags"};
-    Arr *others[] = {&offs, &addrs, &lens, &bidx, &ud, &flags};
-    for (int j = 0; j < 6; j++) {
-        if (others[j]->held && arr_len(others[j]) != n) {
-            PyErr_Format(PyExc_ValueError, "%s has %zd entries but fds has %zd; all arrays must be the same length", names[j],
-                         arr_len(others[j]), n);
-            goto done;
-        }
-    }
-    if (ring_acquire(self) < 0) goto done;
+    OpArrays o;
+    memset(&o, 0, sizeof o);
     SubmitArgs a;
-    memset(&a, 0, sizeof a);
-    a.opcode = opcode;
-    a.n = n;
-    a.fds = fd_scalar ? NULL : fds.view.buf;
-    a.fd_value = (int32_t)fd_value;
-    a.offs = offs.held ? offs.view.buf : NULL;
-    a.addrs = addrs.held ? addrs.view.buf : NULL;
-    a.lens = lens.held ? lens.view.buf : NULL;
-    a.bidx = bidx.held && rw ? bidx.view.buf : NULL;
-    a.auto_fixed = auto_fixed && rw && !bidx.held;
-    a.ud = ud.held ? ud.view.buf : NULL;
+    PyObject *ret = NULL;
+    /* user_data: None means ud_base + op index */
+    if (parse_ops(opcode, o_fds, o_offs, o_addrs, o_lens, o_bidx, o_ud, o_flags, &o, &a) < 0) goto done;
+    if (ring_acquire(self) < 0) goto done;
+    a.auto_fixed = auto_fixed && opcode <= OP_WRITE && !o.bidx.held;
     a.ud_base = ud_base;
-    a.flags = flags.held ? flags.view.buf : NULL;
     a.async_min_bytes = async_min;
     a.enter = enter;
-    a.sys_err = 0;
-    a.msg[0] = 0;
     int r;
-    if (n <= 64 && !enter) {
+    if (a.n <= 64 && !enter) {
         r = do_submit(self, &a); /* no system call: not worth a GIL round trip */
     } else {
         Py_BEGIN_ALLOW_THREADS
@@ -736,13 +758,7 @@ static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
         ret = PyLong_FromSsize_t(a.queued);
     }
 done:
-    arr_release(&fds);
-    arr_release(&offs);
-    arr_release(&addrs);
-    arr_release(&lens);
-    arr_release(&bidx);
-    arr_release(&ud);
-    arr_release(&flags);
+    ops_release(&o);
     return ret;
 }
 
@@ -758,42 +774,12 @@ static PyObject *Ring_check(RingObject *self, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "check() takes OP_READ or OP_WRITE, got %d", opcode);
         return NULL;
     }
-    Arr fds, offs, addrs, lens, bidx, flags;
-    fds.held = offs.held = addrs.held = lens.held = bidx.held = flags.held = 0;
-    PyObject *ret = NULL;
-    int fd_scalar = PyLong_Check(o_fds);
-    long fd_value = fd_scalar ? PyLong_AsLong(o_fds) : 0;
-    if (fd_scalar && ((fd_value == -1 && PyErr_Occurred()) || fd_value < INT32_MIN || fd_value > INT32_MAX)) {
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "fd %ld is out of range", fd_value);
-        return NULL;
-    }
-    if ((!fd_scalar && arr_get(o_fds, &fds, "fds", 4, "i", 0, 0) < 0) || arr_get(o_offs, &offs, "offsets", 8, "lq", 0, 0) < 0 ||
-        arr_get(o_addrs, &addrs, "addrs", 8, "LQ", 0, 0) < 0 || arr_get(o_lens, &lens, "lengths", 8, "lq", 0, 0) < 0 ||
-        arr_get(o_bidx, &bidx, "buf_index", 2, "h", 0, 1) < 0 || arr_get(o_flags, &flags, "flags", 1, "B", 0, 1) < 0)
-        goto done;
-    Py_ssize_t n = fd_scalar || arr_len(&fds) == 1 ? arr_len(&lens) : arr_len(&fds);
-    if (!fd_scalar && arr_len(&fds) == 1) {
-        fd_scalar = 1;
-        fd_value = ((const int32_t *)fds.view.buf)[0];
-    }
-    if (arr_len(&offs) != n || arr_len(&addrs) != n || arr_len(&lens) != n || (bidx.held && arr_len(&bidx) != n) ||
-        (flags.held && arr_len(&flags) != n)) {
-        PyErr_Format(PyExc_ValueError, "arrays differ in length (fds has %zd entries)", n);
-        goto done;
-    }
-    if (ring_acquire(self) < 0) goto done;
+    OpArrays o;
+    memset(&o, 0, sizeof o);
     SubmitArgs a;
-    memset(&a, 0, sizeof a);
-    a.opcode = opcode;
-    a.n = n;
-    a.fds = fd_scalar ? NULL : fds.view.buf;
-    a.fd_value = (int32_t)fd_value;
-    a.offs = offs.view.buf;
-    a.addrs = addrs.view.buf;
-    a.lens = lens.view.buf;
-    a.bidx = bidx.held ? bidx.view.buf : NULL;
-    a.flags = flags.held ? flags.view.buf : NULL;
-    a.msg[0] = 0;
+    PyObject *ret = NULL;
+    if (parse_ops(opcode, o_fds, o_offs, o_addrs, o_lens, o_bidx, Py_None, o_flags, &o, &a) < 0) goto done;
+    if (ring_acquire(self) < 0) goto done;
     FdCache cache;
     cache.used = cache.next = cache.last = 0;
     int r;
@@ -806,12 +792,7 @@ static PyObject *Ring_check(RingObject *self, PyObject *args, PyObject *kwds) {
     else
         ret = Py_NewRef(Py_None);
 done:
-    arr_release(&fds);
-    arr_release(&offs);
-    arr_release(&addrs);
-    arr_release(&lens);
-    arr_release(&bidx);
-    arr_release(&flags);
+    ops_release(&o);
     return ret;
 }
 

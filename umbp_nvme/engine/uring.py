@@ -259,10 +259,7 @@ class UringEngine:
         if 0 < n <= self._depth - ring.inflight and not self._queue and not self._retry:
             slot = self._new_slot()
             try:
-                q = ring.submit(
-                    op, fds, offsets, addrs, lengths, None, None, None, self._async_min, True,
-                    slot << _SLOT_SHIFT, self._fixed_on,
-                )  # fmt: skip
+                q = self._submit(op, fds, offsets, addrs, lengths, ud_base=slot << _SLOT_SHIFT)
             except (TypeError, ValueError):
                 q = -1
             if q >= 0:
@@ -279,6 +276,14 @@ class UringEngine:
                     await self._drain_after_cancel(b)
                     raise
         return await self._run_general(op, fds, offsets, addrs, lengths)
+
+    def _submit(self, op, fds, offsets, addrs, lengths, *, ud_base: int, enter: bool = True) -> int:
+        """ring.submit with this engine's settings: user_data = ud_base + op index (slot << 32 | op),
+        F_ASYNC above async_min_bytes, registered buffers found per op when there are any."""
+        return self._ring.submit(
+            op, fds, offsets, addrs, lengths, async_min_bytes=self._async_min, enter=enter, ud_base=ud_base,
+            auto_fixed=self._fixed_on,
+        )  # fmt: skip
 
     async def _run_general(self, op, fds, offsets, addrs, lengths) -> np.ndarray:
         self._check_open()
@@ -309,10 +314,7 @@ class UringEngine:
         # Common case: the batch fits; submit() validates it and queues all of it or nothing.
         self._batches[b.slot] = b
         try:
-            q = self._ring.submit(
-                b.op, b.fds, b.offs, b.addrs, b.lens, None, None, None, self._async_min, True,
-                b.slot << _SLOT_SHIFT, self._fixed_on,
-            )  # fmt: skip
+            q = self._submit(b.op, b.fds, b.offs, b.addrs, b.lens, ud_base=b.slot << _SLOT_SHIFT)
         except BaseException:
             del self._batches[b.slot]
             raise
@@ -414,9 +416,9 @@ class UringEngine:
         last = len(chunks) - 1
         for j, (b, s, e) in enumerate(chunks):
             try:
-                q = ring.submit(
-                    b.op, b.fds_slice(s, e), b.offs[s:e], b.addrs[s:e], b.lens[s:e], None, None, None,
-                    self._async_min, j == last, (b.slot << _SLOT_SHIFT) + s, self._fixed_on,
+                q = self._submit(
+                    b.op, b.fds_slice(s, e), b.offs[s:e], b.addrs[s:e], b.lens[s:e],
+                    ud_base=(b.slot << _SLOT_SHIFT) + s, enter=j == last,
                 )  # fmt: skip
             except (ValueError, OSError) as exc:
                 # Validated when queued; only a changed fd (closed, reopened O_DIRECT) gets here.
@@ -447,10 +449,7 @@ class UringEngine:
         addr = np.array([int(b.addrs[i]) + d], dtype=ADDR_DTYPE)
         ln = np.array([b.lens[i] - d], dtype=np.int64)
         try:
-            self._ring.submit(
-                b.op, b.fd(i), off, addr, ln, None, None, None, self._async_min, True,
-                (b.slot << _SLOT_SHIFT) + i, self._fixed_on,
-            )  # fmt: skip
+            self._submit(b.op, b.fd(i), off, addr, ln, ud_base=(b.slot << _SLOT_SHIFT) + i)
         except (ValueError, OSError) as exc:
             self._final(b, i, d if d else -(getattr(exc, "errno", None) or errno.EINVAL))
 
