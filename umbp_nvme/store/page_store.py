@@ -10,7 +10,7 @@ key still has the generation it looked up once the read is done.
 
 Opening (opening.py), room for a put (space.py, eviction.py), the row table (rows.py), caller
 memory (memory.py) and bounce staging (staging.py) each have their module; this one holds the
-store's state, its public calls that are not puts or gets, index commits and the I/O wait.
+store's state, its public calls that are not puts or gets, and index commits; waits.py the I/O wait.
 
 Reads never wait behind writes: reads and writes go to two engine instances (two rings or two
 thread pools), and at most ``opening.WRITE_BATCHES_IN_FLIGHT`` put batches submit at a time, so
@@ -22,10 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from typing import NamedTuple
-
-import numpy as np
 
 from ..config import StoreConfig
 from ..errors import ReadOnlyStoreError
@@ -34,9 +31,9 @@ from .get_path import GetPath
 from .memory import Ranges
 from .opening import OpenSteps
 from .put_path import PutPath
-from .segments import segment_name
 from .space import SpaceSteps
-from .staging import BouncePool, settle
+from .staging import BouncePool
+from .waits import IoWaits
 
 log = logging.getLogger("umbp_nvme.store")
 
@@ -53,14 +50,11 @@ COUNTERS = (
 )  # fmt: skip
 
 
-class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath):
+class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
     # Per-instance once set; class defaults so every open path has them.
     _closed_logged = False  # the one log line for calls after close()
-    _stalled_ops = 0  # ops that outlived io_timeout_s (the call waited for the kernel)
-    _late_completions = 0  # of those, ended since (== stalled_ops when none is in flight)
-    _stalled_wait_s = 0.0  # longest wait past io_timeout_s
     _space_limit_segments = None  # segments with files when one could not be created (ENOSPC)
     _space_retry_at = 0.0
     _rows = None  # writers: the row table (rows.py)
@@ -288,52 +282,6 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath):
         return False
 
     # ----------------------------------------------------------------------------- eviction
-
-    async def _await_io(self, task: asyncio.Future, what: str, segs: np.ndarray, timeout_s: float | None = None):
-        """The engine's result for ``task``, or None when it outlived io_timeout_s.
-
-        Either way this returns only once the engine batch has ended: until then the kernel may
-        still read or write the caller's memory, the slots and the bounce buffer. At the timeout
-        the stall is counted and logged once with its segments and the engine is asked to cancel
-        (io_uring tries IORING_OP_ASYNC_CANCEL; block I/O usually runs on to its end or to the
-        block layer's timeout, and the wait goes on). A cancellation of our caller waits the same
-        way (awaiting a task that is cancelled waits for its end). One timer per call: no
-        wait_for/shield futures on the hot path.
-        """
-        stalled_at = None
-
-        def on_timeout() -> None:
-            nonlocal stalled_at
-            if task.done():
-                return
-            stalled_at = time.monotonic()
-            n = len(segs)
-            self._counters["timeouts"] += 1
-            self._stalled_ops += n
-            u = np.unique(segs)
-            names = ", ".join(segment_name(int(x)) for x in u[:4].tolist()) + (" ..." if len(u) > 4 else "")
-            log.error(
-                "%s: %s of %d objects outlived io_timeout_s=%.1f s on %s; cancelling it and waiting for the "
-                "kernel to give back the memory", self.path, what, n, self.timeout_s, names,
-            )  # fmt: skip
-            task.cancel()
-
-        h = asyncio.get_running_loop().call_later(self.timeout_s if timeout_s is None else timeout_s, on_timeout)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if stalled_at is None or (me is not None and me.cancelling()):
-                if not task.done():  # our caller gave up: the engine batch still owns the memory
-                    task.cancel()
-                    await settle(task)
-                raise
-            return None  # our own timeout: the batch has ended (task is done)
-        finally:
-            h.cancel()
-            if stalled_at is not None and task.done():
-                self._late_completions += len(segs)
-                self._stalled_wait_s = max(self._stalled_wait_s, time.monotonic() - stalled_at)
 
     # ----------------------------------------------------------------------------- delete
 

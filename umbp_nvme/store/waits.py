@@ -1,0 +1,69 @@
+"""Waiting for the engine: every wait on I/O ends only once the kernel has let go of the memory.
+
+A mixin of PageStore (the put and get paths call ``_await_io``); it counts and logs stalls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from .segments import segment_name
+from .staging import settle
+
+log = logging.getLogger("umbp_nvme.store")
+
+
+class IoWaits:
+    _stalled_ops = 0  # ops that outlived io_timeout_s (the call waited for the kernel)
+    _late_completions = 0  # of those, ended since (== stalled_ops when none is in flight)
+    _stalled_wait_s = 0.0  # longest wait past io_timeout_s
+
+    async def _await_io(self, task: asyncio.Future, what: str, segs: np.ndarray, timeout_s: float | None = None):
+        """The engine's result for ``task``, or None when it outlived io_timeout_s.
+
+        Either way this returns only once the engine batch has ended: until then the kernel may
+        still read or write the caller's memory, the slots and the bounce buffer. At the timeout
+        the stall is counted and logged once with its segments and the engine is asked to cancel
+        (io_uring tries IORING_OP_ASYNC_CANCEL; block I/O usually runs on to its end or to the
+        block layer's timeout, and the wait goes on). A cancellation of our caller waits the same
+        way (awaiting a task that is cancelled waits for its end). One timer per call: no
+        wait_for/shield futures on the hot path.
+        """
+        stalled_at = None
+
+        def on_timeout() -> None:
+            nonlocal stalled_at
+            if task.done():
+                return
+            stalled_at = time.monotonic()
+            n = len(segs)
+            self._counters["timeouts"] += 1
+            self._stalled_ops += n
+            u = np.unique(segs)
+            names = ", ".join(segment_name(int(x)) for x in u[:4].tolist()) + (" ..." if len(u) > 4 else "")
+            log.error(
+                "%s: %s of %d objects outlived io_timeout_s=%.1f s on %s; cancelling it and waiting for the "
+                "kernel to give back the memory", self.path, what, n, self.timeout_s, names,
+            )  # fmt: skip
+            task.cancel()
+
+        h = asyncio.get_running_loop().call_later(self.timeout_s if timeout_s is None else timeout_s, on_timeout)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if stalled_at is None or (me is not None and me.cancelling()):
+                if not task.done():  # our caller gave up: the engine batch still owns the memory
+                    task.cancel()
+                    await settle(task)
+                raise
+            return None  # our own timeout: the batch has ended (task is done)
+        finally:
+            h.cancel()
+            if stalled_at is not None and task.done():
+                self._late_completions += len(segs)
+                self._stalled_wait_s = max(self._stalled_wait_s, time.monotonic() - stalled_at)
