@@ -1028,7 +1028,7 @@ def check_config_value(key: str, value) -> list[str]:
         found = []
         if key not in msg:
             found.append(f"error for {key}={value!r} does not name the key: {msg[:160]}")
-        shown = [repr(value), str(value)]
+        shown = [repr(value), str(value), str(value).strip()]  # parsers strip surrounding whitespace
         try:
             shown.append(repr(float(value)))  # numbers may be shown as parsed
             if float(value).is_integer():
