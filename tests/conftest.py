@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -97,3 +98,12 @@ def hybrid(root):
     backend = E.load_backend(E.storage_config(root), kv.host, {"swa": swa.host, "mamba": mamba.host})
     yield backend, kv, swa, mamba
     backend.close()
+
+
+def mount_tmpfs(path: str, size: str) -> str | None:
+    """Mount a tmpfs of ``size`` at ``path``; the reason it could not, or None."""
+    os.makedirs(path, exist_ok=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return "needs root and mount(8)"
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"mount -t tmpfs failed: {r.stderr.strip() or r.returncode}"

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
 from support.faults import EngineHooks
-from conftest import KiB, MiB, payload, small_config
+from conftest import KiB, MiB, mount_tmpfs, payload, small_config
 from umbp_nvme.store import PageStore
 
 
@@ -174,19 +173,11 @@ async def test_put_that_cannot_get_space_fails_only_that_key(store_dir):
     await st.close()
 
 
-def _mount_tmpfs(path: str, size: str) -> str | None:
-    os.makedirs(path, exist_ok=True)
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        return "needs root and mount(8)"
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, text=True)
-    return None if r.returncode == 0 else f"mount -t tmpfs failed: {r.stderr.strip() or r.returncode}"
-
-
 async def test_enospc_adopts_the_segments_it_has_and_keeps_caching(tmp_path):
     # issue 10 defect 11 changed this: a full file system below the configured capacity makes
     # the segments the store has its effective capacity; it evicts within them and keeps caching
     mnt = str(tmp_path / "small")
-    why = _mount_tmpfs(mnt, "8m")
+    why = mount_tmpfs(mnt, "8m")
     if why:
         pytest.skip(why)
     try:

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import KiB, MiB, payload, small_config
+from conftest import KiB, MiB, mount_tmpfs, payload, small_config
 from umbp_nvme.store import staging as staging_mod
 from umbp_nvme import sync_store as sync_mod
 from umbp_nvme.engine import uring as uring_mod
@@ -484,17 +484,9 @@ async def test_a_real_device_stall_holds_the_get_until_the_drive_resumes(monkeyp
 # --------------------------------------------------------------------------- 11. ENOSPC
 
 
-def _mount_tmpfs(path: str, size: str) -> str | None:
-    os.makedirs(path, exist_ok=True)
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        return "needs root and mount(8)"
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, text=True)
-    return None if r.returncode == 0 else f"mount -t tmpfs failed: {r.stderr.strip() or r.returncode}"
-
-
 async def test_a_full_file_system_below_capacity_keeps_caching_within_the_segments_it_has(tmp_path):
     mnt = str(tmp_path / "small")
-    why = _mount_tmpfs(mnt, "3m")
+    why = mount_tmpfs(mnt, "3m")
     if why:
         pytest.skip(why)
     try:
