@@ -400,3 +400,115 @@ def test_followers_are_exactly_the_non_writer_mla_ranks():
     # a truthy non-bool is_storage_writer is not sglang's property: UMBP's rule decides
     assert is_mla_follower(cfg(is_mla_model=True, tp_rank=1, tp_size=2, is_storage_writer=1)) is True
     assert is_mla_follower(cfg(is_mla_model=True, tp_rank=None, tp_size=2)) is False
+
+
+# ------------------------------------------------------------------------------------- partial configs
+# sglang's config fields move between commits (spec: read every optional field with a default).
+# A config that lacks a field behaves as the field's default: no MLA, TP/PP size 1, rank 0.
+
+
+def test_partial_configs_read_missing_fields_as_their_defaults():
+    assert is_mla_follower(NS(tp_rank=1, tp_size=2)) is False  # no is_mla_model: not MLA
+    assert is_mla_follower(NS(is_mla_model=True, tp_rank=1)) is False  # no tp_size: one rank
+    assert is_mla_follower(NS(is_mla_model=True, tp_size=2)) is False  # no tp_rank: rank 0, the writer
+    assert is_mla_follower(NS(is_mla_model=True, tp_size=2, tp_rank=1)) is True
+    assert unique_rank(NS(pp_rank=1, tp_rank=1), {}) == 2  # tp_size 1: pp stage 1 is rank 1, +tp
+    assert unique_rank(NS(dp_rank=1), {}) == 1  # pp_size 1, tp_size 1
+    assert unique_rank(NS(dp_rank=1, pp_size=0, tp_size=None), {}) == 1  # 0 / None sizes read as 1
+    assert unique_rank(NS(dp_rank=1, pp_size=2, pp_rank=None, tp_rank=None), {}) == 2
+    assert rank_subdir(NS(), {}) == ""
+    assert rank_subdir(NS(tp_rank=1, tp_size=2), {}) == "tp1"
+    assert rank_subdir(NS(is_mla_model=True, tp_size=2, dcp_size=2), {}) == "dcp0"
+    scheme = KeyScheme.from_storage_config(NS())
+    assert scheme == KeyScheme() and scheme.v1_keys([H]) == [f"{H}_0_k", f"{H}_0_v"]
+
+
+def test_multiplier_counts_the_objects_of_a_page():
+    for config, plain, envelope in [
+        (cfg(), 2, 1),
+        (cfg(is_mla_model=True), 1, 1),
+        (split_cfg(2, 3, 1, 1, 0), 6, 1),
+    ]:
+        scheme = KeyScheme.from_storage_config(config)
+        assert scheme.v1_multiplier() == scheme.multiplier == plain == len(scheme.v1_keys([H]))
+        assert scheme.v1_multiplier(envelope=True) == envelope == len(scheme.v1_keys([H], envelope=True))
+
+
+def test_component_keys_pass_the_rank_suffix_through():
+    from umbp_nvme.keys import PoolRegistry
+
+    reg = PoolRegistry()
+    reg.register("indexer", Pool())
+    reg.register("swa", Pool(v_buffer=1))
+    scheme = KeyScheme.from_storage_config(cfg(is_mla_model=True, model_name="m"))
+    assert scheme.component_keys([H], "indexer", reg) == ([f"m_{H}__indexer"], 1)
+    assert scheme.component_keys([H], "indexer", reg, rank_suffix="3") == ([f"m_{H}_3_indexer"], 1)
+    mha = KeyScheme.from_storage_config(cfg(tp_rank=1, tp_size=2))
+    assert mha.component_keys([H], "swa", reg, rank_suffix="0") == ([f"{H}_0_swa_k", f"{H}_0_swa_v"], 2)
+    assert mha.component_keys([H], "swa", reg) == ([f"{H}_1_swa_k", f"{H}_1_swa_v"], 2)
+
+
+def test_registry_items_are_a_snapshot_of_name_pool_pairs():
+    from umbp_nvme.keys import PoolRegistry
+
+    reg = PoolRegistry()
+    a, b = Pool(), Pool()
+    reg.register("mamba", a)
+    reg.register("swa", b)
+    items = reg.items()
+    assert items == [("mamba", a), ("swa", b)]
+    reg.register("indexer", a)
+    assert len(items) == 2 and len(reg.items()) == 3
+    assert "indexer" in reg and "kv" not in reg
+
+
+def test_unregistered_pool_messages_in_full():
+    from umbp_nvme.keys import UnregisteredPoolError
+
+    assert str(UnregisteredPoolError("swa", ["mamba"])) == (
+        "Unregistered UMBP hybrid pool: swa. Registered pools: mamba. "
+        "Register it with register_mem_host_pool_v2(host_pool, name) before batch I/O."
+    )
+    # KV is never a side pool: the hint says where KV goes instead
+    assert str(UnregisteredPoolError("kv")) == (
+        "Unregistered UMBP hybrid pool: kv. Registered pools: none. The KV anchor is never a side pool: it is "
+        "registered with register_mem_pool_host and read and written through batch_get_v1 / batch_set_v1."
+    )
+
+
+FIELD_DEFAULTS = dict(
+    tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, is_mla_model=False, dp_rank=0, dp_size=1, dcp_rank=0, dcp_size=1,
+    attn_cp_rank=0, model_name=None, extra_config=None, should_split_heads=False,
+)
+
+BASE_CONFIGS = [
+    dict(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2, dp_rank=1, dp_size=2),
+    dict(tp_rank=3, tp_size=4, pp_rank=2, pp_size=3, is_mla_model=True, dp_rank=1, dp_size=2),
+    dict(tp_rank=1, tp_size=4, is_mla_model=True, dcp_rank=1, dcp_size=2, attn_cp_rank=1, pp_rank=1, pp_size=2),
+    dict(tp_rank=1, tp_size=2, should_split_heads=True, tp_lcm_size=4, model_name="o/m", extra_config={"extra_backend_tag": "t"}),
+    dict(tp_rank=0, tp_size=1, pp_rank=1, pp_size=2, dp_rank=2, dp_size=3, model_name="m"),
+]
+
+
+def observe(config, env):
+    scheme = KeyScheme.from_storage_config(config)
+    return (
+        scheme.v1_keys([H]), scheme.side_pool_keys([H], "indexer", Pool())[0], scheme.config_prefix,
+        rank_subdir(config, env), unique_rank(config, env), is_mla_follower(config), dp_rank_hint(config, env),
+    )
+
+
+@pytest.mark.parametrize("base", BASE_CONFIGS, ids=range(len(BASE_CONFIGS)))
+@pytest.mark.parametrize("field", sorted(FIELD_DEFAULTS))
+def test_a_missing_or_none_field_reads_as_its_default(base, field):
+    # Fields move between sglang commits: a config without one, or with None in it, behaves
+    # exactly like the same config with the field at its default.
+    if field == "should_split_heads" and base.get("should_split_heads"):
+        return  # tp_lcm_size then means nothing; covered by test_split_heads_flag_off_ignores_tp_lcm_size
+    for env in ({}, {"LOCAL_RANK": "5"}):
+        with_default = NS(**{**base, field: FIELD_DEFAULTS[field]})
+        missing = NS(**{k: v for k, v in base.items() if k != field})
+        as_none = NS(**{**base, field: None})
+        expected = observe(with_default, env)
+        assert observe(missing, env) == expected
+        assert observe(as_none, env) == expected
