@@ -512,3 +512,17 @@ def test_a_missing_or_none_field_reads_as_its_default(base, field):
         expected = observe(with_default, env)
         assert observe(missing, env) == expected
         assert observe(as_none, env) == expected
+
+
+def test_split_heads_without_tp_lcm_size_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"tp_lcm_size=None, tp_size=2$"):
+        KeyScheme.from_storage_config(NS(tp_rank=0, tp_size=2, should_split_heads=True))
+
+
+def test_scheme_carries_every_rank_field_of_the_config():
+    config = cfg(tp_rank=3, tp_size=4, pp_rank=1, pp_size=2, is_mla_model=True, dcp_rank=1, dcp_size=2,
+                 attn_cp_rank=2, model_name="m")
+    assert KeyScheme.from_storage_config(config) == KeyScheme(
+        tp_rank=3, tp_size=4, pp_rank=1, pp_size=2, is_mla=True, split_factor=0, config_prefix="m",
+        dcp_rank=1, dcp_size=2, attn_cp_rank=2,
+    )
