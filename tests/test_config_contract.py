@@ -266,3 +266,41 @@ def test_string_enums_are_stripped_and_lowered_from_both_layers():
         "extra_config['ssd_durability_mode'] must be one of: strict, sync, relaxed, async; got 'fast'"
     )
     assert error_of({"ssd_backend": "nfs"}) == "extra_config['ssd_backend'] must be one of: file, spdk, spdk_proxy; got 'nfs'"
+
+
+def test_an_empty_environment_variable_skips_only_itself():
+    # UMBP_SSD_DIR comes first in ENV_KEYS: leaving it empty must not drop the variables after it.
+    env = {var: "" for var in ENV_KEYS}
+    env["UMBP_O_DIRECT"] = "0"  # the last one
+    env["UMBP_SSD_CAPACITY"] = str(2 * GiB)
+    cfg = load(env=env)
+    assert (cfg.o_direct, cfg.ssd_capacity_bytes, cfg.ssd_storage_dir) == (False, 2 * GiB, "/tmp/umbp_ssd")
+
+
+@pytest.mark.parametrize("minimum", [0, 1, 7])
+def test_integer_parsers_accept_integral_values_from_their_minimum(minimum):
+    from umbp_nvme.config import _int_parser
+
+    parse = _int_parser(minimum)
+    for value in (minimum, minimum + 1, float(minimum), str(minimum), f" +{minimum + 2} ", 10**12):
+        expected = int(str(value).strip()) if isinstance(value, str) else int(value)
+        got = parse(value, "L")
+        assert got == expected and type(got) is int
+    for value in (minimum - 1, str(minimum - 1), float(minimum) - 0.5, True, False, None, "", "1e3", "x", [minimum]):
+        with pytest.raises(ValueError) as err:
+            parse(value, "L")
+        assert str(err.value) == f"L must be an integer >= {minimum}, got {value!r}"
+
+
+def test_spdk_backend_message_in_full():
+    assert error_of({"ssd_backend": " SPDK "}) == (
+        "extra_config['ssd_backend'] is ' SPDK ', but umbp_nvme is a local-NVMe backend that stores pages in "
+        "files on a mounted file system; SPDK is not supported. Remove the key or set it to 'file', and drop any "
+        "spdk_* keys."
+    )
+
+
+def test_an_empty_remote_key_skips_only_itself():
+    # An empty master_address is "not set" (UMBP); the keys after it still apply, in order.
+    cfg = load({"master_address": "", "ssd_queue_depth": 3, "standalone_address": None, "o_direct": False})
+    assert (cfg.ssd_queue_depth, cfg.o_direct) == (3, False)
