@@ -349,3 +349,30 @@ def test_size_class_helpers_round_up_to_4_kib():
     assert size_classes(np.array([1, P, P + 1, 60000], np.uint32)).tolist() == [P, P, 2 * P, 15 * P]
     assert size_classes(np.array([4 * 10**9], np.uint32)).tolist() == [size_class(4 * 10**9)]
     assert segment_name(0) == "seg-00000.dat" and segment_name(123) == "seg-00123.dat"
+
+
+def test_rebuild_keeps_records_from_one_byte_up_to_a_whole_segment():
+    a, keep = rebuild(2, [(0, 0, 1), (1, 0, SEG)])
+    assert keep == [True, True]
+    assert a.class_counts() == {4 * K: 1, SEG: 1} and a.used_bytes == 4 * K + SEG
+    assert a.alloc(SEG) is None and a.alloc(4 * K) == (0, 4 * K)
+
+
+def test_rebuild_majority_is_decided_per_segment_even_next_to_a_full_segment():
+    # segment 0: one record filling it; segment 1: three 8 KiB records and one damaged 4 KiB one.
+    records = [(0, 0, SEG), (1, 0, 8 * K), (1, 8 * K, 8 * K), (1, 16 * K, 8 * K), (1, 28 * K, 4 * K)]
+    a, keep = rebuild(2, records)
+    assert keep == [True, True, True, True, False]
+    assert a.class_counts() == {SEG: 1, 8 * K: 3}
+    assert a.free_segments() == 0
+
+
+def test_rebuild_of_two_records_in_one_slot_keeps_the_newest():
+    for gens, expected in (((3, 8), [False, True]), ((8, 3), [True, False])):
+        a, keep = rebuild(1, [(0, 8 * K, 8 * K, gens[0]), (0, 8 * K, 8 * K, gens[1])])
+        assert keep == expected
+        assert a.used_bytes == 8 * K and a.class_counts() == {8 * K: 1}
+    # a shared slot after a record of its own
+    a, keep = rebuild(1, [(0, 0, 8 * K, 1), (0, 8 * K, 8 * K, 5), (0, 8 * K, 8 * K, 4)])
+    assert keep == [True, True, False]
+    assert a.used_bytes == 2 * 8 * K
