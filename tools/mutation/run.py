@@ -45,6 +45,14 @@ MODULES: dict[str, tuple[float, list[str]]] = {
 # opens and preallocates files; the store tests cover it, the allocator tests do not.
 OUT_OF_SCOPE = {"segments": re.compile(r"xǁSegmentFilesǁ")}
 
+# The tests each module had before issue 17 (for --baseline: what the new tests added).
+BASELINE_TESTS = {
+    "keys": ["tests/test_keys.py"],
+    "hits": ["tests/test_hits.py"],
+    "config": ["tests/test_config.py"],
+    "segments": ["tests/test_store_segments.py"],
+}
+
 KILLED = {"killed", "timeout", "segfault", "suspicious", "caught by type check"}
 
 
@@ -159,7 +167,15 @@ def main() -> int:
     ap.add_argument(
         "--rescore", action="store_true", help="re-read the last run's verdicts (after editing equivalents.md); run nothing"
     )
+    ap.add_argument("--baseline", action="store_true", help="only the pre-issue-17 tests; build/mutation-baseline, baseline.md")
     args = ap.parse_args()
+    global WORK
+    if args.baseline:
+        WORK = ROOT / "build" / "mutation-baseline"
+        for m in MODULES:
+            MODULES[m] = (MODULES[m][0], BASELINE_TESTS[m])
+        if args.report == str(HERE / "report.md"):
+            args.report = str(HERE / "baseline.md")
     for module in args.modules:
         if args.rescore:
             old = json.loads((WORK / module / "result.json").read_text())
