@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch comes from its CPU wheel first so that nothing pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench mutation clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,17 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/umbp-nvme bench engine
+
+# Mutation report for keys, hits, config and the segment allocator (not part of .ci/run):
+# writes tools/mutation/report.md; MODULES="keys hits" for some, JOBS=2 for two workers.
+MODULES ?=
+JOBS ?= 1
+$(VENV)/.mutation: $(VENV)/.installed setup.cfg
+	$(BIN)/pip install -q -e '.[test,mutation]'
+	touch $@
+
+mutation: $(VENV)/.mutation
+	$(BIN)/python tools/mutation/run.py --jobs $(JOBS) $(MODULES)
 
 clean:
 	rm -rf $(VENV) build *.egg-info umbp_nvme/*.so

@@ -308,7 +308,8 @@ def rank_subdir(storage_config: Any, env: Mapping[str, str] | None = None) -> st
 
     MHA ranks hold different bytes under the same page hash only through their key suffixes, but
     a store has one writer, so each rank gets its own directory. MLA with TP > 1 shares one
-    directory per DP group and PP stage (one writer, TP rank 0; the other TP ranks read it).
+    directory per DP group, PP stage and DCP shard (one writer, TP rank 0 or the shard's writer;
+    the other TP ranks read it).
     """
     env = os.environ if env is None else env
     if storage_config is None:
@@ -323,6 +324,11 @@ def rank_subdir(storage_config: Any, env: Mapping[str, str] | None = None) -> st
     if pp_size > 1:
         parts.append(f"pp{int(getattr(storage_config, 'pp_rank', 0) or 0)}")
     if shared_mla:
+        # sglang 0.5.23 DCP: one writer per DCP shard (is_storage_writer), each with its own bytes
+        # and keys; a shard's TP replicas read its writer's directory.
+        dcp_size = int(getattr(storage_config, "dcp_size", 1) or 1)
+        if dcp_size > 1:
+            parts.append(f"dcp{int(getattr(storage_config, 'dcp_rank', 0) or 0)}")
         return "_".join(parts)
     if tp_size > 1:
         parts.append(f"tp{int(getattr(storage_config, 'tp_rank', 0) or 0)}")
