@@ -20,7 +20,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from umbp_nvme.segments import SLOT_ALIGN_BYTES, SegmentAllocator, segment_name, size_class, size_classes
+from umbp_nvme.store.segments import SLOT_ALIGN_BYTES, SegmentAllocator, segment_name, size_class, size_classes
 
 K = 1024  # KiB
 P = 4096  # one 4 KiB block

@@ -9,8 +9,8 @@ import numpy as np
 from test_cli_warmup import CAP, _cfg, items, make_store, read_store, run_cli
 
 from umbp_nvme.maintenance import StoreReader, classify_key
-from umbp_nvme.segments import segment_name
-from umbp_nvme.sync_store import SyncPageStore
+from umbp_nvme.store.segments import segment_name
+from umbp_nvme.store.sync import SyncPageStore
 
 
 def _corrupt(store: str, key: str) -> None:

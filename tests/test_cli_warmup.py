@@ -222,7 +222,7 @@ def test_warmup_skips_an_archive_record_whose_crc_fails(tmp_path, capsys):
 
 
 def test_writing_into_a_locked_store_names_the_holder(tmp_path, capsys):
-    from umbp_nvme.sync_store import SyncPageStore
+    from umbp_nvme.store.sync import SyncPageStore
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     make_store(a, items(2))

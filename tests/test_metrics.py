@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import KiB, MiB, payload, small_config
-from umbp_nvme.segments import segment_name
-from umbp_nvme.sync_store import SyncPageStore
+from umbp_nvme.store.segments import segment_name
+from umbp_nvme.store.sync import SyncPageStore
 
 from support.faults import FaultPlan, FaultRule
 

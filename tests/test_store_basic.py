@@ -16,7 +16,7 @@ from conftest import KiB, MiB, payload, small_config
 from support.faults import EngineHooks
 from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.errors import NamespaceMismatchError, ReadOnlyStoreError, StoreLockedError, UnsafeStorePathError
-from umbp_nvme.segments import segment_name
+from umbp_nvme.store.segments import segment_name
 from umbp_nvme.store import PageStore
 
 

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from conftest import KiB, MiB, payload, small_config
-from umbp_nvme import segments as segments_mod
+from umbp_nvme.store import segments as segments_mod
 from support.faults import FaultPlan, FaultRule
 from umbp_nvme.errors import CapacityShrinkError, IndexDamagedError, NotAStoreError, StoreError
-from umbp_nvme.index import INDEX_FILE
-from umbp_nvme.segments import segment_name
+from umbp_nvme.store.index import INDEX_FILE
+from umbp_nvme.store.segments import segment_name
 from umbp_nvme.store import LOCK_FILE, MANIFEST_FILE, PageStore, lock_holder, read_manifest
-from umbp_nvme.sync_store import SyncPageStore
+from umbp_nvme.store.sync import SyncPageStore
 
 OBJ = 64 * KiB
 
@@ -215,7 +215,7 @@ async def test_damaged_index_is_moved_aside_and_the_writer_starts_empty(store_di
 
 async def test_other_lmdb_errors_become_store_errors_naming_the_path(store_dir, monkeypatch):
     await filled(store_dir, 4, 2)
-    import umbp_nvme.index as index_mod
+    import umbp_nvme.store.index as index_mod
 
     def boom(*a, **kw):
         raise lmdb.ReadersFullError("mdb_env_open: MDB_READERS_FULL")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from conftest import KiB, MiB, payload, small_config
-from umbp_nvme.sync_store import SyncPageStore
+from umbp_nvme.store.sync import SyncPageStore
 
 KEYS = st.sampled_from([f"k{i}" for i in range(24)])
 SIZES = st.sampled_from([4096, 5000, 64 * KiB, 200 * KiB])

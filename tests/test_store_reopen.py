@@ -8,8 +8,8 @@ import time
 import numpy as np
 
 from conftest import small_config
-from umbp_nvme.index import INDEX_FILE, REC_DTYPE, Index
-from umbp_nvme.segments import segment_name
+from umbp_nvme.store.index import INDEX_FILE, REC_DTYPE, Index
+from umbp_nvme.store.segments import segment_name
 from umbp_nvme.store import PageStore
 
 N = 1_000_000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from umbp_nvme.segments import SegmentAllocator
+from umbp_nvme.store.segments import SegmentAllocator
 
 KiB, MiB = 1 << 10, 1 << 20
 

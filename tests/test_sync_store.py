@@ -10,7 +10,7 @@ import pytest
 
 from conftest import KiB, payload, small_config
 from umbp_nvme.errors import StoreLockedError
-from umbp_nvme.sync_store import SyncPageStore
+from umbp_nvme.store.sync import SyncPageStore
 
 
 def test_sync_calls_from_many_threads(store_dir):

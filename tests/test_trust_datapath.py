@@ -20,11 +20,11 @@ import pytest
 
 from conftest import KiB, MiB, mount_tmpfs, payload, small_config
 from umbp_nvme.store import staging as staging_mod
-from umbp_nvme import sync_store as sync_mod
+from umbp_nvme.store import sync as sync_mod
 from umbp_nvme.engine import uring as uring_mod
 from support.faults import FaultPlan, FaultRule
 from umbp_nvme.store import PageStore
-from umbp_nvme.sync_store import SyncPageStore
+from umbp_nvme.store.sync import SyncPageStore
 
 OBJ = 16 * KiB
 FAKE_DRIVES = "/work/shared/tools/fake-drives"

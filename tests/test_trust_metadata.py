@@ -32,9 +32,9 @@ from umbp_nvme.errors import (
     StoreDamagedError,
     UnsafeStorePathError,
 )
-from umbp_nvme.index import FLAG_KEYCRC, INDEX_FILE, REC_DTYPE, Index, check_index_file, key_crcs
+from umbp_nvme.store.index import FLAG_KEYCRC, INDEX_FILE, REC_DTYPE, Index, check_index_file, key_crcs
 from umbp_nvme.maintenance import StoreReader, verify_records
-from umbp_nvme.segments import SegmentAllocator, segment_name
+from umbp_nvme.store.segments import SegmentAllocator, segment_name
 from umbp_nvme.store import MANIFEST_FILE, PageStore, read_manifest
 
 OBJ = 4 * KiB

@@ -19,7 +19,7 @@ import numpy as np
 from umbp_nvme import metrics
 from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.config import StoreConfig
-from umbp_nvme.sync_store import SyncPageStore
+from umbp_nvme.store.sync import SyncPageStore
 
 OBJ = 64 << 10
 N = 256

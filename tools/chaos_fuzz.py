@@ -418,7 +418,7 @@ def job_inject(job) -> dict:
     """Rename index records of placeholder keys to raw key bytes, straight in LMDB (the store is closed)."""
     import lmdb
     import numpy as np
-    from umbp_nvme.index import REC_DTYPE, key_crcs
+    from umbp_nvme.store.index import REC_DTYPE, key_crcs
 
     env = lmdb.open(os.path.join(job["path"], "index.lmdb"), subdir=False, max_dbs=4, lock=True, map_size=1 << 30)
     done = 0

@@ -535,7 +535,7 @@ class UMBPNvmeStore(HiCacheStorage):
         """Open this rank's store if it is not open; None while a follower waits for its leader."""
         if self._store is not None or self._closed or not self.config.ssd_enabled or self._namespace is None:
             return self._store
-        from .sync_store import SyncPageStore
+        from .store.sync import SyncPageStore
 
         if self.is_mla_follower:
             # Until the leader has created the store, a lookup costs one stat() and misses.
@@ -596,7 +596,7 @@ class UMBPNvmeStore(HiCacheStorage):
         if self._private is None:
             with self._lock:
                 if self._private is None and not self._closed:
-                    from .sync_store import SyncPageStore
+                    from .store.sync import SyncPageStore
 
                     ns = dict(self._namespace or {}, kind=NAMESPACE_KIND + "/sidecar")
                     store = SyncPageStore(

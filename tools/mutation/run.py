@@ -40,6 +40,9 @@ MODULES: dict[str, tuple[float, list[str]]] = {
     "segments": (0.90, ["tests/test_store_segments.py", "tests/test_allocator_contract.py"]),
 }
 
+# where each module lives under umbp_nvme/ (the allocator moved into the store package)
+PATHS = {"segments": "store/segments"}
+
 # mutmut statuses that count as detected; "survived", "no tests", "not checked" ... do not.
 # Mutants outside the scored part of a module (reported, not scored): segments.py's SegmentFiles
 # opens and preallocates files; the store tests cover it, the allocator tests do not.
@@ -78,7 +81,7 @@ def prepare(module: str, tests: list[str]) -> Path:
     shutil.copytree(ROOT / "tests", work / "tests", ignore=ignore)
     cfg = (ROOT / "setup.cfg").read_text()
     cfg += "\n[mutmut]\nsource_paths = umbp_nvme\n"
-    cfg += f"only_mutate = umbp_nvme/{module}.py\n"
+    cfg += f"only_mutate = umbp_nvme/{PATHS.get(module, module)}.py\n"
     cfg += "pytest_add_cli_args_test_selection =\n" + "".join(f"    {t}\n" for t in tests if (ROOT / t).exists())
     cfg += "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -p\n    no:randomly\n"
     cfg += "use_git_change_detection = false\n"
@@ -97,7 +100,7 @@ def verdicts(work: Path, module: str) -> dict[str, str]:
     """mutant name -> mutmut's status ("killed", "survived", "timeout", ...), from its .meta file."""
     from mutmut.stats import status_by_exit_code
 
-    meta = work / "mutants" / "umbp_nvme" / f"{module}.py.meta"
+    meta = work / "mutants" / "umbp_nvme" / f"{PATHS.get(module, module)}.py.meta"
     data = json.loads(meta.read_text())
     return {name: status_by_exit_code[code] for name, code in data["exit_code_by_key"].items()}
 
@@ -182,7 +185,7 @@ def main() -> int:
             row = score(module, WORK / module, old["seconds"], old["tests"])
             row["finished"] = old["finished"]
         else:
-            print(f"== mutating umbp_nvme/{module}.py", flush=True)
+            print(f"== mutating umbp_nvme/{PATHS.get(module, module)}.py", flush=True)
             row = run_module(module, args.jobs, args.with_sglang)
             row["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         row["diffs"] = {name: diff_of(row["work"], name) for name in row["unexplained"]}

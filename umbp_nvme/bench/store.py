@@ -61,7 +61,7 @@ from .common import Sample, bench_dir, Stopwatch, check_buffers, drop_caches, fi
 from umbp_nvme.buffers import HUGE_PAGE_BYTES
 from umbp_nvme.config import StoreConfig
 from umbp_nvme.engine import open_data_file, open_engine
-from umbp_nvme.segments import segment_name
+from umbp_nvme.store.segments import segment_name
 from umbp_nvme.store import PageStore
 
 BENCH = "store"
