@@ -45,6 +45,7 @@ def test_every_default_is_pinned():
         dram_capacity_bytes=4 * GiB,
         eviction_candidate_window=16,
         auto_promote_on_read=True,
+        gds_staging=False,
     )
     assert load() == cfg and cfg.validate() is cfg
     assert (GiB, MiB) == (1 << 30, 1 << 20)
@@ -109,9 +110,9 @@ def test_non_finite_io_timeout_is_refused(value):
      ("io_timeout_s", "5"), ("io_timeout_s", None)],
 )
 def test_validate_refuses_a_bad_timeout_set_by_hand(field, value):
-    cfg = StoreConfig(**{field: value})
+    # the config is checked once, when it is made: no StoreConfig with a bad value exists
     with pytest.raises(ValueError, match=r"^io_timeout_s must be a positive number of seconds, got "):
-        cfg.validate()
+        StoreConfig(**{field: value})
 
 
 def test_validate_accepts_every_boundary_set_by_hand():
@@ -132,8 +133,8 @@ def test_validate_accepts_every_boundary_set_by_hand():
         ("ssd_segment_size_bytes", 4096.0, "ssd_segment_size_bytes must be a positive integer, got 4096.0"),
         ("ssd_queue_depth", 0, "ssd_queue_depth must be a positive integer, got 0"),
         ("ssd_queue_depth", -3, "ssd_queue_depth must be a positive integer, got -3"),
-        ("ssd_io_backend", "auto2", "ssd_io_backend must be one of: posix, io_uring; got 'auto2'"),
-        ("ssd_durability_mode", "sync", "ssd_durability_mode must be 'strict' or 'relaxed', got 'sync'"),
+        ("ssd_io_backend", "auto2", "ssd_io_backend must be one of: posix, io_uring, auto; got 'auto2'"),
+        ("ssd_durability_mode", "fsync", "ssd_durability_mode must be 'strict' or 'relaxed', got 'fsync'"),
         ("eviction_policy", "fifo", "eviction_policy must be one of: lru, prefix_aware; got 'fifo'"),
     ],
 )
@@ -156,6 +157,7 @@ def test_every_environment_variable_reaches_its_field():
         "UMBP_DRAM_CAPACITY": "0", "UMBP_SSD_BACKEND": "file", "UMBP_DISABLE_ZERO_COPY_REGISTER": "1",
         "UMBP_SSD_SEGMENT_SIZE": str(MiB), "UMBP_SSD_IO_BACKEND": "POSIX", "UMBP_SSD_DURABILITY": "async",
         "UMBP_VERIFY_CRC": "no", "UMBP_SSD_QUEUE_DEPTH": "1", "UMBP_IO_TIMEOUT_S": "0.5", "UMBP_O_DIRECT": "false",
+        "UMBP_GDS_STAGING": "on",
     }
     assert set(env) == set(ENV_KEYS)
     cfg = load(env=env)
@@ -163,7 +165,7 @@ def test_every_environment_variable_reaches_its_field():
     assert (cfg.ssd_high_watermark, cfg.ssd_low_watermark, cfg.eviction_policy) == (0.8, 0.4, "prefix_aware")
     assert (cfg.dram_capacity_bytes, cfg.ssd_segment_size_bytes, cfg.ssd_io_backend) == (0, MiB, "posix")
     assert (cfg.ssd_durability_mode, cfg.verify_crc, cfg.ssd_queue_depth) == ("relaxed", False, 1)
-    assert (cfg.io_timeout_s, cfg.o_direct) == (0.5, False)
+    assert (cfg.io_timeout_s, cfg.o_direct, cfg.gds_staging) == (0.5, False, True)
     # extra_config overrides each one it names and leaves the others alone
     cfg = load({"o_direct": True, "ssd_queue_depth": 8}, env)
     assert (cfg.o_direct, cfg.ssd_queue_depth, cfg.verify_crc, cfg.io_timeout_s) == (True, 8, False, 0.5)
@@ -304,3 +306,8 @@ def test_an_empty_remote_key_skips_only_itself():
     # An empty master_address is "not set" (UMBP); the keys after it still apply, in order.
     cfg = load({"master_address": "", "ssd_queue_depth": 3, "standalone_address": None, "o_direct": False})
     assert (cfg.ssd_queue_depth, cfg.o_direct) == (3, False)
+
+
+@pytest.mark.parametrize("alias,mode", [("sync", "strict"), ("async", "relaxed"), (" Strict ", "strict")])
+def test_durability_aliases_are_mapped_once_when_the_config_is_made(alias, mode):
+    assert StoreConfig(ssd_durability_mode=alias).ssd_durability_mode == mode
