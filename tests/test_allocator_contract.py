@@ -14,9 +14,11 @@ sequence of alloc / alloc_many / alloc_array / free / free_many / rebuild:
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -376,3 +378,44 @@ def test_rebuild_of_two_records_in_one_slot_keeps_the_newest():
     a, keep = rebuild(1, [(0, 0, 8 * K, 1), (0, 8 * K, 8 * K, 5), (0, 8 * K, 8 * K, 4)])
     assert keep == [True, True, False]
     assert a.used_bytes == 2 * 8 * K
+
+
+# The sizes come from the store's manifest (segment_bytes) and capacity // segment_bytes; a damaged
+# or hand-edited manifest must stop the open with an error that names the bad value, not build an
+# allocator whose slots overlap or run past the segment files.
+@pytest.mark.parametrize("bad", [0, -P, 1, P - 1, P + 1, 5000, 16 * K + 1, float(SEG), str(SEG), None, True])
+def test_a_segment_size_that_is_not_a_positive_int_multiple_of_4_kib_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=re.escape(f"segment_bytes={bad!r} must be a positive multiple of 4096")):
+        SegmentAllocator(2, bad)
+
+
+@pytest.mark.parametrize("bad", [-1, -5, 2.0, "3", None])
+def test_a_segment_count_that_is_not_a_non_negative_int_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=re.escape(f"n_segments={bad!r} must be a non-negative integer")):
+        SegmentAllocator(bad, SEG)
+
+
+def test_the_smallest_valid_sizes_are_accepted():
+    # one 4 KiB slot per segment, one segment
+    a = SegmentAllocator(1, P)
+    assert a.capacity_bytes == P and a.alloc(P) == (0, 0) and a.alloc(P) is None
+    # no segment at all is a valid (empty) allocator: nothing fits, every record is dropped
+    a = SegmentAllocator(0, SEG)
+    assert a.capacity_bytes == 0 and a.free_segments() == 0 and a.next_free_segment() is None
+    assert a.alloc(4 * K) is None and a.alloc_many(4 * K, 2) == [None, None]
+    segs, offs = a.alloc_array(4 * K, 2)
+    assert segs.tolist() == [-1, -1] and offs.tolist() == [-1, -1]
+    _, keep = rebuild(0, [(0, 0, 4 * K)])
+    assert keep == [False]
+
+
+def test_freeing_a_slot_that_is_not_allocated_is_refused_by_name_and_changes_nothing():
+    a = SegmentAllocator(2, SEG)
+    with pytest.raises(RuntimeError, match=re.escape("slot 8192 of segment 1 is not allocated")):
+        a.free(1, 8 * K)  # never handed out
+    seg, off = a.alloc(8 * K)
+    a.free(seg, off)
+    with pytest.raises(RuntimeError, match=re.escape(f"slot {off} of segment {seg} is not allocated")):
+        a.free(seg, off)  # double free of a segment's last slot
+    assert a.used_bytes == 0 and a.class_counts() == {} and a.free_segments() == 2
+    assert sorted(a.alloc_many(8 * K, 16)) == [(s, o) for s in (0, 1) for o in range(0, SEG, 8 * K)]

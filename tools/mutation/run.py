@@ -123,7 +123,14 @@ def run_module(module: str, jobs: int, with_sglang: bool) -> dict:
     )
     seconds = time.monotonic() - t0
     (work / "mutmut.log").write_text(proc.stdout)
-    return score(module, work, seconds, tests)
+    if proc.returncode != 0:
+        # e.g. the selected tests fail on the unmutated code: mutmut stops before checking any
+        # mutant, and scoring its "not checked" verdicts would report every mutant as a survivor
+        lines = [ln for ln in proc.stdout.splitlines() if ln.strip() and not ln.lstrip().startswith(tuple("⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"))]
+        raise RuntimeError(f"mutmut run exited {proc.returncode}: {lines[-1] if lines else '(no output)'} (log: {work / 'mutmut.log'})")
+    row = score(module, work, seconds, tests)
+    row["jobs"] = jobs
+    return row
 
 
 def score(module: str, work: Path, seconds: float, tests: list[str]) -> dict:
@@ -179,6 +186,7 @@ def main() -> int:
             MODULES[m] = (MODULES[m][0], BASELINE_TESTS[m])
         if args.report == str(HERE / "report.md"):
             args.report = str(HERE / "baseline.md")
+    errors: dict[str, str] = {}
     for module in args.modules:
         if args.rescore:
             old = json.loads((WORK / module / "result.json").read_text())
@@ -186,7 +194,12 @@ def main() -> int:
             row["finished"] = old["finished"]
         else:
             print(f"== mutating umbp_nvme/{PATHS.get(module, module)}.py", flush=True)
-            row = run_module(module, args.jobs, args.with_sglang)
+            try:
+                row = run_module(module, args.jobs, args.with_sglang)
+            except RuntimeError as e:  # no result.json: the report says the module was not measured
+                print(f"   FAILED: {e}", flush=True)
+                errors[module] = str(e)
+                continue
             row["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         row["diffs"] = {name: diff_of(row["work"], name) for name in row["unexplained"]}
         row["work"] = str(row["work"])
@@ -206,14 +219,15 @@ def main() -> int:
     lines = [
         "# Mutation report",
         "",
-        f"`make mutation` (tools/mutation/run.py, mutmut {_mutmut_version()}, one worker): "
+        f"`make mutation` (tools/mutation/run.py, mutmut {_mutmut_version()}, "
+        f"{'/'.join(sorted({str(r.get('jobs', 1)) for r in rows}))} worker(s)): "
         f"{total / 60:.1f} min for the modules below. Score = killed / (mutants - listed equivalents); "
         "timeouts count as killed. Equivalent survivors and their reasons: tools/mutation/equivalents.md.",
         "",
         "| module | mutants | killed | survived | listed equivalent | unexplained | score | target | time | run |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    failed = False
+    failed = bool(errors)
     for r in rows:
         ok = r["score"] >= r["target"] and not r["unexplained"]
         failed |= not ok
@@ -221,7 +235,11 @@ def main() -> int:
             f"| `{r['module']}.py` | {r['mutants']} | {r['killed']} | {r['survived']} | {r['equivalent']} | "
             f"{len(r['unexplained'])} | {r['score']:.1%} | {r['target']:.0%} | {r['seconds']:.0f} s | {r['finished']} |"
         )
+    for module, err in errors.items():
+        lines.append(f"| `{module}.py` | not measured: the run failed (below) | | | | | | {MODULES[module][0]:.0%} | | |")
     lines.append("")
+    for module, err in errors.items():
+        lines.append(f"- `{module}.py` run failed: {err}")
     for r in rows:
         lines.append(f"- `{r['module']}.py` mutants run against: {', '.join(r['tests'])}")
     for r in rows:
