@@ -7,6 +7,7 @@ asserts the exact bytes stored, the counts in the summary, the exit code and the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import io
@@ -334,19 +335,25 @@ class _Liar(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_replay_counts_malformed_replies_as_failed_and_never_reads_more_than_the_limit(tmp_path):
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Liar)
+@contextlib.contextmanager
+def _loopback_server(handler):
+    """An HTTP server on 127.0.0.1 with ``handler``; yields its URL, stops it afterwards."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        prompts = tmp_path / "p.jsonl"
-        prompts.write_text("".join(json.dumps(k) + "\n" for k in REPLIES))
-        url = f"http://127.0.0.1:{httpd.server_address[1]}"
-        rc, out, err, rss = cli_proc("warmup", "--replay", str(prompts), "--server", url, "--concurrency", "1",
-                                     "--json", timeout=120)
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_replay_counts_malformed_replies_as_failed_and_never_reads_more_than_the_limit(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(k) + "\n" for k in REPLIES))
+    with _loopback_server(_Liar) as url:
+        rc, out, err, rss = cli_proc("warmup", "--replay", str(prompts), "--server", url, "--concurrency", "1",
+                                     "--json", timeout=120)
     assert rc == 1 and "Traceback" not in err, err
     s = summary_json(out)
     bad = len(REPLIES) - 1
@@ -384,20 +391,13 @@ class _Dripper(http.server.BaseHTTPRequestHandler):
 
 
 def test_replay_timeout_bounds_a_reply_that_drips_in(tmp_path):
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Dripper)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        prompts = tmp_path / "p.jsonl"
-        prompts.write_text('"a"\n')
-        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"a"\n')
+    with _loopback_server(_Dripper) as url:
         t0 = time.monotonic()
         rc, out, err, _ = cli_proc("warmup", "--replay", str(prompts), "--server", url, "--timeout", "1", "--json",
                                    timeout=60)
         took = time.monotonic() - t0
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
     assert rc == 1 and "Traceback" not in err, err
     s = summary_json(out)
     assert (s["sent"], s["ok"], s["failed"], s["malformed"]) == (1, 0, 1, 0), s
