@@ -38,7 +38,6 @@ import threading
 import time
 import weakref
 
-import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -124,16 +123,17 @@ def labels_from_storage_config(storage_config, store: str = "main") -> dict:
 # ------------------------------------------------------------------------------ samples
 
 
-def samples_from_stats(stats: dict, *, asked_engine: str | None = None, asked_o_direct: bool | None = None,
-                       io_errors: dict | None = None) -> list[tuple[str, str, dict, float]]:
+def samples_from_stats(stats: dict, *, asked_engine: str | None = None,
+                       asked_o_direct: bool | None = None) -> list[tuple[str, str, dict, float]]:
     """``(family, kind, extra labels, value)`` for every family a stats() dict can fill."""
     out: list[tuple[str, str, dict, float]] = []
     for name, kind, key, _ in FAMILIES:
         if key is not None and isinstance(stats.get(key), (int, float)) and not isinstance(stats.get(key), bool):
             out.append((name, kind, {}, float(stats[key])))
-    if io_errors is not None:
-        for op in IO_OPS:
-            out.append(("umbp_nvme_io_errors", "counter", {"op": op}, float(io_errors.get(op, 0))))
+    for op in IO_OPS:  # the store counts them (stats()["io_errors_<op>"])
+        v = stats.get(f"io_errors_{op}")
+        if isinstance(v, int) and not isinstance(v, bool):
+            out.append(("umbp_nvme_io_errors", "counter", {"op": op}, float(v)))
     path = stats.get("path") or stats.get("store")
     if path:
         try:
@@ -203,57 +203,6 @@ def store_on_disk_exposition(stats: dict, counters: dict | None = None) -> bytes
 # ------------------------------------------------------------------------------ engines
 
 
-class CountingEngine:
-    """An IoEngine that counts failed ops into ``errors`` (dict op -> int) and delegates the rest.
-
-    Runs on the store's loop thread only, so the plain ``+=`` is safe.
-    """
-
-    def __init__(self, inner, errors: dict):
-        self.inner = inner
-        self.capabilities = inner.capabilities
-        self._errors = errors
-
-    async def read_many(self, fds, offsets, addrs, lengths):
-        res = await self.inner.read_many(fds, offsets, addrs, lengths)
-        bad = int(np.count_nonzero(res < 0))
-        if bad:
-            self._errors["read"] += bad
-        return res
-
-    async def write_many(self, fds, offsets, addrs, lengths):
-        res = await self.inner.write_many(fds, offsets, addrs, lengths)
-        bad = int(np.count_nonzero(res < 0))
-        if bad:
-            self._errors["write"] += bad
-        return res
-
-    async def sync(self, fd, *, datasync=True):
-        try:
-            return await self.inner.sync(fd, datasync=datasync)
-        except OSError:
-            self._errors["sync"] += 1
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def count_io_errors(page_store, errors: dict) -> None:
-    """Wrap an open PageStore's engines (outermost, so injected faults below are counted too)."""
-    swapped = {}
-    for attr in ("_read_engine", "_write_engine"):
-        eng = getattr(page_store, attr, None)
-        if eng is None or isinstance(eng, CountingEngine):
-            continue
-        ce = CountingEngine(eng, errors)
-        setattr(page_store, attr, ce)
-        swapped[id(eng)] = ce
-    engines = getattr(page_store, "_engines", None)
-    if isinstance(engines, list) and swapped:
-        page_store._engines = [swapped.get(id(e), e) for e in engines]
-
-
 # ------------------------------------------------------------------------------ latency
 
 
@@ -315,7 +264,6 @@ class StoreWatch:
         self.owner = owner
         self.sync_store = sync_store
         self.labels = dict(labels)
-        self.io_errors = dict.fromkeys(IO_OPS, 0)
         cfg = getattr(sync_store.store, "config", None)
         self.asked_engine = getattr(cfg, "ssd_io_backend", None)
         self.asked_o_direct = getattr(cfg, "o_direct", None)
@@ -323,7 +271,6 @@ class StoreWatch:
         self.latency = {op: Latency() for op in OPS}
         self._lat_pushed = {op: ([0] * (len(LATENCY_BUCKETS_S) + 1), 0.0, [0] * (len(LATENCY_BUCKETS_S) + 1), 0.0)
                             for op in OPS}
-        count_io_errors(sync_store.store, self.io_errors)
 
     def observe(self, op: str, t0: float, n: int) -> None:
         """One batch call of ``n`` objects that started at ``perf_counter() == t0``."""
@@ -335,8 +282,7 @@ class StoreWatch:
         except Exception as e:  # noqa: BLE001 - a scrape never fails for one busy or closed store
             log.debug("umbp_nvme metrics: stats of %s unavailable: %r", getattr(self.sync_store, "path", "?"), e)
             return []
-        return samples_from_stats(stats, asked_engine=self.asked_engine, asked_o_direct=self.asked_o_direct,
-                                  io_errors=self.io_errors)
+        return samples_from_stats(stats, asked_engine=self.asked_engine, asked_o_direct=self.asked_o_direct)
 
 
 class Metrics:

@@ -47,6 +47,7 @@ class Extent(NamedTuple):
 COUNTERS = (
     "puts", "put_dedup", "put_failed", "gets", "hits", "misses", "crc_errors", "evictions", "deletes",
     "bytes_written", "bytes_read", "timeouts",
+    "io_errors_read", "io_errors_write", "io_errors_sync",  # ops that failed with an errno, syncs that raised
 )  # fmt: skip
 
 
@@ -351,6 +352,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
         for s, r in zip(segs, done):
             if isinstance(r, BaseException):
                 log.error("%s: fdatasync of segment %d failed: %r", self.path, s, r)
+                if isinstance(r, OSError) and not isinstance(r, TimeoutError):  # a timeout is counted apart
+                    self._counters["io_errors_sync"] += 1
                 ok = False
         try:
             await asyncio.wait_for(

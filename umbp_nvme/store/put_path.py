@@ -309,6 +309,8 @@ class PutPath:
         for s, r in zip(touched, done):
             if isinstance(r, BaseException):  # incl. timeout: nothing in that segment is durable
                 log.error("%s: fdatasync of segment %d failed: %r", self.path, s, r)
+                if isinstance(r, OSError) and not isinstance(r, TimeoutError):  # a timeout is counted apart
+                    self._counters["io_errors_sync"] += 1
                 b.good &= segs != s
 
     async def _abort(self, b: WriteBatch) -> None:

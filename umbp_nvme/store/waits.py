@@ -53,7 +53,11 @@ class IoWaits:
 
         h = asyncio.get_running_loop().call_later(self.timeout_s if timeout_s is None else timeout_s, on_timeout)
         try:
-            return await task
+            res = await task
+            out = res[0] if type(res) is tuple else res  # the device write path returns (res, crcs)
+            if isinstance(out, np.ndarray) and out.min(initial=0) < 0:
+                self._counters[f"io_errors_{what}"] += int(np.count_nonzero(out < 0))
+            return res
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if stalled_at is None or (me is not None and me.cancelling()):
