@@ -17,10 +17,11 @@ from conftest import ROOT, payload
 
 from umbp_nvme import cli
 from umbp_nvme.config import StoreConfig
+from umbp_nvme.hicache_files import FileBackendLayout
 from umbp_nvme.keys import KeyScheme
 from umbp_nvme.maintenance import StoreReader
 from umbp_nvme.store import PageStore
-from umbp_nvme.warmup import FileBackendLayout, TokenBucket
+from umbp_nvme.warmup import TokenBucket
 
 MiB = 1 << 20
 CAP = ["--capacity", "64m", "--config", '{"ssd_segment_size_bytes": 1048576, "ssd_durability_mode": "relaxed"}']

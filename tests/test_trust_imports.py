@@ -25,8 +25,8 @@ from test_cli_warmup import make_store, read_store
 
 from umbp_nvme import cli
 from umbp_nvme.archive import _REC, _U32, REC_TAG, ArchiveError, ArchiveReader, ArchiveWriter, _crc32c
+from umbp_nvme.hicache_files import _file_read
 from umbp_nvme.keys import KeyScheme
-from umbp_nvme.warmup import _file_read
 
 MiB = 1 << 20
 CFG = '{"ssd_segment_size_bytes": 1048576, "ssd_durability_mode": "relaxed"}'
@@ -406,7 +406,7 @@ def test_replay_timeout_bounds_a_reply_that_drips_in(tmp_path):
 
 
 def test_parse_reply_accepts_only_generate_replies():
-    from umbp_nvme.warmup import BadReply, parse_reply
+    from umbp_nvme.replay import BadReply, parse_reply
 
     for raw in (b"[1]", b'{"meta_info":"x"}', b"1e999", b"\xff\xfe", b"[]", b'{"meta_info":{"cached_tokens":true}}',
                 b"[" * 100000 + b"]" * 100000, b'{"meta_info":{"prompt_tokens":' + b"9" * 4000 + b"}}",

@@ -572,6 +572,7 @@ def zygote_main(work: str) -> None:
     import umbp_nvme.cli  # noqa: F401
     import umbp_nvme.maintenance  # noqa: F401
     import umbp_nvme.store  # noqa: F401
+    import umbp_nvme.replay  # noqa: F401
     import umbp_nvme.warmup  # noqa: F401
 
     os.makedirs(work, exist_ok=True)

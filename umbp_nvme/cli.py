@@ -126,7 +126,9 @@ def _bar(total: int, desc: str, enabled: bool | None = None):
 
 
 def cmd_warmup(args) -> int:
-    from .warmup import BATCH_BYTES, FileBackendLayout, import_sources, replay
+    from .hicache_files import FileBackendLayout
+    from .replay import replay
+    from .warmup import BATCH_BYTES, import_sources
 
     if args.replay:
         if not args.server:
@@ -544,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     from .archive import ArchiveError
     from .errors import StoreError
     from .maintenance import NotAStoreError
-    from .warmup import SourceError
+    from .sources import SourceError
 
     try:
         return int(args.func(args) or 0)

@@ -1,0 +1,120 @@
+"""Warm-up sources: the *unit* every source becomes, and the store and archive readers.
+
+A unit is one blob read from a source that holds one or more objects (a HiCacheFile MHA page is
+K then V); ``umbp_nvme.warmup.Importer`` runs units into a store. ``detect_source`` tells a
+HiCacheFile directory (read by ``umbp_nvme.hicache_files``), a store directory and an archive
+apart by what they are on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .archive import ArchiveError, ArchiveReader
+from .keybytes import printable_key
+from .maintenance import StoreReader
+from .store import MANIFEST_FILE
+
+if TYPE_CHECKING:
+    from .warmup import Summary
+
+
+# --- units -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Unit:
+    keys: list[str]
+    offsets: list[int]  # of each object inside the blob
+    lengths: list[int]
+    blob_bytes: int
+    label: str  # where it came from, for messages
+    crcs: list | None = None  # CRC32C per object when the source keeps one
+    read: Callable | None = None  # read(memoryview of blob_bytes) -> None | error message
+    skip: Callable | None = None  # skip() when not read (streams)
+
+
+# --- store and archive sources ---------------------------------------------------------------
+
+
+def store_units(reader: StoreReader, summary: Summary, keys: list[str] | None = None) -> Iterator[Unit]:
+    recs = reader.records(keys)
+    if keys is not None and len(recs) < len(keys):
+        summary.error(f"{reader.path}: {len(keys) - len(recs)} of the requested keys are not in the store")
+    for rec in recs:
+
+        def read(mv, rec=rec):
+            st = reader.read_into(rec, mv)
+            return None if st == "ok" else f"{reader.path}: object {printable_key(rec.key)}: {st}"
+
+        yield Unit([rec.key], [0], [rec.length], rec.length, printable_key(rec.key), crcs=[None], read=read)
+
+
+def archive_units(ar: ArchiveReader, summary: Summary) -> Iterator[Unit]:
+    """Units straight off the stream; each must be read or skipped before the next is produced.
+
+    Every failure counts in the summary and never ends the import early on its own: a bad record
+    (CRC, empty key, too large, damaged frame) fails alone; truncation ends this source after the
+    intact records, with the reason."""
+    skip_err: list[str] = []
+
+    def skip():
+        try:
+            ar.skip()
+        except ArchiveError as e:  # truncated inside a record nobody wanted: report it, end the source
+            skip_err.append(str(e))
+
+    while True:
+        if skip_err:
+            summary.add(failed=1)
+            summary.error(skip_err[0])
+            return
+        if ar.fatal is not None:  # a read hit the end of the file; the importer counted that record
+            return
+        try:
+            head = ar.next()
+        except ArchiveError as e:
+            summary.add(failed=1)
+            summary.error(str(e))
+            return
+        finally:
+            for note in ar.resync_notes:
+                summary.add(failed=1)
+                summary.error(note)
+        if head is None:
+            return
+        if head.error is not None:
+            summary.add(failed=1)
+            summary.error(head.error)
+            skip()
+            continue
+
+        def read(mv, head=head):
+            try:
+                return None if ar.read_into(mv) else f"{ar.name}: record {printable_key(head.key)} fails its CRC32C"
+            except ArchiveError as e:
+                return str(e)
+
+        yield Unit([head.key], [0], [head.length], head.length, printable_key(head.key), read=read, skip=skip)
+
+
+class SourceError(ValueError):
+    pass
+
+
+def detect_source(path: str) -> str:
+    if path == "-":
+        return "archive"
+    if os.path.isdir(path):
+        return "store" if os.path.exists(os.path.join(path, MANIFEST_FILE)) else "files"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):  # a file, a pipe, <(...)
+        return "archive"
+    raise SourceError(f"warm-up source {path} does not exist; give a HiCacheFile directory, a store directory or an archive")
