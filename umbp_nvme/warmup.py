@@ -486,16 +486,3 @@ def _merge_namespace(ns: dict | None, other: dict, src: str) -> dict | None:
             f"(fields {', '.join(fields)}); import them into separate stores"
         )
     return dict(other)
-
-
-# The HiCacheFile reader and the sources are imported above, so their names still import from
-# here; the replay client's names resolve lazily (umbp_nvme.replay imports Progress from here).
-_REPLAY_NAMES = frozenset({"ReplaySummary", "load_prompts", "MAX_REPLY_BYTES", "BadReply", "parse_reply", "replay"})
-
-
-def __getattr__(name: str):
-    if name in _REPLAY_NAMES:
-        from . import replay as _replay
-
-        return getattr(_replay, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
