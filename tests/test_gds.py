@@ -1,4 +1,4 @@
-"""GPUDirect Storage (engine/gds.py): routing, settings, paths and errors on CPU; real GPU tests skip.
+"""GPUDirect Storage (engine/gds/): routing, settings, paths and errors on CPU; real GPU tests skip.
 
 The CPU tests run the engine against tests/fake_kvikio.py, a double of kvikio 26.10 built from the
 real wheel's API: its "device" pointers are host memory, the rest (settings in kvikio's core,

@@ -100,7 +100,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
         self._engines = []
         self._index_pool = None
         self._bounce = BouncePool()
-        self._gds_gate = None  # opened on the first CUDA buffer (engine/gds.py)
+        self._gds_gate = None  # opened on the first CUDA buffer (engine/gds/)
         self._memory = Ranges()  # registered (address, nbytes) ranges
         self._inflight = 0
         self._late_writes = 0  # write batches that outlived io_timeout_s and still hold slots
