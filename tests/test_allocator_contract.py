@@ -419,3 +419,21 @@ def test_freeing_a_slot_that_is_not_allocated_is_refused_by_name_and_changes_not
         a.free(seg, off)  # double free of a segment's last slot
     assert a.used_bytes == 0 and a.class_counts() == {} and a.free_segments() == 2
     assert sorted(a.alloc_many(8 * K, 16)) == [(s, o) for s in (0, 1) for o in range(0, SEG, 8 * K)]
+
+
+def test_a_double_free_inside_a_busy_segment_is_refused_and_the_live_slot_stays_out_of_use():
+    a = SegmentAllocator(1, 64 * 1024)
+    first, second = a.alloc(8192), a.alloc(8192)
+    assert (first, second) == ((0, 0), (0, 8192))
+    for off in (4096, 64 * 1024, -8192):  # inside slot 0 but not its start; the segment's end; negative
+        with pytest.raises(RuntimeError, match=f"slot {off} of segment 0 is not allocated"):
+            a.free(0, off)
+    assert a.seg_used[0] == 2 and a.used_bytes == 2 * 8192  # nothing was freed
+    a.free(*first)
+    with pytest.raises(RuntimeError, match="slot 0 of segment 0 is not allocated"):
+        a.free(*first)  # the segment still holds `second`: the old check let this through
+    with pytest.raises(RuntimeError, match="not allocated"):
+        a.free(0, 4096)  # not a slot boundary of the 8 KiB class
+    assert a.used_bytes == 8192 and a.seg_used[0] == 1
+    taken = [a.alloc(8192) for _ in range(7)]
+    assert second not in taken and len(set(taken)) == 7 and a.alloc(8192) is None

@@ -52,6 +52,9 @@ class SegmentAllocator:
         self._free_segs = list(range(n_segments))  # a heap: low indices first, their files exist first
         # class -> {segment: free offsets as a stack, lowest offset on top}
         self._class_free: dict[int, dict[int, list[int]]] = {}
+        # segment -> which of its slots are handed out: a free of a slot not handed out (a double
+        # free) would give one slot to two objects, so it is refused before anything changes
+        self._in_use: dict[int, np.ndarray] = {}
         self.used_bytes = 0
 
     @property
@@ -73,6 +76,7 @@ class SegmentAllocator:
             off = offs.pop()
             if not offs:
                 del segs[seg]
+            self._in_use[seg][off // cls] = True
         else:
             if not self._free_segs or cls > self.segment_bytes:
                 return None
@@ -82,6 +86,8 @@ class SegmentAllocator:
                 return None
             self.seg_class[seg] = cls
             n = self.segment_bytes // cls
+            self._in_use[seg] = used = np.zeros(n, bool)
+            used[0] = True
             offs = list(range((n - 1) * cls, -1, -cls))
             off = offs.pop()
             if offs:
@@ -103,6 +109,7 @@ class SegmentAllocator:
                 del offs[len(offs) - k :]
                 if not offs:
                     del segs[seg]
+                self._in_use[seg][np.asarray(take, np.int64) // cls] = True
                 self.seg_used[seg] += k
                 self.used_bytes += cls * k
                 out.extend((seg, o) for o in take)
@@ -132,6 +139,7 @@ class SegmentAllocator:
                 if not stack:
                     del free_segs[seg]
                 segs[got : got + k] = seg
+                self._in_use[seg][offs[got : got + k] // cls] = True
                 self.seg_used[seg] += k
                 self.used_bytes += cls * k
                 got += k
@@ -150,9 +158,11 @@ class SegmentAllocator:
 
     def free(self, seg: int, off: int) -> None:
         cls = self.seg_class[seg]
-        if not cls or self.seg_used[seg] <= 0:
+        used = self._in_use.get(seg)
+        if not cls or used is None or off % cls or not 0 <= off < self.segment_bytes or not used[off // cls]:
             # a double free would hand one slot to two objects: refuse loudly, change nothing
             raise RuntimeError(f"slot {off} of segment {seg} is not allocated")
+        used[off // cls] = False
         self.seg_used[seg] -= 1
         self.used_bytes -= cls
         if self.seg_used[seg] == 0:
@@ -160,6 +170,7 @@ class SegmentAllocator:
             if segs is not None:
                 segs.pop(seg, None)
             self.seg_class[seg] = 0
+            del self._in_use[seg]
             heapq.heappush(self._free_segs, seg)
         else:
             self._class_free.setdefault(cls, {}).setdefault(seg, []).append(off)
@@ -227,10 +238,11 @@ class SegmentAllocator:
             self.seg_used[seg] = b - a
             self.used_bytes += c * (b - a)
             nslots = self.segment_bytes // c
+            used = np.zeros(nslots, dtype=bool)
+            used[o_all[a:b] // c] = True
+            self._in_use[seg] = used
             if b - a < nslots:
-                free = np.ones(nslots, dtype=bool)
-                free[o_all[a:b] // c] = False
-                self._class_free.setdefault(c, {})[seg] = (np.flatnonzero(free)[::-1] * c).tolist()
+                self._class_free.setdefault(c, {})[seg] = (np.flatnonzero(~used)[::-1] * c).tolist()
         self._free_segs = [i for i in range(self.n_segments) if i not in used_segs]
         heapq.heapify(self._free_segs)
         return keep
@@ -240,6 +252,7 @@ class SegmentAllocator:
         self.seg_used = [0] * self.n_segments
         self._free_segs = list(range(self.n_segments))
         self._class_free = {}
+        self._in_use = {}
         self.used_bytes = 0
 
     def class_counts(self) -> dict[int, int]:
