@@ -137,11 +137,11 @@ async def test_batch_mixing_registered_and_plain_memory(engine, tmp_path):
 
 
 def test_ranges_are_merged_and_split_into_1gib_pieces():
-    from umbp_nvme.engine.uring import _split_ranges
+    from umbp_nvme.engine.uring_buffers import split_ranges
 
     gib = 1 << 30
     base = 1 << 40
-    pieces = _split_ranges([(base + 3 * gib, 10), (base, 2 * gib + 5), (base + gib, PAGE)])
+    pieces = split_ranges([(base + 3 * gib, 10), (base, 2 * gib + 5), (base + gib, PAGE)])
     assert pieces == [(base, gib), (base + gib, gib), (base + 2 * gib, 5), (base + 3 * gib, 10)]
 
 

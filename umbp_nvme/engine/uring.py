@@ -40,13 +40,13 @@ import numpy as np
 
 from .base import (
     ADDR_DTYPE,
-    MAX_OP_BYTES,
     RESULT_DTYPE,
     Capabilities,
     EngineClosed,
     EngineUnavailable,
     IoBatch,
 )
+from .uring_buffers import FixedBuffers
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,42 @@ class _Batch:
         f = self.fds
         return f if type(f) is int or len(f) == 1 else f[s:e]
 
+    def remainder(self, i: int, d: int):
+        """(offsets, addrs, lengths) of op i's last len - d bytes, as 1-op arrays for ring.submit."""
+        return (
+            np.array([self.offs[i] + d], dtype=np.int64),
+            np.array([int(self.addrs[i]) + d], dtype=ADDR_DTYPE),
+            np.array([self.lens[i] - d], dtype=np.int64),
+        )
+
+    def final(self, i: int, value: int) -> None:
+        """Final result of op i: bytes moved, or -errno."""
+        self.done[i] = value
+        self.left -= 1
+
+    def fail_from(self, s: int, err: int) -> None:
+        """Final result -err for ops s.. (none of them submitted)."""
+        self.done[s:] = -err
+        self.left -= self.n - s
+        self.next = self.n
+
+    def running_user_data(self):
+        """user_data of the submitted ops not yet complete (uint64[]), or None when there are none."""
+        k = self.next
+        d = self.done[:k]
+        running = np.flatnonzero((d >= 0) & (d < np.asarray(self.lens[:k])))
+        if not len(running):
+            return None
+        return (np.uint64(self.slot) << np.uint64(_SLOT_SHIFT)) | running.astype(np.uint64)
+
+    def may_continue(self, i: int, done: int) -> bool:
+        """A remainder that starts unaligned on an O_DIRECT file would be refused: stop there."""
+        try:
+            direct = fcntl.fcntl(self.fd(i), fcntl.F_GETFL) & os.O_DIRECT
+        except OSError:
+            return False
+        return not direct or (done % 512 == 0 and (int(self.addrs[i]) + done) % 512 == 0)
+
 
 class UringEngine:
     """IoEngine over io_uring. Create with ``await UringEngine.open(queue_depth)``."""
@@ -127,11 +163,8 @@ class UringEngine:
         self._efd = ring.eventfd
         self._flush_handle = None
         self._closed = False
-        self._reg_starts = None  # sorted registered ranges, for READ_FIXED/WRITE_FIXED
-        self._reg_ends = None
-        self._reg_ranges: list[tuple[int, int]] = []
-        self._fixed_on = False
-        self._reg_warned = False
+        self._fixed = FixedBuffers()  # registered ranges, for READ_FIXED/WRITE_FIXED
+        self._fixed_on = False  # == self._fixed.on, read by every submit
         self.capabilities = Capabilities(
             name="io_uring", native_async=True, fixed_buffers=False, thread_safe=False, queue_depth=self._depth
         )
@@ -179,20 +212,12 @@ class UringEngine:
         """
         if self._closed:
             return False
-        new = [(int(a), int(n)) for a, n in ranges if int(n) > 0]
-        pieces = _split_ranges(self._reg_ranges + new)
-        if not pieces:
-            return bool(self._reg_ranges)
-        if len(pieces) > self._u.MAX_FIXED_BUFFERS:
-            return self._reg_failed(f"{len(pieces)} ranges exceed the {self._u.MAX_FIXED_BUFFERS} fixed-buffer limit")
-        self._flush_pending()  # queued SQEs name buffer indexes of the current table
-        try:
-            self._ring.register_buffers(pieces)
-        except (OSError, ValueError) as e:
-            self._set_registered([], [])
-            return self._reg_failed(str(e))
-        self._set_registered(self._reg_ranges + new, pieces)
-        return True
+        # queued SQEs name buffer indexes of the current table: flush them before it changes
+        ok = self._fixed.register(self._ring, ranges, self._u.MAX_FIXED_BUFFERS, self._flush_pending)
+        if self._fixed.on != self._fixed_on:
+            self._fixed_on = self._fixed.on  # submit(auto_fixed=...): C finds each op's registered buffer
+            self.capabilities = dataclasses.replace(self.capabilities, fixed_buffers=self._fixed_on)
+        return ok
 
     def close(self) -> None:
         """Fail pending awaits with EngineClosed; bounded wait for ops the kernel holds. Idempotent."""
@@ -353,23 +378,17 @@ class UringEngine:
 
     def _cancel_running(self, b: _Batch) -> None:
         """Best-effort IORING_OP_ASYNC_CANCEL for the submitted ops of ``b`` not yet complete."""
-        k = b.next
-        d = b.done[:k]
-        running = np.flatnonzero((d >= 0) & (d < np.asarray(b.lens[:k])))
-        if not len(running):
+        ud = b.running_user_data()
+        if ud is None:
             return
-        ud = (np.uint64(b.slot) << np.uint64(_SLOT_SHIFT)) | running.astype(np.uint64)
         try:
             self._ring.cancel(ud)
         except Exception as e:  # noqa: BLE001 - cancelling is an optimisation; the wait is what matters
             log.debug("io_uring: cancel of %d ops failed: %s", len(ud), e)
 
     def _drop_unsubmitted(self, b: _Batch) -> None:
-        k = b.n - b.next
-        if k > 0:
-            b.done[b.next :] = -errno.ECANCELED
-            b.left -= k
-            b.next = b.n
+        if b.next < b.n:
+            b.fail_from(b.next, errno.ECANCELED)
         if self._queue and b in self._queue:
             self._queue.remove(b)
 
@@ -384,13 +403,7 @@ class UringEngine:
 
     def _fixed_index(self, addrs: np.ndarray, lens: np.ndarray):
         """int16 registered-buffer index per op (-1 = plain op), or None with none registered."""
-        starts = self._reg_starts
-        if starts is None:
-            return None
-        i = np.searchsorted(starts, addrs, side="right") - 1
-        np.maximum(i, 0, out=i)
-        inside = (addrs >= starts[i]) & (addrs + lens.view(ADDR_DTYPE) <= self._reg_ends[i])
-        return np.where(inside, i, -1).astype(np.int16)
+        return self._fixed.index(addrs, lens)
 
     def _pump(self) -> None:
         """Submit retries and queued ops while in-flight slots are free; one enter at the end."""
@@ -434,9 +447,7 @@ class UringEngine:
     def _fail_unsubmitted(self, b: _Batch, s: int, exc: BaseException) -> None:
         err = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EINVAL
         log.warning("io_uring: submitting ops %d.. of a batch failed: %s", s, exc)
-        b.done[s:] = -err  # none of ops s.. was submitted
-        b.left -= b.n - s
-        b.next = b.n
+        b.fail_from(s, err)
         if self._queue and b in self._queue:
             self._queue.remove(b)
         if b.left == 0:
@@ -445,13 +456,10 @@ class UringEngine:
     def _resubmit(self, b: _Batch, i: int) -> None:
         """Submit the remainder of op i (after a short transfer, or again after EAGAIN)."""
         d = max(int(b.done[i]), 0)
-        off = np.array([b.offs[i] + d], dtype=np.int64)
-        addr = np.array([int(b.addrs[i]) + d], dtype=ADDR_DTYPE)
-        ln = np.array([b.lens[i] - d], dtype=np.int64)
         try:
-            self._submit(b.op, b.fd(i), off, addr, ln, ud_base=(b.slot << _SLOT_SHIFT) + i)
+            self._submit(b.op, b.fd(i), *b.remainder(i, d), ud_base=(b.slot << _SLOT_SHIFT) + i)
         except (ValueError, OSError) as exc:
-            self._final(b, i, d if d else -(getattr(exc, "errno", None) or errno.EINVAL))
+            b.final(i, d if d else -(getattr(exc, "errno", None) or errno.EINVAL))
 
     def _schedule_flush(self) -> None:
         if self._flush_handle is None and not self._closed:
@@ -510,54 +518,20 @@ class UringEngine:
                     b.retries[i] = c + 1
                     self._retry.append((b, i))
                     return
-            self._final(b, i, r)
+            b.final(i, r)
             return
         if b.op not in (self._u.OP_READ, self._u.OP_WRITE):
-            self._final(b, i, r)
+            b.final(i, r)
             return
         done += r
         b.done[i] = done
         remaining = int(b.lens[i]) - done
         if remaining <= 0:
-            self._final(b, i, done)
-        elif r == 0 or b.abandoned or self._closed or not self._may_continue(b, i, done):
-            self._final(b, i, done)  # EOF (reads), or a remainder O_DIRECT cannot express
+            b.final(i, done)
+        elif r == 0 or b.abandoned or self._closed or not b.may_continue(i, done):
+            b.final(i, done)  # EOF (reads), or a remainder O_DIRECT cannot express
         else:
             self._retry.append((b, i))
-
-    def _may_continue(self, b: _Batch, i: int, done: int) -> bool:
-        """A remainder that starts unaligned on an O_DIRECT file would be refused: stop there."""
-        try:
-            direct = fcntl.fcntl(b.fd(i), fcntl.F_GETFL) & os.O_DIRECT
-        except OSError:
-            return False
-        return not direct or (done % 512 == 0 and (int(b.addrs[i]) + done) % 512 == 0)
-
-    def _final(self, b: _Batch, i: int, value: int) -> None:
-        b.done[i] = value
-        b.left -= 1
-
-    # ------------------------------------------------------------------ registration
-
-    def _set_registered(self, ranges, pieces) -> None:
-        self._reg_ranges = list(ranges)
-        self._fixed_on = bool(pieces)  # submit(auto_fixed=...): C finds each op's registered buffer
-        if pieces:
-            self._reg_starts = np.array([a for a, _ in pieces], dtype=ADDR_DTYPE)
-            self._reg_ends = np.array([a + n for a, n in pieces], dtype=ADDR_DTYPE)
-        else:
-            self._reg_starts = self._reg_ends = None
-        self.capabilities = dataclasses.replace(self.capabilities, fixed_buffers=bool(pieces))
-
-    def _reg_failed(self, why: str) -> bool:
-        if not self._reg_warned:
-            self._reg_warned = True
-            log.warning(
-                "io_uring: cannot register buffers (%s); using plain reads/writes into the same memory. "
-                "Raise RLIMIT_MEMLOCK (ulimit -l) to enable fixed buffers.",
-                why,
-            )
-        return False
 
     # ------------------------------------------------------------------ introspection
 
@@ -568,24 +542,6 @@ class UringEngine:
     @property
     def ring(self):
         return self._ring
-
-
-def _split_ranges(ranges) -> list[tuple[int, int]]:
-    """Sorted, overlap-merged ranges cut into pieces of at most 1 GiB."""
-    spans = sorted((a, a + n) for a, n in ranges if n > 0)
-    merged: list[list[int]] = []
-    for s, e in spans:
-        if merged and s < merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    out = []
-    for s, e in merged:
-        while s < e:
-            k = min(MAX_OP_BYTES, e - s)
-            out.append((s, k))
-            s += k
-    return out
 
 
 async def open_uring_engine(
