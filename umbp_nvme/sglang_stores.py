@@ -4,7 +4,8 @@ A backend holds up to two ``SyncPageStore``s (docs/sglang.md §1): ``be._store``
 directory (or, on an MLA follower, the leader's shared directory opened read-only, retried at most
 every ``FOLLOWER_RETRY_S`` until the leader has created it), and ``be._private``, a follower's own
 sidecar store for TP-sharded side-pool state. The functions here take the backend and keep all
-state on it, so the backend's attributes stay what SGLang and the tests read.
+state on it, so the backend's attributes stay what SGLang and the tests read; they call one
+another through the backend's methods (``be._open_main``, ``be._watch``, ...), as before the split.
 
 Also here: the namespace a store directory is opened with, the host ranges registered with every
 store, and the metrics / doctor hooks run when a store opens.
@@ -109,8 +110,8 @@ def open_main(be, *, raise_errors: bool):
             be.store_dir, be.config, readonly=False, namespace=be._namespace,
             engine_factory=be._engine_factory,
         )  # fmt: skip
-    register_ranges(store, be._ranges)
-    watch(be, store, "main")
+    be._register_ranges(store, be._ranges)
+    be._watch(store, "main")
     be._store = store
     return store
 
@@ -125,7 +126,7 @@ def main_store(be):
         return None
     with be._lock:
         try:
-            return open_main(be, raise_errors=False)
+            return be._open_main(raise_errors=False)
         except Exception as e:  # noqa: BLE001 - lookups degrade to misses
             be._log_once("open", "opening %s failed: %r; reporting misses", be.store_dir, e)
             return None
@@ -147,8 +148,8 @@ def store_for_pool(be, name, pool, *, for_write: bool):
                 store = SyncPageStore(
                     be.private_dir, be.config, readonly=False, namespace=ns, engine_factory=be._engine_factory
                 )  # fmt: skip
-                register_ranges(store, be._ranges)
-                watch(be, store, "sidecar")
+                be._register_ranges(store, be._ranges)
+                be._watch(store, "sidecar")
                 be._private = store
     return be._private
 
@@ -162,7 +163,7 @@ def add_ranges(be, pool) -> None:
         be._ranges.extend(new)
         for store in (be._store, be._private):
             if store is not None:
-                register_ranges(store, new)
+                be._register_ranges(store, new)
 
 
 def register_ranges(store, ranges) -> None:
