@@ -36,13 +36,20 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional
 
-from .buffers import address_of
 from .config import StoreConfig, load_config
-from .errors import NamespaceMismatchError, StoreDamagedError, StoreError
 from .hits import v2_hits
-from .keys import KeyScheme, PoolRegistry, is_mla_follower, pool_name_str, rank_subdir
+from . import sglang_stores, sglang_transfers
+from .keys import KeyScheme, PoolRegistry, is_mla_follower, rank_subdir
+from .sglang_stores import NAMESPACE_KIND
+from .sglang_stores import FOLLOWER_RETRY_S as _FOLLOWER_RETRY_S  # noqa: F401 - kept for callers
+from .sglang_stores import MANIFEST as _MANIFEST  # noqa: F401 - kept for callers
+from .sglang_stores import normalise_sizes as _normalise_sizes  # noqa: F401 - kept for callers
+from .sglang_stores import pool_ranges as _pool_ranges  # noqa: F401 - kept for callers
+from .sglang_transfers import FLAT_KEY_PREFIX
+from .sglang_transfers import fold as _fold  # noqa: F401 - kept for callers
+from .sglang_transfers import legacy_buffer as _legacy_buffer  # noqa: F401 - kept for callers
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +78,6 @@ if not HAVE_SGLANG:
 
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 LAYOUT_ERROR = "UMBP store only supports page_first, page_first_direct, or page_head layout"
-FLAT_KEY_PREFIX = "flat_"  # legacy whole-page objects; v1 keys start with a 64-hex page hash
-NAMESPACE_KIND = "umbp_nvme.sglang/1"
-_FOLLOWER_RETRY_S = 0.05  # a follower retries a failed open of the leader's store at most this often
-_MANIFEST = "MANIFEST.json"  # PageStore's; a follower opens the leader's store once it exists
 _METRICS_MAX = 4096  # entries kept per metrics list between two get_stats() calls
 
 
@@ -213,61 +216,7 @@ class UMBPNvmeStore(HiCacheStorage):
             return [False] * n
 
     def _v1_io(self, keys, host_indices, *, is_set: bool, extra_info) -> tuple[list[bool], int]:
-        n = len(keys)
-        if n == 0:
-            return [], 0
-        pool = self.mem_pool_host
-        if pool is None:
-            self._log_once("v1_unregistered", "batch I/O before register_mem_pool_host; reporting misses")
-            return [False] * n, 0
-        if host_indices is None or len(host_indices) // self.page_size != n:
-            self._log_once(
-                "v1_count",
-                "batch_%s_v1 got %d keys for %s host indices with page_size=%d; reporting misses",
-                "set" if is_set else "get",
-                n,
-                None if host_indices is None else len(host_indices),
-                self.page_size,
-            )
-            return [False] * n, 0
-        store = self._main()
-        if store is None:
-            return [False] * n, 0
-        if self.scheme.split_factor and not self._envelope:
-            ptrs, sizes = pool.get_split_heads_page_buffer_meta(host_indices, self.scheme.split_factor)
-        else:
-            ptrs, sizes = pool.get_page_buffer_meta(host_indices)
-        sizes = _normalise_sizes(sizes, len(ptrs))
-        sfx = self._v1_sfx
-        m = len(sfx)
-        objkeys = [h + s for h in keys for s in sfx]
-        if len(objkeys) != len(ptrs) or len(sizes) != len(ptrs):
-            self._log_once(
-                "v1_meta",
-                "host pool gave %d pointers and %d sizes for %d objects (%d pages x %d); reporting misses",
-                len(ptrs),
-                len(sizes),
-                len(objkeys),
-                n,
-                m,
-            )
-            return [False] * n, 0
-        bufs = list(zip(ptrs, sizes))
-        if is_set:
-            depths = None
-            prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
-            if prefix is not None:
-                base = len(prefix)
-                depths = [base + i for i in range(n) for _ in range(m)]
-            res = store.put_many(objkeys, bufs, depths=depths)
-        else:
-            res = store.get_many(objkeys, bufs)
-        if len(res) != len(objkeys):
-            self._log_once("v1_result", "store returned %d results for %d objects; reporting misses", len(res), len(objkeys))
-            return [False] * n, 0
-        pages = _fold(res, m, n)
-        nbytes = sum(int(s) for s, ok in zip(sizes, res) if ok)
-        return pages, nbytes
+        return sglang_transfers.v1_io(self, keys, host_indices, is_set=is_set, extra_info=extra_info)
 
     # ------------------------------------------------------------------------- v2 (hybrid pools)
 
@@ -300,88 +249,19 @@ class UMBPNvmeStore(HiCacheStorage):
         return self._batch_io_v2(transfers, is_set=True)
 
     def _batch_io_v2(self, transfers, *, is_set: bool) -> dict:
-        results: dict = {}
-        # store id -> (store, object keys, buffers, [(transfer name, first object, pages, m)])
-        batches: dict[int, tuple[Any, list, list, list]] = {}
-        for t in transfers or ():
-            name = t.name
-            pool = self.registry.get(name)  # raises "Unregistered UMBP hybrid pool: ..." (docs/sglang.md §6)
-            keys = list(t.keys or [])
-            if not keys or t.host_indices is None:
-                results[name] = [False] * len(keys)
-                continue
-            ps = int(getattr(pool, "page_size", 1) or 1)
-            if len(keys) != len(t.host_indices) // ps:
-                raise ValueError(
-                    f"UMBP v2 pool {pool_name_str(name)} has {len(keys)} keys for "
-                    f"{len(t.host_indices)} indices with page_size={ps}."
-                )
-            ck, m = self.scheme.side_pool_keys(keys, name, pool)
-            ptrs, sizes = pool.get_page_buffer_meta(t.host_indices)
-            if not (len(ck) == len(ptrs) == len(sizes)):
-                raise ValueError(
-                    f"UMBP v2 buffer-meta mismatch for pool {pool_name_str(name)}: keys={len(ck)} "
-                    f"ptrs={len(ptrs)} sizes={len(sizes)}"
-                )
-            store = self._store_for_pool(name, pool, for_write=is_set)
-            if store is None:
-                results[name] = [False] * len(keys)
-                continue
-            if store == "skip":  # a follower never writes the leader's shared pools
-                results[name] = [True] * len(keys)
-                continue
-            batch = batches.setdefault(id(store), (store, [], [], []))
-            batch[3].append((name, len(batch[1]), len(keys), m))
-            batch[1].extend(ck)
-            batch[2].extend(zip(ptrs, sizes))
-        for store, objkeys, bufs, parts in batches.values():
-            try:
-                res = store.put_many(objkeys, bufs) if is_set else store.get_many(objkeys, bufs)
-            except Exception as e:  # noqa: BLE001 - I/O failures are misses, not errors
-                self._log_once("v2_io", "batch_%s_v2 store call failed: %r", "set" if is_set else "get", e)
-                res = []
-            for name, start, pages, m in parts:
-                if len(res) != len(objkeys):
-                    log.error(
-                        "umbp_nvme: v2 %s for pool %s returned %d results for %d objects; reporting misses",
-                        "set" if is_set else "get",
-                        pool_name_str(name),
-                        len(res),
-                        len(objkeys),
-                    )
-                    results[name] = [False] * pages
-                else:
-                    results[name] = _fold(res[start : start + pages * m], m, pages)
-        return results
+        return sglang_transfers.v2_io(self, transfers, is_set=is_set)
 
     # ------------------------------------------------------------------------- legacy (flat pages)
 
     def _flat_key(self, key: str) -> str:
-        return f"{FLAT_KEY_PREFIX}{key}{self._flat_sfx}"
+        return sglang_transfers.flat_key(self, key)
 
     def get(self, key, target_location=None, target_sizes=None):
         sizes = None if target_sizes is None else [target_sizes]
         return self.batch_get([key], [target_location], sizes)[0]
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        n = len(keys)
-        if target_locations is None:
-            return [None] * n
-        try:
-            store = self._main()
-            if store is None or n == 0:
-                return [None] * n
-            bufs = [_legacy_buffer(loc, None if target_sizes is None else target_sizes[i]) for i, loc in enumerate(target_locations)]
-            ok_idx = [i for i, b in enumerate(bufs) if b is not None]
-            res = store.get_many([self._flat_key(keys[i]) for i in ok_idx], [bufs[i] for i in ok_idx])
-            out: list = [None] * n
-            for i, ok in zip(ok_idx, res):
-                if ok:
-                    out[i] = target_locations[i]
-            return out
-        except Exception as e:  # noqa: BLE001 - the legacy prefetch path must not die either
-            self._log_once("batch_get", "batch_get of %d pages failed: %r", n, e)
-            return [None] * n
+        return sglang_transfers.legacy_batch_get(self, keys, target_locations, target_sizes)
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set(
@@ -392,29 +272,7 @@ class UMBPNvmeStore(HiCacheStorage):
         )
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        if not keys:
-            return False
-        if self.is_mla_follower:
-            return True
-        try:
-            store = self._main()
-            if store is None:
-                return False
-            bufs = []
-            for i in range(len(keys)):
-                if values is not None:
-                    buf = _legacy_buffer(values[i], None, writable=False)
-                elif target_locations is not None:
-                    buf = _legacy_buffer(target_locations[i], None if target_sizes is None else target_sizes[i])
-                else:
-                    buf = None
-                if buf is None:
-                    return False
-                bufs.append(buf)
-            return all(store.put_many([self._flat_key(k) for k in keys], bufs))
-        except Exception as e:  # noqa: BLE001
-            self._log_once("batch_set", "batch_set of %d pages failed: %r", len(keys), e)
-            return False
+        return sglang_transfers.legacy_batch_set(self, keys, values, target_locations, target_sizes)
 
     def exists(self, key) -> bool:
         store = self._main()
@@ -428,44 +286,13 @@ class UMBPNvmeStore(HiCacheStorage):
     # ------------------------------------------------------------------------- management
 
     def clear(self) -> None:
-        for store in (self._store, self._private):
-            if store is None:
-                continue
-            if store.readonly:
-                log.info("umbp_nvme: %s is the leader's store (read-only here); clear() leaves it", store.path)
-                continue
-            try:
-                store.clear()
-            except Exception as e:  # noqa: BLE001
-                log.error("umbp_nvme: clearing %s failed: %s", store.path, e)
+        sglang_stores.clear_stores(self)
 
     def flush(self) -> bool:
-        ok = True
-        for store in (self._store, self._private):
-            if store is not None and not store.readonly:
-                ok = bool(store.flush()) and ok
-        return ok
+        return sglang_stores.flush_stores(self)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            stores, self._store, self._private = (self._store, self._private), None, None
-        for store in stores:
-            if store is None:
-                continue
-            if getattr(store, "metrics", None) is not None:
-                store.metrics.owner.unwatch(store)
-            try:
-                if not store.readonly:
-                    store.flush()
-            except Exception as e:  # noqa: BLE001
-                log.warning("umbp_nvme: flush of %s at close failed: %s", store.path, e)
-            try:
-                store.close()
-            except Exception as e:  # noqa: BLE001
-                log.warning("umbp_nvme: closing %s failed: %s", store.path, e)
+        sglang_stores.close_stores(self)
 
     def get_stats(self):
         """Pages and GB/s of each prefetch (batch_get_v1) and backup (batch_set_v1) since the last call."""
@@ -481,50 +308,13 @@ class UMBPNvmeStore(HiCacheStorage):
 
     def store_stats(self) -> dict:
         """The underlying store's counters (objects, bytes, hits, evictions, ...)."""
-        out = {}
-        for label, store in (("store", self._store), ("private", self._private)):
-            if store is not None:
-                try:
-                    out[label] = store.stats()
-                except Exception as e:  # noqa: BLE001
-                    out[label] = {"error": repr(e)}
-        return out
+        return sglang_stores.store_stats(self)
 
     # ------------------------------------------------------------------------- internals
 
     def _make_namespace(self, pool) -> dict:
         """What the objects in this store mean: a directory made for another one is refused."""
-        kv_bytes = None
-        if getattr(pool, "kv_buffer", None) is not None:
-            try:
-                import torch  # the host pool is torch-based whenever it has a kv_buffer
-
-                idx = torch.arange(self.page_size, dtype=torch.int64)
-                if self.scheme.split_factor and not self._envelope:
-                    _, sizes = pool.get_split_heads_page_buffer_meta(idx, self.scheme.split_factor)
-                else:
-                    _, sizes = pool.get_page_buffer_meta(idx)
-                kv_bytes = [int(s) for s in _normalise_sizes(sizes, len(self._v1_sfx))]
-            except Exception as e:  # noqa: BLE001 - a pool without meta still gets a namespace
-                log.debug("umbp_nvme: could not size KV objects for the namespace: %r", e)
-        return {
-            "kind": NAMESPACE_KIND,
-            "model": self.model_name,
-            "layout": getattr(pool, "layout", None),
-            "dtype": str(getattr(pool, "dtype", None)),
-            "page_size": self.page_size,
-            "kv_object_bytes": kv_bytes,
-            "kv_objects_per_page": len(self._v1_sfx),
-            "interface": "v1" if self.interface_v1 else "flat",
-        }
-
-    def _log_leader_not_ready(self) -> None:
-        self._log_once(
-            "follower_wait",
-            "follower: the leader has not created %s yet; reporting misses until it does",
-            self.store_dir,
-            level=logging.INFO,
-        )
+        return sglang_stores.make_namespace(self, pool)
 
     @property
     def store(self):
@@ -533,94 +323,21 @@ class UMBPNvmeStore(HiCacheStorage):
 
     def _open_main(self, *, raise_errors: bool):
         """Open this rank's store if it is not open; None while a follower waits for its leader."""
-        if self._store is not None or self._closed or not self.config.ssd_enabled or self._namespace is None:
-            return self._store
-        from .store.sync import SyncPageStore
-
-        if self.is_mla_follower:
-            # Until the leader has created the store, a lookup costs one stat() and misses.
-            if not os.path.exists(os.path.join(self.store_dir, _MANIFEST)):
-                self._log_leader_not_ready()
-                return None
-            now = time.monotonic()
-            if now < self._next_follower_try and not raise_errors:
-                return None
-            self._next_follower_try = now + _FOLLOWER_RETRY_S
-            try:
-                store = SyncPageStore(
-                    self.store_dir, self.config, readonly=True, namespace=self._namespace,
-                    engine_factory=self._engine_factory,
-                )  # fmt: skip
-            except StoreDamagedError as e:
-                # the leader (the writer) moves damaged metadata aside at its open: miss until then
-                self._log_once("follower_damaged", "follower: %s; reporting misses until the leader repairs it", e)
-                return None
-            except FileNotFoundError:
-                self._log_leader_not_ready()
-                return None
-            except (NamespaceMismatchError, StoreError):
-                if raise_errors:
-                    raise
-                return None
-        else:
-            store = SyncPageStore(
-                self.store_dir, self.config, readonly=False, namespace=self._namespace,
-                engine_factory=self._engine_factory,
-            )  # fmt: skip
-        self._register_ranges(store, self._ranges)
-        self._watch(store, "main")
-        self._store = store
-        return store
+        return sglang_stores.open_main(self, raise_errors=raise_errors)
 
     def _main(self):
-        store = self._store
-        if store is not None:
-            return store
-        if self._closed:  # every call answers False / 0 without opening anything again
-            self._log_once("closed", "called after close(); answering False / 0", level=logging.WARNING)
-            return None
-        with self._lock:
-            try:
-                return self._open_main(raise_errors=False)
-            except Exception as e:  # noqa: BLE001 - lookups degrade to misses
-                self._log_once("open", "opening %s failed: %r; reporting misses", self.store_dir, e)
-                return None
+        return sglang_stores.main_store(self)
 
     def _store_for_pool(self, name, pool, *, for_write: bool):
         """The store that holds this side pool on this rank; "skip" for a follower's shared pools."""
-        if not self.is_mla_follower:
-            return self._main()
-        own = f"_{self.scheme.rank_suffix}_"
-        if not any(s.startswith(own) for s in self.scheme.side_pool_suffixes(name, pool)):
-            return "skip" if for_write else self._main()  # rank-replicated: the leader writes it
-        if self._private is None:
-            with self._lock:
-                if self._private is None and not self._closed:
-                    from .store.sync import SyncPageStore
-
-                    ns = dict(self._namespace or {}, kind=NAMESPACE_KIND + "/sidecar")
-                    store = SyncPageStore(
-                        self.private_dir, self.config, readonly=False, namespace=ns, engine_factory=self._engine_factory
-                    )  # fmt: skip
-                    self._register_ranges(store, self._ranges)
-                    self._watch(store, "sidecar")
-                    self._private = store
-        return self._private
+        return sglang_stores.store_for_pool(self, name, pool, for_write=for_write)
 
     def _add_ranges(self, pool) -> None:
-        new = [r for r in _pool_ranges(pool) if r not in self._ranges]
-        if not new:
-            return
-        with self._lock:
-            self._ranges.extend(new)
-            for store in (self._store, self._private):
-                if store is not None:
-                    self._register_ranges(store, new)
+        sglang_stores.add_ranges(self, pool)
 
     @staticmethod
     def _register_ranges(store, ranges) -> None:
-        for addr, nbytes in ranges:
-            store.register_memory(addr, nbytes)
+        sglang_stores.register_ranges(store, ranges)
 
     def _record(self, pgs: deque, bws: deque, results: list, nbytes: int, t0: float) -> None:
         if not results:
@@ -632,23 +349,7 @@ class UMBPNvmeStore(HiCacheStorage):
 
     def _watch(self, store, role: str) -> None:
         """Export the store's metrics (and log a doctor report) when asked; never fails an open."""
-        if self._doctor_at_start and role == "main":
-            try:
-                from .doctor import log_report
-
-                log_report(store.path, self.config, ranges=list(self._ranges))
-            except Exception as e:  # noqa: BLE001
-                log.warning("umbp_nvme: doctor at start failed: %r", e)
-        if not self._prometheus:
-            return
-        try:
-            from . import metrics
-
-            m = metrics.default()
-            if m is not None:
-                m.watch(store, metrics.labels_from_storage_config(self.storage_config, role))
-        except Exception as e:  # noqa: BLE001 - metrics never take the backend down
-            self._log_once("metrics", "metrics for %s not exported: %r", store.path, e, level=logging.WARNING)
+        sglang_stores.watch(self, store, role)
 
     def _log_once(self, kind: str, msg: str, *args, level: int = logging.ERROR) -> None:
         if kind in self._logged:
@@ -665,82 +366,6 @@ def _truthy(value) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)
-
-
-def _normalise_sizes(sizes, n: int) -> list:
-    """UMBP v1 accepts an int or a one-element list for every object (docs/sglang.md §3)."""
-    if isinstance(sizes, int):
-        return [sizes] * n
-    sizes = list(sizes)
-    if len(sizes) == 1 and n > 1:
-        return sizes * n
-    return sizes
-
-
-def _fold(res: Sequence[bool], m: int, pages: int) -> list[bool]:
-    """Per-object results -> per-page: a page is there only when all m of its objects are."""
-    if m == 1:
-        return [bool(r) for r in res[:pages]]
-    if m == 2:
-        return [bool(a and b) for a, b in zip(res[0::2], res[1::2])]
-    return [all(res[i * m : (i + 1) * m]) for i in range(pages)]
-
-
-def _pool_ranges(pool) -> list[tuple[int, int]]:
-    """(address, nbytes) of every non-empty host tensor of a pool, deduplicated by address."""
-    getter = getattr(pool, "get_hybrid_pool_buffer", None)
-    bufs: Any = None
-    if callable(getter):
-        try:
-            bufs = getter()
-        except Exception:  # noqa: BLE001 - e.g. a logical anchor
-            bufs = None
-    if bufs is None:
-        bufs = getattr(pool, "kv_buffer", None)
-    out: list[tuple[int, int]] = []
-    seen = set()
-
-    def walk(b):
-        if b is None:
-            return
-        if isinstance(b, (list, tuple)):
-            for x in b:
-                walk(x)
-            return
-        if hasattr(b, "data_ptr") and hasattr(b, "numel"):  # torch tensor (views included)
-            addr, nbytes = int(b.data_ptr()), int(b.numel()) * int(b.element_size())
-        else:
-            try:  # numpy arrays, memoryviews, mmaps, ...
-                addr, nbytes = address_of(b, writable=False)
-            except TypeError:
-                return
-        if nbytes > 0 and addr and addr not in seen:
-            seen.add(addr)
-            out.append((addr, nbytes))
-
-    walk(bufs)
-    # A pool may expose its state buffers beside the KV ones (Mamba: temporal + conv).
-    for attr in ("temporal_buffer", "conv_buffer"):
-        walk(getattr(pool, attr, None))
-    return out
-
-
-def _legacy_buffer(loc, size, *, writable: bool = True):
-    """A legacy target: a CPU tensor (SGLang's flat page) or a raw pointer with a size (UMBP)."""
-    if loc is None:
-        return None
-    if isinstance(loc, int):
-        if size is None:
-            return None
-        size = int(size if not isinstance(size, (list, tuple)) else size[0])
-        # An (address, nbytes) pair, so the store's registered-range check applies: a raw
-        # pointer outside the registered host pool is refused, never written through.
-        return (int(loc), size)
-    if hasattr(loc, "is_contiguous") and not loc.is_contiguous():
-        if writable:
-            return None  # reading into a copy would lose the bytes
-        loc = loc.contiguous()
-    return loc
 
 
 def _storage_metrics():

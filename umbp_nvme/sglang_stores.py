@@ -1,0 +1,285 @@
+"""Opening and closing the stores behind ``sglang_backend.UMBPNvmeStore``.
+
+A backend holds up to two ``SyncPageStore``s (docs/sglang.md §1): ``be._store``, this rank's own
+directory (or, on an MLA follower, the leader's shared directory opened read-only, retried at most
+every ``FOLLOWER_RETRY_S`` until the leader has created it), and ``be._private``, a follower's own
+sidecar store for TP-sharded side-pool state. The functions here take the backend and keep all
+state on it, so the backend's attributes stay what SGLang and the tests read; they call one
+another through the backend's methods (``be._open_main``, ``be._watch``, ...), as before the split.
+
+Also here: the namespace a store directory is opened with, the host ranges registered with every
+store, and the metrics / doctor hooks run when a store opens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from .buffers import address_of
+from .errors import NamespaceMismatchError, StoreDamagedError, StoreError
+
+log = logging.getLogger("umbp_nvme.sglang_backend")
+
+NAMESPACE_KIND = "umbp_nvme.sglang/1"
+FOLLOWER_RETRY_S = 0.05  # a follower retries a failed open of the leader's store at most this often
+MANIFEST = "MANIFEST.json"  # PageStore's; a follower opens the leader's store once it exists
+
+
+def normalise_sizes(sizes, n: int) -> list:
+    """UMBP v1 accepts an int or a one-element list for every object (docs/sglang.md §3)."""
+    if isinstance(sizes, int):
+        return [sizes] * n
+    sizes = list(sizes)
+    if len(sizes) == 1 and n > 1:
+        return sizes * n
+    return sizes
+
+
+def make_namespace(be, pool) -> dict:
+    """What the objects in this store mean: a directory made for another one is refused."""
+    kv_bytes = None
+    if getattr(pool, "kv_buffer", None) is not None:
+        try:
+            import torch  # the host pool is torch-based whenever it has a kv_buffer
+
+            idx = torch.arange(be.page_size, dtype=torch.int64)
+            if be.scheme.split_factor and not be._envelope:
+                _, sizes = pool.get_split_heads_page_buffer_meta(idx, be.scheme.split_factor)
+            else:
+                _, sizes = pool.get_page_buffer_meta(idx)
+            kv_bytes = [int(s) for s in normalise_sizes(sizes, len(be._v1_sfx))]
+        except Exception as e:  # noqa: BLE001 - a pool without meta still gets a namespace
+            log.debug("umbp_nvme: could not size KV objects for the namespace: %r", e)
+    return {
+        "kind": NAMESPACE_KIND,
+        "model": be.model_name,
+        "layout": getattr(pool, "layout", None),
+        "dtype": str(getattr(pool, "dtype", None)),
+        "page_size": be.page_size,
+        "kv_object_bytes": kv_bytes,
+        "kv_objects_per_page": len(be._v1_sfx),
+        "interface": "v1" if be.interface_v1 else "flat",
+    }
+
+
+def _log_leader_not_ready(be) -> None:
+    be._log_once(
+        "follower_wait",
+        "follower: the leader has not created %s yet; reporting misses until it does",
+        be.store_dir,
+        level=logging.INFO,
+    )
+
+
+def open_main(be, *, raise_errors: bool):
+    """Open the backend's store if it is not open; None while a follower waits for its leader."""
+    if be._store is not None or be._closed or not be.config.ssd_enabled or be._namespace is None:
+        return be._store
+    from .store.sync import SyncPageStore
+
+    if be.is_mla_follower:
+        # Until the leader has created the store, a lookup costs one stat() and misses.
+        if not os.path.exists(os.path.join(be.store_dir, MANIFEST)):
+            _log_leader_not_ready(be)
+            return None
+        now = time.monotonic()
+        if now < be._next_follower_try and not raise_errors:
+            return None
+        be._next_follower_try = now + FOLLOWER_RETRY_S
+        try:
+            store = SyncPageStore(
+                be.store_dir, be.config, readonly=True, namespace=be._namespace,
+                engine_factory=be._engine_factory,
+            )  # fmt: skip
+        except StoreDamagedError as e:
+            # the leader (the writer) moves damaged metadata aside at its open: miss until then
+            be._log_once("follower_damaged", "follower: %s; reporting misses until the leader repairs it", e)
+            return None
+        except FileNotFoundError:
+            _log_leader_not_ready(be)
+            return None
+        except (NamespaceMismatchError, StoreError):
+            if raise_errors:
+                raise
+            return None
+    else:
+        store = SyncPageStore(
+            be.store_dir, be.config, readonly=False, namespace=be._namespace,
+            engine_factory=be._engine_factory,
+        )  # fmt: skip
+    be._register_ranges(store, be._ranges)
+    be._watch(store, "main")
+    be._store = store
+    return store
+
+
+def main_store(be):
+    """The backend's store, opened on first use; None (a miss) while it cannot be opened."""
+    store = be._store
+    if store is not None:
+        return store
+    if be._closed:  # every call answers False / 0 without opening anything again
+        be._log_once("closed", "called after close(); answering False / 0", level=logging.WARNING)
+        return None
+    with be._lock:
+        try:
+            return be._open_main(raise_errors=False)
+        except Exception as e:  # noqa: BLE001 - lookups degrade to misses
+            be._log_once("open", "opening %s failed: %r; reporting misses", be.store_dir, e)
+            return None
+
+
+def store_for_pool(be, name, pool, *, for_write: bool):
+    """The store that holds this side pool on this rank; "skip" for a follower's shared pools."""
+    if not be.is_mla_follower:
+        return be._main()
+    own = f"_{be.scheme.rank_suffix}_"
+    if not any(s.startswith(own) for s in be.scheme.side_pool_suffixes(name, pool)):
+        return "skip" if for_write else be._main()  # rank-replicated: the leader writes it
+    if be._private is None:
+        with be._lock:
+            if be._private is None and not be._closed:
+                from .store.sync import SyncPageStore
+
+                ns = dict(be._namespace or {}, kind=NAMESPACE_KIND + "/sidecar")
+                store = SyncPageStore(
+                    be.private_dir, be.config, readonly=False, namespace=ns, engine_factory=be._engine_factory
+                )  # fmt: skip
+                be._register_ranges(store, be._ranges)
+                be._watch(store, "sidecar")
+                be._private = store
+    return be._private
+
+
+def add_ranges(be, pool) -> None:
+    """Register a pool's host tensors with every open store (and every store opened later)."""
+    new = [r for r in pool_ranges(pool) if r not in be._ranges]
+    if not new:
+        return
+    with be._lock:
+        be._ranges.extend(new)
+        for store in (be._store, be._private):
+            if store is not None:
+                be._register_ranges(store, new)
+
+
+def register_ranges(store, ranges) -> None:
+    for addr, nbytes in ranges:
+        store.register_memory(addr, nbytes)
+
+
+def pool_ranges(pool) -> list[tuple[int, int]]:
+    """(address, nbytes) of every non-empty host tensor of a pool, deduplicated by address."""
+    getter = getattr(pool, "get_hybrid_pool_buffer", None)
+    bufs: Any = None
+    if callable(getter):
+        try:
+            bufs = getter()
+        except Exception:  # noqa: BLE001 - e.g. a logical anchor
+            bufs = None
+    if bufs is None:
+        bufs = getattr(pool, "kv_buffer", None)
+    out: list[tuple[int, int]] = []
+    seen = set()
+
+    def walk(b):
+        if b is None:
+            return
+        if isinstance(b, (list, tuple)):
+            for x in b:
+                walk(x)
+            return
+        if hasattr(b, "data_ptr") and hasattr(b, "numel"):  # torch tensor (views included)
+            addr, nbytes = int(b.data_ptr()), int(b.numel()) * int(b.element_size())
+        else:
+            try:  # numpy arrays, memoryviews, mmaps, ...
+                addr, nbytes = address_of(b, writable=False)
+            except TypeError:
+                return
+        if nbytes > 0 and addr and addr not in seen:
+            seen.add(addr)
+            out.append((addr, nbytes))
+
+    walk(bufs)
+    # A pool may expose its state buffers beside the KV ones (Mamba: temporal + conv).
+    for attr in ("temporal_buffer", "conv_buffer"):
+        walk(getattr(pool, attr, None))
+    return out
+
+
+def watch(be, store, role: str) -> None:
+    """Export the store's metrics (and log a doctor report) when asked; never fails an open."""
+    if be._doctor_at_start and role == "main":
+        try:
+            from .doctor import log_report
+
+            log_report(store.path, be.config, ranges=list(be._ranges))
+        except Exception as e:  # noqa: BLE001
+            log.warning("umbp_nvme: doctor at start failed: %r", e)
+    if not be._prometheus:
+        return
+    try:
+        from . import metrics
+
+        m = metrics.default()
+        if m is not None:
+            m.watch(store, metrics.labels_from_storage_config(be.storage_config, role))
+    except Exception as e:  # noqa: BLE001 - metrics never take the backend down
+        be._log_once("metrics", "metrics for %s not exported: %r", store.path, e, level=logging.WARNING)
+
+
+def clear_stores(be) -> None:
+    for store in (be._store, be._private):
+        if store is None:
+            continue
+        if store.readonly:
+            log.info("umbp_nvme: %s is the leader's store (read-only here); clear() leaves it", store.path)
+            continue
+        try:
+            store.clear()
+        except Exception as e:  # noqa: BLE001
+            log.error("umbp_nvme: clearing %s failed: %s", store.path, e)
+
+
+def flush_stores(be) -> bool:
+    ok = True
+    for store in (be._store, be._private):
+        if store is not None and not store.readonly:
+            ok = bool(store.flush()) and ok
+    return ok
+
+
+def close_stores(be) -> None:
+    with be._lock:
+        if be._closed:
+            return
+        be._closed = True
+        stores, be._store, be._private = (be._store, be._private), None, None
+    for store in stores:
+        if store is None:
+            continue
+        if getattr(store, "metrics", None) is not None:
+            store.metrics.owner.unwatch(store)
+        try:
+            if not store.readonly:
+                store.flush()
+        except Exception as e:  # noqa: BLE001
+            log.warning("umbp_nvme: flush of %s at close failed: %s", store.path, e)
+        try:
+            store.close()
+        except Exception as e:  # noqa: BLE001
+            log.warning("umbp_nvme: closing %s failed: %s", store.path, e)
+
+
+def store_stats(be) -> dict:
+    out = {}
+    for label, store in (("store", be._store), ("private", be._private)):
+        if store is not None:
+            try:
+                out[label] = store.stats()
+            except Exception as e:  # noqa: BLE001
+                out[label] = {"error": repr(e)}
+    return out
