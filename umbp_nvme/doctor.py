@@ -33,6 +33,7 @@ import time
 
 from .config import StoreConfig
 from .doctor_probe import PROBE_SECONDS, check_probe
+from .store.layout import segment_disk_bytes
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +167,7 @@ def check_filesystem(store_dir: str, config: StoreConfig, findings: list) -> dic
     q = _block_queue(st.st_dev)
     out["block_device"] = os.path.basename(os.path.dirname(q)) if q else None
     out["rotational"] = None if q is None else _read(os.path.join(q, "rotational")) == "1"
-    used = 0
-    if os.path.isdir(store_dir):
-        for n in os.listdir(store_dir):
-            if n.startswith("seg-"):
-                try:
-                    used += os.stat(os.path.join(store_dir, n)).st_blocks * 512
-                except OSError:
-                    pass
-    out["store_disk_bytes"] = used
+    out["store_disk_bytes"] = used = segment_disk_bytes(store_dir)
     if m["fs_type"] in ("tmpfs", "ramfs"):
         _finding(findings, "filesystem", "warn", f"the store is on {m['fs_type']} ({m['mount_point']}): it lives in RAM, "
                  "not on a drive, and is gone at reboot", "point ssd_storage_dir at a directory on the NVMe drive "

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from umbp_nvme.store.layout import segment_disk_bytes
+
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support/ -> the checkout
 
 try:  # torch is what SGLang's pools are made of; the stand-in works without it (numpy indices)
@@ -245,18 +247,6 @@ def find_store_dirs(root: str) -> list[str]:
         if "MANIFEST.json" in files:
             out.append(d)
     return sorted(out)
-
-
-def segment_disk_bytes(store_dir: str) -> int:
-    """Bytes the segment files occupy on disk (allocated blocks)."""
-    total = 0
-    for name in os.listdir(store_dir):
-        if name.startswith("seg-"):
-            try:
-                total += os.lstat(os.path.join(store_dir, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
 
 
 def unexpected_files(root: str) -> list[str]:

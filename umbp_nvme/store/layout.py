@@ -68,6 +68,17 @@ def segment_files(path: str) -> dict[int, str]:
     return out
 
 
+def segment_disk_bytes(path: str) -> int:
+    """Bytes the segment files in ``path`` occupy on disk (allocated blocks; 0 when none)."""
+    total = 0
+    for name in segment_files(path).values():
+        try:
+            total += os.lstat(os.path.join(path, name)).st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
 def map_size_bytes(capacity_bytes: int) -> int:
     # ~200 bytes of LMDB per record at worst (key <= 511 B is rare; typical keys ~100 B), one
     # record per 4 KiB slot at most, doubled for copy-on-write: the file stays sparse anyway.
