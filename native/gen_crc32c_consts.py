@@ -31,7 +31,7 @@ instruction: PCLMULQDQ of c and a 32-bit reflected constant k gives the 64-bit r
 the crc32 instruction over those 64 bits from state 0 multiplies by x^32 mod P, so the result is c*k*x^33 and
       UMBP_SHIFT_<n> = x^(8n-33) mod P.
 
-Run: python3 native/gen_crc32c_consts.py > native/crc32c_consts.h  (tests/test_crc32c.py checks it matches).
+Run: python3 native/gen_crc32c_consts.py > native/crc32c_consts.h  (tests/engine/test_crc32c_implementations.py checks it matches).
 """
 
 POLY = 0x82F63B78

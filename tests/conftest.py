@@ -81,7 +81,7 @@ def store_dir(tmp_path):
     return str(tmp_path / "store")
 
 
-# -- SGLang backend fixtures (the sglang tests import tests/sglang_env.py, which skips without it)
+# -- SGLang backend fixtures (the sglang tests import tests/support/sglang_env.py, which skips without it)
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def root(tmp_path):
 @pytest.fixture
 def hybrid(root):
     """A backend on an MHA KV pool with an `swa` and a Mamba side pool registered."""
-    import sglang_env as E
+    from support import sglang_env as E
 
     kv, swa, mamba = E.mha_pool(), E.swa_pool(), E.mamba_pool()
     backend = E.load_backend(E.storage_config(root), kv.host, {"swa": swa.host, "mamba": mamba.host})

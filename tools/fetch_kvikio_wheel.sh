@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download the kvikio-cu12 wheel (about 0.7 MB) for the tests that load the real kvikio Python layer
-# with its compiled modules stubbed (tests/test_gds.py, tests/test_store_gds.py). Nothing is
+# with its compiled modules stubbed (tests/engine/test_gds_engine.py, tests/store/test_gpu_buffer_routing.py). Nothing is
 # installed: only the wheel's .py files are read, at test time, from the cache folder. Without
 # network the download fails quietly and those tests skip, saying why.
 #

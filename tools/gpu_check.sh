@@ -21,7 +21,7 @@
 # device tool: run(command="bash tools/gpu_check.sh", carry=[".whl"]). One command, documented in
 # docs/gpu.md.
 #
-# GPU_CHECK_DRY_RUN=1: no GPU needed -- CUDA is stubbed (tests/fake_kvikio.py stands in for kvikio's
+# GPU_CHECK_DRY_RUN=1: no GPU needed -- CUDA is stubbed (tests/support/fake_kvikio.py stands in for kvikio's
 # compiled core), nothing is installed, the benchmark is skipped; everything else runs as above.
 #
 # Environment: PYTHON (default python3), GPU_CHECK_DIR (benchmark files; default
@@ -176,11 +176,11 @@ def loads(name):
 udev = "readable" if os.access("/run/udev", os.R_OK) else "absent"
 nvfs = "loaded" if os.path.exists("/proc/driver/nvidia-fs") or os.path.exists("/sys/module/nvidia_fs") else "absent"
 if dry:
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tests/support")
     import fake_kvikio
     # kvikio's AUTO needs a readable /run/udev for cuFile: the stub decides as kvikio would here
     fake_kvikio.install().core.cufile_available = udev == "readable"
-    gpu, cufile = "stub (dry run: CUDA stubbed by tests/fake_kvikio.py)", "stub"
+    gpu, cufile = "stub (dry run: CUDA stubbed by tests/support/fake_kvikio.py)", "stub"
 else:
     gpu, cufile = smi(), loads("libcufile.so.0")
 from umbp_nvme.engine import gds
@@ -213,9 +213,9 @@ if [ "$DRY" = 1 ]; then
   step "GPU tests: skipped (dry run)"
   verdict "gpu-tests: SKIP (dry run)"
 else
-  step "GPU tests (tests/test_gds.py -k test_gpu_)"
+  step "GPU tests (tests/engine/test_gds_engine.py -k test_gpu_)"
   t=$(($(left) - 170)); [ "$t" -lt 30 ] && t=30
-  timeout "$t" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gds.py -k test_gpu_ 2>&1 | tee /tmp/gpu_check_gpu.txt
+  timeout "$t" "$PY" -m pytest -q -rs -p no:cacheprovider tests/engine/test_gds_engine.py -k test_gpu_ 2>&1 | tee /tmp/gpu_check_gpu.txt
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ] || grep -q "SKIPPED" /tmp/gpu_check_gpu.txt; then
     verdict "gpu-tests: FAIL (exit $rc, or skipped on a GPU machine; reasons above)"
@@ -225,7 +225,7 @@ else
 fi
 step "GDS engine tests on the fake and the real kvikio layer"
 t=$(($(left) - 150)); [ "$t" -lt 30 ] && t=30
-timeout "$t" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gds.py tests/test_store_gds.py -k "not test_gpu_" \
+timeout "$t" "$PY" -m pytest -q -rs -p no:cacheprovider tests/engine/test_gds_engine.py tests/store/test_gpu_buffer_routing.py -k "not test_gpu_" \
   2>&1 | tee /tmp/gpu_check_cpu.txt
 rc=${PIPESTATUS[0]}
 if [ "$rc" -ne 0 ]; then

@@ -31,13 +31,13 @@ WORK = ROOT / "build" / "mutation"
 # The SGLang backend tests (real 0.5.23 wheel) also exercise keys and hits; --with-sglang adds
 # them. Off by default: they need tools/install_sglang.sh and make each mutant ~3x slower (their
 # fixtures start stores and threads), and the unit and contract tests kill the same mutants.
-SGLANG_TESTS = ["tests/test_sglang_backend.py", "tests/test_sglang_backend_more.py"]
+SGLANG_TESTS = ["tests/sglang/test_backend_on_real_wheel.py", "tests/sglang/test_split_heads_envelopes_groups.py"]
 # module -> (target score, tests run against its mutants)
 MODULES: dict[str, tuple[float, list[str]]] = {
-    "keys": (0.95, ["tests/test_keys.py", "tests/test_keys_contract.py"]),
-    "hits": (0.95, ["tests/test_hits.py", "tests/test_hits_contract.py"]),
-    "config": (0.90, ["tests/test_config.py", "tests/test_config_contract.py"]),
-    "segments": (0.90, ["tests/test_store_segments.py", "tests/test_allocator_contract.py"]),
+    "keys": (0.95, ["tests/sglang/test_key_formats.py", "tests/sglang/test_key_contract.py"]),
+    "hits": (0.95, ["tests/sglang/test_prefix_hits.py", "tests/sglang/test_prefix_hits_contract.py"]),
+    "config": (0.90, ["tests/store/test_config_layering.py", "tests/store/test_config_contract.py"]),
+    "segments": (0.90, ["tests/store/test_segment_allocator.py", "tests/store/test_allocator_contract.py"]),
 }
 
 # where each module lives under umbp_nvme/ (the allocator moved into the store package)
@@ -50,10 +50,10 @@ OUT_OF_SCOPE = {"segments": re.compile(r"xǁSegmentFilesǁ")}
 
 # The tests each module had before issue 17 (for --baseline: what the new tests added).
 BASELINE_TESTS = {
-    "keys": ["tests/test_keys.py"],
-    "hits": ["tests/test_hits.py"],
-    "config": ["tests/test_config.py"],
-    "segments": ["tests/test_store_segments.py"],
+    "keys": ["tests/sglang/test_key_formats.py"],
+    "hits": ["tests/sglang/test_prefix_hits.py"],
+    "config": ["tests/store/test_config_layering.py"],
+    "segments": ["tests/store/test_segment_allocator.py"],
 }
 
 KILLED = {"killed", "timeout", "segfault", "suspicious", "caught by type check"}

@@ -22,7 +22,7 @@ Systems, all driven the way SGLang's cache controller drives them, in 128-page b
                      against the deepest fio of the same memory kind in the same round.
 
 Host pools are sglang's MHATokenToKVPoolHost (layout page_first, bf16, pin_memory off, built by
-tests/sglang_env.py as SGLang's assembler builds them) allocated by SGLang's own allocator:
+tests/support/sglang_env.py as SGLang's assembler builds them) allocated by SGLang's own allocator:
 "4k" on plain pages, "huge" with SGLANG_HUGEPAGE_SIZE=2MB (hugetlb pages reserved through
 /proc/sys/vm/nr_hugepages as root and restored at exit; the run checks the pool really landed
 on hugetlb pages and skips the kind with a note otherwise).
@@ -128,8 +128,8 @@ def parse_args(argv):
 
 
 def load_sglang():
-    """tests/sglang_env.py (real sglang host pools, the dynamic loader); ImportError without sglang."""
-    tests = os.path.join(_ROOT, "tests")
+    """tests/support/sglang_env.py (real sglang host pools, the dynamic loader); ImportError without sglang."""
+    tests = os.path.join(_ROOT, "tests", "support")
     if tests not in sys.path:
         sys.path.insert(0, tests)
     import importlib.util
@@ -141,7 +141,7 @@ def load_sglang():
     try:
         import sglang_env
     except ImportError as e:  # pytest missing, or a broken checkout
-        raise ImportError(f"tests/sglang_env.py does not import: {e}") from None
+        raise ImportError(f"tests/support/sglang_env.py does not import: {e}") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sglang_env.sglang_imports()

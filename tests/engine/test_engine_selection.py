@@ -15,7 +15,7 @@ import pytest
 import umbp_nvme.engine as engine_mod
 from umbp_nvme.engine import EngineUnavailable, IoEngine, PosixEngine, open_engine
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import umbp_nvme._uring  # noqa: E402,F401 - required: a missing extension fails here, never skips
 
 

@@ -9,7 +9,7 @@ import json
 import warnings
 
 import pytest
-import sglang_env as se
+from support import sglang_env as se
 
 NS = se.require_sglang()
 

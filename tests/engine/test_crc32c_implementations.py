@@ -14,7 +14,7 @@ import pytest
 
 _uring = pytest.importorskip("umbp_nvme._uring", reason="extension not built: python setup.py build_ext --inplace")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMPLS = ("table", "sse42", "pclmul", "vpclmul256", "vpclmul")  # dispatch order, lowest first
 CPU_FLAG = {
     "sse42": "sse4_2",

@@ -2,7 +2,7 @@
 
 On this CPU machine "device memory" is host memory behind a CudaPointer and device copies are
 memmoves; the GDS route is the real one -- GdsGate -> open_gds_engine (settings, probe) ->
-KvikioEngine -- over tests/fake_kvikio.py installed behind `import kvikio` (or the real kvikio
+KvikioEngine -- over tests/support/fake_kvikio.py installed behind `import kvikio` (or the real kvikio
 Python layer over the fake core when a wheel is at hand). What is tested is the store's routing,
 CRC and publish through KvikioEngine, and which path kvikio says served the bytes.
 """
@@ -15,7 +15,7 @@ import logging
 import numpy as np
 import pytest
 
-import fake_kvikio as fk
+from support import fake_kvikio as fk
 from conftest import KiB, payload, small_config
 from umbp_nvme.engine import gds
 from umbp_nvme.store import PageStore

@@ -180,7 +180,7 @@ SGLANG_CHILD = textwrap.dedent(
 
 
 def test_sglang_metrics_endpoint_shows_the_umbp_nvme_families(tmp_path):
-    import sglang_env as E
+    from support import sglang_env as E
 
     E.require_sglang()
     env = E.subprocess_env()

@@ -739,7 +739,7 @@ def test_reap_batches_keeps_a_batch_alive_that_leaves_the_dict_mid_call(tmp_path
         print(n, alive, alive and touched[0][0] is wr(), touched[0][1], odd, alive and int(wr()._done[0]))
         """
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr

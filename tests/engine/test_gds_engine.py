@@ -1,6 +1,6 @@
 """GPUDirect Storage (engine/gds/): routing, settings, paths and errors on CPU; real GPU tests skip.
 
-The CPU tests run the engine against tests/fake_kvikio.py, a double of kvikio 26.10 built from the
+The CPU tests run the engine against tests/support/fake_kvikio.py, a double of kvikio 26.10 built from the
 real wheel's API: its "device" pointers are host memory, the rest (settings in kvikio's core,
 per-file compat decision, futures that run at submit, the small-I/O POSIX shortcut, POSIX raising
 at EOF while cuFile returns short, RuntimeError texts, whole-allocation memory_register, per-backend
@@ -25,7 +25,7 @@ import types
 import numpy as np
 import pytest
 
-import fake_kvikio as fk
+from support import fake_kvikio as fk
 from umbp_nvme.engine import gds
 from umbp_nvme.engine.base import EngineClosed, EngineUnavailable, IoEngine
 

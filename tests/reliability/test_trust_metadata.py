@@ -554,10 +554,10 @@ async def test_manifest_temp_file_is_exclusive_and_never_followed(store_dir, tmp
 
 @pytest.mark.timeout(240)
 def test_sglang_follower_on_a_damaged_index_starts_and_misses_until_the_leader_repairs_it(tmp_path):
-    import sglang_env as E
+    from support import sglang_env as E
 
     E.require_sglang()
-    from test_sglang_integration import Follower
+    from support.sglang_follower import Follower
 
     root = str(tmp_path / "l3")
     pool = E.mla_pool()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-import sglang_env as E
+from support import sglang_env as E
 
 ns = E.require_sglang()
 torch = ns.torch

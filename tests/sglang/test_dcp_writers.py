@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-import sglang_env as E
+from support import sglang_env as E
 
 ns = E.require_sglang()
 

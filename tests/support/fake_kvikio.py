@@ -25,7 +25,7 @@ Two layers, as in the real package:
   - every op is counted per backend ("POSIX" / "GDS") for ``SummaryMonitor`` readings.
 
 * The public layer (``CuFile``, ``IOFuture``, ``defaults``, ``cufile_driver``, ``memory_register``,
-  ``SummaryMonitor`` ...) has the real package's names and signatures (tests/test_gds.py checks
+  ``SummaryMonitor`` ...) has the real package's names and signatures (tests/engine/test_gds_engine.py checks
   them against the real wheel when it is at hand). ``install(core)`` puts it behind ``import
   kvikio`` with the real import behaviour: ``import kvikio`` does not import ``kvikio.defaults``
   or ``kvikio.cufile_driver``; they appear as attributes only once imported.
@@ -759,7 +759,7 @@ def find_kvikio_wheel() -> str | None:
     w = os.environ.get("KVIKIO_WHEEL")
     if w and os.path.isfile(w):
         return w
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "umbp-nvme", "kvikio-wheels")
     for d in (os.environ.get("KVIKIO_WHEEL_DIR"), cache, os.path.join(root, ".whl"), "/tmp/kvikio-wheels"):
         if d and os.path.isdir(d):

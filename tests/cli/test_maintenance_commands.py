@@ -6,7 +6,7 @@ import json
 import os
 
 import numpy as np
-from test_cli_warmup import CAP, _cfg, items, make_store, read_store, run_cli
+from support.cli_stores import CAP, _cfg, items, make_store, read_store, run_cli
 
 from umbp_nvme.maintenance import StoreReader, classify_key
 from umbp_nvme.store.segments import segment_name

@@ -581,7 +581,7 @@ def test_sync_store_after_close_answers_false_and_logs_once(store_dir, caplog):
 
 
 def test_sglang_backend_after_close_answers_false_without_opening_anything(root, caplog):
-    import sglang_env as E
+    from support import sglang_env as E
 
     E.require_sglang()
     pool = E.mha_pool()

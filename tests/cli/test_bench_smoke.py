@@ -7,15 +7,15 @@ event loops stay out of the test process. The hicache benchmark is skipped witho
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from support import sglang_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 COMMON = {"bench", "system", "op", "object_bytes", "queue_depth", "runs", "gbps", "iops", "cpu_us_per_op"}
 SPANS = {f"{k}_{s}" for k in ("gbps", "iops", "cpu_us_per_op") for s in ("min", "max")}
@@ -71,7 +71,7 @@ def test_store_bench_smoke(tmp_path):
     assert "target:" in stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed (tools/install_sglang.sh)")
+@pytest.mark.skipif(not sglang_env.sglang_installed(), reason="sglang is not installed (tools/install_sglang.sh)")
 def test_hicache_bench_smoke(tmp_path):
     rows, stdout = _run("hicache", tmp_path)
     if "skipped: sglang is not importable" in stdout:

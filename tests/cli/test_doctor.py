@@ -105,7 +105,7 @@ def test_the_text_form_puts_a_fix_under_each_problem(tmp_path, capsys, monkeypat
 def test_doctor_at_start_logs_one_block_that_checks_the_host_pool(tmp_path, caplog):
     import logging
 
-    from test_backend_standin import Config, FakeMHAPool
+    from support.standin_pools import Config, FakeMHAPool
     from umbp_nvme.sglang_backend import UMBPNvmeStore
 
     cfg = Config(str(tmp_path / "s"))

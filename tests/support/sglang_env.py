@@ -5,7 +5,7 @@ Install the wheel with `tools/install_sglang.sh`. Every test module that needs S
 
 What is here:
 - `sglang_imports()`: the SGLang names the tests use (after putting the inert torchvision
-  shim from tests/sglang_shims on sys.path when the real torchvision is missing or broken).
+  shim from tests/support/sglang_shims on sys.path when the real torchvision is missing or broken).
 - Host pools built exactly as SGLang's assembler builds them, on device "cpu" with
   `pin_memory=False`: MHA (page_first / page_first_direct / page_head), MLA, Mamba, and an MHA
   `swa` side pool. Each returns a `PoolBundle` holding the device pool too (the host pool only
@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
+REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
 SHIMS_DIR = os.path.join(TESTS_DIR, "sglang_shims")
 INSTALL_HINT = "sglang==0.5.23 is not installed; run tools/install_sglang.sh"
 
@@ -69,9 +69,16 @@ def subprocess_env() -> dict:
     return env
 
 
+def sglang_installed() -> bool:
+    """The sglang wheel is importable. tests/sglang/ (a folder, no __init__.py) is found as a
+    namespace package when tests/ is on sys.path; only a spec with an origin is the wheel."""
+    spec = importlib.util.find_spec("sglang")
+    return spec is not None and spec.origin is not None
+
+
 def require_sglang():
     """Skip the calling test module unless the sglang wheel imports; returns its namespace."""
-    if importlib.util.find_spec("sglang") is None:
+    if not sglang_installed():
         pytest.skip(INSTALL_HINT, allow_module_level=True)
     try:
         return sglang_imports()

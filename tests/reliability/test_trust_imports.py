@@ -21,7 +21,7 @@ import time
 
 import pytest
 from conftest import ROOT, payload
-from test_cli_warmup import make_store, read_store
+from support.cli_stores import make_store, read_store
 
 from umbp_nvme import cli
 from umbp_nvme.archive import _REC, _U32, REC_TAG, ArchiveError, ArchiveReader, ArchiveWriter, _crc32c

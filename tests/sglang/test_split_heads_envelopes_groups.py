@@ -5,12 +5,12 @@ restorable_prefix_pages (§5) through batch_exists_v2. Bytes and counts are asse
 from __future__ import annotations
 
 import pytest
-import sglang_env as E
+from support import sglang_env as E
 
 ns = E.require_sglang()
 torch = ns.torch
 
-from test_sglang_backend import hit_pages, transfer
+from test_backend_on_real_wheel import hit_pages, transfer
 
 from umbp_nvme import hits as H
 
