@@ -1,5 +1,9 @@
 """tools/chaos_report.py --quick: the whole suite in about a minute, every must-be-zero figure 0.
 
+This is where crash survival (SIGKILL of the SGLang backend in every phase, both durability modes,
+with and without eviction), injected and real faults through the backend, the three-controller-
+thread soak with a follower, the bad-input checkers and the file-system hygiene checks are run and
+asserted, once: each part's own figures are checked below, not only the report's totals.
 Also checks the fuzzers' harness itself (tools/chaos_fuzz.py): a child that dies of SIGBUS, raises,
 logs a traceback or hangs is counted, and an undamaged store and archive pass every check.
 """
@@ -22,7 +26,8 @@ import chaos_fuzz  # noqa: E402
 def test_chaos_report_quick(tmp_path):
     out = tmp_path / "chaos.json"
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "chaos_report.py"), "--quick", "--json", str(out)],
+        # 9 kills per durability mode: 4 without eviction, 5 evicting (every phase at least once)
+        [sys.executable, os.path.join(ROOT, "tools", "chaos_report.py"), "--quick", "--kills", "9", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     report = json.loads(out.read_text())
@@ -46,6 +51,61 @@ def test_chaos_report_quick(tmp_path):
     assert figures["metadata_damage_trials"] >= 50 and figures["key_fuzz_cases"] >= 300
     assert figures["archive_fuzz_cases"] >= 50
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    _check_crash_parts(report["parts"]["crash"])
+    _check_fault_part(report["parts"]["faults"])
+    _check_soak_part(report["parts"]["soak"])
+    _check_bad_input_parts(report["parts"]["fuzz"], report["parts"]["hygiene"])
+
+
+def _check_crash_parts(crash: list) -> None:
+    """Each (mode, evicting) run: no wrong byte, lost ack, unreadable page or over-capacity store
+    after any kill; every kill survived; the children wrote; evicting stores keep filling."""
+    assert sorted((c["mode"], c["evicting"]) for c in crash) == [("relaxed", False), ("relaxed", True),
+                                                                  ("strict", False), ("strict", True)]
+    for c in crash:
+        tag = (c["mode"], c["evicting"], c)
+        assert c["errors"] == [], tag
+        assert c["wrong_bytes"] == 0 and c["lost_acknowledged"] == 0, tag
+        assert c["unreadable"] == 0, tag  # what batch_exists reports is readable
+        assert c["over_capacity"] == 0, tag
+        assert c["raised_from_v1"] == 0 and c["hangs"] == 0, tag
+        assert c["kills"] == (5 if c["evicting"] else 4) and c["kills_survived"] == c["kills"], tag
+        assert c["existing_max"] > 0, tag  # the children did write between kills
+        # kill 0 is always the parent's; the others die in their phase, or the parent kills them
+        assert c["phases"].get("parent", 0) >= 1 and sum(c["phases"].values()) == c["kills"], tag
+        if c["evicting"]:
+            assert c["fill_failed_batches"] == 0, tag  # space freed by evictions and crashes is reused
+
+
+def _check_fault_part(fr: dict) -> None:
+    """Every v1 call answered in bounded time with no wrong byte; each scenario kept serving what is
+    intact; a damaged index is moved aside and the writer opens with an empty one."""
+    assert fr["errors"] == [], fr["errors"]
+    assert fr["wrong_bytes"] == 0 and fr["hangs"] == 0 and fr["raised_from_v1"] == 0, fr
+    assert fr["faults_injected"] > 50, fr
+    for name, sc in fr["scenarios"].items():
+        if "skipped" not in sc:
+            assert sc["serves_intact"], (name, sc)
+    assert fr["corrupt_index_outcome"] == "opened", fr
+
+
+def _check_soak_part(sr: dict) -> None:
+    """SGLang's three controller threads, eviction under a tight cap and a follower process."""
+    assert sr["errors"] == [] and sr["wrong_bytes"] == 0 and sr["hangs"] == 0 and sr["raised_from_v1"] == 0, sr
+    assert sr["calls"]["backup"] > 10 and sr["calls"]["io"] > 10 and sr["calls"]["hits"] > 0, sr
+    assert sr["evictions"] > 0 and sr["bytes_used"] <= sr["capacity"], sr
+    assert sr["follower"].get("hits", 0) > 0, sr["follower"]
+    assert sr["rss_growth_mib"] < 64 and sr["threads_leaked"] == 0, sr
+
+
+def _check_bad_input_parts(fuzz: dict, hygiene: dict) -> None:
+    """The bad-input checkers (config values, keys, index tensors, pointer/size pairs, layout and
+    namespace mismatches, the legacy raw-pointer get) and the hygiene checks (modes 0600/0700,
+    symlinks not followed, the writer lock naming its holder, a foreign owner refused): no finding."""
+    assert fuzz["n_findings"] == 0 and fuzz["findings"] == [], fuzz["findings"]
+    assert fuzz["bad_inputs_tried"] > 100, fuzz
+    assert hygiene["findings"] == [], hygiene["findings"]
+    assert hygiene["checks"] >= 10, hygiene
 
 
 def test_fuzz_harness_counts_what_it_must(tmp_path):
