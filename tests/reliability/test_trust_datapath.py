@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 from conftest import KiB, MiB, mount_tmpfs, payload, small_config
+from umbp_nvme.store import space as space_mod
 from umbp_nvme.store import staging as staging_mod
 from umbp_nvme.store import sync as sync_mod
 from umbp_nvme.engine import uring as uring_mod
-from support.faults import FaultPlan, FaultRule
+from support.faults import EngineHooks, FaultPlan, FaultRule
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.sync import SyncPageStore
 
@@ -304,26 +305,43 @@ def _blocking_posix_reads(monkeypatch, fd: int):
     return entered
 
 
-def _fifo_segment(st, tmp_path, seg: int = 0):
-    """Point segment ``seg``'s descriptor at an empty FIFO: a read of it hangs until written."""
-    path = str(tmp_path / "fifo")
-    os.mkfifo(path)
-    rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    wfd = os.open(path, os.O_WRONLY)
-    os.set_blocking(rfd, True)
-    st._files.fds[seg] = rfd
-    st._files.direct[seg] = False  # no bounce: the read lands straight in the caller's memory
-    return rfd, wfd
+class FifoReads:
+    """An engine_factory whose engines, once ``stall()`` is called, read every object from an empty
+    FIFO: the read hangs in the kernel until the test writes the bytes. The store is opened with
+    o_direct=False, so there is no bounce buffer: the read lands straight in the caller's memory."""
+
+    def __init__(self, tmp_path):
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)
+        self.rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        self.wfd = os.open(path, os.O_WRONLY)
+        os.set_blocking(self.rfd, True)
+        self.hooks = EngineHooks()
+
+    def engine_factory(self):
+        return self.hooks.engine_factory()
+
+    def stall(self) -> None:
+        async def read(real, fds, offsets, addrs, lengths):
+            return await real(np.full_like(fds, self.rfd), offsets, addrs, lengths)
+
+        self.hooks.read = read
+
+    def close(self) -> None:
+        os.close(self.wfd)
+        os.close(self.rfd)
 
 
 async def test_a_stalled_read_never_lands_in_the_caller_after_get_returned(store_dir, tmp_path, monkeypatch):
     # Before: io_uring drained a cancelled batch for at most DRAIN_TIMEOUT_S, then get_many
     # returned False; the read landed in the caller's buffer afterwards.
     monkeypatch.setattr(uring_mod, "DRAIN_TIMEOUT_S", 0.3, raising=False)
-    st = await PageStore.open(store_dir, cfg(io_timeout_s=0.3, ssd_io_backend="io_uring"))
+    fifo = FifoReads(tmp_path)
+    st = await PageStore.open(store_dir, cfg(io_timeout_s=0.3, ssd_io_backend="io_uring", o_direct=False),
+                              engine_factory=fifo.engine_factory())  # fmt: skip
     assert await st.put_many(["x"], [pl("x", OBJ)]) == [True]
-    real_fd = int(st._files.fds[0])
-    rfd, wfd = _fifo_segment(st, tmp_path)
+    fifo.stall()
+    wfd = fifo.wfd
     out = np.zeros(OBJ, np.uint8)
     try:
         t0 = time.monotonic()
@@ -345,19 +363,20 @@ async def test_a_stalled_read_never_lands_in_the_caller_after_get_returned(store
         await asyncio.sleep(0.1)
         assert bytes(out) == landed  # and nothing after the return
     finally:
-        st._files.fds[0] = real_fd
-        os.close(wfd)
-        os.close(rfd)
+        fifo.hooks.read = None
+        fifo.close()
     await st.close()
 
 
 async def test_an_uncancellable_stalled_read_holds_the_call_until_it_ends(store_dir, tmp_path, monkeypatch):
     # posix threads in preadv cannot be cancelled: get_many waits for the read, however long
-    st = await PageStore.open(store_dir, cfg(io_timeout_s=0.5, ssd_io_backend="posix"))
+    fifo = FifoReads(tmp_path)
+    st = await PageStore.open(store_dir, cfg(io_timeout_s=0.5, ssd_io_backend="posix", o_direct=False),
+                              engine_factory=fifo.engine_factory())  # fmt: skip
     assert await st.put_many(["x"], [pl("x", OBJ)]) == [True]
-    real_fd = int(st._files.fds[0])
-    rfd, wfd = _fifo_segment(st, tmp_path)
-    entered = _blocking_posix_reads(monkeypatch, rfd)
+    fifo.stall()
+    wfd = fifo.wfd
+    entered = _blocking_posix_reads(monkeypatch, fifo.rfd)
     out = np.zeros(OBJ, np.uint8)
     try:
         task = asyncio.ensure_future(st.get_many(["x"], [out]))
@@ -371,20 +390,20 @@ async def test_an_uncancellable_stalled_read_holds_the_call_until_it_ends(store_
         assert landed == b"\xab" * OBJ  # it landed before get_many returned
         assert st.stats()["late_completions"] == 1
     finally:
-        st._files.fds[0] = real_fd
-        os.close(wfd)
-        os.close(rfd)
+        fifo.hooks.read = None
+        fifo.close()
     await st.close()
 
 
 def test_sync_get_never_returns_while_the_store_waits_for_the_kernel(store_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sync_mod, "_CALL_SLACK_S", 0.1)  # the sync call's own limit: 4 x 0.3 + 0.1 s
-    s = SyncPageStore(store_dir, cfg(io_timeout_s=0.3, ssd_io_backend="posix"))
+    fifo = FifoReads(tmp_path)
+    s = SyncPageStore(store_dir, cfg(io_timeout_s=0.3, ssd_io_backend="posix", o_direct=False),
+                      engine_factory=fifo.engine_factory())  # fmt: skip
     assert s.put_many(["x"], [pl("x", OBJ)]) == [True]
-    st = s.store
-    real_fd = int(st._files.fds[0])
-    rfd, wfd = _fifo_segment(st, tmp_path)
-    entered = _blocking_posix_reads(monkeypatch, rfd)
+    fifo.stall()
+    wfd = fifo.wfd
+    entered = _blocking_posix_reads(monkeypatch, fifo.rfd)
     out = np.zeros(OBJ, np.uint8)
     done = threading.Event()
     result = []
@@ -405,9 +424,8 @@ def test_sync_get_never_returns_while_the_store_waits_for_the_kernel(store_dir, 
         if not done.is_set():
             os.write(wfd, b"\0" * OBJ)
         th.join(5)
-        st._files.fds[0] = real_fd
-        os.close(wfd)
-        os.close(rfd)
+        fifo.hooks.read = None
+        fifo.close()
     s.close()
 
 
@@ -484,34 +502,53 @@ async def test_a_real_device_stall_holds_the_get_until_the_drive_resumes(monkeyp
 # --------------------------------------------------------------------------- 11. ENOSPC
 
 
-async def test_a_full_file_system_below_capacity_keeps_caching_within_the_segments_it_has(tmp_path):
+class _Clock:
+    """store/space.py's clock, moved forward by hand: the retry interval passes without a sleep."""
+
+    def __init__(self):
+        self.ahead_s = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead_s
+
+
+async def test_a_full_file_system_below_capacity_keeps_caching_within_the_segments_it_has(tmp_path, monkeypatch):
+    # Before: every batch failed whole from the fill on. Now the segments the store has become its
+    # effective capacity; it evicts within them, keeps caching, and grows back once there is room.
+    clock = _Clock()
+    monkeypatch.setattr(space_mod, "time", clock)
     mnt = str(tmp_path / "small")
-    why = mount_tmpfs(mnt, "3m")
+    why = mount_tmpfs(mnt, "8m")
     if why:
         pytest.skip(why)
     try:
         path = os.path.join(mnt, "store")
-        st = await PageStore.open(path, cfg(ssd_capacity_bytes=16 * MiB, ssd_segment_size_bytes=1 * MiB))
+        c = cfg(ssd_capacity_bytes=64 * MiB, ssd_segment_size_bytes=1 * MiB, o_direct=True)
+        st = await PageStore.open(path, c)
         stored = []
-        for b in range(12):
-            ks = [f"p{b}-{j}" for j in range(32)]
-            r = await st.put_many(ks, [pl(k, 64 * KiB) for k in ks])
+        for b in range(20):  # 20 MiB into an 8 MiB file system
+            ks = [f"p{b}-{j}" for j in range(8)]
+            r = await st.put_many(ks, [pl(k, 128 * KiB) for k in ks])
             stored.append(sum(r))
         s = st.stats()
-        assert s["capacity_bytes"] == 16 * MiB and MiB <= s["effective_capacity_bytes"] <= 3 * MiB
-        assert min(stored[2:]) >= 8, stored  # before: 0 of 32 per batch from the fill on
+        assert s["capacity_bytes"] == 64 * MiB and MiB <= s["effective_capacity_bytes"] < 8 * MiB, s
+        assert stored[-10:] == [8] * 10, stored  # every batch after the fill is stored whole
+        last = [f"p19-{j}" for j in range(8)]
+        assert await st.exists_many(last) == [True] * 8
         present = st.keys()
-        last = [f"p11-{j}" for j in range(32)]
-        assert sum(await st.exists_many(last)) == stored[-1]
-        outs = [np.zeros(64 * KiB, np.uint8) for _ in present]
+        assert set(last) <= set(present) and len(present) < 160
+        outs = [np.zeros(128 * KiB, np.uint8) for _ in present]
         assert await st.get_many(present, outs) == [True] * len(present)
-        assert all(bytes(o) == bytes(pl(k, 64 * KiB)) for o, k in zip(outs, present))
-        # room again: after the retry interval the store grows back towards its capacity
-        subprocess.run(["mount", "-o", "remount,size=32m", mnt], check=True, capture_output=True)
-        st._space_retry_at = 0.0
+        assert all(bytes(o) == bytes(pl(k, 128 * KiB)) for o, k in zip(outs, present))
+        # room again: once the retry interval has passed the store grows back to its capacity
+        subprocess.run(["mount", "-o", "remount,size=96m", mnt], check=True, capture_output=True)
+        clock.ahead_s += space_mod.GROW_RETRY_S
         ks = [f"q{j}" for j in range(32)]
-        assert await st.put_many(ks, [pl(k, 64 * KiB) for k in ks]) == [True] * 32
-        assert st.stats()["effective_capacity_bytes"] == 16 * MiB
+        assert await st.put_many(ks, [pl(k, 128 * KiB) for k in ks]) == [True] * 32
+        assert st.stats()["effective_capacity_bytes"] == 64 * MiB
+        await st.close()
+        st = await PageStore.open(path, c)  # what it kept survives a reopen; growing evicted nothing
+        assert await st.exists_many(present + ks) == [True] * (len(present) + 32)
         await st.close()
     finally:
         subprocess.run(["umount", "-l", mnt], capture_output=True)

@@ -1,16 +1,16 @@
-"""Capacity is real: bytes on disk, watermarks, eviction order, durable eviction, ENOSPC, pins."""
+"""Capacity is real: bytes on disk, watermarks, eviction order, durable eviction, ENOSPC, pins.
+
+A full file system below the configured capacity: reliability/test_trust_datapath.py (defect 11)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 
 import numpy as np
-import pytest
 
 from support.faults import EngineHooks
-from conftest import KiB, MiB, mount_tmpfs, payload, small_config
+from conftest import KiB, MiB, payload, small_config
 from umbp_nvme.store import PageStore
 
 
@@ -171,39 +171,3 @@ async def test_put_that_cannot_get_space_fails_only_that_key(store_dir):
     hooks.read = None
     assert await st.put_many(["x"], [payload("x", 64 * KiB)]) == [True]  # usable again
     await st.close()
-
-
-async def test_enospc_adopts_the_segments_it_has_and_keeps_caching(tmp_path):
-    # issue 10 defect 11 changed this: a full file system below the configured capacity makes
-    # the segments the store has its effective capacity; it evicts within them and keeps caching
-    mnt = str(tmp_path / "small")
-    why = mount_tmpfs(mnt, "8m")
-    if why:
-        pytest.skip(why)
-    try:
-        path = os.path.join(mnt, "store")
-        cfg = small_config(ssd_capacity_bytes=64 * MiB, ssd_segment_size_bytes=1 * MiB, o_direct=True)
-        st = await PageStore.open(path, cfg)
-        assert st.stats()["engine"]
-        per_batch = []
-        for i in range(20):  # 20 MiB into an 8 MiB file system
-            ks = [f"e{i}-{j}" for j in range(8)]
-            r = await st.put_many(ks, [payload(k, 128 * KiB) for k in ks])
-            per_batch.append(r.count(True))
-        s = st.stats()
-        assert MiB <= s["effective_capacity_bytes"] < 8 * MiB and s["capacity_bytes"] == 64 * MiB
-        assert per_batch[-10:] == [8] * 10  # every batch after the fill is stored whole
-        assert st.stats()["o_direct"] in (True, False)  # tmpfs takes O_DIRECT only since Linux 6.6
-        last = [f"e19-{j}" for j in range(8)]
-        have = set(st.keys())
-        present = [k for i in range(20) for j in range(8) if (k := f"e{i}-{j}") in have]
-        assert set(last) <= set(present) and len(present) < 160
-        outs = [np.zeros(128 * KiB, np.uint8) for _ in present]
-        assert await st.get_many(present, outs) == [True] * len(present)
-        assert all(bytes(o) == bytes(payload(k, 128 * KiB)) for o, k in zip(outs, present))
-        await st.close()
-        st = await PageStore.open(path, cfg)
-        assert await st.exists_many(present) == [True] * len(present)
-        await st.close()
-    finally:
-        subprocess.run(["umount", "-l", mnt], capture_output=True)
