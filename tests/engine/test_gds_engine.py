@@ -307,9 +307,17 @@ async def test_gate_allocates_its_staging_buffer_only_when_used(monkeypatch, dat
 
     monkeypatch.setattr(gds, "gds_available", lambda: (False, "kvikio is not importable"))
     monkeypatch.setattr(gds, "_device_ops", HostDeviceOps())
-    made = []
+    made, closed = [], []
     real = gds.StagingBuffer
-    monkeypatch.setattr(gds, "StagingBuffer", lambda n, **kw: made.append(n) or real(n, **kw))
+
+    def counted(n, **kw):
+        buf = real(n, **kw)
+        made.append(n)
+        close = buf.close
+        buf.close = lambda: closed.append(n) or close()
+        return buf
+
+    monkeypatch.setattr(gds, "StagingBuffer", counted)
     gate = gds.GdsGate(staging=True, staging_bytes=1 << 20)
     host = PosixEngine(4)
     try:
@@ -324,9 +332,9 @@ async def test_gate_allocates_its_staging_buffer_only_when_used(monkeypatch, dat
     finally:
         gate.close()
         host.close()
-    assert gate._staging is None
+    assert closed == [1 << 20]  # the gate released its buffer
     gate.close()  # idempotent, allocates nothing
-    assert made == [1 << 20]
+    assert made == [1 << 20] and closed == [1 << 20]
 
 
 async def test_gate_in_gds_mode_has_no_staging_buffer(fake_cuda, tmp_path):
@@ -352,6 +360,9 @@ async def test_store_staging_route_never_allocates_the_gate_buffer(monkeypatch, 
             super().__init__(**{**kw, "staging": True, "opener": unavailable})
             gates.append(self)
 
+    made = []
+    real = gds.StagingBuffer
+    monkeypatch.setattr(gds, "StagingBuffer", lambda n, **kw: made.append(n) or real(n, **kw))
     monkeypatch.setattr(gds, "_device_ops", HostDeviceOps())
     monkeypatch.setattr(gds, "GdsGate", StagingGate)
     st = await PageStore.open(store_dir, small_config())
@@ -362,7 +373,7 @@ async def test_store_staging_route_never_allocates_the_gate_buffer(monkeypatch, 
         assert await st.get_many(["k"], [gds.CudaPointer(addr(out), out.nbytes)]) == [True]
         assert out.tobytes() == src.tobytes()
         (gate,) = gates
-        assert gate.mode == "staging" and gate._staging is None  # the store uses its own bounce buffers
+        assert gate.mode == "staging" and made == []  # the store uses its own bounce buffers
     finally:
         await st.close()
 

@@ -36,7 +36,7 @@ def test_each_dcp_shard_writer_owns_a_store_and_its_replicas_read_it(root):
         idx = pool.alloc_pages(6)
         written[tp_rank] = E.fill_random(pool.host, idx, seed=300 + tp_rank)
         assert all(backend.batch_set_v1(hashes, idx))
-        assert backend._store.exists_many([hashes[0] + f"_dcp{tp_rank}_cp0_k"]) == [True]
+        assert backend.store.exists_many([hashes[0] + f"_dcp{tp_rank}_cp0_k"]) == [True]
         writers[tp_rank] = backend
     assert written[0] != written[1]
     for tp_rank in range(DCP, TP):  # the replicas: tp2 reads shard 0, tp3 reads shard 1

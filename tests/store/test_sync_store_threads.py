@@ -54,9 +54,10 @@ def test_exists_prefix_of_128_keys_is_well_under_100us(store_dir):
 
 
 def test_close_stops_the_loop_thread_and_later_calls_fail_softly(store_dir):
+    before = set(threading.enumerate())
     st = SyncPageStore(store_dir, small_config())
     st.put_many(["k"], [payload("k", 4096)])
-    thread = st._thread
+    (thread,) = [t for t in threading.enumerate() if t not in before and t.name == "umbp-store-loop"]
     st.close()
     st.close()
     assert not thread.is_alive()
