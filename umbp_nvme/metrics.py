@@ -306,6 +306,8 @@ class Metrics:
         self._mp: dict = {}  # multiprocess Counters / Gauges by (family, label names)
         self._thread = None
         self._wake = threading.Event()
+        self.refreshes = 0  # refresh rounds the pusher thread has finished
+        self._refreshed = threading.Condition()
         if not self.multiprocess:
             self.registry.register(_Collector(self))
 
@@ -392,6 +394,16 @@ class Metrics:
                     self.push(w)
                 except Exception as e:  # noqa: BLE001 - metrics never take the server down
                     log.debug("umbp_nvme metrics: refresh failed: %r", e)
+            with self._refreshed:
+                self.refreshes += 1
+                self._refreshed.notify_all()
+
+    def wait_refreshes(self, n: int, timeout_s: float) -> bool:
+        """Block until ``n`` more refresh rounds have finished; False if ``timeout_s`` passed first.
+        A round that began before the call may count: ask for 2 to see a value set just before."""
+        with self._refreshed:
+            target = self.refreshes + n
+            return self._refreshed.wait_for(lambda: self.refreshes >= target, timeout_s)
 
     def close(self) -> None:
         self._wake.set()

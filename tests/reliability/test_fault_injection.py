@@ -89,7 +89,9 @@ async def test_stuck_batch_is_released_by_close_and_cancel_returns_at_once(tmp_p
             await asyncio.wait_for(eng.read_many(f.fd, [0], [buf.address], [4096]), 0.2)
         assert time.monotonic() - t0 < 1.0
         task = asyncio.ensure_future(eng.sync(f.fd))
-        await asyncio.sleep(0.05)
+        stuck = plan.total_injected
+        await asyncio.sleep(0)  # one loop pass: the sync decides its fault and waits on it
+        assert plan.total_injected == stuck + 1 and not task.done()
         eng.close()
         with pytest.raises(EngineClosed):
             await asyncio.wait_for(task, 2)

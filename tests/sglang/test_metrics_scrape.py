@@ -8,7 +8,8 @@ import sys
 import textwrap
 
 import numpy as np
-import pytest
+from prometheus_client import CollectorRegistry, generate_latest  # the test extra has it
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import KiB, MiB, payload, small_config
 from umbp_nvme.store.segments import segment_name
@@ -16,11 +17,7 @@ from umbp_nvme.store.sync import SyncPageStore
 
 from support.faults import FaultPlan, FaultRule
 
-prometheus_client = pytest.importorskip("prometheus_client")
-from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from umbp_nvme import metrics  # noqa: E402
+from umbp_nvme import metrics
 
 OBJ = 64 * KiB
 
@@ -203,8 +200,6 @@ def test_sglang_metrics_endpoint_shows_the_umbp_nvme_families(tmp_path):
 
 def test_multiprocess_mode_refreshes_counters_gauges_and_histograms_while_the_store_runs(store_dir):
     # the push path (what SGLang's multiprocess /metrics reads) on an in-memory registry
-    import time
-
     sync = SyncPageStore(store_dir, small_config())
     reg = CollectorRegistry()
     m = metrics.Metrics(reg, multiprocess=True, refresh_s=0.05)
@@ -213,7 +208,7 @@ def test_multiprocess_mode_refreshes_counters_gauges_and_histograms_while_the_st
         ks = [f"k{i}" for i in range(6)]
         assert sync.put_many(ks, [payload(k, OBJ) for k in ks]) == [True] * 6
         assert sync.get_many(ks[:4], [np.zeros(OBJ, np.uint8) for _ in range(4)]) == [True] * 4
-        time.sleep(0.5)  # several refreshes: deltas must not be added twice
+        assert m.wait_refreshes(4, 10)  # several refreshes: deltas must not be added twice
         s = scrape(reg)
         assert value(s, "umbp_nvme_puts_total", tp_rank="2") == 6
         assert value(s, "umbp_nvme_hits_total", tp_rank="2") == 4
@@ -221,7 +216,7 @@ def test_multiprocess_mode_refreshes_counters_gauges_and_histograms_while_the_st
         assert value(s, "umbp_nvme_batch_seconds_count", tp_rank="2", op="get") == 1
         assert value(s, "umbp_nvme_object_seconds_count", tp_rank="2", op="put") == 1
         assert sync.put_many(["x"], [payload("x", OBJ)]) == [True]
-        time.sleep(0.3)
+        assert m.wait_refreshes(2, 10)  # one whole round after the put
         s = scrape(reg)
         assert value(s, "umbp_nvme_puts_total", tp_rank="2") == 7
         assert value(s, "umbp_nvme_batch_seconds_count", tp_rank="2", op="put") == 2
