@@ -12,6 +12,12 @@ import mmap
 
 import numpy as np
 
+# O_DIRECT's alignment of offsets, lengths and memory: 4 KiB is the most any device we know asks
+# (statx's STATX_DIOALIGN reports 512 or 4096). The one name for that fact: segment sizes, slot
+# offsets, staging rounding, the fallback when statx cannot tell, and the warm-up's blob layout.
+DIO_ALIGN_BYTES = 4096
+# The CPU page, mmap's granularity: a different fact that happens to share the value (a
+# page-aligned buffer is DIO-aligned because PAGE_BYTES % DIO_ALIGN_BYTES == 0).
 PAGE_BYTES = 4096
 HUGE_PAGE_BYTES = 2 << 20
 

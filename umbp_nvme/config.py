@@ -24,11 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+from .buffers import DIO_ALIGN_BYTES
+
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 MiB = 1 << 20
-SEGMENT_ALIGN_BYTES = 4096  # segments are written with O_DIRECT; offsets stay block-aligned
 
 IO_BACKENDS = ("posix", "io_uring", "auto")  # auto: io_uring, falling back to posix with one warning
 DURABILITY_ALIASES = {"strict": "strict", "sync": "strict", "relaxed": "relaxed", "async": "relaxed"}
@@ -77,9 +78,9 @@ class StoreConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.ssd_segment_size_bytes % SEGMENT_ALIGN_BYTES:
+        if self.ssd_segment_size_bytes % DIO_ALIGN_BYTES:  # segments are written with O_DIRECT
             raise ValueError(
-                f"ssd_segment_size_bytes must be a multiple of {SEGMENT_ALIGN_BYTES} "
+                f"ssd_segment_size_bytes must be a multiple of {DIO_ALIGN_BYTES} "
                 f"(O_DIRECT alignment), got {self.ssd_segment_size_bytes}"
             )
         if self.ssd_capacity_bytes < self.ssd_segment_size_bytes:

@@ -191,7 +191,8 @@ def check_filesystem(store_dir: str, config: StoreConfig, findings: list) -> dic
 
 
 def check_o_direct(store_dir: str, config: StoreConfig, findings: list) -> dict:
-    from .engine.files import DEFAULT_DIO_ALIGN_BYTES, open_data_file
+    from .buffers import DIO_ALIGN_BYTES
+    from .engine.files import open_data_file
 
     where = _existing(store_dir)
     out: dict = {"asked": bool(config.o_direct)}
@@ -221,7 +222,7 @@ def check_o_direct(store_dir: str, config: StoreConfig, findings: list) -> dict:
     m = _mount_of(os.path.realpath(where))
     if out["direct"]:
         note = f"O_DIRECT on {m['fs_type']}, alignment {out['align_bytes']} bytes"
-        if out["align_bytes"] == DEFAULT_DIO_ALIGN_BYTES:
+        if out["align_bytes"] == DIO_ALIGN_BYTES:
             note += " (statx reports none or 4 KiB)"
         _finding(findings, "o_direct", "ok", note)
     elif not config.o_direct:

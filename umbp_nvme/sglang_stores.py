@@ -20,12 +20,12 @@ from typing import Any
 
 from .buffers import address_of
 from .errors import NamespaceMismatchError, StoreDamagedError, StoreError
+from .store.layout import MANIFEST_FILE as MANIFEST  # a follower opens the leader's store once it exists
 
 log = logging.getLogger("umbp_nvme.sglang_backend")
 
 NAMESPACE_KIND = "umbp_nvme.sglang/1"
 FOLLOWER_RETRY_S = 0.05  # a follower retries a failed open of the leader's store at most this often
-MANIFEST = "MANIFEST.json"  # PageStore's; a follower opens the leader's store once it exists
 
 
 def normalise_sizes(sizes, n: int) -> list:

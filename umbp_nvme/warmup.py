@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .archive import ArchiveReader
-from .buffers import AlignedBuffer
+from .buffers import DIO_ALIGN_BYTES, AlignedBuffer
 from .hicache_files import FileBackendLayout, _dir_bytes, expected_page_bytes, file_backend_units
 from .keybytes import encode_key, key_error, printable_key
 from .maintenance import StoreReader
@@ -47,10 +47,9 @@ log = logging.getLogger(__name__)
 
 BATCH_BYTES = 32 << 20
 BATCH_OBJECTS = 256
-_ALIGN = 4096
 
 
-def _align_up(n: int, a: int = _ALIGN) -> int:
+def _align_up(n: int, a: int = DIO_ALIGN_BYTES) -> int:
     return -(-n // a) * a
 
 

@@ -40,13 +40,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from umbp_nvme.buffers import DIO_ALIGN_BYTES
 from umbp_nvme.engine import open_engine
 from umbp_nvme.engine.base import RESULT_DTYPE, EngineClosed, IoBatch
 
 KINDS = ("eio", "enospc", "errno", "short", "bitflip", "delay", "stuck", "kill")
 OPS = ("read", "write", "sync")
 _GARBAGE = 0xA5
-_SHORT_ALIGN = 4096
 
 
 @dataclass
@@ -263,7 +263,7 @@ class FaultyEngine:
                 res[i] = -r.errno
             elif r.kind == "short" and b.lengths[i] > 0:
                 if op == "write":
-                    half = (int(b.lengths[i]) // 2) // _SHORT_ALIGN * _SHORT_ALIGN
+                    half = (int(b.lengths[i]) // 2) // DIO_ALIGN_BYTES * DIO_ALIGN_BYTES  # as an O_DIRECT device tears
                     if half == 0:
                         do[i] = False
                         res[i] = 0

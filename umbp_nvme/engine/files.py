@@ -26,9 +26,11 @@ import stat
 import threading
 from dataclasses import dataclass, field
 
+from ..buffers import DIO_ALIGN_BYTES
+
 log = logging.getLogger(__name__)
 
-DEFAULT_DIO_ALIGN_BYTES = 4096
+DEFAULT_DIO_ALIGN_BYTES = DIO_ALIGN_BYTES  # when statx cannot tell
 
 _AT_EMPTY_PATH = 0x1000
 _STATX_DIOALIGN = 0x2000

@@ -16,6 +16,7 @@ import logging
 import os
 import stat
 
+from ..buffers import DIO_ALIGN_BYTES
 from ..errors import (
     CapacityShrinkError,
     ManifestDamagedError,
@@ -32,7 +33,7 @@ log = logging.getLogger("umbp_nvme.store")
 FORMAT_VERSION = 1
 MANIFEST_FILE = "MANIFEST.json"
 LOCK_FILE = "LOCK"
-SLOT_ALIGN_BYTES = 4096  # slot offsets and sizes: O_DIRECT needs at most 4 KiB on every device we know
+SLOT_ALIGN_BYTES = DIO_ALIGN_BYTES  # slot offsets and sizes; a format fact too: the manifest records it
 
 SEGMENT_PREFIX, SEGMENT_SUFFIX = "seg-", ".dat"
 SEGMENTS_MAX = 1 << 20  # a segment file name beyond this is not one the store made

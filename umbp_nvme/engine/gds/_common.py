@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from ...buffers import DIO_ALIGN_BYTES
+
 # One logger for the whole package, named as before the split (callers filter on it).
 log = logging.getLogger(__package__)
 
@@ -16,7 +18,7 @@ PROBE_BYTES = 4096
 DEFAULT_QUEUE_DEPTH = 64
 MAX_BATCH_WORKERS = 4  # batches running at once; each keeps its ops in kvikio's thread pool
 MAX_SHORT_RETRIES = 2  # a short transfer that is not at EOF is retried for the remainder this often
-STAGING_ALIGN_BYTES = 4096
+STAGING_ALIGN_BYTES = DIO_ALIGN_BYTES  # host files may be O_DIRECT: ops are rounded to it
 
 _READ = 0
 _WRITE = 1
