@@ -1,6 +1,6 @@
 """StoreConfig: defaults -> UMBP_* environment -> extra_config, validated strictly.
 
-The key names are UMBP's (sglang-interface.md §6.11), so an `extra_config` written for SGLang's
+The key names are UMBP's (docs/sglang.md §9), so an `extra_config` written for SGLang's
 UMBP store works here unchanged, with two exceptions that are refused with a clear error:
 remote modes (`master_address`, `standalone_*`) and SPDK (`ssd_backend` other than `file`,
 `spdk_*`). This backend is one process writing to a local NVMe file system.
@@ -39,7 +39,7 @@ EVICTION_POLICIES = ("lru", "prefix_aware")
 
 @dataclass(frozen=True)
 class StoreConfig:
-    # Names follow UMBP's extra_config keys (sglang-interface.md §6.11) where one exists.
+    # Names follow UMBP's extra_config keys (docs/sglang.md §9) where one exists.
     ssd_storage_dir: str = "/tmp/umbp_ssd"
     ssd_capacity_bytes: int = 32 * GiB
     ssd_segment_size_bytes: int = 256 * MiB

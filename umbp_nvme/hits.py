@@ -1,4 +1,4 @@
-"""Prefix-hit counting for batch_exists (v1) and batch_exists_v2 (sglang-interface.md §6.5-6.6).
+"""Prefix-hit counting for batch_exists (v1) and batch_exists_v2 (docs/sglang.md §5).
 
 Page hashes are chained, so "pages present from the start" is the usable prefix. A page is
 present only when all of its objects are (K and V, every split-head group, every Mamba

@@ -1,4 +1,4 @@
-"""Object keys, exactly as SGLang's UMBP store composes them (sglang-interface.md §6.1-6.4, §10).
+"""Object keys, exactly as SGLang's UMBP store composes them (docs/sglang.md §4).
 
 A page hash becomes one or more *component keys*, one per object that `get_page_buffer_meta`
 returns for the page, in the same order (page-major). KV (v1) keys carry a rank suffix and no

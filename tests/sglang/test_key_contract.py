@@ -1,6 +1,6 @@
 """The key and directory contract, over every small rank combination (issue 17).
 
-Each test states one property of sglang-interface.md §6.1-6.4 / §6.10 / §10 and checks it
+Each test states one property of docs/sglang.md §4 (keys) / §8 (each rank's directory) and checks it
 exhaustively over small (tp, pp, dp, dcp, cp, split-heads) combinations, against the literal
 strings UMBP (and Mooncake, for DCP) writes. A mutant that makes two ranks share a key or a
 store directory, or that drifts from UMBP's literal format, fails here.

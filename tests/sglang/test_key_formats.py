@@ -1,4 +1,4 @@
-"""Key formats of sglang-interface.md §6.1-6.4 and §10, pinned with literal strings."""
+"""Key formats of docs/sglang.md §4 (against the 0.5.23 wheel, §1), pinned with literal strings."""
 
 from __future__ import annotations
 
