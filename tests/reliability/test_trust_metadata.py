@@ -20,7 +20,6 @@ import sys
 import textwrap
 import time
 
-import lmdb
 import numpy as np
 import pytest
 
