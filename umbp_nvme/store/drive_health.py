@@ -1,0 +1,117 @@
+"""One drive's health in a multi-drive store: healthy or degraded (and why), errors, throughput.
+
+A drive is degraded at once when one of its calls ends with I/O errors, outlives io_timeout_s
+(stalled), its directory disappears, or its file system fills up. Degraded: its reads miss
+without waiting, writes go to the other drives, exists stops reporting its pages; a full drive
+keeps serving reads (its pages are intact), only writes avoid it. One WARNING per change of state
+names the drive and the reason. ``drives.MultiDriveStore`` probes degraded drives and re-admits
+them; this module only keeps the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("umbp_nvme.store")
+
+# Store counters whose growth during a call means the drive failed it (not a miss or a bad key).
+ERROR_COUNTERS = ("io_errors_read", "io_errors_write", "io_errors_sync", "timeouts")
+FULL = "full"
+
+
+class DriveHealth:
+    def __init__(self, index: int, root: str):
+        self.index = index
+        self.root = root
+        self.state = "healthy"
+        self.reason: str | None = None
+        self.kind: str | None = None  # "stall" | "io_error" | "gone" | "full" | "open"
+        self.since = 0.0
+        self.errors = 0  # failed ops and stalls seen on this drive
+        self.degradations = 0
+        self.pending = 0  # calls in flight on this drive (a stalled one keeps it above 0)
+        self.probing = False
+        self._busy = {"get": 0, "put": 0}  # calls of each kind in flight
+        self._busy_from = {"get": 0.0, "put": 0.0}
+        self.busy_s = {"get": 0.0, "put": 0.0}  # time with at least one such call in flight (for GB/s)
+        self.deletes_owed: set[str] = set()  # deletes to apply before the drive serves again
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "healthy"
+
+    @property
+    def readable(self) -> bool:
+        return self.state == "healthy" or self.kind == FULL
+
+    @property
+    def writable(self) -> bool:
+        return self.state == "healthy"
+
+    def degrade(self, kind: str, reason: str) -> None:
+        if self.state == "degraded":
+            if kind != FULL and self.kind == FULL:  # worse than full: reads stop too
+                self.kind, self.reason = kind, reason
+                log.warning("drive %d (%s) degraded: %s; its pages are misses until it is healthy", self.index,
+                            self.root, reason)  # fmt: skip
+            return
+        self.state, self.kind, self.reason = "degraded", kind, reason
+        self.since = time.monotonic()
+        self.degradations += 1
+        what = "new writes go to the other drives" if kind == FULL else (
+            "its pages are misses and new writes go to the other drives")
+        log.warning("drive %d (%s) degraded: %s; %s until a probe finds it healthy", self.index, self.root,
+                    reason, what)  # fmt: skip
+
+    def readmit(self) -> None:
+        if self.state == "healthy":
+            return
+        log.warning("drive %d (%s) healthy again after %.1f s (%s); serving its pages", self.index, self.root,
+                    time.monotonic() - self.since, self.reason)  # fmt: skip
+        self.state, self.kind, self.reason = "healthy", None, None
+
+    def begin(self, op: str) -> None:
+        self.pending += 1
+        if op in self._busy:
+            self._busy[op] += 1
+            if self._busy[op] == 1:
+                self._busy_from[op] = time.perf_counter()
+
+    def end(self, op: str) -> None:
+        self.pending -= 1
+        if op in self._busy:
+            self._busy[op] -= 1
+            if self._busy[op] == 0:
+                self.busy_s[op] += time.perf_counter() - self._busy_from[op]
+
+    def check_counters(self, before: dict, after: dict, what: str) -> None:
+        """Degrade when the store counted failed ops during a call (EIO, ENOSPC on a write, ...)."""
+        grown = {k: after.get(k, 0) - before.get(k, 0) for k in ERROR_COUNTERS}
+        grown = {k: v for k, v in grown.items() if v > 0}
+        if not grown:
+            return
+        if set(grown) == {"timeouts"}:
+            self.degrade("stall", f"{what} outlived io_timeout_s")
+        else:
+            self.degrade("io_error", f"{what} failed: " + ", ".join(f"{k}={v}" for k, v in sorted(grown.items())))
+
+    def row(self, st: dict) -> dict:
+        """The drive's line in stats(): state, bytes, objects, GB/s (over time busy), errors."""
+        gb = 1e9
+        rd, wr = st.get("bytes_read", 0), st.get("bytes_written", 0)
+        return {
+            "path": st.get("path", self.root),
+            "state": self.state,
+            "reason": self.reason,
+            "objects": st.get("objects", 0),
+            "bytes_used": st.get("bytes_used", 0),
+            "capacity_bytes": st.get("capacity_bytes", 0),
+            "bytes_read": rd,
+            "bytes_written": wr,
+            "read_gbps": round(rd / self.busy_s["get"] / gb, 3) if self.busy_s["get"] > 0 else 0.0,
+            "write_gbps": round(wr / self.busy_s["put"] / gb, 3) if self.busy_s["put"] > 0 else 0.0,
+            "errors": sum(int(st.get(k, 0)) for k in ERROR_COUNTERS),
+            "degradations": self.degradations,
+            "calls_in_flight": self.pending,
+        }

@@ -1,0 +1,454 @@
+"""MultiDriveStore: one store over several drives, a failing drive costing only its own pages.
+
+Composition, not surgery: every root is a complete single-directory ``PageStore`` (lock,
+manifest, index, segments, rings, eviction, its share of the capacity), so each drive keeps the
+single-drive guarantees and the single-drive path pays nothing. This class routes by page hash
+(placement.py: all components of a page on one drive, rendezvous hashing), splits a batch per
+drive and runs the parts concurrently (one submission per drive, each drive its own rings and
+queue depth), and keeps each drive's health (drive_health.py).
+
+Lookups check every readable drive, so a page put while its preferred drive was degraded, or a
+store that had fewer drives, is still found. A batch that touched a stalled drive returns only
+once that drive's PageStore call has ended (the trust rule: the kernel may still own the
+caller's memory until then); the drive is marked degraded when the call outlives io_timeout_s,
+so every later batch skips it without waiting. A background probe re-admits a degraded drive
+once no call of ours is in flight on it and one of its objects reads back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import os
+
+import numpy as np
+
+from ..config import StoreConfig
+from ..errors import ReadOnlyStoreError, StoreDamagedError, UnsafeStorePathError
+from . import placement
+from .drive_health import FULL, DriveHealth
+from .drive_set import drive_capacities, note_drive_set, write_drive_set
+from .layout import MANIFEST_FILE
+from .page_store import COUNTERS, PageStore
+
+log = logging.getLogger("umbp_nvme.store")
+
+PROBE_INTERVAL_S = 1.0  # how often degraded drives are probed and healthy ones checked for their directory
+_SUMMED = COUNTERS + (
+    "objects", "bytes_used", "capacity_bytes", "usable_bytes", "disk_bytes", "index_bytes", "segments",
+    "segments_free", "segment_files", "pinned_slots", "late_writes", "stalled_ops", "late_completions",
+    "effective_capacity_bytes",
+)  # fmt: skip
+
+
+def _drive_failure(e: BaseException) -> bool:
+    """An open error that is this drive's (I/O, missing, damaged), not the configuration's."""
+    if isinstance(e, UnsafeStorePathError):
+        return False
+    return isinstance(e, (OSError, StoreDamagedError))
+
+
+class MultiDriveStore:
+    """PageStore's calls over several roots. Create with ``await MultiDriveStore.open(roots, ...)``."""
+
+    _closed_logged = False
+
+    @classmethod
+    async def open(
+        cls, roots, config: StoreConfig | None = None, *, readonly: bool = False, namespace: dict | None = None,
+        capacity_from_manifest: bool = False, shrink: bool = False, engine_factory=None, page_of=None,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+    ) -> "MultiDriveStore":  # fmt: skip
+        """Open (a writer creates) one PageStore per root; see PageStore.open for the arguments.
+
+        A root that cannot be opened for a reason of its own (I/O error, missing, damaged) is a
+        degraded drive and the others open; a configuration error (namespace, lock, shrink)
+        raises. ``page_of(key) -> page hash`` (default placement.page_of) decides placement.
+        """
+        self = cls.__new__(cls)
+        config = config or StoreConfig()
+        self.roots = [os.path.abspath(r) for r in placement.parse_roots(roots)]
+        self.config, self.readonly, self._closed = config, readonly, False
+        self._page_of = page_of or placement.page_of
+        self._ids = [placement.drive_id(r) for r in self.roots]
+        self.health = [DriveHealth(i, r) for i, r in enumerate(self.roots)]
+        self.probe_interval_s = float(probe_interval_s)
+        self._unrouted_gets = 0
+        caps = drive_capacities(self.roots, config, sized=not (readonly or capacity_from_manifest))
+        opened = await asyncio.gather(
+            *(
+                PageStore.open(
+                    r, dataclasses.replace(config, ssd_storage_dir=r, ssd_capacity_bytes=caps[i]), readonly=readonly,
+                    namespace=namespace, capacity_from_manifest=capacity_from_manifest, shrink=shrink,
+                    engine_factory=engine_factory,
+                )  # fmt: skip
+                for i, r in enumerate(self.roots)
+            ),
+            return_exceptions=True,
+        )
+        self.stores: list[PageStore | None] = []
+        fatal = next((e for e in opened if isinstance(e, BaseException) and not _drive_failure(e)), None)
+        if fatal is None and all(isinstance(e, BaseException) for e in opened):
+            fatal = opened[0]
+        if fatal is not None:
+            await asyncio.gather(*(s.close() for s in opened if isinstance(s, PageStore)), return_exceptions=True)
+            raise fatal
+        for i, s in enumerate(opened):
+            if isinstance(s, BaseException):
+                self.stores.append(None)
+                self.health[i].degrade("open", f"open failed: {s!r}")
+            else:
+                self.stores.append(s)
+        first = next(s for s in self.stores if s is not None)
+        self.timeout_s, self.segment_bytes, self.strict = first.timeout_s, first.segment_bytes, first.strict
+        self.manifest = first.manifest
+        self.path = ",".join(self.roots)
+        self.removed_drives = note_drive_set(self.roots, self.stores, readonly)
+        self._probe_pool = concurrent.futures.ThreadPoolExecutor(len(self.roots), thread_name_prefix="umbp-drive-probe")
+        self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+        return self
+
+    # ----------------------------------------------------------------------------- routing
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(s.capacity_bytes for s in self.stores if s is not None)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _mask(self, want: str) -> list[bool]:
+        ok = "readable" if want == "read" else "writable"
+        return [s is not None and getattr(h, ok) for s, h in zip(self.stores, self.health)]
+
+    def _holders(self, keys, usable) -> list[int]:
+        """The drive holding each key among ``usable`` ones (-1: none). Index lookups are cheap."""
+        out = [-1] * len(keys)
+        rest = list(range(len(keys)))
+        for d, st in enumerate(self.stores):
+            if not rest:
+                break
+            if usable[d]:
+                found = st.exists_many_nowait([keys[j] for j in rest])
+                for j, f in zip(rest, found):
+                    if f:
+                        out[j] = d
+                rest = [j for j, f in zip(rest, found) if not f]
+        return out
+
+    def _placed(self, keys, usable) -> list[int]:
+        """The drive a new object goes to: its page's most preferred usable drive."""
+        seen: dict[str, int] = {}  # a page's components share one choice
+        out = []
+        for k in keys:
+            try:
+                page = self._page_of(k) if type(k) is str else ""
+            except Exception:  # noqa: BLE001 - a key the store refuses anyway
+                page = ""
+            d = seen.get(page)
+            if d is None:
+                d = seen[page] = placement.preferred(page, self._ids, usable)
+            out.append(d)
+        return out
+
+    def drive_of(self, keys) -> list[int]:
+        """Which drive holds each key (-1 when no readable drive has it); for tools and tests."""
+        return self._holders(keys, self._mask("read"))
+
+    def preferred_drive(self, keys) -> list[int]:
+        """Where each key would be placed with every drive healthy (placement only)."""
+        return self._placed(keys, [True] * len(self.roots))
+
+    # ----------------------------------------------------------------------------- data calls
+
+    async def put_many(self, keys: list[str], buffers: list, *, depths: list[int] | None = None) -> list[bool]:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; put_many is not allowed")
+        n = len(keys)
+        if len(buffers) != n or (depths is not None and len(depths) != n):
+            raise ValueError(
+                f"put_many needs one buffer (and depth) per key: {n} keys, {len(buffers)} buffers, "
+                f"{'no' if depths is None else len(depths)} depths"
+            )
+        results = [False] * n
+        if self._closed:
+            self._closed_call("put_many")
+            return results
+        writable = self._mask("write")
+        if not any(writable):
+            return results
+        held = self._holders(keys, writable)  # a re-put goes where the key is: it dedups there
+        placed = self._placed(keys, writable)
+        route = [h if h >= 0 else p for h, p in zip(held, placed)]
+
+        def call(st, idx):
+            sub_depths = None if depths is None else [depths[j] for j in idx]
+            return st.put_many([keys[j] for j in idx], [buffers[j] for j in idx], depths=sub_depths)
+
+        await self._fan_out("put", route, results, call)
+        return results
+
+    async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
+        n = len(keys)
+        if len(buffers) != n:
+            raise ValueError(f"get_many needs one buffer per key: {n} keys, {len(buffers)} buffers")
+        results = [False] * n
+        if self._closed:
+            self._closed_call("get_many")
+            return results
+        route = self._holders(keys, self._mask("read"))
+        self._unrouted_gets += route.count(-1)  # misses no drive saw
+        await self._fan_out("get", route, results,
+                            lambda st, idx: st.get_many([keys[j] for j in idx], [buffers[j] for j in idx]))  # fmt: skip
+        return results
+
+    async def _fan_out(self, op: str, route: list[int], results: list, call) -> None:
+        """Run ``call(store, indexes)`` on every drive the batch touches, concurrently."""
+        groups: dict[int, list[int]] = {}
+        for j, d in enumerate(route):
+            if d >= 0:
+                groups.setdefault(d, []).append(j)
+        if len(groups) == 1:
+            (d, idx), = groups.items()
+            await self._on_drive(d, op, idx, results, call)
+        elif groups:
+            # return_exceptions: gather waits for every part (a stalled one holds caller memory)
+            await asyncio.gather(*(self._on_drive(d, op, idx, results, call) for d, idx in groups.items()),
+                                 return_exceptions=True)  # fmt: skip
+
+    async def _on_drive(self, d: int, op: str, idx: list[int], results: list, call) -> None:
+        st, h = self.stores[d], self.health[d]
+        before = dict(st._counters)
+        full_before = st._space_limit_segments is not None
+        h.begin(op)
+        timer = asyncio.get_running_loop().call_later(
+            st.timeout_s, h.degrade, "stall", f"{op} of {len(idx)} objects had no completion within "
+            f"io_timeout_s={st.timeout_s:g} s",
+        )  # fmt: skip
+        try:
+            out = await call(st, idx)
+        except Exception as e:  # noqa: BLE001 - PageStore answers False itself; this is a safety net
+            log.error("drive %d (%s): %s raised %r", d, self.roots[d], op, e)
+            out = [False] * len(idx)
+        finally:
+            timer.cancel()
+            h.end(op)
+        h.check_counters(before, st._counters, op)
+        if op == "put" and not full_before and st._space_limit_segments is not None:
+            h.degrade(FULL, "its file system is full (ENOSPC)")
+        for j, ok in zip(idx, out):
+            results[j] = bool(ok)
+
+    def exists_many_nowait(self, keys: list[str]) -> list[bool]:
+        if self._closed:
+            self._closed_call("exists_many")
+            return [False] * len(keys)
+        return [d >= 0 for d in self._holders(keys, self._mask("read"))]
+
+    def exists_prefix_nowait(self, keys: list[str]) -> int:
+        found = self.exists_many_nowait(keys)
+        return found.index(False) if False in found else len(found)
+
+    async def exists_many(self, keys: list[str]) -> list[bool]:
+        return self.exists_many_nowait(keys)
+
+    async def exists_prefix(self, keys: list[str]) -> int:
+        return self.exists_prefix_nowait(keys)
+
+    async def delete_many(self, keys: list[str]) -> list[bool]:
+        """Delete on every drive; a degraded drive owes the delete and applies it before it rejoins."""
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; delete_many is not allowed")
+        results = [False] * len(keys)
+        if self._closed:
+            self._closed_call("delete_many")
+            return results
+        live = []
+        for d, (st, h) in enumerate(zip(self.stores, self.health)):
+            if st is None:
+                continue
+            if h.healthy:
+                live.append(st)
+            else:
+                h.deletes_owed.update(k for k, f in zip(keys, st.exists_many_nowait(keys)) if f)
+        for out in await asyncio.gather(*(st.delete_many(keys) for st in live)):
+            results = [a or bool(b) for a, b in zip(results, out)]
+        return results
+
+    async def clear(self) -> None:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; clear is not allowed")
+        if self._closed:
+            self._closed_call("clear")
+            return
+        live = []
+        for st, h in zip(self.stores, self.health):
+            if st is not None and h.healthy:
+                live.append(st.clear())
+            elif st is not None:
+                h.deletes_owed.update(st.keys())
+        await asyncio.gather(*live)
+
+    async def flush(self) -> bool:
+        """fdatasync every healthy drive (a degraded drive's pages are not served)."""
+        if self._closed:
+            self._closed_call("flush")
+            return False
+        if self.readonly:
+            return True
+        live = [st.flush() for st, h in zip(self.stores, self.health) if st is not None and h.healthy]
+        return all(await asyncio.gather(*live))
+
+    # ----------------------------------------------------------------------------- management
+
+    def register_memory(self, address: int, nbytes: int) -> bool:
+        fixed = False
+        for st in self.stores:
+            if st is not None:
+                fixed = st.register_memory(address, nbytes) or fixed
+        return fixed
+
+    def registered_memory(self) -> list[tuple[int, int]]:
+        return next(s for s in self.stores if s is not None).registered_memory()
+
+    def keys(self) -> list[str]:
+        """Writers: every published key on every drive that has its store open (a snapshot)."""
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; keys() needs the writer's rows")
+        out: dict[str, None] = {}
+        for st in self.stores:
+            if st is not None:
+                out.update(dict.fromkeys(st.keys()))
+        return list(out)
+
+    def locate(self, keys) -> list:
+        """Writers: (drive, Extent) per key on the drive that holds it; None when absent."""
+        holders = self.drive_of(keys)
+        out = []
+        for k, d in zip(keys, holders):
+            out.append(None if d < 0 else (d, self.stores[d].locate([k])[0]))
+        return out
+
+    def stats(self) -> dict:
+        rows, per = [], []
+        for d, (st, h) in enumerate(zip(self.stores, self.health)):
+            s = st.stats() if st is not None else {}
+            per.append(s)
+            rows.append(dict(h.row(s), drive=d, path=self.roots[d]))
+        out = {k: v for k, v in next(s for s in per if s).items() if k not in _SUMMED}
+        for k in _SUMMED:
+            vals = [s[k] for s in per if isinstance(s.get(k), (int, float))]
+            if vals:
+                out[k] = sum(vals)
+        out["gets"] = out.get("gets", 0) + self._unrouted_gets
+        out["misses"] = out.get("misses", 0) + self._unrouted_gets
+        out.update(
+            path=self.path, drives=rows, drives_total=len(rows),
+            drives_degraded=sum(1 for h in self.health if not h.healthy), removed_drives=self.removed_drives,
+        )  # fmt: skip
+        return out
+
+    # ----------------------------------------------------------------------------- health probes
+
+    async def _probe_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.probe_interval_s)
+            for d, h in enumerate(self.health):
+                if not h.probing and self.stores[d] is not None and not self._closed:
+                    h.probing = True
+                    asyncio.get_running_loop().create_task(self._probe(d))
+
+    async def _in_thread(self, fn, *args):
+        """``fn(*args)`` on a probe thread, bounded by io_timeout_s (a hung stat is given up on)."""
+        fut = asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args)
+        return await asyncio.wait_for(fut, self.timeout_s)
+
+    async def _probe(self, d: int) -> None:
+        h, st = self.health[d], self.stores[d]
+        try:
+            if h.pending:  # a call of ours is still in flight there (stalled): not yet
+                return
+            try:
+                await self._in_thread(os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
+            except FileNotFoundError:
+                h.degrade("gone", f"its directory {self.roots[d]} is gone (no {MANIFEST_FILE})")
+                return
+            except (OSError, asyncio.TimeoutError):
+                return
+            if h.healthy:
+                return
+            if h.kind == FULL:
+                vfs = await self._in_thread(os.statvfs, self.roots[d])
+                if vfs.f_bavail * vfs.f_frsize >= self.segment_bytes:
+                    h.readmit()
+                return
+            if await self._reads_back(d, st) and await self._settle_deletes(d, st):
+                h.readmit()
+        except Exception as e:  # noqa: BLE001 - a probe never takes the store down
+            log.debug("drive %d probe failed: %r", d, e)
+        finally:
+            h.probing = False
+
+    async def _reads_back(self, d: int, st: PageStore) -> bool:
+        """One of the drive's objects reads back through its store (and engine) within io_timeout_s."""
+        if st.readonly or not st._keys:
+            return True  # nothing of ours to read: the directory answered
+        key = next(iter(st._keys))
+        ext = st.locate([key])[0]
+        if ext is None:
+            return True
+        buf = np.empty(ext.length, dtype=np.uint8)
+        h = self.health[d]
+        before = dict(st._counters)
+        h.begin("probe")
+        try:
+            ok = (await st.get_many([key], [buf]))[0]
+        finally:
+            h.end("probe")
+        errors = any(st._counters.get(k, 0) > before.get(k, 0) for k in ("io_errors_read", "timeouts"))
+        return bool(ok) and not errors
+
+    async def _settle_deletes(self, d: int, st: PageStore) -> bool:
+        owed = self.health[d].deletes_owed
+        if not owed:
+            return True
+        keys = list(owed)
+        await st.delete_many(keys)
+        left = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
+        owed.intersection_update(left)
+        return not left
+
+    # ----------------------------------------------------------------------------- close
+
+    def _closed_call(self, op: str) -> None:
+        if not self._closed_logged:
+            self._closed_logged = True
+            log.warning("%s: %s after close(); every call now answers False / 0 (logged once)", self.path, op)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._probe_task.cancel()
+        if not self.readonly:
+            write_drive_set(self.roots, self.stores, healthy=[h.healthy for h in self.health])
+        await asyncio.gather(*(st.close() for st in self.stores if st is not None), return_exceptions=True)
+        self._probe_pool.shutdown(wait=False)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+async def open_store(path, config: StoreConfig | None = None, **kw):
+    """A PageStore for one root, a MultiDriveStore for several (see placement.parse_roots)."""
+    page_of = kw.pop("page_of", None)
+    roots = placement.parse_roots(path)
+    if len(roots) == 1:
+        return await PageStore.open(roots[0], config, **kw)
+    return await MultiDriveStore.open(roots, config, page_of=page_of, **kw)
