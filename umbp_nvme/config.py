@@ -61,6 +61,8 @@ class StoreConfig:
     auto_promote_on_read: bool = True
 
     def __post_init__(self):
+        if isinstance(self.ssd_storage_dir, (list, tuple)):  # several roots: kept as a JSON list
+            object.__setattr__(self, "ssd_storage_dir", json.dumps(parse_roots(self.ssd_storage_dir)))
         mode = self.ssd_durability_mode
         if isinstance(mode, str) and mode.strip().lower() in DURABILITY_ALIASES:
             object.__setattr__(self, "ssd_durability_mode", DURABILITY_ALIASES[mode.strip().lower()])
