@@ -72,7 +72,7 @@ async def test_placement_spreads_pages_keeps_components_together_and_survives_re
     assert where == st.preferred_drive(keys)  # all healthy: every page on its preferred drive
     assert all(where[i] == where[i + 1] for i in range(0, len(keys), 2))  # K and V of a page together
     counts = [where.count(d) for d in range(3)]
-    assert sum(counts) == 240 and min(counts) >= 40, counts  # rendezvous spreads pages
+    assert sum(counts) == 240 and max(counts) - min(counts) <= 2, counts  # a batch spreads evenly (whole pages)
     s = st.stats()
     assert [r["objects"] for r in s["drives"]] == counts and s["objects"] == 240
     assert [r["state"] for r in s["drives"]] == ["healthy"] * 3

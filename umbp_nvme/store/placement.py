@@ -2,8 +2,9 @@
 
 All component objects of one page (K, V, side pools, every rank suffix) share the page hash, so
 they land on one drive and a lost drive costs whole pages. Rendezvous (highest random weight)
-hashing keeps placement stable across restarts and moves only 1/N of the pages when a drive is
-added or taken out; a page whose preferred drive is degraded goes to the next drive in its order.
+hashing gives each page a stable order over the drives; drives.MultiDriveStore uses it to break
+ties when it spreads a batch evenly, and lookups search every drive, so a restart, an added drive
+or a page written while its drive was degraded is always found.
 """
 
 from __future__ import annotations
