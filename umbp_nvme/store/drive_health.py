@@ -5,13 +5,15 @@ A drive is degraded at once when one of its calls ends with I/O errors, outlives
 without waiting, writes go to the other drives, exists stops reporting its pages; a full drive
 keeps serving reads (its pages are intact), only writes avoid it. One WARNING per change of state
 names the drive and the reason. ``drives.MultiDriveStore`` probes degraded drives and re-admits
-them; this module only keeps the state.
+them; this module keeps the state and the two probe steps it runs on a drive (read back, owed deletes).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+
+import numpy as np
 
 log = logging.getLogger("umbp_nvme.store")
 
@@ -115,3 +117,34 @@ class DriveHealth:
             "degradations": self.degradations,
             "calls_in_flight": self.pending,
         }
+
+
+async def reads_back(st, h: DriveHealth) -> bool:
+    """One of the drive's objects reads back through its store (and engine) within io_timeout_s."""
+    if st.readonly or not st._keys:
+        return True  # nothing of ours to read: the directory answered
+    key = next(iter(st._keys))
+    ext = st.locate([key])[0]
+    if ext is None:
+        return True
+    buf = np.empty(ext.length, dtype=np.uint8)
+    before = dict(st._counters)
+    h.begin("probe")
+    try:
+        ok = (await st.get_many([key], [buf]))[0]
+    finally:
+        h.end("probe")
+    errors = any(st._counters.get(k, 0) > before.get(k, 0) for k in ("io_errors_read", "timeouts"))
+    return bool(ok) and not errors
+
+
+async def settle_deletes(st, h: DriveHealth) -> bool:
+    """Apply the deletes the drive owes (made while it was degraded); True when none is left."""
+    owed = h.deletes_owed
+    if not owed:
+        return True
+    keys = list(owed)
+    await st.delete_many(keys)
+    left = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
+    owed.intersection_update(left)
+    return not left

@@ -24,12 +24,10 @@ import dataclasses
 import logging
 import os
 
-import numpy as np
-
 from ..config import StoreConfig
 from ..errors import ReadOnlyStoreError, StoreDamagedError, UnsafeStorePathError
 from . import placement
-from .drive_health import FULL, DriveHealth
+from .drive_health import FULL, DriveHealth, reads_back, settle_deletes
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
 from .layout import MANIFEST_FILE
 from .page_store import COUNTERS, PageStore
@@ -396,41 +394,12 @@ class MultiDriveStore:
                 if vfs.f_bavail * vfs.f_frsize >= self.segment_bytes:
                     h.readmit()
                 return
-            if await self._reads_back(d, st) and await self._settle_deletes(d, st):
+            if await reads_back(st, h) and await settle_deletes(st, h):
                 h.readmit()
         except Exception as e:  # noqa: BLE001 - a probe never takes the store down
             log.debug("drive %d probe failed: %r", d, e)
         finally:
             h.probing = False
-
-    async def _reads_back(self, d: int, st: PageStore) -> bool:
-        """One of the drive's objects reads back through its store (and engine) within io_timeout_s."""
-        if st.readonly or not st._keys:
-            return True  # nothing of ours to read: the directory answered
-        key = next(iter(st._keys))
-        ext = st.locate([key])[0]
-        if ext is None:
-            return True
-        buf = np.empty(ext.length, dtype=np.uint8)
-        h = self.health[d]
-        before = dict(st._counters)
-        h.begin("probe")
-        try:
-            ok = (await st.get_many([key], [buf]))[0]
-        finally:
-            h.end("probe")
-        errors = any(st._counters.get(k, 0) > before.get(k, 0) for k in ("io_errors_read", "timeouts"))
-        return bool(ok) and not errors
-
-    async def _settle_deletes(self, d: int, st: PageStore) -> bool:
-        owed = self.health[d].deletes_owed
-        if not owed:
-            return True
-        keys = list(owed)
-        await st.delete_many(keys)
-        left = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
-        owed.intersection_update(left)
-        return not left
 
     # ----------------------------------------------------------------------------- close
 
