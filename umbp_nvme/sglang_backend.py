@@ -311,6 +311,12 @@ class UMBPNvmeStore(HiCacheStorage):
             metrics.backup_bandwidth.extend(self._backup_bw)
             for d in (self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw):
                 d.clear()
+        drives = sglang_stores.drive_rows(self)
+        if drives:  # several drives: each one's state, objects, bytes, GB/s, errors
+            try:
+                metrics.drives = drives
+            except AttributeError:  # a StorageMetrics with __slots__ takes only its own fields
+                pass
         return metrics
 
     def store_stats(self) -> dict:

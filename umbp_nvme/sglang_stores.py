@@ -290,3 +290,14 @@ def store_stats(be) -> dict:
             except Exception as e:  # noqa: BLE001
                 out[label] = {"error": repr(e)}
     return out
+
+
+def drive_rows(be) -> list:
+    """The per-drive rows of this rank's store when it spans several drives ([] otherwise)."""
+    store = be._store
+    if store is None or len(be.store_dirs) < 2:
+        return []
+    try:
+        return list(store.stats(timeout_s=1.0).get("drives") or [])
+    except Exception:  # noqa: BLE001 - stats never fail a metrics call
+        return []

@@ -93,7 +93,7 @@ def write_drive_set(roots: list[str], stores: list, healthy=None) -> None:
     counts = {}
     for r, st in zip(roots, stores):
         if st is not None:
-            counts[r] = len(st.keys())
+            counts[r] = st._object_count()
     rec = {"roots": list(roots), "objects": counts}
     for i, (r, st) in enumerate(zip(roots, stores)):
         if st is None or (healthy is not None and not healthy[i]):
