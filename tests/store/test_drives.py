@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -220,3 +221,67 @@ async def test_a_root_that_cannot_open_is_a_degraded_drive_and_the_rest_open(tmp
         await st.close()
     finally:
         os.chmod(os.path.dirname(roots[1]), 0o755)
+
+
+async def _until(pred, timeout_s: float) -> bool:
+    for _ in range(int(timeout_s / 0.05)):
+        if pred():
+            return True
+        await asyncio.sleep(0.05)
+    return pred()
+
+
+async def test_a_drive_whose_directory_disappears_is_degraded_and_rejoins_when_it_is_back(tmp_path, caplog):
+    roots = _roots(tmp_path, 2)
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
+    keys = _keys(30)
+    assert await _put(st, keys) == [True] * 60
+    where = st.drive_of(keys)
+    caplog.set_level(logging.WARNING, "umbp_nvme.store")
+    parked = roots[1] + ".away"
+    os.rename(roots[1], parked)  # as an unmount would: the directory is gone
+    try:
+        assert await _until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
+        assert "gone" in st.stats()["drives"][1]["reason"]
+        res, wrong = await _get(st, keys)
+        assert wrong == 0 and res == [d == 0 for d in where]
+        fresh = _keys(10, "g")
+        assert await _put(st, fresh) == [True] * 20 and set(st.drive_of(fresh)) == {0}
+    finally:
+        os.rename(parked, roots[1])
+    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 60 and wrong == 0
+    assert sum("degraded" in r.getMessage() for r in caplog.records) == 1
+    await st.close()
+
+
+async def test_a_full_drive_stops_taking_writes_but_keeps_serving_its_pages(tmp_path):
+    from conftest import mount_tmpfs
+
+    small = str(tmp_path / "small")
+    why = mount_tmpfs(small, "3m")
+    if why:
+        pytest.skip(why)
+    try:
+        roots = [os.path.join(small, "store"), str(tmp_path / "big" / "store")]
+        cfg = small_config(ssd_capacity_bytes=32 << 20, ssd_segment_size_bytes=1 << 20)
+        st = await MultiDriveStore.open(roots, cfg, probe_interval_s=60)
+        kept = []
+        for b in range(12):
+            ks = _keys(16, f"b{b}-")
+            res = await _put(st, ks)
+            kept += [k for k, ok in zip(ks, res) if ok]
+        row = st.stats()["drives"][0]
+        assert row["state"] == "degraded" and "full" in row["reason"]
+        assert st.stats()["drives"][1]["state"] == "healthy"
+        later = _keys(16, "late")
+        assert await _put(st, later) == [True] * 32 and set(st.drive_of(later)) == {1}
+        present = [k for k in kept if st.exists_many_nowait([k])[0]]
+        on_full = [k for k, d in zip(present, st.drive_of(present)) if d == 0]
+        assert on_full  # the full drive's pages are still found and read
+        res, wrong = await _get(st, present)
+        assert res == [True] * len(present) and wrong == 0
+        await st.close()
+    finally:
+        subprocess.run(["umount", "-l", small], capture_output=True)

@@ -20,6 +20,8 @@ log = logging.getLogger("umbp_nvme.store")
 # Store counters whose growth during a call means the drive failed it (not a miss or a bad key).
 ERROR_COUNTERS = ("io_errors_read", "io_errors_write", "io_errors_sync", "timeouts")
 FULL = "full"
+FLAP_S = 10.0  # degraded again within this long after rejoining: back off the probes
+MAX_BACKOFF_S = 60.0
 
 
 class DriveHealth:
@@ -38,6 +40,9 @@ class DriveHealth:
         self._busy_from = {"get": 0.0, "put": 0.0}
         self.busy_s = {"get": 0.0, "put": 0.0}  # time with at least one such call in flight (for GB/s)
         self.deletes_owed: set[str] = set()  # deletes to apply before the drive serves again
+        self.readmitted_at = -1e9
+        self.backoff_s = 0.0  # a drive that fails again right after rejoining is probed less often
+        self.probe_after = 0.0  # monotonic time of its next probe
 
     @property
     def healthy(self) -> bool:
@@ -61,6 +66,9 @@ class DriveHealth:
         self.state, self.kind, self.reason = "degraded", kind, reason
         self.since = time.monotonic()
         self.degradations += 1
+        flapping = self.since - self.readmitted_at < FLAP_S
+        self.backoff_s = min(MAX_BACKOFF_S, max(1.0, self.backoff_s * 2)) if flapping else 0.0
+        self.probe_after = self.since + self.backoff_s
         what = "new writes go to the other drives" if kind == FULL else (
             "its pages are misses and new writes go to the other drives")
         log.warning("drive %d (%s) degraded: %s; %s until a probe finds it healthy", self.index, self.root,
@@ -72,6 +80,7 @@ class DriveHealth:
         log.warning("drive %d (%s) healthy again after %.1f s (%s); serving its pages", self.index, self.root,
                     time.monotonic() - self.since, self.reason)  # fmt: skip
         self.state, self.kind, self.reason = "healthy", None, None
+        self.readmitted_at = time.monotonic()
 
     def begin(self, op: str) -> None:
         self.pending += 1

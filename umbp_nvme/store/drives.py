@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import time
 
 from ..config import StoreConfig
 from ..errors import ReadOnlyStoreError, StoreDamagedError, UnsafeStorePathError
@@ -121,7 +122,10 @@ class MultiDriveStore:
 
     def _mask(self, want: str) -> list[bool]:
         ok = "readable" if want == "read" else "writable"
-        return [s is not None and getattr(h, ok) for s, h in zip(self.stores, self.health)]
+        mask = [s is not None and getattr(h, ok) for s, h in zip(self.stores, self.health)]
+        if want == "write" and not any(mask):  # every drive full: each keeps caching within its space
+            mask = [s is not None and h.kind == FULL for s, h in zip(self.stores, self.health)]
+        return mask
 
     def _holders(self, keys, usable) -> list[int]:
         """The drive holding each key among ``usable`` ones (-1: none). Index lookups are cheap."""
@@ -365,8 +369,9 @@ class MultiDriveStore:
     async def _probe_loop(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.probe_interval_s)
+            now = time.monotonic()
             for d, h in enumerate(self.health):
-                if not h.probing and self.stores[d] is not None and not self._closed:
+                if not h.probing and self.stores[d] is not None and not self._closed and now >= h.probe_after:
                     h.probing = True
                     asyncio.get_running_loop().create_task(self._probe(d))
 
