@@ -54,6 +54,10 @@ def run_per_drive(args, roots: list[str], errors: tuple, cli_error) -> int:
             except ValueError:
                 body = {"output": text}
             drives.append({"drive": i, "root": root, "exit": rc, "error": err, **body})
+            if args.command == "stats":
+                from .store.drive_set import recorded_health
+
+                drives[-1]["recorded_health"] = recorded_health(root)
         doc = {"drives": drives}
         if args.command == "stats":
             doc.update(_totals(drives))
@@ -74,15 +78,19 @@ def _totals(drives: list[dict]) -> dict:
 
 def stats_table(results) -> str:
     """One line per drive: objects, bytes, capacity, fill, writer, live counters when published."""
-    rows = [("drive", "root", "state", "objects", "used GiB", "capacity GiB", "fill %", "writer", "hits/misses")]
+    from .store.drive_set import recorded_health
+
+    rows = [("drive", "root", "state (last recorded)", "objects", "used GiB", "capacity GiB", "fill %", "writer", "hits/misses")]
     for i, root, rc, text, err in results:
         if err is not None:
             rows.append((str(i), root, "error", "-", "-", "-", "-", "-", "-"))
             continue
         s = _stats_json(root)
         c = s.get("counters") or {}
+        rec = recorded_health(root) or {}
+        state = rec.get("state", "ok") + (f" ({rec['reason']})" if rec.get("reason") else "")
         rows.append((
-            str(i), root, "ok", str(s.get("objects", "?")), f"{(s.get('bytes_used') or 0) / 2**30:.3f}",
+            str(i), root, state, str(s.get("objects", "?")), f"{(s.get('bytes_used') or 0) / 2**30:.3f}",
             f"{(s.get('capacity_bytes') or 0) / 2**30:.2f}", f"{(s.get('fill') or 0) * 100:.1f}",
             f"pid {s['writer_pid']}" if s.get("writer_pid") else "none",
             f"{c['hits']}/{c['misses']}" if "hits" in c and "misses" in c else "-",

@@ -43,6 +43,7 @@ class DriveHealth:
         self.readmitted_at = -1e9
         self.backoff_s = 0.0  # a drive that fails again right after rejoining is probed less often
         self.probe_after = 0.0  # monotonic time of its next probe
+        self.changed = False  # a change of state not yet recorded in DRIVES.json (for the CLI)
 
     @property
     def healthy(self) -> bool:
@@ -64,6 +65,7 @@ class DriveHealth:
                             self.root, reason)  # fmt: skip
             return
         self.state, self.kind, self.reason = "degraded", kind, reason
+        self.changed = True
         self.since = time.monotonic()
         self.degradations += 1
         flapping = self.since - self.readmitted_at < FLAP_S
@@ -80,6 +82,7 @@ class DriveHealth:
         log.warning("drive %d (%s) healthy again after %.1f s (%s); serving its pages", self.index, self.root,
                     time.monotonic() - self.since, self.reason)  # fmt: skip
         self.state, self.kind, self.reason = "healthy", None, None
+        self.changed = True
         self.readmitted_at = time.monotonic()
 
     def begin(self, op: str) -> None:
@@ -106,6 +109,11 @@ class DriveHealth:
             self.degrade("stall", f"{what} outlived io_timeout_s")
         else:
             self.degrade("io_error", f"{what} failed: " + ", ".join(f"{k}={v}" for k, v in sorted(grown.items())))
+
+    def record(self) -> dict:
+        """What DRIVES.json keeps of this drive, for ``umbp-nvme stats`` in another process."""
+        return {"state": self.state, "reason": self.reason, "degradations": self.degradations,
+                "at": time.time()}  # fmt: skip
 
     def row(self, st: dict) -> dict:
         """The drive's line in stats(): state, bytes, objects, GB/s (over time busy), errors."""

@@ -88,13 +88,16 @@ def note_drive_set(roots: list[str], stores: list, readonly: bool) -> list[dict]
     return out
 
 
-def write_drive_set(roots: list[str], stores: list, healthy=None) -> None:
-    """Record the set and each drive's object count in every drive that is open (and healthy)."""
+def write_drive_set(roots: list[str], stores: list, healthy=None, health=None) -> None:
+    """Record the set, each drive's object count and (``health``) state in every drive that is
+    open (and healthy): ``umbp-nvme stats`` shows the state a running writer last recorded."""
     counts = {}
     for r, st in zip(roots, stores):
         if st is not None:
             counts[r] = st._object_count()
     rec = {"roots": list(roots), "objects": counts}
+    if health is not None:
+        rec["health"] = dict(zip(roots, health))
     for i, (r, st) in enumerate(zip(roots, stores)):
         if st is None or (healthy is not None and not healthy[i]):
             continue
@@ -102,3 +105,15 @@ def write_drive_set(roots: list[str], stores: list, healthy=None) -> None:
             write_json_atomic(os.path.join(r, DRIVES_FILE), rec)
         except OSError as e:
             log.warning("drive %s: could not record the drive set: %s", r, e)
+
+
+def recorded_health(root: str) -> dict | None:
+    """The state a writer last recorded for the drive at ``root``: the newest DRIVES.json among
+    the set's drives that names it (a degraded drive's own record is not updated)."""
+    own = _read_set(root)
+    best = None
+    for r in own.get("roots") or [root]:
+        h = (_read_set(r).get("health") or {}).get(os.path.abspath(root))
+        if isinstance(h, dict) and (best is None or h.get("at", 0) > best.get("at", 0)):
+            best = h
+    return best

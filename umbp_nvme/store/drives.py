@@ -369,11 +369,21 @@ class MultiDriveStore:
     async def _probe_loop(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.probe_interval_s)
+            if any(h.changed for h in self.health) and not self.readonly:
+                for h in self.health:
+                    h.changed = False
+                self._record_set()
             now = time.monotonic()
             for d, h in enumerate(self.health):
                 if not h.probing and self.stores[d] is not None and not self._closed and now >= h.probe_after:
                     h.probing = True
                     asyncio.get_running_loop().create_task(self._probe(d))
+
+    def _record_set(self) -> None:
+        """DRIVES.json on the healthy drives, written off the loop (it fsyncs)."""
+        healthy = [h.healthy for h in self.health]
+        health = [h.record() for h in self.health]
+        self._probe_pool.submit(write_drive_set, self.roots, self.stores, healthy, health)
 
     async def _in_thread(self, fn, *args):
         """``fn(*args)`` on a probe thread, bounded by io_timeout_s (a hung stat is given up on)."""
@@ -419,7 +429,7 @@ class MultiDriveStore:
         self._closed = True
         self._probe_task.cancel()
         if not self.readonly:
-            write_drive_set(self.roots, self.stores, healthy=[h.healthy for h in self.health])
+            write_drive_set(self.roots, self.stores, [h.healthy for h in self.health], [h.record() for h in self.health])
         await asyncio.gather(*(st.close() for st in self.stores if st is not None), return_exceptions=True)
         self._probe_pool.shutdown(wait=False)
 
