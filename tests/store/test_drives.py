@@ -285,3 +285,48 @@ async def test_a_full_drive_stops_taking_writes_but_keeps_serving_its_pages(tmp_
         await st.close()
     finally:
         subprocess.run(["umount", "-l", small], capture_output=True)
+
+
+async def test_a_stalled_drive_holds_only_the_batch_that_touched_it(tmp_path):
+    """A read that ignores cancellation on one drive (a hung device, without root): the batch
+    that touched it returns only after the read ends; later batches skip the drive at once."""
+    from tests.support.faults import EngineHooks
+
+    roots = _roots(tmp_path, 2)
+    hooks = EngineHooks()
+    st = await MultiDriveStore.open(roots, small_config(io_timeout_s=0.3), engine_factory=hooks.engine_factory(),
+                                    probe_interval_s=0.05)  # fmt: skip
+    keys = _keys(40)
+    assert await _put(st, keys) == [True] * 80
+    where = st.drive_of(keys)
+    on1 = _on(roots[1])
+    release, held = asyncio.Event(), []
+
+    async def read(real, fds, *rest):
+        fd = int(np.asarray(fds).reshape(-1)[0])
+        if on1("read", fd, 0, 0):
+            held.append(fd)
+            while not release.is_set():  # the device does not let go before it is released
+                try:
+                    await asyncio.shield(release.wait())
+                except asyncio.CancelledError:
+                    continue
+        return await real(fds, *rest)
+
+    hooks.read = read
+    first = asyncio.ensure_future(_get(st, keys))
+    assert await _until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
+    assert "no completion within io_timeout_s" in st.stats()["drives"][1]["reason"]
+    await asyncio.sleep(0.2)
+    assert not first.done()  # still owned by the "kernel": the batch has not returned
+    n_held = len(held)
+    res, wrong = await asyncio.wait_for(_get(st, keys), 1.0)  # later batches do not wait for it
+    assert wrong == 0 and res == [d == 0 for d in where] and len(held) == n_held
+    release.set()
+    res, wrong = await asyncio.wait_for(first, 5)
+    assert wrong == 0 and all(res[i] for i, d in enumerate(where) if d == 0)
+    hooks.read = None
+    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 80 and wrong == 0
+    await st.close()
