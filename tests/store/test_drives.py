@@ -330,3 +330,13 @@ async def test_a_stalled_drive_holds_only_the_batch_that_touched_it(tmp_path):
     res, wrong = await _get(st, keys)
     assert res == [True] * 80 and wrong == 0
     await st.close()
+
+
+def test_rendezvous_order_is_stable_and_spreads_first_choices():
+    from umbp_nvme.store.placement import drive_id, drive_order
+
+    salts = [drive_id(f"/mnt/nvme{i}/hicache") for i in range(4)]
+    assert salts == [drive_id(f"/mnt/nvme{i}/hicache") for i in range(4)]  # no per-process seed
+    firsts = [drive_order(f"{i:064x}", salts)[0] for i in range(4000)]
+    assert all(800 <= firsts.count(d) <= 1200 for d in range(4)), [firsts.count(d) for d in range(4)]
+    assert sorted(drive_order("abc", salts)) == [0, 1, 2, 3]

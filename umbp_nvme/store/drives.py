@@ -159,9 +159,10 @@ class MultiDriveStore:
                 page = ""
             d = seen.get(page)
             if d is None:
-                low = min((load[i] for i in range(len(usable)) if usable[i]), default=None)
-                d = -1 if low is None else placement.preferred(page, self._ids, [
-                    usable[i] and load[i] == low for i in range(len(usable))])  # fmt: skip
+                w, d, d_load, d_w = placement.page_weights(page, len(usable)), -1, 0, 0
+                for i, salt in enumerate(self._ids):
+                    if usable[i] and (d < 0 or load[i] < d_load or (load[i] == d_load and w[i] ^ salt > d_w)):
+                        d, d_load, d_w = i, load[i], w[i] ^ salt
                 seen[page] = d
             if d >= 0:
                 load[d] += 1

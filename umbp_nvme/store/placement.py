@@ -2,8 +2,8 @@
 
 All component objects of one page (K, V, side pools, every rank suffix) share the page hash, so
 they land on one drive and a lost drive costs whole pages. Rendezvous (highest random weight)
-hashing gives each page a stable order over the drives; drives.MultiDriveStore uses it to break
-ties when it spreads a batch evenly, and lookups search every drive, so a restart, an added drive
+hashing (a per-drive lane of the page hash XOR the drive's salt) gives each page a stable order over the drives;
+drives.MultiDriveStore uses it to break ties when it spreads a batch evenly, and lookups search every drive, so a restart, an added drive
 or a page written while its drive was degraded is always found.
 """
 
@@ -16,6 +16,7 @@ import re
 from ..config import parse_roots  # noqa: F401 - the root list lives with the config that carries it
 
 _HASH_RE = re.compile(r"(?:^|_)([0-9a-fA-F]{64})(?=_|$)")  # SGLang page hashes are 64 hex digits
+_HEAD_RE = re.compile(r"[0-9a-fA-F]{64}(?=_|$)")  # the common case: the key starts with it
 FLAT_PREFIX = "flat_"
 
 
@@ -26,6 +27,9 @@ def page_of(key: str, config_prefix: str | None = None) -> str:
     in front of it); otherwise the config prefix and the legacy ``flat_`` prefix are removed
     and the part before the first ``_`` is the page.
     """
+    m = _HEAD_RE.match(key)
+    if m is not None:
+        return m.group(0)
     m = _HASH_RE.search(key)
     if m is not None:
         return m.group(1)
@@ -37,29 +41,23 @@ def page_of(key: str, config_prefix: str | None = None) -> str:
     return head or key
 
 
-def _weight(drive_id: bytes, page: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(page, digest_size=8, key=drive_id).digest(), "little")
+_LANES = 8  # independent 64-bit weights per page hash (one blake2b call gives all of them)
 
 
-def drive_order(page: str, drive_ids: list[bytes]) -> list[int]:
-    """Drive indexes for ``page``, most preferred first (stable for the same ids)."""
-    p = page.encode("utf-8", "surrogateescape")
-    w = [_weight(d, p) for d in drive_ids]
-    return sorted(range(len(drive_ids)), key=lambda i: w[i], reverse=True)
+def page_weights(page: str, n: int) -> list[int]:
+    """One independent 64-bit value per drive index (lanes repeat beyond 8 drives)."""
+    d = hashlib.blake2b(page.encode("utf-8", "surrogateescape"), digest_size=8 * min(n, _LANES)).digest()
+    lanes = [int.from_bytes(d[i : i + 8], "little") for i in range(0, len(d), 8)]
+    return [lanes[i % _LANES] for i in range(n)]
 
 
-def preferred(page: str, drive_ids: list[bytes], usable) -> int:
-    """The most preferred drive among those where ``usable[i]`` is true; -1 when none is."""
-    p = page.encode("utf-8", "surrogateescape")
-    best, best_w = -1, -1
-    for i, d in enumerate(drive_ids):
-        if usable[i]:
-            w = _weight(d, p)
-            if w > best_w:
-                best, best_w = i, w
-    return best
+def drive_order(page: str, salts: list[int]) -> list[int]:
+    """Drive indexes for ``page``, most preferred first: weight = the page's lane XOR the drive's salt."""
+    w = page_weights(page, len(salts))
+    return sorted(range(len(salts)), key=lambda i: w[i] ^ salts[i], reverse=True)
 
 
-def drive_id(root: str) -> bytes:
-    """A drive's placement identity: its root's absolute path (blake2b key: at most 64 bytes)."""
-    return hashlib.blake2b(os.path.abspath(root).encode("utf-8", "surrogateescape"), digest_size=32).digest()
+def drive_id(root: str) -> int:
+    """A drive's placement salt: 64 bits of its root's absolute path (stable across restarts)."""
+    p = os.path.abspath(root).encode("utf-8", "surrogateescape")
+    return int.from_bytes(hashlib.blake2b(p, digest_size=8).digest(), "little")
