@@ -340,3 +340,15 @@ def test_rendezvous_order_is_stable_and_spreads_first_choices():
     firsts = [drive_order(f"{i:064x}", salts)[0] for i in range(4000)]
     assert all(800 <= firsts.count(d) <= 1200 for d in range(4)), [firsts.count(d) for d in range(4)]
     assert sorted(drive_order("abc", salts)) == [0, 1, 2, 3]
+
+
+async def test_the_rest_of_a_page_joins_the_drive_that_holds_part_of_it(tmp_path):
+    roots = _roots(tmp_path, 3)
+    st = await PageStore.open(roots, small_config())
+    ks = [f"pg{i:03d}_0_k" for i in range(30)]
+    assert await _put(st, ks) == [True] * 30  # only K of each page first
+    vs = [k[:-1] + "v" for k in ks]
+    assert await _put(st, vs + ks) == [True] * 60  # then V (and K again) in one batch
+    assert st.drive_of(vs) == st.drive_of(ks)
+    assert sum(r["objects"] for r in st.stats()["drives"]) == 60  # the re-put of K stored nothing twice
+    await st.close()

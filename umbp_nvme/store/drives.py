@@ -26,7 +26,10 @@ import os
 import time
 
 from ..config import StoreConfig
-from ..errors import ReadOnlyStoreError, StoreDamagedError, UnsafeStorePathError
+from ..errors import (
+    CapacityShrinkError, NamespaceMismatchError, ReadOnlyStoreError, StoreError, StoreLockedError,
+    UnsafeStorePathError,
+)  # fmt: skip
 from . import placement
 from .drive_health import FULL, DriveHealth, reads_back, settle_deletes
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
@@ -43,11 +46,13 @@ _SUMMED = COUNTERS + (
 )  # fmt: skip
 
 
+# open errors that every drive would give (the configuration's, or another writer): they raise
+_CONFIG_ERRORS = (StoreLockedError, NamespaceMismatchError, CapacityShrinkError, ReadOnlyStoreError, UnsafeStorePathError)
+
+
 def _drive_failure(e: BaseException) -> bool:
-    """An open error that is this drive's (I/O, missing, damaged), not the configuration's."""
-    if isinstance(e, UnsafeStorePathError):
-        return False
-    return isinstance(e, (OSError, StoreDamagedError))
+    """An open error that is this drive's (I/O, missing, damaged, LMDB), not the configuration's."""
+    return isinstance(e, (OSError, StoreError)) and not isinstance(e, _CONFIG_ERRORS)
 
 
 class MultiDriveStore:
@@ -142,22 +147,33 @@ class MultiDriveStore:
                 rest = [j for j, f in zip(rest, found) if not f]
         return out
 
-    def _placed(self, keys, usable) -> list[int]:
-        """The drive each new object goes to: all components of a page to one drive, and the
-        batch spread evenly: a page goes to the least loaded usable drive of this batch, ties
-        broken by the page's rendezvous order. A batch's time is its busiest drive's, so pure
-        hashing (busiest drive ~1.25x the mean for 128 pages on 4 drives) would cap the scaling;
-        consecutive pages land on different drives, so any later range of them reads evenly too.
-        Lookups search every drive, so placement needs no stability to find a page."""
-        seen: dict[str, int] = {}  # a page's components share one choice
-        load = [0] * len(usable)
+    def _pages(self, keys) -> list[str]:
         out = []
         for k in keys:
             try:
-                page = self._page_of(k) if type(k) is str else ""
+                out.append(self._page_of(k) if type(k) is str else "")
             except Exception:  # noqa: BLE001 - a key the store refuses anyway
-                page = ""
-            d = seen.get(page)
+                out.append("")
+        return out
+
+    def _placed(self, keys, usable, held=None) -> list[int]:
+        """The drive each object goes to: where it already is (``held``: a re-put dedups there),
+        else where its page already is (all components of a page on one drive), else the least
+        loaded usable drive of this batch, ties broken by the page's rendezvous order. A batch's
+        time is its busiest drive's, so pure hashing (busiest drive ~1.25x the mean for 128 pages
+        on 4 drives) would cap the scaling; consecutive pages land on different drives, so any
+        later range of them reads evenly too. Lookups search every drive: placement needs no
+        stability to find a page."""
+        pages = self._pages(keys)
+        seen: dict[str, int] = {}  # page -> its drive in this batch
+        load = [0] * len(usable)
+        if held is not None:
+            for p, h in zip(pages, held):
+                if h >= 0 and usable[h]:
+                    seen.setdefault(p, h)
+        out = []
+        for j, page in enumerate(pages):
+            d = held[j] if held is not None and held[j] >= 0 else seen.get(page)
             if d is None:
                 w, d, d_load, d_w = placement.page_weights(page, len(usable)), -1, 0, 0
                 for i, salt in enumerate(self._ids):
@@ -168,6 +184,7 @@ class MultiDriveStore:
                 load[d] += 1
             out.append(d)
         return out
+
     def drive_of(self, keys) -> list[int]:
         """Which drive holds each key (-1 when no readable drive has it); for tools and tests."""
         return self._holders(keys, self._mask("read"))
@@ -194,9 +211,7 @@ class MultiDriveStore:
         writable = self._mask("write")
         if not any(writable):
             return results
-        held = self._holders(keys, writable)  # a re-put goes where the key is: it dedups there
-        placed = self._placed(keys, writable)
-        route = [h if h >= 0 else p for h, p in zip(held, placed)]
+        route = self._placed(keys, writable, self._holders(keys, writable))
 
         def call(st, idx):
             sub_depths = None if depths is None else [depths[j] for j in idx]
