@@ -265,9 +265,10 @@ class MultiDriveStore:
         finally:
             timer.cancel()
             h.end(op)
-        h.check_counters(before, st._counters, op)
         if op == "put" and not full_before and st._space_limit_segments is not None:
-            h.degrade(FULL, "its file system is full (ENOSPC)")
+            h.degrade(FULL, "its file system is full (ENOSPC)")  # its failed writes were the fullness
+        else:
+            h.check_counters(before, st._counters, op)
         for j, ok in zip(idx, out):
             results[j] = bool(ok)
 
