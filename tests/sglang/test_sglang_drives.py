@@ -93,3 +93,46 @@ def test_an_existing_single_directory_store_configured_with_two_roots_serves_eve
     assert get_all(two, more, midx) == 100
     assert E.read_pages(pool.host, midx) == mdata
     two.close()
+
+
+def test_a_failing_drive_under_the_backend_costs_only_its_pages_and_rejoins(tmp_path):
+    import time
+
+    from tests.support.faults import FaultPlan, FaultRule
+    from umbp_nvme.sglang_backend import UMBPNvmeStore
+
+    roots = _roots(tmp_path)
+    plan = FaultPlan()
+    pool = E.mha_pool()
+    backend = UMBPNvmeStore(E.storage_config(json.dumps(roots)), pool.host, engine_factory=plan.engine_factory())
+    hashes = E.page_hashes(60, seed=81)
+    idx = pool.alloc_pages(60)
+    written = E.fill_random(pool.host, idx, seed=82)
+    assert set_all(backend, hashes, idx) == 60
+    where = backend.store.store.drive_of([h + "_0_k" for h in hashes])
+    bad_root = os.path.realpath(backend.store_dirs[1])
+
+    def on_bad(op, fd, offset, length):
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").startswith(bad_root + os.sep)
+        except OSError:
+            return False
+
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=on_bad)])
+    E.zero_pages(pool.host, idx)
+    res = backend.batch_get_v1(hashes, idx)  # never raises: the bad drive's pages are misses
+    assert res == [d == 0 for d in where]
+    got = E.read_pages(pool.host, idx)  # objects, K and V of each page
+    assert all(got[2 * i : 2 * i + 2] == written[2 * i : 2 * i + 2] for i, d in enumerate(where) if d == 0)
+    first_bad = where.index(1)
+    assert backend.batch_exists(hashes) == first_bad  # exists stops at the first page it lost
+    rows = backend.store_stats()["store"]["drives"]
+    assert rows[1]["state"] == "degraded" and rows[0]["state"] == "healthy"
+    plan.clear()
+    deadline = time.monotonic() + 10
+    while backend.store_stats()["store"]["drives"][1]["state"] != "healthy" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert backend.batch_exists(hashes) == 60
+    E.zero_pages(pool.host, idx)
+    assert get_all(backend, hashes, idx) == 60 and E.read_pages(pool.host, idx) == written
+    backend.close()
