@@ -287,7 +287,7 @@ async def test_a_full_drive_stops_taking_writes_but_keeps_serving_its_pages(tmp_
         subprocess.run(["umount", "-l", small], capture_output=True)
 
 
-async def test_a_stalled_drive_holds_only_the_batch_that_touched_it(tmp_path):
+async def test_a_hung_drive_holds_only_the_batch_that_touched_it(tmp_path):
     """A read that ignores cancellation on one drive (a hung device, without root): the batch
     that touched it returns only after the read ends; later batches skip the drive at once."""
     from tests.support.faults import EngineHooks
