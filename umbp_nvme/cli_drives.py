@@ -68,7 +68,21 @@ def run_per_drive(args, roots: list[str], errors: tuple, cli_error) -> int:
             print(text.rstrip() if err is None else f"error: {err}")
         if args.command == "stats":
             print(stats_table(results))
+    if args.command == "inspect":  # a key lives on one drive: fine when some drive has it, verified
+        return _inspect_rc(roots, args.keys)
     return max(r[2] for r in results)
+
+
+def _inspect_rc(roots: list[str], keys: list[str]) -> int:
+    from .maintenance import inspect_keys
+
+    ok = set()
+    for root in roots:
+        try:
+            ok.update(r["key"] for r in inspect_keys(root, keys) if r["found"] and r["status"] == "ok")
+        except Exception:  # noqa: BLE001 - that drive was reported above
+            continue
+    return 0 if all(k in ok for k in keys) else 1
 
 
 def _totals(drives: list[dict]) -> dict:

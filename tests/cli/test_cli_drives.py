@@ -60,10 +60,12 @@ def test_stats_verify_inspect_over_two_drives_show_each_drive(tmp_path, capsys):
     assert main(["verify", "--store", spec, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert sum(d["checked"] for d in doc["drives"]) == 48 and all(not d["bad"] for d in doc["drives"])
-    main(["inspect", "--store", spec, "--json", keys[0]])
+    assert main(["inspect", "--store", spec, "--json", keys[0]]) == 0  # found on its drive: success
     doc = json.loads(capsys.readouterr().out)
     found = [d["keys"][0]["found"] for d in doc["drives"]]
     assert found == [where[0] == 0, where[0] == 1]
+    assert main(["inspect", "--store", spec, keys[0], "nope_0_k"]) == 1  # a key no drive has
+    capsys.readouterr()
 
 
 def test_export_then_warmup_moves_a_two_drive_store_byte_exact(tmp_path, capsys):
