@@ -79,8 +79,9 @@ class DriveHealth:
     def readmit(self) -> None:
         if self.state == "healthy":
             return
-        log.warning("drive %d (%s) healthy again after %.1f s (%s); serving its pages", self.index, self.root,
-                    time.monotonic() - self.since, self.reason)  # fmt: skip
+        # INFO: the one WARNING of an episode is the one that took the drive out
+        log.info("drive %d (%s) healthy again after %.1f s (%s); serving its pages", self.index, self.root,
+                 time.monotonic() - self.since, self.reason)  # fmt: skip
         self.state, self.kind, self.reason = "healthy", None, None
         self.changed = True
         self.readmitted_at = time.monotonic()
