@@ -352,3 +352,26 @@ async def test_the_rest_of_a_page_joins_the_drive_that_holds_part_of_it(tmp_path
     assert st.drive_of(vs) == st.drive_of(ks)
     assert sum(r["objects"] for r in st.stats()["drives"]) == 60  # the re-put of K stored nothing twice
     await st.close()
+
+
+async def test_a_drive_missing_at_open_joins_once_its_store_is_back(tmp_path):
+    roots = _roots(tmp_path, 2)
+    st = await PageStore.open(roots, small_config())
+    keys = _keys(30)
+    assert await _put(st, keys) == [True] * 60
+    where = st.drive_of(keys)
+    await st.close()
+    parked = str(tmp_path / "parked")
+    os.rename(os.path.dirname(roots[1]), parked)  # drive 1 not mounted: its directory is not there
+    st = await MultiDriveStore.open(roots, small_config(), readonly=True, probe_interval_s=0.05)
+    row = st.stats()["drives"][1]
+    assert row["state"] == "degraded" and "open failed" in row["reason"]
+    res, wrong = await _get(st, keys)
+    assert wrong == 0 and res == [d == 0 for d in where]
+    await asyncio.sleep(0.3)
+    assert not os.path.exists(roots[1])  # nothing is created where the drive should be
+    os.rename(parked, os.path.dirname(roots[1]))  # mounted again
+    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 60 and wrong == 0
+    await st.close()

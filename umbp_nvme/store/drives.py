@@ -82,17 +82,10 @@ class MultiDriveStore:
         self.probe_interval_s = float(probe_interval_s)
         self._unrouted_gets = 0
         caps = drive_capacities(self.roots, config, sized=not (readonly or capacity_from_manifest))
-        opened = await asyncio.gather(
-            *(
-                PageStore.open(
-                    r, dataclasses.replace(config, ssd_storage_dir=r, ssd_capacity_bytes=caps[i]), readonly=readonly,
-                    namespace=namespace, capacity_from_manifest=capacity_from_manifest, shrink=shrink,
-                    engine_factory=engine_factory,
-                )  # fmt: skip
-                for i, r in enumerate(self.roots)
-            ),
-            return_exceptions=True,
-        )
+        self._open_kw = dict(readonly=readonly, namespace=namespace, capacity_from_manifest=capacity_from_manifest,
+                             shrink=shrink, engine_factory=engine_factory)  # fmt: skip
+        self._caps, self._ranges = caps, []
+        opened = await asyncio.gather(*(self._open_drive(i) for i in range(len(self.roots))), return_exceptions=True)
         self.stores: list[PageStore | None] = []
         fatal = next((e for e in opened if isinstance(e, BaseException) and not _drive_failure(e)), None)
         if fatal is None and all(isinstance(e, BaseException) for e in opened):
@@ -114,6 +107,28 @@ class MultiDriveStore:
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(len(self.roots), thread_name_prefix="umbp-drive-probe")
         self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
         return self
+
+    def _open_drive(self, i: int):
+        r = self.roots[i]
+        cfg = dataclasses.replace(self.config, ssd_storage_dir=r, ssd_capacity_bytes=self._caps[i])
+        return PageStore.open(r, cfg, **self._open_kw)
+
+    async def _reopen(self, d: int) -> None:
+        """A drive that could not open at first: opened again once its store is back (never created here:
+        an unmounted drive's empty mount point must not get a new store on the wrong file system)."""
+        try:
+            await self._in_thread(os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
+            st = await self._open_drive(d)
+        except Exception as e:  # noqa: BLE001 - still out; the next probe tries again
+            log.debug("drive %d still cannot open: %r", d, e)
+            return
+        if self._closed:
+            await st.close()
+            return
+        for a, n in self._ranges:
+            st.register_memory(a, n)
+        self.stores[d] = st
+        self.health[d].readmit()
 
     # ----------------------------------------------------------------------------- routing
 
@@ -157,33 +172,8 @@ class MultiDriveStore:
         return out
 
     def _placed(self, keys, usable, held=None) -> list[int]:
-        """The drive each object goes to: where it already is (``held``: a re-put dedups there),
-        else where its page already is (all components of a page on one drive), else the least
-        loaded usable drive of this batch, ties broken by the page's rendezvous order. A batch's
-        time is its busiest drive's, so pure hashing (busiest drive ~1.25x the mean for 128 pages
-        on 4 drives) would cap the scaling; consecutive pages land on different drives, so any
-        later range of them reads evenly too. Lookups search every drive: placement needs no
-        stability to find a page."""
-        pages = self._pages(keys)
-        seen: dict[str, int] = {}  # page -> its drive in this batch
-        load = [0] * len(usable)
-        if held is not None:
-            for p, h in zip(pages, held):
-                if h >= 0 and usable[h]:
-                    seen.setdefault(p, h)
-        out = []
-        for j, page in enumerate(pages):
-            d = held[j] if held is not None and held[j] >= 0 else seen.get(page)
-            if d is None:
-                w, d, d_load, d_w = placement.page_weights(page, len(usable)), -1, 0, 0
-                for i, salt in enumerate(self._ids):
-                    if usable[i] and (d < 0 or load[i] < d_load or (load[i] == d_load and w[i] ^ salt > d_w)):
-                        d, d_load, d_w = i, load[i], w[i] ^ salt
-                seen[page] = d
-            if d >= 0:
-                load[d] += 1
-            out.append(d)
-        return out
+        """The drive each object goes to (placement.spread: whole pages, each batch spread evenly)."""
+        return placement.spread(self._pages(keys), usable, self._ids, held)
 
     def drive_of(self, keys) -> list[int]:
         """Which drive holds each key (-1 when no readable drive has it); for tools and tests."""
@@ -335,6 +325,7 @@ class MultiDriveStore:
     # ----------------------------------------------------------------------------- management
 
     def register_memory(self, address: int, nbytes: int) -> bool:
+        self._ranges.append((address, nbytes))  # also for a drive that opens later
         fixed = False
         for st in self.stores:
             if st is not None:
@@ -363,21 +354,14 @@ class MultiDriveStore:
         return out
 
     def stats(self) -> dict:
-        rows, per = [], []
-        for d, (st, h) in enumerate(zip(self.stores, self.health)):
-            s = st.stats() if st is not None else {}
-            per.append(s)
-            rows.append(dict(h.row(s), drive=d, path=self.roots[d]))
-        out = {k: v for k, v in next(s for s in per if s).items() if k not in _SUMMED}
-        for k in _SUMMED:
-            vals = [s[k] for s in per if isinstance(s.get(k), (int, float))]
-            if vals:
-                out[k] = sum(vals)
-        out["gets"] = out.get("gets", 0) + self._unrouted_gets
-        out["misses"] = out.get("misses", 0) + self._unrouted_gets
+        """The drives' counters summed, the first drive's settings, and one row per drive."""
+        per = [st.stats() if st is not None else {} for st in self.stores]
+        out = merged_stats(per, self._unrouted_gets)
         out.update(
-            path=self.path, drives=rows, drives_total=len(rows),
-            drives_degraded=sum(1 for h in self.health if not h.healthy), removed_drives=self.removed_drives,
+            path=self.path, drives=[dict(h.row(s), drive=d, path=self.roots[d]) for d, (s, h) in
+                                    enumerate(zip(per, self.health))],
+            drives_total=len(per), drives_degraded=sum(1 for h in self.health if not h.healthy),
+            removed_drives=self.removed_drives,
         )  # fmt: skip
         return out
 
@@ -392,7 +376,7 @@ class MultiDriveStore:
                 self._record_set()
             now = time.monotonic()
             for d, h in enumerate(self.health):
-                if not h.probing and self.stores[d] is not None and not self._closed and now >= h.probe_after:
+                if not h.probing and not self._closed and now >= h.probe_after:
                     h.probing = True
                     asyncio.get_running_loop().create_task(self._probe(d))
 
@@ -410,6 +394,9 @@ class MultiDriveStore:
     async def _probe(self, d: int) -> None:
         h, st = self.health[d], self.stores[d]
         try:
+            if st is None:
+                await self._reopen(d)
+                return
             if h.pending:  # a call of ours is still in flight there (stalled): not yet
                 return
             try:
@@ -455,6 +442,18 @@ class MultiDriveStore:
 
     async def __aexit__(self, *exc):
         await self.close()
+
+
+def merged_stats(per: list[dict], unrouted_gets: int) -> dict:
+    """Counters and sizes summed over the drives; settings (path, engine, ...) from the first open one."""
+    out = {k: v for k, v in next(s for s in per if s).items() if k not in _SUMMED}
+    for k in _SUMMED:
+        vals = [s[k] for s in per if isinstance(s.get(k), (int, float))]
+        if vals:
+            out[k] = sum(vals)
+    out["gets"] = out.get("gets", 0) + unrouted_gets  # keys no drive had: misses nobody counted
+    out["misses"] = out.get("misses", 0) + unrouted_gets
+    return out
 
 
 async def open_store(path, config: StoreConfig | None = None, **kw):
