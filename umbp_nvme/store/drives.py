@@ -105,6 +105,7 @@ class MultiDriveStore:
         self.path = ",".join(self.roots)
         self.removed_drives = note_drive_set(self.roots, self.stores, readonly)
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(len(self.roots), thread_name_prefix="umbp-drive-probe")
+        self._thread_calls: dict[int, asyncio.Future] = {}  # drive -> its probe thread's call
         self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
         return self
 
@@ -117,7 +118,7 @@ class MultiDriveStore:
         """A drive that could not open at first: opened again once its store is back (never created here:
         an unmounted drive's empty mount point must not get a new store on the wrong file system)."""
         try:
-            await self._in_thread(os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
+            await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
             st = await self._open_drive(d)
         except Exception as e:  # noqa: BLE001 - still out; the next probe tries again
             log.debug("drive %d still cannot open: %r", d, e)
@@ -386,10 +387,14 @@ class MultiDriveStore:
         health = [h.record() for h in self.health]
         self._probe_pool.submit(write_drive_set, self.roots, self.stores, healthy, health)
 
-    async def _in_thread(self, fn, *args):
-        """``fn(*args)`` on a probe thread, bounded by io_timeout_s (a hung stat is given up on)."""
-        fut = asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args)
-        return await asyncio.wait_for(fut, self.timeout_s)
+    async def _in_thread(self, d: int, fn, *args):
+        """``fn(*args)`` on a probe thread, bounded by io_timeout_s. A call that hung is given up on
+        but keeps its thread: no second one for that drive until it ends (threads stay free)."""
+        prev = self._thread_calls.get(d)
+        if prev is not None and not prev.done():
+            raise asyncio.TimeoutError
+        fut = self._thread_calls[d] = asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args)
+        return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
 
     async def _probe(self, d: int) -> None:
         h, st = self.health[d], self.stores[d]
@@ -400,7 +405,7 @@ class MultiDriveStore:
             if h.pending:  # a call of ours is still in flight there (stalled): not yet
                 return
             try:
-                await self._in_thread(os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
+                await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
             except FileNotFoundError:
                 h.degrade("gone", f"its directory {self.roots[d]} is gone (no {MANIFEST_FILE})")
                 return
@@ -409,7 +414,7 @@ class MultiDriveStore:
             if h.healthy:
                 return
             if h.kind == FULL:
-                vfs = await self._in_thread(os.statvfs, self.roots[d])
+                vfs = await self._in_thread(d, os.statvfs, self.roots[d])
                 if vfs.f_bavail * vfs.f_frsize >= self.segment_bytes:
                     h.readmit()
                 return
