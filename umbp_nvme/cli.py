@@ -406,7 +406,8 @@ def _sub(subs, name: str, help_: str, description: str):
 
 
 def _store_arg(p, required: bool = True) -> None:
-    p.add_argument("--store", required=required, metavar="DIR", help="the store directory (ssd_storage_dir of one rank)")
+    p.add_argument("--store", required=required, metavar="DIR",
+                   help="the store directory (ssd_storage_dir of one rank); several drives: D0,D1,... or a JSON list")
 
 
 def _config_args(p) -> None:
@@ -548,7 +549,16 @@ def main(argv: list[str] | None = None) -> int:
     from .maintenance import NotAStoreError
     from .sources import SourceError
 
+    from .cli_drives import roots_of, run_per_drive
+
     try:
+        roots = roots_of(args)  # several drives: each one's directory is a store (cli_drives.py)
+    except ValueError as e:
+        print(f"umbp-nvme {args.command}: error: --store: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        if roots is not None:
+            return run_per_drive(args, roots, (StoreError, NotAStoreError, ArchiveError, SourceError, OSError), CliError)
         return int(args.func(args) or 0)
     except CliError as e:
         print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ mapped there too; ``dataclasses.replace`` makes a changed copy.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -61,10 +62,17 @@ class StoreConfig:
     auto_promote_on_read: bool = True
 
     def __post_init__(self):
+        if isinstance(self.ssd_storage_dir, (list, tuple)):  # several roots: kept as a JSON list
+            object.__setattr__(self, "ssd_storage_dir", json.dumps(parse_roots(self.ssd_storage_dir)))
         mode = self.ssd_durability_mode
         if isinstance(mode, str) and mode.strip().lower() in DURABILITY_ALIASES:
             object.__setattr__(self, "ssd_durability_mode", DURABILITY_ALIASES[mode.strip().lower()])
         self._check()
+
+    @property
+    def storage_roots(self) -> list[str]:
+        """``ssd_storage_dir`` as a list of roots (one drive each; one entry for a single path)."""
+        return parse_roots(self.ssd_storage_dir)
 
     def validate(self) -> "StoreConfig":
         """Every StoreConfig was checked when it was made; kept for callers that call it. Returns self."""
@@ -74,6 +82,7 @@ class StoreConfig:
         """Check every field and the rules between them; raise ValueError naming the fields and values."""
         if not isinstance(self.ssd_storage_dir, str) or not self.ssd_storage_dir.strip():
             raise ValueError(f"ssd_storage_dir must be a non-empty path, got {self.ssd_storage_dir!r}")
+        parse_roots(self.ssd_storage_dir)  # several roots: each one a path, none twice
         for name in ("ssd_capacity_bytes", "ssd_segment_size_bytes", "ssd_queue_depth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -178,9 +187,60 @@ def _parse_positive_float(value: Any, label: str) -> float:
 
 
 def _parse_dir(value: Any, label: str) -> str:
+    """One root, or several (a list, a JSON list, a comma-separated string; see parse_roots).
+
+    Several roots are kept as given when a string, and as a JSON list when a list.
+    """
+    if isinstance(value, (list, tuple)):
+        try:
+            return json.dumps(parse_roots(value))
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
     if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip():
         raise ValueError(f"{label} must be a non-empty directory path, got {value!r}")
+    try:
+        parse_roots(os.fspath(value))
+    except ValueError as e:
+        raise ValueError(f"{label}: {e}") from None
     return os.fspath(value)
+
+
+def parse_roots(value) -> list[str]:
+    """``ssd_storage_dir`` as a list of roots: a list/tuple, a JSON list, or a comma-separated string.
+
+    A single path is a one-element list. A path that itself contains a comma must be given as a
+    JSON list. Raises ValueError for an empty list, an empty entry or a duplicate root.
+    """
+    if isinstance(value, (list, tuple)):
+        roots = [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value]
+    else:
+        text = os.fspath(value) if isinstance(value, os.PathLike) else value
+        if not isinstance(text, str):
+            raise ValueError(f"ssd_storage_dir must be a path or a list of paths, got {value!r}")
+        s = text.strip()
+        if s.startswith("["):
+            try:
+                roots = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"ssd_storage_dir looks like a JSON list but is not one ({e}): {text!r}") from None
+            if not isinstance(roots, list):
+                raise ValueError(f"ssd_storage_dir JSON must be a list of paths, got {text!r}")
+        elif "," in s and not os.path.isdir(text):  # an existing directory with a comma is one root
+            roots = [p.strip() for p in s.split(",")]
+        else:
+            roots = [text]
+    if not roots:
+        raise ValueError("ssd_storage_dir lists no directory")
+    for r in roots:
+        if not isinstance(r, str) or not r.strip():
+            raise ValueError(f"ssd_storage_dir entries must be non-empty paths, got {r!r} in {value!r}")
+    seen = set()
+    for r in roots:
+        a = os.path.abspath(r)
+        if a in seen:
+            raise ValueError(f"ssd_storage_dir lists {r!r} twice")
+        seen.add(a)
+    return list(roots)
 
 
 def _parse_io_backend(value: Any, label: str) -> str:

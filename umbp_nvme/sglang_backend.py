@@ -31,6 +31,7 @@ Rules it keeps (each has a test):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -48,6 +49,7 @@ from .sglang_stores import MANIFEST as _MANIFEST  # noqa: F401 - kept for caller
 from .sglang_stores import normalise_sizes as _normalise_sizes  # noqa: F401 - kept for callers
 from .sglang_stores import pool_ranges as _pool_ranges  # noqa: F401 - kept for callers
 from .sglang_transfers import FLAT_KEY_PREFIX
+from .store.placement import page_of
 from .sglang_transfers import fold as _fold  # noqa: F401 - kept for callers
 from .sglang_transfers import legacy_buffer as _legacy_buffer  # noqa: F401 - kept for callers
 
@@ -102,16 +104,21 @@ class UMBPNvmeStore(HiCacheStorage):
         self.enable_storage_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self.model_name = getattr(storage_config, "model_name", None) or ""
         self._prometheus = self.enable_storage_metrics if prometheus is None else _truthy(prometheus)
-        self.root_dir = os.path.abspath(self.config.ssd_storage_dir)
+        # several roots (one per drive): every root holds this rank's directory (drives.py)
+        self.root_dirs = [os.path.abspath(r) for r in self.config.storage_roots]
+        self.root_dir = self.root_dirs[0]
         sub = rank_subdir(storage_config)
         cp_size = int(getattr(storage_config, "attn_cp_size", 1) or 1)
         if cp_size > 1:
             # Attention-CP ranks hold disjoint slices of each page under the same key: one
             # directory (one writer) each.
             sub = "_".join(p for p in (sub, f"cp{int(getattr(storage_config, 'attn_cp_rank', 0) or 0)}") if p)
-        self.store_dir = os.path.join(self.root_dir, sub) if sub else self.root_dir
+        self.store_dirs = [os.path.join(r, sub) if sub else r for r in self.root_dirs]
         tp_rank = int(getattr(storage_config, "tp_rank", 0) or 0)
-        self.private_dir = os.path.join(self.root_dir, "_".join(p for p in (sub, f"tp{tp_rank}_sidecar") if p))
+        side = "_".join(p for p in (sub, f"tp{tp_rank}_sidecar") if p)
+        self.private_dirs = [os.path.join(r, side) for r in self.root_dirs]
+        self.store_dir, self.private_dir = ",".join(self.store_dirs), ",".join(self.private_dirs)  # for messages
+        self._page_of = functools.partial(page_of, config_prefix=self.scheme.config_prefix)
 
         self.registry = PoolRegistry()
         self.registered_pools: dict = {}  # HiCacheStorage's attribute, kept for callers that read it
@@ -304,6 +311,12 @@ class UMBPNvmeStore(HiCacheStorage):
             metrics.backup_bandwidth.extend(self._backup_bw)
             for d in (self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw):
                 d.clear()
+        drives = sglang_stores.drive_rows(self)
+        if drives:  # several drives: each one's state, objects, bytes, GB/s, errors
+            try:
+                metrics.drives = drives
+            except AttributeError:  # a StorageMetrics with __slots__ takes only its own fields
+                pass
         return metrics
 
     def store_stats(self) -> dict:

@@ -65,6 +65,11 @@ def make_namespace(be, pool) -> dict:
     }
 
 
+def _paths(dirs: list[str]):
+    """One directory as a path (today's single-drive store), several as a list (one per drive)."""
+    return dirs[0] if len(dirs) == 1 else list(dirs)
+
+
 def _log_leader_not_ready(be) -> None:
     be._log_once(
         "follower_wait",
@@ -82,7 +87,7 @@ def open_main(be, *, raise_errors: bool):
 
     if be.is_mla_follower:
         # Until the leader has created the store, a lookup costs one stat() and misses.
-        if not os.path.exists(os.path.join(be.store_dir, MANIFEST)):
+        if not all(os.path.exists(os.path.join(d, MANIFEST)) for d in be.store_dirs):
             _log_leader_not_ready(be)
             return None
         now = time.monotonic()
@@ -91,8 +96,8 @@ def open_main(be, *, raise_errors: bool):
         be._next_follower_try = now + FOLLOWER_RETRY_S
         try:
             store = SyncPageStore(
-                be.store_dir, be.config, readonly=True, namespace=be._namespace,
-                engine_factory=be._engine_factory,
+                _paths(be.store_dirs), be.config, readonly=True, namespace=be._namespace,
+                engine_factory=be._engine_factory, page_of=be._page_of,
             )  # fmt: skip
         except StoreDamagedError as e:
             # the leader (the writer) moves damaged metadata aside at its open: miss until then
@@ -107,8 +112,8 @@ def open_main(be, *, raise_errors: bool):
             return None
     else:
         store = SyncPageStore(
-            be.store_dir, be.config, readonly=False, namespace=be._namespace,
-            engine_factory=be._engine_factory,
+            _paths(be.store_dirs), be.config, readonly=False, namespace=be._namespace,
+            engine_factory=be._engine_factory, page_of=be._page_of,
         )  # fmt: skip
     be._register_ranges(store, be._ranges)
     be._watch(store, "main")
@@ -146,7 +151,8 @@ def store_for_pool(be, name, pool, *, for_write: bool):
 
                 ns = dict(be._namespace or {}, kind=NAMESPACE_KIND + "/sidecar")
                 store = SyncPageStore(
-                    be.private_dir, be.config, readonly=False, namespace=ns, engine_factory=be._engine_factory
+                    _paths(be.private_dirs), be.config, readonly=False, namespace=ns,
+                    engine_factory=be._engine_factory, page_of=be._page_of,
                 )  # fmt: skip
                 be._register_ranges(store, be._ranges)
                 be._watch(store, "sidecar")
@@ -216,7 +222,8 @@ def watch(be, store, role: str) -> None:
         try:
             from .doctor import log_report
 
-            log_report(store.path, be.config, ranges=list(be._ranges))
+            for path in be.store_dirs:  # one report per drive
+                log_report(path, be.config, ranges=list(be._ranges))
         except Exception as e:  # noqa: BLE001
             log.warning("umbp_nvme: doctor at start failed: %r", e)
     if not be._prometheus:
@@ -283,3 +290,14 @@ def store_stats(be) -> dict:
             except Exception as e:  # noqa: BLE001
                 out[label] = {"error": repr(e)}
     return out
+
+
+def drive_rows(be) -> list:
+    """The per-drive rows of this rank's store when it spans several drives ([] otherwise)."""
+    store = be._store
+    if store is None or len(be.store_dirs) < 2:
+        return []
+    try:
+        return list(store.stats(timeout_s=1.0).get("drives") or [])
+    except Exception:  # noqa: BLE001 - stats never fail a metrics call
+        return []

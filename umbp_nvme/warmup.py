@@ -386,9 +386,15 @@ async def import_sources(
     """Open store_path as writer and import every source into it (see module docstring).
 
     ``capacity_from_manifest``: an existing store keeps the capacity it records (a tool that was
-    not told the server's capacity must not shrink the store)."""
+    not told the server's capacity must not shrink the store).
+
+    ``store_path`` may list several roots (one per drive); a SOURCE that lists several (a
+    multi-drive store, D0,D1,...) imports each drive's store."""
+    from .config import parse_roots
     from .store import PageStore
 
+    sources = [r for src in sources for r in (parse_roots(src) if src != "-" and not os.path.exists(src)
+                                              and "," in src else [src])]  # fmt: skip
     summary = Summary()
     layout = (layout or FileBackendLayout()).validate()
     opened: list = []

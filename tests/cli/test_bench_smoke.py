@@ -71,6 +71,21 @@ def test_store_bench_smoke(tmp_path):
     assert "target:" in stdout
 
 
+def test_store_bench_roots_smoke(tmp_path):
+    """--roots: rows for 1, 2 and 4 drives with the N x 1-drive ratio (directories on one disk here)."""
+    roots = [str(tmp_path / f"r{i}") for i in range(4)]
+    for r in roots:
+        os.makedirs(r)
+    rows, stdout = _run("store", tmp_path, "--roots", ",".join(roots))
+    _check_common(rows, "store")
+    assert sorted((r["op"], r["drives"]) for r in rows) == [("get", 1), ("get", 2), ("get", 4),
+                                                            ("put", 1), ("put", 2), ("put", 4)]
+    for r in rows:
+        assert r["gbps"] > 0 and (r["vs_n_x_1drive"] is None) == (r["drives"] == 1)
+    assert "x N x 1-drive" in stdout
+    assert all(os.listdir(r) == [] for r in roots)  # the bench removes its stores
+
+
 @pytest.mark.skipif(not sglang_env.sglang_installed(), reason="sglang is not installed (tools/install_sglang.sh)")
 def test_hicache_bench_smoke(tmp_path):
     rows, stdout = _run("hicache", tmp_path)

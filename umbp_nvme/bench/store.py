@@ -96,10 +96,24 @@ def parse_args(argv):
     p.add_argument("--exists-calls", type=int, default=None, help="exists_prefix calls per run (default 2000)")
     p.add_argument("--quick", action="store_true", help="small matrix, under a minute (reopen store of 100 k objects)")
     p.add_argument("--smoke", action="store_true", help="tiny run for tests: a few small objects, a few seconds")
+    p.add_argument("--roots", default=None, help="several drives' directories (D0,D1,...): the multi-drive "
+                   "run on 1, 2, 4 of them instead (bench/drives.py; sizes 1m,4m, 16 pages per call)")
+    p.add_argument("--stall", type=int, default=None, help="with --roots: stall this fake drive mid-run (0-3)")
+    p.add_argument("--stall-tool", default=None, help="the fake-drives tool (default $FAKE_DRIVES or fake-drives)")
+    p.add_argument("--stall-timeout-s", type=float, default=1.0, help="io_timeout_s of the stall run")
     p.add_argument("--json", help="write the rows as JSON here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     a = p.parse_args(argv)
     q, s = a.quick, a.smoke
+    if a.roots:
+        from umbp_nvme.config import parse_roots
+
+        a.roots = parse_roots(a.roots)
+        a.sizes = a.sizes or ("64k" if s else "1m,4m")
+        a.batch_pages = a.batch_pages or (4 if s else 16)
+        a.sample_bytes = a.sample_bytes or ("8m" if s else "64m" if q else "256m")
+        if a.segment_bytes == "256m":
+            a.segment_bytes = "16m" if s else "64m"
     a.sizes = [parse_bytes(x) for x in (a.sizes or ("64k" if s else "64k,1m" if q else "64k,1m,4m")).split(",")]
     a.batch_pages = a.batch_pages or (8 if s else 128)
     a.sample_bytes = parse_bytes(a.sample_bytes or ("4m" if s else "256m" if q else "1g"))
@@ -481,6 +495,15 @@ def targets(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
+    if cfg.roots:
+        from . import drives
+
+        rows, notes = asyncio.run(drives.bench_drives(cfg))
+        print(f"multi-drive store benchmark: {len(rows)} rows, {cfg.runs} alternating runs over "
+              f"{len(cfg.roots)} roots, {time.perf_counter() - started:.0f} s total")
+        print_table(rows, ratio_keys=("drives", "vs_n_x_1drive", "vs_before"))
+        finish(cfg, rows, notes, targets=drives.targets(rows), title="MultiDriveStore on 1, 2, 4 drives")
+        return 0
     rows, notes = asyncio.run(bench(cfg))
     print(f"store benchmark: {len(rows)} rows, {cfg.runs} alternating runs, {cfg.batch_pages} pages x "
           f"{OBJECTS_PER_PAGE} objects per call, {time.perf_counter() - started:.0f} s total")

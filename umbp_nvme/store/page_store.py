@@ -24,7 +24,7 @@ import logging
 import os
 from typing import NamedTuple
 
-from ..config import StoreConfig
+from ..config import StoreConfig, parse_roots
 from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key
 from .get_path import GetPath
@@ -82,10 +82,23 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
         evicts everything stored in the removed segments durably (index entries deleted and
         synced first, then the files) and records the new capacity.
 
+        ``path`` may list several roots (a list, a JSON list, a comma-separated string): the
+        result is then a ``drives.MultiDriveStore`` with the same calls, one PageStore per drive.
+
         ``engine_factory``: ``async (backend, queue_depth) -> IoEngine``, called once per engine
         (two for a writer: reads and writes); default ``engine.open_engine``. Tests and fault
         injection wrap engines here.
         """
+        if not isinstance(path, (str, os.PathLike)) or "," in os.fspath(path) or os.fspath(path).lstrip()[:1] == "[":
+            roots = parse_roots(path)
+            if len(roots) > 1:
+                from .drives import MultiDriveStore  # several roots: one PageStore per drive
+
+                return await MultiDriveStore.open(
+                    roots, config, readonly=readonly, namespace=namespace, shrink=shrink,
+                    capacity_from_manifest=capacity_from_manifest, engine_factory=engine_factory,
+                )  # fmt: skip
+            path = roots[0]
         self = cls.__new__(cls)
         self._init_state()
         await self._open(path, config or StoreConfig(), readonly, namespace, capacity_from_manifest, shrink,

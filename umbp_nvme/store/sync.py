@@ -17,6 +17,7 @@ import threading
 import time
 
 from ..config import StoreConfig
+from .drives import MultiDriveStore, open_store
 from .page_store import PageStore
 
 log = logging.getLogger("umbp_nvme.sync_store")  # the name operators know; kept across the move
@@ -43,7 +44,10 @@ class SyncPageStore:
         capacity_from_manifest: bool = False,
         shrink: bool = True,
         engine_factory=None,
+        page_of=None,
     ):
+        """``path``: one root, or several (a list / JSON list / comma-separated string; see
+        drives.MultiDriveStore, which ``page_of(key) -> page hash`` places by)."""
         config = config or StoreConfig()
         self._timeout_s = float(config.io_timeout_s) * 4 + _CALL_SLACK_S
         self._loop = asyncio.new_event_loop()
@@ -53,9 +57,9 @@ class SyncPageStore:
         self._closed_logged = False
         self.metrics = None  # a metrics.StoreWatch while exported: times each batch call
         try:
-            self.store: PageStore = self._call(
-                PageStore.open(
-                    path, config, readonly=readonly, namespace=namespace,
+            self.store: PageStore | MultiDriveStore = self._call(
+                open_store(
+                    path, config, readonly=readonly, namespace=namespace, page_of=page_of,
                     capacity_from_manifest=capacity_from_manifest, shrink=shrink, engine_factory=engine_factory,
                 )  # fmt: skip
             )

@@ -1,0 +1,377 @@
+"""MultiDriveStore (store/drives.py): placement, reopen, old stores, removed drives, a failing drive.
+
+Every check reads real bytes back and counts them; the failing drive is an EIO engine on one
+root's files (tests/support/faults.py), so its pages must become misses, never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import payload, small_config
+from support.faults import FaultPlan, FaultRule
+from umbp_nvme.config import load_config
+from umbp_nvme.store import PageStore
+from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store.placement import page_of
+
+OBJ = 16 << 10
+H64 = "0123456789abcdef" * 4
+
+
+def _keys(pages: int, tag: str = "p") -> list[str]:
+    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
+
+
+def _roots(tmp_path, n: int) -> list[str]:
+    return [str(tmp_path / f"drive{i}" / "store") for i in range(n)]
+
+
+async def _put(st, keys) -> list[bool]:
+    return await st.put_many(keys, [payload(k, OBJ) for k in keys])
+
+
+async def _get(st, keys) -> tuple[list[bool], int]:
+    """(results, wrong): wrong counts hits whose bytes are not the key's payload."""
+    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
+    res = await st.get_many(keys, outs)
+    wrong = sum(1 for ok, k, o in zip(res, keys, outs) if ok and not np.array_equal(o, payload(k, OBJ)))
+    return res, wrong
+
+
+def test_roots_parse_from_a_json_list_a_comma_string_and_a_list():
+    assert load_config({"ssd_storage_dir": '["/a", "/b"]'}).storage_roots == ["/a", "/b"]
+    assert load_config({}, {"UMBP_SSD_DIR": "/a, /b,/c"}).storage_roots == ["/a", "/b", "/c"]
+    assert load_config({"ssd_storage_dir": ["/a", "/b"]}).storage_roots == ["/a", "/b"]
+    assert load_config({"ssd_storage_dir": "/a"}).storage_roots == ["/a"]
+    for bad in ("/a,/a", "/a,,/b", "[]", "[1]", '["/a"'):
+        with pytest.raises(ValueError, match="ssd_storage_dir"):
+            load_config({"ssd_storage_dir": bad})
+
+
+def test_page_of_finds_the_page_hash_behind_prefixes_and_suffixes():
+    assert page_of("abc_0_k") == page_of("abc_0_v") == page_of("abc__k") == page_of("abc_1_2_k") == "abc"
+    assert page_of("flat_abc_0") == "abc"
+    assert page_of("tag_org-model_abc_0_swa_k", "tag_org-model") == "abc"
+    assert page_of(f"tag_org-model_{H64}_0_mamba_temporal") == page_of(f"{H64}_0_k") == H64
+
+
+async def test_placement_spreads_pages_keeps_components_together_and_survives_reopen(tmp_path):
+    roots = _roots(tmp_path, 3)
+    st = await PageStore.open(roots, small_config())
+    assert isinstance(st, MultiDriveStore)
+    keys = _keys(120)
+    assert await _put(st, keys) == [True] * len(keys)
+    where = st.drive_of(keys)
+    assert where == st.preferred_drive(keys)  # all healthy: every page on its preferred drive
+    assert all(where[i] == where[i + 1] for i in range(0, len(keys), 2))  # K and V of a page together
+    counts = [where.count(d) for d in range(3)]
+    assert sum(counts) == 240 and max(counts) - min(counts) <= 2, counts  # a batch spreads evenly (whole pages)
+    s = st.stats()
+    assert [r["objects"] for r in s["drives"]] == counts and s["objects"] == 240
+    assert [r["state"] for r in s["drives"]] == ["healthy"] * 3
+    await st.close()
+    st = await PageStore.open(roots, small_config())
+    assert st.drive_of(keys) == where
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 240 and wrong == 0
+    more = _keys(30, "q")
+    assert await _put(st, more) == [True] * 60
+    assert st.drive_of(more) == st.preferred_drive(more)
+    await st.close()
+
+
+async def test_a_single_directory_store_opened_with_two_roots_serves_every_old_page(tmp_path):
+    old, new = _roots(tmp_path, 2)
+    cfg = small_config()
+    st = await PageStore.open(old, cfg)
+    keys = _keys(60)
+    assert await _put(st, keys) == [True] * 120
+    await st.close()
+    # the second drive brings its own share: the old drive keeps its capacity
+    two = small_config(ssd_capacity_bytes=2 * cfg.ssd_capacity_bytes)
+    st = await PageStore.open([old, new], two)
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 120 and wrong == 0
+    assert st.exists_many_nowait(keys) == [True] * 120 and st.exists_prefix_nowait(keys) == 120
+    assert set(st.drive_of(keys)) == {0}
+    assert await _put(st, keys) == [True] * 120  # a re-put dedups on the drive that has it
+    assert st.stats()["drives"][1]["objects"] == 0
+    fresh = _keys(60, "n")
+    assert await _put(st, fresh) == [True] * 120
+    assert 0 < st.stats()["drives"][1]["objects"] < 120  # new pages spread over both
+    await st.close()
+
+
+async def test_removing_a_root_drops_exactly_its_pages_and_says_how_many(tmp_path, caplog):
+    roots = _roots(tmp_path, 3)
+    st = await PageStore.open(roots, small_config())
+    keys = _keys(90)
+    assert await _put(st, keys) == [True] * 180
+    where = st.drive_of(keys)
+    await st.close()
+    lost = where.count(2)
+    assert lost > 0
+    caplog.set_level(logging.WARNING, "umbp_nvme.store")
+    st = await PageStore.open(roots[:2], small_config())
+    assert st.removed_drives == [{"root": os.path.abspath(roots[2]), "objects": lost}]
+    assert st.stats()["removed_drives"] == st.removed_drives
+    assert sum(f"its {lost} objects" in r.getMessage() for r in caplog.records) == 1
+    res, wrong = await _get(st, keys)
+    assert wrong == 0
+    assert res == [d != 2 for d in where]  # exactly the removed drive's pages are gone
+    await st.close()
+
+
+def _on(root: str):
+    """FaultRule predicate: ops on files under ``root``."""
+    root = os.path.realpath(root)
+
+    def pred(op, fd, offset, length) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").startswith(root + os.sep)
+        except OSError:
+            return False
+
+    return pred
+
+
+async def test_an_eio_drive_is_degraded_at_once_its_pages_miss_and_it_rejoins(tmp_path, caplog):
+    roots = _roots(tmp_path, 2)
+    plan = FaultPlan()
+    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(),
+                                    probe_interval_s=0.1)  # fmt: skip
+    keys = _keys(60)
+    assert await _put(st, keys) == [True] * 120
+    where = st.drive_of(keys)
+    bad = [k for k, d in zip(keys, where) if d == 1]
+    good = [k for k, d in zip(keys, where) if d == 0]
+    assert bad and good
+    caplog.set_level(logging.WARNING, "umbp_nvme.store")
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
+    res, wrong = await _get(st, keys)
+    assert wrong == 0 and res == [d == 0 for d in where]
+    row = st.stats()["drives"][1]
+    assert row["state"] == "degraded" and "io_errors_read" in row["reason"] and row["errors"] > 0
+    seen = plan.ops_seen
+    res, wrong = await _get(st, bad)  # later batches skip the drive: no I/O reaches it
+    assert res == [False] * len(bad) and wrong == 0 and plan.ops_seen == seen
+    assert st.exists_many_nowait(bad) == [False] * len(bad)
+    assert st.exists_many_nowait(good) == [True] * len(good)
+    fresh = _keys(40, "f")
+    assert await _put(st, fresh) == [True] * 80
+    assert set(st.drive_of(fresh)) == {0}  # new writes go to the healthy drive
+    await st.delete_many(bad[:2])  # owed by the degraded drive: applied before it serves again
+    degraded = [r for r in caplog.records if "degraded" in r.getMessage()]
+    assert len(degraded) == 1 and roots[1] in degraded[0].getMessage()
+    plan.clear()
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if st.stats()["drives"][1]["state"] == "healthy":
+            break
+    assert st.stats()["drives"][1]["state"] == "healthy"
+    res, wrong = await _get(st, bad)
+    assert wrong == 0 and res == [False, False] + [True] * (len(bad) - 2)  # surviving pages served again
+    res, wrong = await _get(st, fresh)
+    assert res == [True] * 80 and wrong == 0
+    await st.close()
+
+
+async def test_a_write_error_sends_later_puts_to_the_other_drive(tmp_path):
+    roots = _roots(tmp_path, 2)
+    plan = FaultPlan()
+    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(),
+                                    probe_interval_s=60)  # fmt: skip
+    plan.set_rules([FaultRule("errno", ops=("write",), errno=errno.EIO, predicate=_on(roots[1]))])
+    keys = _keys(40)
+    first = await _put(st, keys)
+    pref = st.preferred_drive(keys)
+    assert first == [d == 0 for d in pref]  # the failed drive's share failed, cleanly
+    assert st.stats()["drives"][1]["state"] == "degraded"
+    again = await _put(st, keys)
+    assert again == [True] * 80 and set(st.drive_of(keys)) == {0}
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 80 and wrong == 0
+    await st.close()
+
+
+async def test_a_root_that_cannot_open_is_a_degraded_drive_and_the_rest_open(tmp_path):
+    roots = _roots(tmp_path, 2)
+    st = await PageStore.open(roots, small_config())
+    keys = _keys(30)
+    assert await _put(st, keys) == [True] * 60
+    where = st.drive_of(keys)
+    await st.close()
+    os.chmod(os.path.dirname(roots[1]), 0o000)  # root ignores modes; an unreadable index is what fails
+    try:
+        with open(os.path.join(roots[1], "index.lmdb"), "r+b") as f:
+            f.write(b"\xff" * 64)  # damaged: the read-only opener refuses it
+        st = await PageStore.open(roots, small_config(), readonly=True)
+        row = st.stats()["drives"][1]
+        assert row["state"] == "degraded" and "open failed" in row["reason"]
+        res, wrong = await _get(st, keys)
+        assert wrong == 0 and res == [d == 0 for d in where]
+        await st.close()
+    finally:
+        os.chmod(os.path.dirname(roots[1]), 0o755)
+
+
+async def _until(pred, timeout_s: float) -> bool:
+    for _ in range(int(timeout_s / 0.05)):
+        if pred():
+            return True
+        await asyncio.sleep(0.05)
+    return pred()
+
+
+async def test_a_drive_whose_directory_disappears_is_degraded_and_rejoins_when_it_is_back(tmp_path, caplog):
+    roots = _roots(tmp_path, 2)
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
+    keys = _keys(30)
+    assert await _put(st, keys) == [True] * 60
+    where = st.drive_of(keys)
+    caplog.set_level(logging.WARNING, "umbp_nvme.store")
+    parked = roots[1] + ".away"
+    os.rename(roots[1], parked)  # as an unmount would: the directory is gone
+    try:
+        assert await _until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
+        assert "gone" in st.stats()["drives"][1]["reason"]
+        res, wrong = await _get(st, keys)
+        assert wrong == 0 and res == [d == 0 for d in where]
+        fresh = _keys(10, "g")
+        assert await _put(st, fresh) == [True] * 20 and set(st.drive_of(fresh)) == {0}
+    finally:
+        os.rename(parked, roots[1])
+    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 60 and wrong == 0
+    assert sum("degraded" in r.getMessage() for r in caplog.records) == 1
+    await st.close()
+
+
+async def test_a_full_drive_stops_taking_writes_but_keeps_serving_its_pages(tmp_path):
+    from conftest import mount_tmpfs
+
+    small = str(tmp_path / "small")
+    why = mount_tmpfs(small, "3m")
+    if why:
+        pytest.skip(why)
+    try:
+        roots = [os.path.join(small, "store"), str(tmp_path / "big" / "store")]
+        cfg = small_config(ssd_capacity_bytes=32 << 20, ssd_segment_size_bytes=1 << 20)
+        st = await MultiDriveStore.open(roots, cfg, probe_interval_s=60)
+        kept = []
+        for b in range(12):
+            ks = _keys(16, f"b{b}-")
+            res = await _put(st, ks)
+            kept += [k for k, ok in zip(ks, res) if ok]
+        row = st.stats()["drives"][0]
+        assert row["state"] == "degraded" and "full" in row["reason"]
+        assert st.stats()["drives"][1]["state"] == "healthy"
+        later = _keys(16, "late")
+        assert await _put(st, later) == [True] * 32 and set(st.drive_of(later)) == {1}
+        present = [k for k in kept if st.exists_many_nowait([k])[0]]
+        on_full = [k for k, d in zip(present, st.drive_of(present)) if d == 0]
+        assert on_full  # the full drive's pages are still found and read
+        res, wrong = await _get(st, present)
+        assert res == [True] * len(present) and wrong == 0
+        await st.close()
+    finally:
+        subprocess.run(["umount", "-l", small], capture_output=True)
+
+
+async def test_a_hung_drive_holds_only_the_batch_that_touched_it(tmp_path):
+    """A read that ignores cancellation on one drive (a hung device, without root): the batch
+    that touched it returns only after the read ends; later batches skip the drive at once."""
+    from support.faults import EngineHooks
+
+    roots = _roots(tmp_path, 2)
+    hooks = EngineHooks()
+    st = await MultiDriveStore.open(roots, small_config(io_timeout_s=0.3), engine_factory=hooks.engine_factory(),
+                                    probe_interval_s=0.05)  # fmt: skip
+    keys = _keys(40)
+    assert await _put(st, keys) == [True] * 80
+    where = st.drive_of(keys)
+    on1 = _on(roots[1])
+    release, held = asyncio.Event(), []
+
+    async def read(real, fds, *rest):
+        fd = int(np.asarray(fds).reshape(-1)[0])
+        if on1("read", fd, 0, 0):
+            held.append(fd)
+            while not release.is_set():  # the device does not let go before it is released
+                try:
+                    await asyncio.shield(release.wait())
+                except asyncio.CancelledError:
+                    continue
+        return await real(fds, *rest)
+
+    hooks.read = read
+    first = asyncio.ensure_future(_get(st, keys))
+    assert await _until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
+    assert "no completion within io_timeout_s" in st.stats()["drives"][1]["reason"]
+    await asyncio.sleep(0.2)
+    assert not first.done()  # still owned by the "kernel": the batch has not returned
+    n_held = len(held)
+    res, wrong = await asyncio.wait_for(_get(st, keys), 1.0)  # later batches do not wait for it
+    assert wrong == 0 and res == [d == 0 for d in where] and len(held) == n_held
+    release.set()
+    res, wrong = await asyncio.wait_for(first, 5)
+    assert wrong == 0 and all(res[i] for i, d in enumerate(where) if d == 0)
+    hooks.read = None
+    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 80 and wrong == 0
+    await st.close()
+
+
+def test_rendezvous_order_is_stable_and_spreads_first_choices():
+    from umbp_nvme.store.placement import drive_id, drive_order
+
+    salts = [drive_id(f"/mnt/nvme{i}/hicache") for i in range(4)]
+    assert salts == [drive_id(f"/mnt/nvme{i}/hicache") for i in range(4)]  # no per-process seed
+    firsts = [drive_order(f"{i:064x}", salts)[0] for i in range(4000)]
+    assert all(800 <= firsts.count(d) <= 1200 for d in range(4)), [firsts.count(d) for d in range(4)]
+    assert sorted(drive_order("abc", salts)) == [0, 1, 2, 3]
+
+
+async def test_the_rest_of_a_page_joins_the_drive_that_holds_part_of_it(tmp_path):
+    roots = _roots(tmp_path, 3)
+    st = await PageStore.open(roots, small_config())
+    ks = [f"pg{i:03d}_0_k" for i in range(30)]
+    assert await _put(st, ks) == [True] * 30  # only K of each page first
+    vs = [k[:-1] + "v" for k in ks]
+    assert await _put(st, vs + ks) == [True] * 60  # then V (and K again) in one batch
+    assert st.drive_of(vs) == st.drive_of(ks)
+    assert sum(r["objects"] for r in st.stats()["drives"]) == 60  # the re-put of K stored nothing twice
+    await st.close()
+
+
+async def test_a_drive_missing_at_open_joins_once_its_store_is_back(tmp_path):
+    roots = _roots(tmp_path, 2)
+    st = await PageStore.open(roots, small_config())
+    keys = _keys(30)
+    assert await _put(st, keys) == [True] * 60
+    where = st.drive_of(keys)
+    await st.close()
+    parked = str(tmp_path / "parked")
+    os.rename(os.path.dirname(roots[1]), parked)  # drive 1 not mounted: its directory is not there
+    st = await MultiDriveStore.open(roots, small_config(), readonly=True, probe_interval_s=0.05)
+    row = st.stats()["drives"][1]
+    assert row["state"] == "degraded" and "open failed" in row["reason"]
+    res, wrong = await _get(st, keys)
+    assert wrong == 0 and res == [d == 0 for d in where]
+    await asyncio.sleep(0.3)
+    assert not os.path.exists(roots[1])  # nothing is created where the drive should be
+    os.rename(parked, os.path.dirname(roots[1]))  # mounted again
+    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 60 and wrong == 0
+    await st.close()

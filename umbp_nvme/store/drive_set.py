@@ -1,0 +1,119 @@
+"""The drive set of a multi-drive store: each drive's capacity share, and which drives it had.
+
+Each root records the set it was last opened with (``DRIVES.json``: roots and object counts at
+close). A root that was in the recorded set and is not configured now was removed: its pages are
+gone from this store, and the open says so once, with the count recorded at the last close. The
+remaining drives open as usual (removing a drive never refuses the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from ..config import StoreConfig
+from .layout import read_manifest_or_none, recorded_capacity_bytes, segment_disk_bytes, write_json_atomic
+
+log = logging.getLogger("umbp_nvme.store")
+
+DRIVES_FILE = "DRIVES.json"
+
+
+def _free_bytes(root: str) -> int:
+    """Free bytes (for an unprivileged writer) on the file system that holds ``root``."""
+    p = os.path.abspath(root)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    vfs = os.statvfs(p)
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def drive_capacities(roots: list[str], config: StoreConfig, *, sized: bool) -> list[int]:
+    """``ssd_capacity_bytes`` split evenly over the drives, whole segments, at least one each.
+
+    ``sized`` (a writer that runs with the config's capacity): a share never exceeds what the
+    drive's file system can hold (free space plus this store's own segment files), except that a
+    drive keeps the capacity its store already records (lowering it would evict its pages).
+    """
+    seg = int(config.ssd_segment_size_bytes)
+    share = max(seg, int(config.ssd_capacity_bytes) // len(roots) // seg * seg)
+    if not sized:
+        return [share] * len(roots)
+    out = []
+    for r in roots:
+        try:
+            room = (_free_bytes(r) + segment_disk_bytes(r)) // seg * seg
+        except OSError:
+            room = share  # the open will report the drive
+        m = read_manifest_or_none(r) if os.path.isdir(r) else None
+        recorded = (recorded_capacity_bytes(m) or 0) if m else 0
+        cap = min(share, max(room, recorded, seg))
+        if cap < share:
+            log.warning("drive %s: capacity share %d B lowered to %d B (what its file system can hold)", r, share, cap)
+        out.append(cap)
+    return out
+
+
+def _read_set(root: str) -> dict:
+    try:
+        with open(os.path.join(root, DRIVES_FILE), encoding="utf-8") as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def note_drive_set(roots: list[str], stores: list, readonly: bool) -> list[dict]:
+    """Removed drives ({root, objects}) named by the recorded sets; a writer records the new set."""
+    now = set(roots)
+    removed: dict[str, int] = {}
+    for r in roots:
+        rec = _read_set(r)
+        counts = rec.get("objects") if isinstance(rec.get("objects"), dict) else {}
+        for old in rec.get("roots") or []:
+            if isinstance(old, str) and old not in now:
+                n = counts.get(old)
+                removed[old] = max(removed.get(old, 0), n if isinstance(n, int) else 0)
+    out = [{"root": r, "objects": n} for r, n in sorted(removed.items())]
+    for d in out:
+        log.warning("drive %s was in this store's drive set and is not configured now: its %d objects (as "
+                    "counted at the last close) are no longer served; the other drives serve theirs",
+                    d["root"], d["objects"])  # fmt: skip
+    if not readonly:
+        write_drive_set(roots, stores)
+    return out
+
+
+def write_drive_set(roots: list[str], stores: list, healthy=None, health=None) -> None:
+    """Record the set, each drive's object count and (``health``) state in every drive that is
+    open (and healthy): ``umbp-nvme stats`` shows the state a running writer last recorded."""
+    counts = {}
+    for r, st in zip(roots, stores):
+        if st is not None:
+            counts[r] = st._object_count()
+    rec = {"roots": list(roots), "objects": counts}
+    if health is not None:
+        rec["health"] = dict(zip(roots, health))
+    for i, (r, st) in enumerate(zip(roots, stores)):
+        if st is None or (healthy is not None and not healthy[i]):
+            continue
+        try:
+            write_json_atomic(os.path.join(r, DRIVES_FILE), rec)
+        except OSError as e:
+            log.warning("drive %s: could not record the drive set: %s", r, e)
+
+
+def recorded_health(root: str) -> dict | None:
+    """The state a writer last recorded for the drive at ``root``: the newest DRIVES.json among
+    the set's drives that names it (a degraded drive's own record is not updated)."""
+    own = _read_set(root)
+    best = None
+    for r in own.get("roots") or [root]:
+        h = (_read_set(r).get("health") or {}).get(os.path.abspath(root))
+        if isinstance(h, dict) and (best is None or h.get("at", 0) > best.get("at", 0)):
+            best = h
+    return best

@@ -1,0 +1,470 @@
+"""MultiDriveStore: one store over several drives, a failing drive costing only its own pages.
+
+Composition, not surgery: every root is a complete single-directory ``PageStore`` (lock,
+manifest, index, segments, rings, eviction, its share of the capacity), so each drive keeps the
+single-drive guarantees and the single-drive path pays nothing. This class routes by page hash
+(placement.py: all components of a page on one drive; each batch spread evenly, rendezvous
+order breaking ties; see _placed), splits a batch per
+drive and runs the parts concurrently (one submission per drive, each drive its own rings and
+queue depth), and keeps each drive's health (drive_health.py).
+
+Lookups check every readable drive, so a page put while its preferred drive was degraded, or a
+store that had fewer drives, is still found. A batch that touched a stalled drive returns only
+once that drive's PageStore call has ended (the trust rule: the kernel may still own the
+caller's memory until then); the drive is marked degraded when the call outlives io_timeout_s,
+so every later batch skips it without waiting. A background probe re-admits a degraded drive
+once no call of ours is in flight on it and one of its objects reads back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import time
+
+from ..config import StoreConfig
+from ..errors import (
+    CapacityShrinkError, NamespaceMismatchError, ReadOnlyStoreError, StoreError, StoreLockedError,
+    UnsafeStorePathError,
+)  # fmt: skip
+from . import placement
+from .drive_health import FULL, DriveHealth, reads_back, settle_deletes
+from .drive_set import drive_capacities, note_drive_set, write_drive_set
+from .layout import MANIFEST_FILE
+from .page_store import COUNTERS, PageStore
+
+log = logging.getLogger("umbp_nvme.store")
+
+PROBE_INTERVAL_S = 1.0  # how often degraded drives are probed and healthy ones checked for their directory
+_SUMMED = COUNTERS + (
+    "objects", "bytes_used", "capacity_bytes", "usable_bytes", "disk_bytes", "index_bytes", "segments",
+    "segments_free", "segment_files", "pinned_slots", "late_writes", "stalled_ops", "late_completions",
+    "effective_capacity_bytes",
+)  # fmt: skip
+
+
+# open errors that every drive would give (the configuration's, or another writer): they raise
+_CONFIG_ERRORS = (StoreLockedError, NamespaceMismatchError, CapacityShrinkError, ReadOnlyStoreError, UnsafeStorePathError)
+
+
+def _drive_failure(e: BaseException) -> bool:
+    """An open error that is this drive's (I/O, missing, damaged, LMDB), not the configuration's."""
+    return isinstance(e, (OSError, StoreError)) and not isinstance(e, _CONFIG_ERRORS)
+
+
+class MultiDriveStore:
+    """PageStore's calls over several roots. Create with ``await MultiDriveStore.open(roots, ...)``."""
+
+    _closed_logged = False
+
+    @classmethod
+    async def open(
+        cls, roots, config: StoreConfig | None = None, *, readonly: bool = False, namespace: dict | None = None,
+        capacity_from_manifest: bool = False, shrink: bool = False, engine_factory=None, page_of=None,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+    ) -> "MultiDriveStore":  # fmt: skip
+        """Open (a writer creates) one PageStore per root; see PageStore.open for the arguments.
+
+        A root that cannot be opened for a reason of its own (I/O error, missing, damaged) is a
+        degraded drive and the others open; a configuration error (namespace, lock, shrink)
+        raises. ``page_of(key) -> page hash`` (default placement.page_of) decides placement.
+        """
+        self = cls.__new__(cls)
+        config = config or StoreConfig()
+        self.roots = [os.path.abspath(r) for r in placement.parse_roots(roots)]
+        self.config, self.readonly, self._closed = config, readonly, False
+        self._page_of = page_of or placement.page_of
+        self._ids = [placement.drive_id(r) for r in self.roots]
+        self.health = [DriveHealth(i, r) for i, r in enumerate(self.roots)]
+        self.probe_interval_s = float(probe_interval_s)
+        self._unrouted_gets = 0
+        caps = drive_capacities(self.roots, config, sized=not (readonly or capacity_from_manifest))
+        self._open_kw = dict(readonly=readonly, namespace=namespace, capacity_from_manifest=capacity_from_manifest,
+                             shrink=shrink, engine_factory=engine_factory)  # fmt: skip
+        self._caps, self._ranges = caps, []
+        opened = await asyncio.gather(*(self._open_drive(i) for i in range(len(self.roots))), return_exceptions=True)
+        self.stores: list[PageStore | None] = []
+        fatal = next((e for e in opened if isinstance(e, BaseException) and not _drive_failure(e)), None)
+        if fatal is None and all(isinstance(e, BaseException) for e in opened):
+            fatal = opened[0]
+        if fatal is not None:
+            await asyncio.gather(*(s.close() for s in opened if isinstance(s, PageStore)), return_exceptions=True)
+            raise fatal
+        for i, s in enumerate(opened):
+            if isinstance(s, BaseException):
+                self.stores.append(None)
+                self.health[i].degrade("open", f"open failed: {s!r}")
+            else:
+                self.stores.append(s)
+        first = next(s for s in self.stores if s is not None)
+        self.timeout_s, self.segment_bytes, self.strict = first.timeout_s, first.segment_bytes, first.strict
+        self.manifest = first.manifest
+        self.path = ",".join(self.roots)
+        self.removed_drives = note_drive_set(self.roots, self.stores, readonly)
+        self._probe_pool = concurrent.futures.ThreadPoolExecutor(len(self.roots), thread_name_prefix="umbp-drive-probe")
+        self._thread_calls: dict[int, asyncio.Future] = {}  # drive -> its probe thread's call
+        self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+        return self
+
+    def _open_drive(self, i: int):
+        r = self.roots[i]
+        cfg = dataclasses.replace(self.config, ssd_storage_dir=r, ssd_capacity_bytes=self._caps[i])
+        return PageStore.open(r, cfg, **self._open_kw)
+
+    async def _reopen(self, d: int) -> None:
+        """A drive that could not open at first: opened again once its store is back (never created here:
+        an unmounted drive's empty mount point must not get a new store on the wrong file system)."""
+        try:
+            await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
+            st = await self._open_drive(d)
+        except Exception as e:  # noqa: BLE001 - still out; the next probe tries again
+            log.debug("drive %d still cannot open: %r", d, e)
+            return
+        if self._closed:
+            await st.close()
+            return
+        for a, n in self._ranges:
+            st.register_memory(a, n)
+        self.stores[d] = st
+        self.health[d].readmit()
+
+    # ----------------------------------------------------------------------------- routing
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(s.capacity_bytes for s in self.stores if s is not None)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _mask(self, want: str) -> list[bool]:
+        ok = "readable" if want == "read" else "writable"
+        mask = [s is not None and getattr(h, ok) for s, h in zip(self.stores, self.health)]
+        if want == "write" and not any(mask):  # every drive full: each keeps caching within its space
+            mask = [s is not None and h.kind == FULL for s, h in zip(self.stores, self.health)]
+        return mask
+
+    def _holders(self, keys, usable) -> list[int]:
+        """The drive holding each key among ``usable`` ones (-1: none). Index lookups are cheap."""
+        out = [-1] * len(keys)
+        rest = list(range(len(keys)))
+        for d, st in enumerate(self.stores):
+            if not rest:
+                break
+            if usable[d]:
+                found = st.exists_many_nowait([keys[j] for j in rest])
+                for j, f in zip(rest, found):
+                    if f:
+                        out[j] = d
+                rest = [j for j, f in zip(rest, found) if not f]
+        return out
+
+    def _pages(self, keys) -> list[str]:
+        out = []
+        for k in keys:
+            try:
+                out.append(self._page_of(k) if type(k) is str else "")
+            except Exception:  # noqa: BLE001 - a key the store refuses anyway
+                out.append("")
+        return out
+
+    def _placed(self, keys, usable, held=None) -> list[int]:
+        """The drive each object goes to (placement.spread: whole pages, each batch spread evenly)."""
+        return placement.spread(self._pages(keys), usable, self._ids, held)
+
+    def drive_of(self, keys) -> list[int]:
+        """Which drive holds each key (-1 when no readable drive has it); for tools and tests."""
+        return self._holders(keys, self._mask("read"))
+
+    def preferred_drive(self, keys) -> list[int]:
+        """Where a put of exactly these keys would place each with every drive healthy."""
+        return self._placed(keys, [True] * len(self.roots))
+
+    # ----------------------------------------------------------------------------- data calls
+
+    async def put_many(self, keys: list[str], buffers: list, *, depths: list[int] | None = None) -> list[bool]:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; put_many is not allowed")
+        n = len(keys)
+        if len(buffers) != n or (depths is not None and len(depths) != n):
+            raise ValueError(
+                f"put_many needs one buffer (and depth) per key: {n} keys, {len(buffers)} buffers, "
+                f"{'no' if depths is None else len(depths)} depths"
+            )
+        results = [False] * n
+        if self._closed:
+            self._closed_call("put_many")
+            return results
+        writable = self._mask("write")
+        if not any(writable):
+            return results
+        route = self._placed(keys, writable, self._holders(keys, writable))
+
+        def call(st, idx):
+            sub_depths = None if depths is None else [depths[j] for j in idx]
+            return st.put_many([keys[j] for j in idx], [buffers[j] for j in idx], depths=sub_depths)
+
+        await self._fan_out("put", route, results, call)
+        return results
+
+    async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
+        n = len(keys)
+        if len(buffers) != n:
+            raise ValueError(f"get_many needs one buffer per key: {n} keys, {len(buffers)} buffers")
+        results = [False] * n
+        if self._closed:
+            self._closed_call("get_many")
+            return results
+        route = self._holders(keys, self._mask("read"))
+        self._unrouted_gets += route.count(-1)  # misses no drive saw
+        await self._fan_out("get", route, results,
+                            lambda st, idx: st.get_many([keys[j] for j in idx], [buffers[j] for j in idx]))  # fmt: skip
+        return results
+
+    async def _fan_out(self, op: str, route: list[int], results: list, call) -> None:
+        """Run ``call(store, indexes)`` on every drive the batch touches, concurrently."""
+        groups: dict[int, list[int]] = {}
+        for j, d in enumerate(route):
+            if d >= 0:
+                groups.setdefault(d, []).append(j)
+        if len(groups) == 1:
+            (d, idx), = groups.items()
+            await self._on_drive(d, op, idx, results, call)
+        elif groups:
+            # return_exceptions: gather waits for every part (a stalled one holds caller memory)
+            await asyncio.gather(*(self._on_drive(d, op, idx, results, call) for d, idx in groups.items()),
+                                 return_exceptions=True)  # fmt: skip
+
+    async def _on_drive(self, d: int, op: str, idx: list[int], results: list, call) -> None:
+        st, h = self.stores[d], self.health[d]
+        before = dict(st._counters)
+        full_before = st._space_limit_segments is not None
+        h.begin(op)
+        timer = asyncio.get_running_loop().call_later(
+            st.timeout_s, h.degrade, "stall", f"{op} of {len(idx)} objects had no completion within "
+            f"io_timeout_s={st.timeout_s:g} s",
+        )  # fmt: skip
+        try:
+            out = await call(st, idx)
+        except Exception as e:  # noqa: BLE001 - PageStore answers False itself; this is a safety net
+            log.error("drive %d (%s): %s raised %r", d, self.roots[d], op, e)
+            out = [False] * len(idx)
+        finally:
+            timer.cancel()
+            h.end(op)
+        if op == "put" and not full_before and st._space_limit_segments is not None:
+            h.degrade(FULL, "its file system is full (ENOSPC)")  # its failed writes were the fullness
+        else:
+            h.check_counters(before, st._counters, op)
+        for j, ok in zip(idx, out):
+            results[j] = bool(ok)
+
+    def exists_many_nowait(self, keys: list[str]) -> list[bool]:
+        if self._closed:
+            self._closed_call("exists_many")
+            return [False] * len(keys)
+        return [d >= 0 for d in self._holders(keys, self._mask("read"))]
+
+    def exists_prefix_nowait(self, keys: list[str]) -> int:
+        found = self.exists_many_nowait(keys)
+        return found.index(False) if False in found else len(found)
+
+    async def exists_many(self, keys: list[str]) -> list[bool]:
+        return self.exists_many_nowait(keys)
+
+    async def exists_prefix(self, keys: list[str]) -> int:
+        return self.exists_prefix_nowait(keys)
+
+    async def delete_many(self, keys: list[str]) -> list[bool]:
+        """Delete on every drive; a degraded drive owes the delete and applies it before it rejoins."""
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; delete_many is not allowed")
+        results = [False] * len(keys)
+        if self._closed:
+            self._closed_call("delete_many")
+            return results
+        live = []
+        for d, (st, h) in enumerate(zip(self.stores, self.health)):
+            if st is None:
+                continue
+            if h.healthy:
+                live.append(st)
+            else:
+                h.deletes_owed.update(k for k, f in zip(keys, st.exists_many_nowait(keys)) if f)
+        for out in await asyncio.gather(*(st.delete_many(keys) for st in live)):
+            results = [a or bool(b) for a, b in zip(results, out)]
+        return results
+
+    async def clear(self) -> None:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; clear is not allowed")
+        if self._closed:
+            self._closed_call("clear")
+            return
+        live = []
+        for st, h in zip(self.stores, self.health):
+            if st is not None and h.healthy:
+                live.append(st.clear())
+            elif st is not None:
+                h.deletes_owed.update(st.keys())
+        await asyncio.gather(*live)
+
+    async def flush(self) -> bool:
+        """fdatasync every healthy drive (a degraded drive's pages are not served)."""
+        if self._closed:
+            self._closed_call("flush")
+            return False
+        if self.readonly:
+            return True
+        live = [st.flush() for st, h in zip(self.stores, self.health) if st is not None and h.healthy]
+        return all(await asyncio.gather(*live))
+
+    # ----------------------------------------------------------------------------- management
+
+    def register_memory(self, address: int, nbytes: int) -> bool:
+        self._ranges.append((address, nbytes))  # also for a drive that opens later
+        fixed = False
+        for st in self.stores:
+            if st is not None:
+                fixed = st.register_memory(address, nbytes) or fixed
+        return fixed
+
+    def registered_memory(self) -> list[tuple[int, int]]:
+        return next(s for s in self.stores if s is not None).registered_memory()
+
+    def keys(self) -> list[str]:
+        """Writers: every published key on every drive that has its store open (a snapshot)."""
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; keys() needs the writer's rows")
+        out: dict[str, None] = {}
+        for st in self.stores:
+            if st is not None:
+                out.update(dict.fromkeys(st.keys()))
+        return list(out)
+
+    def locate(self, keys) -> list:
+        """Writers: (drive, Extent) per key on the drive that holds it; None when absent."""
+        holders = self.drive_of(keys)
+        out = []
+        for k, d in zip(keys, holders):
+            out.append(None if d < 0 else (d, self.stores[d].locate([k])[0]))
+        return out
+
+    def stats(self) -> dict:
+        """The drives' counters summed, the first drive's settings, and one row per drive."""
+        per = [st.stats() if st is not None else {} for st in self.stores]
+        out = merged_stats(per, self._unrouted_gets)
+        out.update(
+            path=self.path, drives=[dict(h.row(s), drive=d, path=self.roots[d]) for d, (s, h) in
+                                    enumerate(zip(per, self.health))],
+            drives_total=len(per), drives_degraded=sum(1 for h in self.health if not h.healthy),
+            removed_drives=self.removed_drives,
+        )  # fmt: skip
+        return out
+
+    # ----------------------------------------------------------------------------- health probes
+
+    async def _probe_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.probe_interval_s)
+            if any(h.changed for h in self.health) and not self.readonly:
+                for h in self.health:
+                    h.changed = False
+                self._record_set()
+            now = time.monotonic()
+            for d, h in enumerate(self.health):
+                if not h.probing and not self._closed and now >= h.probe_after:
+                    h.probing = True
+                    asyncio.get_running_loop().create_task(self._probe(d))
+
+    def _record_set(self) -> None:
+        """DRIVES.json on the healthy drives, written off the loop (it fsyncs)."""
+        healthy = [h.healthy for h in self.health]
+        health = [h.record() for h in self.health]
+        self._probe_pool.submit(write_drive_set, self.roots, self.stores, healthy, health)
+
+    async def _in_thread(self, d: int, fn, *args):
+        """``fn(*args)`` on a probe thread, bounded by io_timeout_s. A call that hung is given up on
+        but keeps its thread: no second one for that drive until it ends (threads stay free)."""
+        prev = self._thread_calls.get(d)
+        if prev is not None and not prev.done():
+            raise asyncio.TimeoutError
+        fut = self._thread_calls[d] = asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args)
+        return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+
+    async def _probe(self, d: int) -> None:
+        h, st = self.health[d], self.stores[d]
+        try:
+            if st is None:
+                await self._reopen(d)
+                return
+            if h.pending:  # a call of ours is still in flight there (stalled): not yet
+                return
+            try:
+                await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
+            except FileNotFoundError:
+                h.degrade("gone", f"its directory {self.roots[d]} is gone (no {MANIFEST_FILE})")
+                return
+            except (OSError, asyncio.TimeoutError):
+                return
+            if h.healthy:
+                return
+            if h.kind == FULL:
+                vfs = await self._in_thread(d, os.statvfs, self.roots[d])
+                if vfs.f_bavail * vfs.f_frsize >= self.segment_bytes:
+                    h.readmit()
+                return
+            if await reads_back(st, h) and await settle_deletes(st, h):
+                h.readmit()
+        except Exception as e:  # noqa: BLE001 - a probe never takes the store down
+            log.debug("drive %d probe failed: %r", d, e)
+        finally:
+            h.probing = False
+
+    # ----------------------------------------------------------------------------- close
+
+    def _closed_call(self, op: str) -> None:
+        if not self._closed_logged:
+            self._closed_logged = True
+            log.warning("%s: %s after close(); every call now answers False / 0 (logged once)", self.path, op)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._probe_task.cancel()
+        if not self.readonly:
+            write_drive_set(self.roots, self.stores, [h.healthy for h in self.health], [h.record() for h in self.health])
+        await asyncio.gather(*(st.close() for st in self.stores if st is not None), return_exceptions=True)
+        self._probe_pool.shutdown(wait=False)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+def merged_stats(per: list[dict], unrouted_gets: int) -> dict:
+    """Counters and sizes summed over the drives; settings (path, engine, ...) from the first open one."""
+    out = {k: v for k, v in next(s for s in per if s).items() if k not in _SUMMED}
+    for k in _SUMMED:
+        vals = [s[k] for s in per if isinstance(s.get(k), (int, float))]
+        if vals:
+            out[k] = sum(vals)
+    out["gets"] = out.get("gets", 0) + unrouted_gets  # keys no drive had: misses nobody counted
+    out["misses"] = out.get("misses", 0) + unrouted_gets
+    return out
+
+
+async def open_store(path, config: StoreConfig | None = None, **kw):
+    """A PageStore for one root, a MultiDriveStore for several (see placement.parse_roots)."""
+    page_of = kw.pop("page_of", None)
+    roots = placement.parse_roots(path)
+    if len(roots) == 1:
+        return await PageStore.open(roots[0], config, **kw)
+    return await MultiDriveStore.open(roots, config, page_of=page_of, **kw)
