@@ -10,7 +10,7 @@ from support import sglang_env as E
 
 ns = E.require_sglang()
 
-from test_sglang_backend import get_all, hit_pages, set_all  # noqa: E402
+from test_backend_on_real_wheel import get_all, hit_pages, set_all  # noqa: E402
 
 
 def _roots(tmp_path, n=2) -> list[str]:
