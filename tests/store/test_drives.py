@@ -169,6 +169,8 @@ async def test_an_eio_drive_is_degraded_at_once_its_pages_miss_and_it_rejoins(tm
     assert await _put(st, fresh) == [True] * 80
     assert set(st.drive_of(fresh)) == {0}  # new writes go to the healthy drive
     await st.delete_many(bad[:2])  # owed by the degraded drive: applied before it serves again
+    k_new = bad[2]  # a new version written while its old copy sits on the degraded drive
+    assert await st.put_many([k_new], [payload(k_new + "v2", OBJ)]) == [True]
     degraded = [r for r in caplog.records if "degraded" in r.getMessage()]
     assert len(degraded) == 1 and roots[1] in degraded[0].getMessage()
     plan.clear()
@@ -177,8 +179,11 @@ async def test_an_eio_drive_is_degraded_at_once_its_pages_miss_and_it_rejoins(tm
         if st.stats()["drives"][1]["state"] == "healthy":
             break
     assert st.stats()["drives"][1]["state"] == "healthy"
-    res, wrong = await _get(st, bad)
-    assert wrong == 0 and res == [False, False] + [True] * (len(bad) - 2)  # surviving pages served again
+    rest = bad[:2] + bad[3:]
+    res, wrong = await _get(st, rest)
+    assert wrong == 0 and res == [False, False] + [True] * (len(rest) - 2)  # surviving pages served again
+    out = np.zeros(OBJ, np.uint8)  # the new version, never the copy the drive held before
+    assert await st.get_many([k_new], [out]) == [True] and np.array_equal(out, payload(k_new + "v2", OBJ))
     res, wrong = await _get(st, fresh)
     assert res == [True] * 80 and wrong == 0
     await st.close()
@@ -282,6 +287,15 @@ async def test_a_full_drive_stops_taking_writes_but_keeps_serving_its_pages(tmp_
         assert on_full  # the full drive's pages are still found and read
         res, wrong = await _get(st, present)
         assert res == [True] * len(present) and wrong == 0
+        # A new version of a page the full drive holds goes elsewhere; the old copy must not be served.
+        k_new, k_del = on_full[0], on_full[-1]
+        assert k_new != k_del
+        assert await st.put_many([k_new], [payload(k_new + "v2", OBJ)]) == [True]
+        out = np.zeros(OBJ, np.uint8)
+        assert await st.get_many([k_new], [out]) == [True] and np.array_equal(out, payload(k_new + "v2", OBJ))
+        assert st.drive_of([k_new]) == [1]
+        assert await st.delete_many([k_del]) == [True]
+        assert st.exists_many_nowait([k_del]) == [False] and (await _get(st, [k_del]))[0] == [False]
         await st.close()
     finally:
         subprocess.run(["umount", "-l", small], capture_output=True)

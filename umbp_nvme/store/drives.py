@@ -203,6 +203,9 @@ class MultiDriveStore:
         if not any(writable):
             return results
         route = self._placed(keys, writable, self._holders(keys, writable))
+        # An older copy on a drive that takes no writes would be served again (full drive) or after
+        # it rejoins (degraded): it goes before the new copy is written elsewhere.
+        await self._drop_elsewhere(keys, writable)
 
         def call(st, idx):
             sub_depths = None if depths is None else [depths[j] for j in idx]
@@ -287,17 +290,29 @@ class MultiDriveStore:
         if self._closed:
             self._closed_call("delete_many")
             return results
-        live = []
-        for d, (st, h) in enumerate(zip(self.stores, self.health)):
-            if st is None:
-                continue
-            if h.healthy:
-                live.append(st)
-            else:
-                h.deletes_owed.update(k for k, f in zip(keys, st.exists_many_nowait(keys)) if f)
+        live = [st for st, h in zip(self.stores, self.health) if st is not None and h.healthy]
+        dropped = await self._drop_elsewhere(keys, [st is not None and h.healthy for st, h in zip(self.stores, self.health)])
+        results = [k in dropped for k in keys]
         for out in await asyncio.gather(*(st.delete_many(keys) for st in live)):
             results = [a or bool(b) for a, b in zip(results, out)]
         return results
+
+    async def _drop_elsewhere(self, keys: list[str], skip: list[bool]) -> set[str]:
+        """Delete ``keys`` on every drive not in ``skip``: at once where the drive still serves reads
+        (full), else owed until it rejoins (degraded drives are probed before they serve again).
+        Returns the keys deleted at once."""
+        dropped: set[str] = set()
+        for st, h, sk in zip(self.stores, self.health, skip):
+            if st is None or sk:
+                continue
+            held = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
+            if not held:
+                continue
+            if h.readable:
+                dropped.update(k for k, ok in zip(held, await st.delete_many(held)) if ok)
+            else:
+                h.deletes_owed.update(held)
+        return dropped
 
     async def clear(self) -> None:
         if self.readonly:
