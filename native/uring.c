@@ -140,6 +140,8 @@ typedef struct {
     /* registered files: index -> facts at registration time */
     unsigned nfiles;
     FdInfo *files;
+    /* I/O priority stamped on every read / write SQE (0 = the task's own, the kernel default) */
+    uint16_t read_ioprio, write_ioprio;
 } RingObject;
 
 static int ring_acquire(RingObject *self) {
@@ -593,6 +595,7 @@ static void fill_sqe(RingObject *self, SubmitArgs *a, FdCache *cache, Py_ssize_t
     sqe->off = (uint64_t)a->offs[i];
     sqe->addr = a->addrs[i];
     sqe->len = (uint32_t)a->lens[i];
+    sqe->ioprio = write ? self->write_ioprio : self->read_ioprio;
     /* Page-cache copies run inline in io_uring_enter on the submitting core; large ones are
      * pushed to io-wq workers when the caller asks (the threshold is Python's policy). */
     if (a->async_min_bytes && (uint64_t)a->lens[i] >= a->async_min_bytes && !op_fd_info(self, cache, fd, fl)->direct)
@@ -1292,8 +1295,28 @@ static PyObject *Ring_get_int(RingObject *self, void *which) {
     case 9: return PyBool_FromLong(self->closed);
     case 10: return PyBool_FromLong(self->leaked);
     case 11: return PyLong_FromUnsignedLong(self->nfiles);
+    case 12: return PyLong_FromUnsignedLong(self->read_ioprio);
+    case 13: return PyLong_FromUnsignedLong(self->write_ioprio);
     }
     Py_RETURN_NONE;
+}
+
+/* read_ioprio / write_ioprio: IOPRIO_PRIO_VALUE(class, level) for later read / write SQEs. The
+ * kernel checks it per op (EPERM for RT without the capability, EINVAL for a bad class). */
+static int Ring_set_ioprio(RingObject *self, PyObject *value, void *which) {
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "ioprio cannot be deleted");
+        return -1;
+    }
+    long v = PyLong_AsLong(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < 0 || v > 0xFFFF) {
+        PyErr_Format(PyExc_ValueError, "ioprio must be in [0, 65535] (IOPRIO_PRIO_VALUE(class, level)), got %ld", v);
+        return -1;
+    }
+    if ((intptr_t)which == 12) self->read_ioprio = (uint16_t)v;
+    else self->write_ioprio = (uint16_t)v;
+    return 0;
 }
 
 static PyGetSetDef Ring_getset[] = {
@@ -1309,6 +1332,8 @@ static PyGetSetDef Ring_getset[] = {
     {"closed", (getter)Ring_get_int, NULL, NULL, (void *)9},
     {"leaked", (getter)Ring_get_int, NULL, "closed with ops still owned by the kernel", (void *)10},
     {"nfiles", (getter)Ring_get_int, NULL, "registered file slots", (void *)11},
+    {"read_ioprio", (getter)Ring_get_int, (setter)Ring_set_ioprio, "ioprio of read SQEs (0 = task default)", (void *)12},
+    {"write_ioprio", (getter)Ring_get_int, (setter)Ring_set_ioprio, "ioprio of write SQEs (0 = task default)", (void *)13},
     {NULL}};
 
 static PyMethodDef Ring_methods[] = {

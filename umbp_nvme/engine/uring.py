@@ -46,6 +46,8 @@ from .base import (
     EngineUnavailable,
     IoBatch,
 )
+from .arbiter import Arbiter, write_sliced
+from .priority import IoPriorities
 from .uring_buffers import FixedBuffers
 
 log = logging.getLogger(__name__)
@@ -165,6 +167,7 @@ class UringEngine:
         self._closed = False
         self._fixed = FixedBuffers()  # registered ranges, for READ_FIXED/WRITE_FIXED
         self._fixed_on = False  # == self._fixed.on, read by every submit
+        self._arbiter: Arbiter | None = None  # reads first: shared with the store's other engine
         self.capabilities = Capabilities(
             name="io_uring", native_async=True, fixed_buffers=False, thread_safe=False, queue_depth=self._depth
         )
@@ -188,10 +191,28 @@ class UringEngine:
     # ------------------------------------------------------------------ IoEngine
 
     async def read_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await self._run(self._u.OP_READ, fds, offsets, addrs, lengths)
+        arb = self._arbiter
+        if arb is None:
+            return await self._run(self._u.OP_READ, fds, offsets, addrs, lengths)
+        arb.read_started()
+        try:
+            return await self._run(self._u.OP_READ, fds, offsets, addrs, lengths)
+        finally:
+            arb.read_done()
 
     async def write_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await self._run(self._u.OP_WRITE, fds, offsets, addrs, lengths)
+        if self._arbiter is None:
+            return await self._run(self._u.OP_WRITE, fds, offsets, addrs, lengths)
+        return await write_sliced(self._write_piece, self._arbiter, fds, offsets, addrs, lengths)
+
+    def _write_piece(self, fds, offsets, addrs, lengths):
+        return self._run(self._u.OP_WRITE, fds, offsets, addrs, lengths)
+
+    def set_io_policy(self, priorities: IoPriorities, arbiter: Arbiter | None) -> None:
+        """ioprio stamped on later read / write SQEs; the arbiter that slices writes and times reads."""
+        self._ring.read_ioprio = priorities.read
+        self._ring.write_ioprio = priorities.write
+        self._arbiter = arbiter
 
     async def sync(self, fd: int, *, datasync: bool = True) -> None:
         self._check_open()
