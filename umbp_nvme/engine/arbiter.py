@@ -77,7 +77,7 @@ class Arbiter:
     def _may_go(self, nbytes: int, since: float, now: float) -> bool:
         if self._wbytes and self._wbytes + nbytes > self._limit:
             return False
-        return not (self.hold_reads and self._reads and now - since < self.hold_max_s)
+        return not (self.hold_reads and self._reads and self._wbytes and now - since < self.hold_max_s)
 
     async def acquire(self, nbytes: int) -> None:
         now = time.monotonic()
@@ -186,9 +186,10 @@ async def write_sliced(run, arbiter: Arbiter | None, fds, offsets, addrs, length
         for s, e in slice_bounds(b.lengths, arbiter.slice_bytes):
             tasks.append(asyncio.ensure_future(one(s, e)))  # FIFO in the arbiter keeps their order
         await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
+    except BaseException as exc:
+        if not isinstance(exc, asyncio.CancelledError):  # a cancel already reached every slice via gather
+            for t in tasks:
+                t.cancel()
         while not all(t.done() for t in tasks):  # the kernel may still read the caller's memory
             try:
                 await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))

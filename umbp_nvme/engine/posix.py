@@ -29,7 +29,7 @@ import numpy as np
 
 from .arbiter import Arbiter, write_sliced
 from .base import RESULT_DTYPE, Capabilities, EngineClosed, IoBatch
-from .priority import IoPriorities, set_thread_ioprio
+from .priority import IoPriorities, get_thread_ioprio, set_thread_ioprio
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +234,12 @@ class PosixEngine:
         if pending:
             log.debug("posix engine closed with %d batch(es) pending", len(pending))
 
+    def worker_ioprio(self) -> dict[str, list[int]]:
+        """{"read": [...], "write": [...]}: each started worker's ioprio as the kernel reports it."""
+        with self._lock:
+            pools = {p.name: list(p.tids) for p in (self._reads, self._writes)}
+        return {name: [get_thread_ioprio(t) for t in tids] for name, tids in pools.items()}
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -289,7 +295,10 @@ class PosixEngine:
             name = f"umbp-posix-{pool.name}-{len(pool.threads)}"
             t = threading.Thread(target=self._worker, args=(pool,), name=name, daemon=True)
             pool.threads.append(t)
-            t.start()
+            t.start()  # returns once the thread runs: native_id is known
+            pool.tids.append(t.native_id)
+            if pool.ioprio:
+                set_thread_ioprio(pool.ioprio, t.native_id)
 
     def _finish_locked(self, job) -> None:
         """Resolve a job whose ops are all done or abandoned. Caller holds self._lock."""
@@ -317,10 +326,6 @@ class PosixEngine:
     def _worker(self, pool: _Pool) -> None:
         get = pool.jobs.get
         lock = self._lock
-        with lock:  # set_io_policy applies to the tids listed so far, and later ones here
-            pool.tids.append(threading.get_native_id())
-            if pool.ioprio:
-                set_thread_ioprio(pool.ioprio)
         while True:
             item = get()
             if item is _STOP:

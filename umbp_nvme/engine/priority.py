@@ -30,6 +30,7 @@ IOPRIO_CLASS_RT, IOPRIO_CLASS_BE, IOPRIO_CLASS_IDLE = 1, 2, 3
 IOPRIO_WHO_PROCESS = 1  # with a thread id: that thread only
 _CLASS_NAMES = {0: "none", IOPRIO_CLASS_RT: "rt", IOPRIO_CLASS_BE: "be", IOPRIO_CLASS_IDLE: "idle"}
 _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}.get(platform.machine())
+_SYS_IOPRIO_GET = {"x86_64": 252, "aarch64": 31, "arm64": 31}.get(platform.machine())
 
 
 
@@ -137,6 +138,15 @@ def set_thread_ioprio(value: int, tid: int | None = None) -> int:
     if libc.syscall(_SYS_IOPRIO_SET, IOPRIO_WHO_PROCESS, who, int(value)) != 0:
         return ctypes.get_errno() or errno.EPERM
     return 0
+
+
+def get_thread_ioprio(tid: int | None = None) -> int:
+    """ioprio_get(IOPRIO_WHO_PROCESS, tid): the thread's ioprio value, or -errno."""
+    if _SYS_IOPRIO_GET is None:
+        return -errno.ENOSYS
+    who = threading.get_native_id() if tid is None else int(tid)
+    r = _libc().syscall(_SYS_IOPRIO_GET, IOPRIO_WHO_PROCESS, who)
+    return int(r) if r >= 0 else -(ctypes.get_errno() or errno.EINVAL)
 
 
 def schedulers() -> dict[str, str]:
