@@ -18,7 +18,8 @@ batches, no ioprio). For each object size, in one run:
 ``--fio`` adds the device's own anchor (fio, io_uring, O_DIRECT): a 4 MiB randread job at QD 1
 alone, then beside a 4 MiB write job at QD 32, without and with ``prioclass=1`` on the reader.
 Rows: bench "mixed", system ("umbp_on" | "umbp_off" | "fio"), op, object_bytes, gets, pattern,
-p50_ms/p90_ms/p99_ms, vs_idle_p50/p99, put_gbps, put_vs_solo.
+p50_ms/p90_ms/p99_ms, vs_idle_p50/p99, put_gbps, put_vs_solo, loop_p99_ms (p99 of a no-op hop onto
+the store's loop thread during the phase: what other work on the loop could add to a get).
 """
 
 from __future__ import annotations
@@ -128,6 +129,36 @@ class PutStream:
         return (bb - ba) / (tb - ta) / 1e9 if tb > ta else float("nan")
 
 
+class LoopProbe:
+    """Times a no-op hop onto the store's loop every 5 ms: how long a get's completion handling
+    could be kept waiting by other work on the loop (a put's CRC, index commit, ring submits)."""
+
+    def __init__(self, store: SyncPageStore):
+        self.loop = store._loop  # the SyncPageStore's private loop: a benchmark probe, not an API
+        self.lat: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="bench-loop-probe", daemon=True)
+
+    def _run(self) -> None:
+        import asyncio
+
+        async def nop():
+            return None
+
+        while not self.stop.wait(0.005):
+            t0 = time.perf_counter()
+            asyncio.run_coroutine_threadsafe(nop(), self.loop).result()
+            self.lat.append((time.perf_counter() - t0) * 1e3)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
 def run_gets(store, keys: list[str], dst: AlignedBuffer, size: int, nget: int, calls: int,
              interval_s: float, rng: random.Random) -> list[float]:  # fmt: skip
     """Latency (ms) of ``calls`` get_many calls; every byte checked against the key's pattern."""
@@ -209,17 +240,23 @@ def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
             rows.append({"bench": "mixed", "system": system, "op": "put_solo", "object_bytes": size,
                          "put_gbps": round(solo, 3)})  # fmt: skip
             for nget in cfg.gets:
-                b2b = run_gets(store, keys, dst, size, nget, cfg.calls, 0.0, rng)
+                with LoopProbe(store) as probe_b2b:
+                    b2b = run_gets(store, keys, dst, size, nget, cfg.calls, 0.0, rng)
                 interval = SPACING_X * statistics.median(b2b) / 1e3
-                idle = {"b2b": b2b, "spaced": run_gets(store, keys, dst, size, nget, cfg.calls, interval, rng)}
+                with LoopProbe(store) as probe_spaced:
+                    spaced = run_gets(store, keys, dst, size, nget, cfg.calls, interval, rng)
+                idle = {"b2b": (b2b, probe_b2b), "spaced": (spaced, probe_spaced)}
                 for pattern in ("b2b", "spaced"):
-                    lat = idle[pattern]
-                    rows.append(row(system, "get_idle", size, nget, pattern, lat))
+                    lat, probe = idle[pattern]
+                    rows.append(row(system, "get_idle", size, nget, pattern, lat,
+                                    loop_p99_ms=round(pct(probe.lat, 99), 2)))  # fmt: skip
                     ps = PutStream(store, size, src, f"{knob}-{size}-{nget}-{pattern}")
                     ps.start()
                     time.sleep(0.3 if cfg.smoke else 1.0)  # the stream reaches its steady rate
                     t0 = time.perf_counter()
-                    loaded = run_gets(store, keys, dst, size, nget, cfg.calls, interval if pattern == "spaced" else 0.0, rng)
+                    with LoopProbe(store) as probe:
+                        loaded = run_gets(store, keys, dst, size, nget, cfg.calls,
+                                          interval if pattern == "spaced" else 0.0, rng)  # fmt: skip
                     t1 = time.perf_counter()
                     ps.finish()
                     if ps.failed:
@@ -231,6 +268,7 @@ def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
                         vs_idle_p99=round(pct(loaded, 99) / pct(lat, 99), 2),
                         put_gbps=round(gb, 3), put_vs_solo=round(gb / solo, 2) if solo == solo and solo else None,
                         interval_ms=round(interval * 1e3, 1) if pattern == "spaced" else 0.0,
+                        loop_p99_ms=round(pct(probe.lat, 99), 2),
                     ))  # fmt: skip
     finally:
         store.close()
@@ -280,7 +318,7 @@ def fio_anchor(directory: str, quick: bool, notes: list[str]) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     cols = ("system", "op", "object_bytes", "gets", "pattern", "p50_ms", "p90_ms", "p99_ms", "vs_idle_p50",
-            "vs_idle_p99", "put_gbps", "put_vs_solo")  # fmt: skip
+            "vs_idle_p99", "put_gbps", "put_vs_solo", "loop_p99_ms")  # fmt: skip
     print(" ".join(f"{c:>12}" for c in cols))
     for r in rows:
         print(" ".join(f"{'' if r.get(c) is None else r.get(c):>12}" for c in cols))
