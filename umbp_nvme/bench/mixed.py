@@ -5,15 +5,18 @@
 
 One ``SyncPageStore`` (strict durability, io_uring) per knob setting (``--knobs on,off``: "on" =
 the defaults, ``ssd_read_priority=on`` and ``ssd_write_slice_bytes`` sliced; "off" = whole
-batches, no ioprio). For each object size, in one run:
+batches, no ioprio). For each object size and objects per get call (G), in one run, a cell per
+pattern ("b2b": get calls back to back; "spaced": one call every 4x the idle b2b p50, so gets use
+about a quarter of the read bandwidth), each cell ``--rounds`` rounds of:
 
-  put_solo      the put stream alone: 48-object ``put_many`` batches back to back in a thread
-                (each batch's keys deleted two batches later, so the store never fills) -> GB/s
-  get idle      ``get_many`` of G random objects of a prefilled read set (cold: O_DIRECT),
-                back to back ("b2b") and spaced ("spaced": one call every 4x the b2b p50, so
-                gets use about a quarter of the read bandwidth) -> latency p50/p90/p99
-  get loaded    the same gets while the put stream runs; the put stream's GB/s over the same
-                window (``put_gbps``) and its ratio to put_solo
+  put stream    48-object ``put_many`` batches back to back in a thread (each batch's keys deleted
+                two batches later, so the store never fills); its GB/s alone (``put_solo_gbps``)
+  get loaded    ``get_many`` of G random objects of a prefilled read set (cold: O_DIRECT) beside
+                the stream; the stream's GB/s over the same window (``put_gbps``)
+  get idle      the same gets with the stream stopped
+
+Ratios (``vs_idle_p50``/``_p99``, ``put_vs_solo``) are taken within each round and their median
+over rounds reported, so drift of a shared disk hits both sides alike; latencies are pooled.
 
 ``--fio`` adds the device's own anchor (fio, io_uring, O_DIRECT): a 4 MiB randread job at QD 1
 alone, then beside a 4 MiB write job at QD 32, without and with ``prioclass=1`` on the reader.
@@ -53,7 +56,8 @@ def parse_args(argv):
     p.add_argument("--sizes", default="1M,4M", help="object sizes, comma-separated (default 1M,4M)")
     p.add_argument("--gets", default="4,8", help="objects per get call, comma-separated (default 4,8)")
     p.add_argument("--knobs", default="on,off", help="knob settings to compare: on, off (default both)")
-    p.add_argument("--calls", type=int, default=0, help="get calls per phase (default 60, --quick 30)")
+    p.add_argument("--calls", type=int, default=0, help="get calls per block (default 30, --quick 20)")
+    p.add_argument("--rounds", type=int, default=0, help="rounds per cell (default 5, --quick 3)")
     p.add_argument("--read-set", type=int, default=64, help="objects prefilled per size for the gets")
     p.add_argument("--slice", default=None, help="ssd_write_slice_bytes for 'on' (default: the config default)")
     p.add_argument("--fio", action="store_true", help="also run the fio anchor (needs fio)")
@@ -65,7 +69,9 @@ def parse_args(argv):
     cfg.knobs = [k for k in cfg.knobs.split(",") if k]
     if any(k not in ("on", "off") for k in cfg.knobs):
         p.error(f"--knobs takes on and/or off, got {cfg.knobs}")
-    cfg.calls = cfg.calls or (4 if cfg.smoke else 30 if cfg.quick else 60)
+    cfg.calls = cfg.calls or (4 if cfg.smoke else 20 if cfg.quick else 30)
+    cfg.rounds = cfg.rounds or (1 if cfg.smoke else 3 if cfg.quick else 5)
+    cfg.warm_s, cfg.solo_s = (0.2, 0.3) if cfg.smoke else (0.5, 1.5)
     if cfg.smoke:
         cfg.sizes, cfg.gets, cfg.read_set = [256 << 10], [4], 16
     cfg.slice = parse_bytes(cfg.slice) if cfg.slice else StoreConfig.ssd_write_slice_bytes
@@ -183,17 +189,6 @@ def run_gets(store, keys: list[str], dst: AlignedBuffer, size: int, nget: int, c
     return lat
 
 
-def solo_put(store, size: int, src: AlignedBuffer, seconds: float, tag: str) -> float:
-    ps = PutStream(store, size, src, tag)
-    ps.start()
-    time.sleep(0.5)  # first batches warm the allocator
-    t0 = time.perf_counter()
-    time.sleep(seconds)
-    t1 = time.perf_counter()
-    ps.finish()
-    return ps.gbps(t0, t1)
-
-
 def prefill(store, size: int, n: int, src: AlignedBuffer) -> list[str]:
     keys = [f"read-{size}-{j}" for j in range(n)]
     for s in range(0, n, PUT_BATCH):
@@ -219,6 +214,47 @@ def row(system, op, size, nget, pattern, lat, **extra) -> dict:
     return r
 
 
+def cell(cfg, store, keys, dst, src, size: int, nget: int, pattern: str, interval: float, tag: str,
+         notes: list[str]) -> dict:  # fmt: skip
+    """``cfg.rounds`` rounds of [put stream alone, gets beside it, gets alone]: ratios are taken
+    round by round (drift of the shared disk hits both sides of each) and their median kept."""
+    idle, loaded, loop_idle, loop_loaded, ratios = [], [], [], [], {"p50": [], "p99": [], "put": []}
+    solo_all, put_all = [], []
+    rng = random.Random(hash((size, nget, pattern)) & 0xFFFF)
+    gap = interval if pattern == "spaced" else 0.0
+    for r in range(cfg.rounds):
+        ps = PutStream(store, size, src, f"{tag}-{r}")
+        ps.start()
+        time.sleep(cfg.warm_s)  # the stream reaches its steady rate
+        t0 = time.perf_counter()
+        time.sleep(cfg.solo_s)
+        t1 = time.perf_counter()
+        with LoopProbe(store) as probe:
+            lat_l = run_gets(store, keys, dst, size, nget, cfg.calls, gap, rng)
+        t2 = time.perf_counter()
+        ps.finish()
+        if ps.failed:
+            notes.append(f"{tag}: {ps.failed} puts of the stream failed")
+        solo, gb = ps.gbps(t0, t1), ps.gbps(t1, t2)
+        with LoopProbe(store) as probe_idle:
+            lat_i = run_gets(store, keys, dst, size, nget, cfg.calls, gap, rng)
+        idle += lat_i
+        loaded += lat_l
+        loop_idle += probe_idle.lat
+        loop_loaded += probe.lat
+        solo_all.append(solo)
+        put_all.append(gb)
+        ratios["p50"].append(pct(lat_l, 50) / pct(lat_i, 50))
+        ratios["p99"].append(pct(lat_l, 99) / pct(lat_i, 99))
+        ratios["put"].append(gb / solo if solo > 0 else float("nan"))
+    med = lambda v: round(float(np.nanmedian(v)), 2)  # noqa: E731
+    return {
+        "idle": idle, "loaded": loaded, "loop_idle": loop_idle, "loop_loaded": loop_loaded,
+        "vs_idle_p50": med(ratios["p50"]), "vs_idle_p99": med(ratios["p99"]), "put_vs_solo": med(ratios["put"]),
+        "put_solo_gbps": round(float(np.nanmedian(solo_all)), 3), "put_gbps": round(float(np.nanmedian(put_all)), 3),
+    }  # fmt: skip
+
+
 def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
     path = os.path.join(directory, f"store-{knob}")
     shutil.rmtree(path, ignore_errors=True)
@@ -230,45 +266,25 @@ def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
     dst = AlignedBuffer(max(cfg.gets) * biggest)
     src.array[:] = 0xA5
     store = SyncPageStore(path, store_config(path, knob, cfg.slice, capacity))
-    rng = random.Random(13)
     system = f"umbp_{knob}"
-    solo_s = 0.5 if cfg.smoke else 3.0
     try:
         for size in cfg.sizes:
             keys = prefill(store, size, cfg.read_set, src)
-            solo = solo_put(store, size, src, solo_s, f"{knob}-{size}-solo")
-            rows.append({"bench": "mixed", "system": system, "op": "put_solo", "object_bytes": size,
-                         "put_gbps": round(solo, 3)})  # fmt: skip
             for nget in cfg.gets:
-                with LoopProbe(store) as probe_b2b:
-                    b2b = run_gets(store, keys, dst, size, nget, cfg.calls, 0.0, rng)
-                interval = SPACING_X * statistics.median(b2b) / 1e3
-                with LoopProbe(store) as probe_spaced:
-                    spaced = run_gets(store, keys, dst, size, nget, cfg.calls, interval, rng)
-                idle = {"b2b": (b2b, probe_b2b), "spaced": (spaced, probe_spaced)}
+                # spacing from this size's idle back-to-back latency (one untimed calibration block)
+                calib = run_gets(store, keys, dst, size, nget, cfg.calls, 0.0, random.Random(1))
+                interval = SPACING_X * statistics.median(calib) / 1e3
                 for pattern in ("b2b", "spaced"):
-                    lat, probe = idle[pattern]
-                    rows.append(row(system, "get_idle", size, nget, pattern, lat,
-                                    loop_p99_ms=round(pct(probe.lat, 99), 2)))  # fmt: skip
-                    ps = PutStream(store, size, src, f"{knob}-{size}-{nget}-{pattern}")
-                    ps.start()
-                    time.sleep(0.3 if cfg.smoke else 1.0)  # the stream reaches its steady rate
-                    t0 = time.perf_counter()
-                    with LoopProbe(store) as probe:
-                        loaded = run_gets(store, keys, dst, size, nget, cfg.calls,
-                                          interval if pattern == "spaced" else 0.0, rng)  # fmt: skip
-                    t1 = time.perf_counter()
-                    ps.finish()
-                    if ps.failed:
-                        notes.append(f"{system} {size}: {ps.failed} puts of the stream failed")
-                    gb = ps.gbps(t0, t1)
+                    c = cell(cfg, store, keys, dst, src, size, nget, pattern, interval, f"{knob}-{size}-{nget}-{pattern}",
+                             notes)  # fmt: skip
+                    rows.append(row(system, "get_idle", size, nget, pattern, c["idle"],
+                                    loop_p99_ms=round(pct(c["loop_idle"], 99), 2)))  # fmt: skip
                     rows.append(row(
-                        system, "get_loaded", size, nget, pattern, loaded,
-                        vs_idle_p50=round(pct(loaded, 50) / pct(lat, 50), 2),
-                        vs_idle_p99=round(pct(loaded, 99) / pct(lat, 99), 2),
-                        put_gbps=round(gb, 3), put_vs_solo=round(gb / solo, 2) if solo == solo and solo else None,
+                        system, "get_loaded", size, nget, pattern, c["loaded"],
+                        vs_idle_p50=c["vs_idle_p50"], vs_idle_p99=c["vs_idle_p99"], put_gbps=c["put_gbps"],
+                        put_solo_gbps=c["put_solo_gbps"], put_vs_solo=c["put_vs_solo"],
                         interval_ms=round(interval * 1e3, 1) if pattern == "spaced" else 0.0,
-                        loop_p99_ms=round(pct(probe.lat, 99), 2),
+                        loop_p99_ms=round(pct(c["loop_loaded"], 99), 2),
                     ))  # fmt: skip
     finally:
         store.close()
@@ -318,7 +334,7 @@ def fio_anchor(directory: str, quick: bool, notes: list[str]) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     cols = ("system", "op", "object_bytes", "gets", "pattern", "p50_ms", "p90_ms", "p99_ms", "vs_idle_p50",
-            "vs_idle_p99", "put_gbps", "put_vs_solo", "loop_p99_ms")  # fmt: skip
+            "vs_idle_p99", "put_solo_gbps", "put_gbps", "put_vs_solo", "loop_p99_ms")  # fmt: skip
     print(" ".join(f"{c:>12}" for c in cols))
     for r in rows:
         print(" ".join(f"{'' if r.get(c) is None else r.get(c):>12}" for c in cols))
