@@ -28,7 +28,6 @@
 #define MAX_OP_BYTES (1ULL << 30)
 #define MAX_RING_ENTRIES 32768U
 #define MAX_FIXED_BUFFERS 16384 /* the kernel's IORING_MAX_REG_BUFFERS */
-#define MAX_FIXED_FILES 65536
 #define DEFAULT_DIO_ALIGN 4096U
 #define CRC_GIL_RELEASE_BYTES 8192
 #define FD_CACHE_SLOTS 16
@@ -36,7 +35,7 @@
 
 enum { OP_READ = 0, OP_WRITE = 1, OP_FSYNC = 2, OP_FDATASYNC = 3 };
 #define USER_FLAGS_ALLOWED \
-    (UMBP_SQE_FIXED_FILE | UMBP_SQE_IO_DRAIN | UMBP_SQE_IO_LINK | UMBP_SQE_IO_HARDLINK | UMBP_SQE_ASYNC)
+    (UMBP_SQE_IO_DRAIN | UMBP_SQE_IO_LINK | UMBP_SQE_IO_HARDLINK | UMBP_SQE_ASYNC)
 
 /* ------------------------------------------------------------------ syscalls */
 
@@ -137,9 +136,6 @@ typedef struct {
     unsigned nbufs;
     uint64_t *buf_addr, *buf_len;
     int bufs_sorted; /* ascending, non-overlapping: auto_fixed may binary-search */
-    /* registered files: index -> facts at registration time */
-    unsigned nfiles;
-    FdInfo *files;
     /* I/O priority stamped on every read / write SQE (0 = the task's own, the kernel default) */
     uint16_t read_ioprio, write_ioprio;
 } RingObject;
@@ -359,12 +355,6 @@ static void ring_forget_buffers(RingObject *self) {
     self->nbufs = 0;
 }
 
-static void ring_forget_files(RingObject *self) {
-    free(self->files);
-    self->files = NULL;
-    self->nfiles = 0;
-}
-
 static void ring_teardown(RingObject *self, double timeout_s) {
     if (self->closed) return;
     self->closed = 1;
@@ -381,7 +371,6 @@ static void ring_teardown(RingObject *self, double timeout_s) {
     self->event_fd = -1;
     self->ring_fd = -1;
     ring_forget_buffers(self);
-    ring_forget_files(self);
 }
 
 static PyObject *Ring_close(RingObject *self, PyObject *args, PyObject *kwds) {
@@ -498,10 +487,6 @@ static int find_fixed(RingObject *self, uint64_t addr, uint64_t len) {
     return -1;
 }
 
-static const FdInfo *op_fd_info(RingObject *self, FdCache *cache, int fd, uint8_t fl) {
-    if (fl & UMBP_SQE_FIXED_FILE) return &self->files[fd];
-    return fd_lookup(cache, fd);
-}
 
 /* Every argument check, before any SQE is written. Returns 0 or -1 with a->msg set. */
 static int validate_ops(RingObject *self, SubmitArgs *a, FdCache *cache) {
@@ -510,16 +495,10 @@ static int validate_ops(RingObject *self, SubmitArgs *a, FdCache *cache) {
         int fd = OP_FD(a, i);
         uint8_t fl = a->flags ? a->flags[i] : 0;
         if (fl & ~USER_FLAGS_ALLOWED) {
-            snprintf(a->msg, sizeof a->msg, "op %zd: flags 0x%x has bits outside F_FIXED_FILE|F_DRAIN|F_LINK|F_HARDLINK|F_ASYNC", i, fl);
+            snprintf(a->msg, sizeof a->msg, "op %zd: flags 0x%x has bits outside F_DRAIN|F_LINK|F_HARDLINK|F_ASYNC", i, fl);
             return -1;
         }
-        if (fl & UMBP_SQE_FIXED_FILE) {
-            if (fd < 0 || (unsigned)fd >= self->nfiles || self->files[fd].fd < 0) {
-                snprintf(a->msg, sizeof a->msg, "op %zd: F_FIXED_FILE index %d is not a registered file (%u registered)", i, fd,
-                         self->nfiles);
-                return -1;
-            }
-        } else if (fd < 0) {
+        if (fd < 0) {
             snprintf(a->msg, sizeof a->msg, "op %zd: fd must be >= 0, got %d", i, fd);
             return -1;
         }
@@ -563,7 +542,7 @@ static int validate_ops(RingObject *self, SubmitArgs *a, FdCache *cache) {
                      (unsigned long long)self->buf_len[b]);
             return -1;
         }
-        const FdInfo *fi = op_fd_info(self, cache, fd, fl);
+        const FdInfo *fi = fd_lookup(cache, fd);
         if (fi->direct && ((addr % fi->mem_align) || ((uint64_t)off % fi->off_align) || ((uint64_t)len % fi->off_align))) {
             snprintf(a->msg, sizeof a->msg,
                      "op %zd: fd %d is O_DIRECT and needs the buffer address aligned to %u bytes and the offset and "
@@ -598,7 +577,7 @@ static void fill_sqe(RingObject *self, SubmitArgs *a, FdCache *cache, Py_ssize_t
     sqe->ioprio = write ? self->write_ioprio : self->read_ioprio;
     /* Page-cache copies run inline in io_uring_enter on the submitting core; large ones are
      * pushed to io-wq workers when the caller asks (the threshold is Python's policy). */
-    if (a->async_min_bytes && (uint64_t)a->lens[i] >= a->async_min_bytes && !op_fd_info(self, cache, fd, fl)->direct)
+    if (a->async_min_bytes && (uint64_t)a->lens[i] >= a->async_min_bytes && !fd_lookup(cache, fd)->direct)
         fl |= UMBP_SQE_ASYNC;
     sqe->flags = fl;
 }
@@ -1126,7 +1105,7 @@ static PyObject *Ring_wait(RingObject *self, PyObject *args, PyObject *kwds) {
     return PyLong_FromUnsignedLong(load_acquire(self->cq_tail) - *self->cq_head);
 }
 
-/* register_buffers / register_files: `obj` as a fast sequence of 1..max_n items (count in *n),
+/* register_buffers: `obj` as a fast sequence of 1..max_n items (count in *n),
    or NULL with TypeError(type_err) or ValueError("<fn> takes 1..<max_n> <unit>, got <n>"). */
 static PyObject *registration_seq(PyObject *obj, const char *type_err, const char *fn, const char *unit, int max_n,
                                   Py_ssize_t *n) {
@@ -1209,7 +1188,7 @@ fail:
     return NULL;
 }
 
-/* Shared body of unregister_buffers / unregister_files: unregister what *count says is
+/* unregister_buffers: unregister what *count says is
    registered, forget the table, and report a failure other than "nothing registered". */
 static PyObject *ring_unregister(RingObject *self, unsigned opcode, const unsigned *count,
                                  void (*forget)(RingObject *)) {
@@ -1233,54 +1212,6 @@ static PyObject *Ring_unregister_buffers(RingObject *self, PyObject *unused) {
     return ring_unregister(self, UMBP_UNREGISTER_BUFFERS, &self->nbufs, ring_forget_buffers);
 }
 
-static PyObject *Ring_register_files(RingObject *self, PyObject *fds_obj) {
-    Py_ssize_t n;
-    PyObject *seq = registration_seq(fds_obj, "fds must be a sequence of ints", "register_files", "fds", MAX_FIXED_FILES, &n);
-    if (!seq) return NULL;
-    int32_t *arr = calloc((size_t)n, sizeof *arr);
-    FdInfo *info = calloc((size_t)n, sizeof *info);
-    if (!arr || !info) {
-        free(arr), free(info);
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) goto fail;
-        if (v < -1 || v > INT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "fd %zd: %ld is not a file descriptor (-1 leaves the slot empty)", i, v);
-            goto fail;
-        }
-        arr[i] = (int32_t)v;
-    }
-    Py_DECREF(seq);
-    seq = NULL;
-    Py_BEGIN_ALLOW_THREADS /* fcntl/statx per fd */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (arr[i] >= 0) query_fd(arr[i], &info[i]);
-        else info[i].fd = -1;
-    }
-    Py_END_ALLOW_THREADS
-    if (ring_acquire(self) < 0) goto fail;
-    if (ring_reregister(self, UMBP_UNREGISTER_FILES, UMBP_REGISTER_FILES, arr, (unsigned)n, self->nfiles,
-                        ring_forget_files) < 0)
-        goto fail;
-    self->files = info;
-    self->nfiles = (unsigned)n;
-    ring_release(self);
-    free(arr);
-    Py_RETURN_NONE;
-fail:
-    Py_XDECREF(seq);
-    free(arr);
-    free(info);
-    return NULL;
-}
-
-static PyObject *Ring_unregister_files(RingObject *self, PyObject *unused) {
-    return ring_unregister(self, UMBP_UNREGISTER_FILES, &self->nfiles, ring_forget_files);
-}
-
 static PyObject *Ring_get_int(RingObject *self, void *which) {
     switch ((intptr_t)which) {
     case 0: return PyLong_FromUnsignedLong(self->sq_entries);
@@ -1294,7 +1225,6 @@ static PyObject *Ring_get_int(RingObject *self, void *which) {
     case 8: return PyLong_FromLong(self->ring_fd);
     case 9: return PyBool_FromLong(self->closed);
     case 10: return PyBool_FromLong(self->leaked);
-    case 11: return PyLong_FromUnsignedLong(self->nfiles);
     case 12: return PyLong_FromUnsignedLong(self->read_ioprio);
     case 13: return PyLong_FromUnsignedLong(self->write_ioprio);
     }
@@ -1331,7 +1261,6 @@ static PyGetSetDef Ring_getset[] = {
     {"fd", (getter)Ring_get_int, NULL, "the io_uring file descriptor", (void *)8},
     {"closed", (getter)Ring_get_int, NULL, NULL, (void *)9},
     {"leaked", (getter)Ring_get_int, NULL, "closed with ops still owned by the kernel", (void *)10},
-    {"nfiles", (getter)Ring_get_int, NULL, "registered file slots", (void *)11},
     {"read_ioprio", (getter)Ring_get_int, (setter)Ring_set_ioprio, "ioprio of read SQEs (0 = task default)", (void *)12},
     {"write_ioprio", (getter)Ring_get_int, (setter)Ring_set_ioprio, "ioprio of write SQEs (0 = task default)", (void *)13},
     {NULL}};
@@ -1351,8 +1280,6 @@ static PyMethodDef Ring_methods[] = {
      "wait(min_complete=1, timeout_s=None) -> CQEs ready (GIL released)"},
     {"register_buffers", (PyCFunction)Ring_register_buffers, METH_O, "register_buffers([(addr, nbytes), ...])"},
     {"unregister_buffers", (PyCFunction)Ring_unregister_buffers, METH_NOARGS, NULL},
-    {"register_files", (PyCFunction)Ring_register_files, METH_O, "register_files([fd, ...]); use with F_FIXED_FILE"},
-    {"unregister_files", (PyCFunction)Ring_unregister_files, METH_NOARGS, NULL},
     {"close", (PyCFunction)(void (*)(void))Ring_close, METH_VARARGS | METH_KEYWORDS,
      "close(timeout_s=5.0) -> True, or False when ops outlived the timeout and the ring was leaked"},
     {NULL}};
@@ -1578,7 +1505,6 @@ PyMODINIT_FUNC PyInit__uring(void) {
     PyModule_AddIntConstant(m, "OP_WRITE", OP_WRITE);
     PyModule_AddIntConstant(m, "OP_FSYNC", OP_FSYNC);
     PyModule_AddIntConstant(m, "OP_FDATASYNC", OP_FDATASYNC);
-    PyModule_AddIntConstant(m, "F_FIXED_FILE", UMBP_SQE_FIXED_FILE);
     PyModule_AddIntConstant(m, "F_DRAIN", UMBP_SQE_IO_DRAIN);
     PyModule_AddIntConstant(m, "F_LINK", UMBP_SQE_IO_LINK);
     PyModule_AddIntConstant(m, "F_HARDLINK", UMBP_SQE_IO_HARDLINK);

@@ -334,19 +334,14 @@ def test_submit_queues_no_more_than_the_ring_holds(tmp_path):
     os.close(fd)
 
 
-def test_register_files_and_fixed_file_ops(ring, tmp_path):
-    path = tmp_path / "f"
-    path.write_bytes(b"hello world")
-    fd = os.open(path, os.O_RDONLY)
-    ring.register_files([-1, fd])
-    assert ring.nfiles == 2
+def test_fixed_files_are_not_offered(ring, tmp_path):
+    """register_files/F_FIXED_FILE were dropped (nothing used them, issue 11): the flag bit is refused."""
+    assert not hasattr(ring, "register_files") and not hasattr(_uring, "F_FIXED_FILE")
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
     buf = np.zeros(11, dtype=np.uint8)
-    _submit(ring, _uring.OP_READ, 1, [0], [buf.ctypes.data], [11], flags=[_uring.F_FIXED_FILE])
-    assert _reap_all(ring, 1) == {0: 11}
-    assert buf.tobytes() == b"hello world"
-    with pytest.raises(ValueError, match="F_FIXED_FILE index 0 is not a registered file"):
-        _submit(ring, _uring.OP_READ, 0, [0], [buf.ctypes.data], [11], flags=[_uring.F_FIXED_FILE])
-    ring.unregister_files()
+    with pytest.raises(ValueError, match=r"op 0: flags 0x1 has bits outside F_DRAIN\|F_LINK"):
+        _submit(ring, _uring.OP_READ, fd, [0], [buf.ctypes.data], [11], flags=[1])
+    assert ring.inflight == 0
     os.close(fd)
 
 
