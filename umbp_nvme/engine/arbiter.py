@@ -7,8 +7,9 @@ read and write engines share one ``Arbiter`` (one event loop, no locks):
 * a write batch goes to the device in slices of about ``slice_bytes``; at most ``WINDOW_SLICES``
   slices are in flight (the next one is queued while the current one runs, so the device never
   idles between slices), across every write batch of the store;
-* while a read batch is in flight, the next write slice is held until the reads finish, or until
-  it has waited ``HOLD_MAX_S`` (a stream of back-to-back reads still lets the backup move).
+* while a read batch is in flight, the next write slice is held as long as another write slice
+  is still at the device, or until it has waited ``HOLD_MAX_S``: reads compete with at most one
+  slice, and a stream of back-to-back reads still lets the backup move one slice at a time.
 
 A read therefore waits behind at most the write slices already at the device.
 """
