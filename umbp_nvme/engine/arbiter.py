@@ -138,6 +138,17 @@ class Arbiter:
         self._wake()
 
 
+async def timed_read(arbiter: Arbiter | None, read):
+    """Await ``read`` (a read batch's awaitable) with the arbiter told a read is in flight."""
+    if arbiter is None:
+        return await read
+    arbiter.read_started()
+    try:
+        return await read
+    finally:
+        arbiter.read_done()
+
+
 def slice_bounds(lengths: np.ndarray, slice_bytes: int) -> list[tuple[int, int]]:
     """Consecutive op ranges of about ``slice_bytes`` each (an op is never split; >= 1 op each)."""
     n = len(lengths)

@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from .arbiter import Arbiter, write_sliced
+from .arbiter import Arbiter, timed_read, write_sliced
 from .base import RESULT_DTYPE, Capabilities, EngineClosed, IoBatch
 from .priority import IoPriorities, get_thread_ioprio, set_thread_ioprio
 
@@ -177,14 +177,7 @@ class PosixEngine:
 
     async def read_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
         batch = IoBatch.of(fds, offsets, addrs, lengths)
-        arb = self._arbiter
-        if arb is None:
-            return await self._submit(_read_full, batch, self._reads)
-        arb.read_started()
-        try:
-            return await self._submit(_read_full, batch, self._reads)
-        finally:
-            arb.read_done()
+        return await timed_read(self._arbiter, self._submit(_read_full, batch, self._reads))
 
     async def write_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
         return await write_sliced(self._write_piece, self._arbiter, fds, offsets, addrs, lengths)

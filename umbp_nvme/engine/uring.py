@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 from collections import deque
+from functools import partial
 
 import numpy as np
 
@@ -46,7 +47,7 @@ from .base import (
     EngineUnavailable,
     IoBatch,
 )
-from .arbiter import Arbiter, write_sliced
+from .arbiter import Arbiter, timed_read, write_sliced
 from .priority import IoPriorities
 from .uring_buffers import FixedBuffers
 
@@ -139,6 +140,16 @@ class _Batch:
             return None
         return (np.uint64(self.slot) << np.uint64(_SLOT_SHIFT)) | running.astype(np.uint64)
 
+    def cancel_running(self, ring) -> None:
+        """Best-effort IORING_OP_ASYNC_CANCEL for the submitted ops not yet complete."""
+        ud = self.running_user_data()
+        if ud is None:
+            return
+        try:
+            ring.cancel(ud)
+        except Exception as e:  # noqa: BLE001 - cancelling is an optimisation; the wait is what matters
+            log.debug("io_uring: cancel of %d ops failed: %s", len(ud), e)
+
     def may_continue(self, i: int, done: int) -> bool:
         """A remainder that starts unaligned on an O_DIRECT file would be refused: stop there."""
         try:
@@ -191,22 +202,11 @@ class UringEngine:
     # ------------------------------------------------------------------ IoEngine
 
     async def read_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        arb = self._arbiter
-        if arb is None:
-            return await self._run(self._u.OP_READ, fds, offsets, addrs, lengths)
-        arb.read_started()
-        try:
-            return await self._run(self._u.OP_READ, fds, offsets, addrs, lengths)
-        finally:
-            arb.read_done()
+        return await timed_read(self._arbiter, self._run(self._u.OP_READ, fds, offsets, addrs, lengths))
 
     async def write_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        if self._arbiter is None:
-            return await self._run(self._u.OP_WRITE, fds, offsets, addrs, lengths)
-        return await write_sliced(self._write_piece, self._arbiter, fds, offsets, addrs, lengths)
-
-    def _write_piece(self, fds, offsets, addrs, lengths):
-        return self._run(self._u.OP_WRITE, fds, offsets, addrs, lengths)
+        # through the arbiter's window in slices (reads first); whole when there is none
+        return await write_sliced(partial(self._run, self._u.OP_WRITE), self._arbiter, fds, offsets, addrs, lengths)
 
     def set_io_policy(self, priorities: IoPriorities, arbiter: Arbiter | None) -> None:
         """ioprio stamped on later read / write SQEs; the arbiter that slices writes and times reads."""
@@ -352,7 +352,7 @@ class UringEngine:
         free = self._depth - self._ring.inflight
         if self._queue or self._retry or b.n > free:
             if validate:  # the whole batch is refused up front, before any of it is queued
-                self._ring.check(b.op, b.fds, b.offs, b.addrs, b.lens, self._fixed_index(b.addrs, b.lens))
+                self._ring.check(b.op, b.fds, b.offs, b.addrs, b.lens, self._fixed.index(b.addrs, b.lens))
             self._batches[b.slot] = b
             self._queue.append(b)
             self._pump()
@@ -390,22 +390,12 @@ class UringEngine:
             self._finish(b)
             return
         b.drained = self._loop.create_future()
-        self._cancel_running(b)
+        b.cancel_running(self._ring)
         while not b.drained.done():
             try:
                 await asyncio.shield(b.drained)
             except asyncio.CancelledError:
                 continue  # cancelled again: still may not return while the kernel holds the memory
-
-    def _cancel_running(self, b: _Batch) -> None:
-        """Best-effort IORING_OP_ASYNC_CANCEL for the submitted ops of ``b`` not yet complete."""
-        ud = b.running_user_data()
-        if ud is None:
-            return
-        try:
-            self._ring.cancel(ud)
-        except Exception as e:  # noqa: BLE001 - cancelling is an optimisation; the wait is what matters
-            log.debug("io_uring: cancel of %d ops failed: %s", len(ud), e)
 
     def _drop_unsubmitted(self, b: _Batch) -> None:
         if b.next < b.n:
@@ -422,8 +412,7 @@ class UringEngine:
 
     # ------------------------------------------------------------------ submission
 
-    def _fixed_index(self, addrs: np.ndarray, lens: np.ndarray):
-        """int16 registered-buffer index per op (-1 = plain op), or None with none registered."""
+    def _fixed_index(self, addrs, lens):  # int16 registered-buffer index per op (-1 = plain op), or None
         return self._fixed.index(addrs, lens)
 
     def _pump(self) -> None:
