@@ -28,9 +28,7 @@
 #define MAX_OP_BYTES (1ULL << 30)
 #define MAX_RING_ENTRIES 32768U
 #define MAX_FIXED_BUFFERS 16384 /* the kernel's IORING_MAX_REG_BUFFERS */
-#define DEFAULT_DIO_ALIGN 4096U
 #define CRC_GIL_RELEASE_BYTES 8192
-#define FD_CACHE_SLOTS 16
 #define CANCEL_USER_DATA UINT64_MAX /* the cancel-all op's own CQE; never an engine op */
 
 enum { OP_READ = 0, OP_WRITE = 1, OP_FSYNC = 2, OP_FDATASYNC = 3 };
@@ -62,55 +60,6 @@ static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-/* ------------------------------------------------------------------ fd facts */
-
-typedef struct {
-    int fd;
-    int direct;         /* opened with O_DIRECT */
-    uint32_t mem_align; /* DIO buffer address alignment */
-    uint32_t off_align; /* DIO file offset and length alignment */
-} FdInfo;
-
-/* A closed fd is not an argument error: the kernel reports -EBADF for that op alone. */
-static void query_fd(int fd, FdInfo *info) {
-    info->fd = fd;
-    info->direct = 0;
-    info->mem_align = info->off_align = 1;
-    int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || !(fl & O_DIRECT)) return;
-    info->direct = 1;
-    info->mem_align = info->off_align = DEFAULT_DIO_ALIGN;
-#ifdef SYS_statx
-    /* struct statx: stx_mask at 0, stx_dio_mem_align at 152, stx_dio_offset_align at 156 */
-    unsigned char stx[256];
-    memset(stx, 0, sizeof stx);
-    if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, 0x00002000U /* STATX_DIOALIGN */, stx) == 0) {
-        uint32_t mask, mem, off;
-        memcpy(&mask, stx, 4);
-        memcpy(&mem, stx + 152, 4);
-        memcpy(&off, stx + 156, 4);
-        if ((mask & 0x00002000U) && mem && off) {
-            info->mem_align = mem;
-            info->off_align = off;
-        }
-    }
-#endif
-}
-
-typedef struct {
-    FdInfo slot[FD_CACHE_SLOTS];
-    int used, next, last;
-} FdCache;
-
-static const FdInfo *fd_lookup(FdCache *c, int fd) {
-    if (c->used && c->slot[c->last].fd == fd) return &c->slot[c->last];
-    for (int i = 0; i < c->used; i++)
-        if (c->slot[i].fd == fd) return &c->slot[c->last = i];
-    int i = c->used < FD_CACHE_SLOTS ? c->used++ : (c->next++ % FD_CACHE_SLOTS);
-    query_fd(fd, &c->slot[i]);
-    return &c->slot[c->last = i];
 }
 
 /* ------------------------------------------------------------------ Ring */
@@ -457,6 +406,8 @@ typedef struct {
     const uint8_t *flags;
     int auto_fixed; /* bidx NULL and auto_fixed: the registered buffer holding the op, if any */
     uint64_t async_min_bytes;
+    /* O_DIRECT alignment the caller knows for every op's file (engine/files.py); 0/1 = no check */
+    uint32_t mem_align, off_align;
     int enter;
     /* results */
     Py_ssize_t queued;
@@ -489,7 +440,7 @@ static int find_fixed(RingObject *self, uint64_t addr, uint64_t len) {
 
 
 /* Every argument check, before any SQE is written. Returns 0 or -1 with a->msg set. */
-static int validate_ops(RingObject *self, SubmitArgs *a, FdCache *cache) {
+static int validate_ops(RingObject *self, SubmitArgs *a) {
     int rw = a->opcode == OP_READ || a->opcode == OP_WRITE;
     for (Py_ssize_t i = 0; i < a->n; i++) {
         int fd = OP_FD(a, i);
@@ -542,20 +493,20 @@ static int validate_ops(RingObject *self, SubmitArgs *a, FdCache *cache) {
                      (unsigned long long)self->buf_len[b]);
             return -1;
         }
-        const FdInfo *fi = fd_lookup(cache, fd);
-        if (fi->direct && ((addr % fi->mem_align) || ((uint64_t)off % fi->off_align) || ((uint64_t)len % fi->off_align))) {
+        uint32_t ma = a->mem_align > 1 ? a->mem_align : 1, oa = a->off_align > 1 ? a->off_align : 1;
+        if ((addr % ma) || ((uint64_t)off % oa) || ((uint64_t)len % oa)) {
             snprintf(a->msg, sizeof a->msg,
                      "op %zd: fd %d is O_DIRECT and needs the buffer address aligned to %u bytes and the offset and "
                      "length to %u bytes; got address 0x%llx, offset %lld, length %lld (use an aligned buffer such as "
                      "umbp_nvme.buffers.AlignedBuffer)",
-                     i, fd, fi->mem_align, fi->off_align, (unsigned long long)addr, (long long)off, (long long)len);
+                     i, fd, ma, oa, (unsigned long long)addr, (long long)off, (long long)len);
             return -1;
         }
     }
     return 0;
 }
 
-static void fill_sqe(RingObject *self, SubmitArgs *a, FdCache *cache, Py_ssize_t i, struct umbp_sqe *sqe) {
+static void fill_sqe(RingObject *self, SubmitArgs *a, Py_ssize_t i, struct umbp_sqe *sqe) {
     uint8_t fl = a->flags ? a->flags[i] : 0;
     int fd = OP_FD(a, i);
     memset(sqe, 0, sizeof *sqe);
@@ -576,18 +527,16 @@ static void fill_sqe(RingObject *self, SubmitArgs *a, FdCache *cache, Py_ssize_t
     sqe->len = (uint32_t)a->lens[i];
     sqe->ioprio = write ? self->write_ioprio : self->read_ioprio;
     /* Page-cache copies run inline in io_uring_enter on the submitting core; large ones are
-     * pushed to io-wq workers when the caller asks (the threshold is Python's policy). */
-    if (a->async_min_bytes && (uint64_t)a->lens[i] >= a->async_min_bytes && !fd_lookup(cache, fd)->direct)
+     * pushed to io-wq workers when the caller asks (Python passes 0 for O_DIRECT files). */
+    if (a->async_min_bytes && (uint64_t)a->lens[i] >= a->async_min_bytes)
         fl |= UMBP_SQE_ASYNC;
     sqe->flags = fl;
 }
 
 /* Runs without the GIL. Returns 0, -1 (validation, msg set) or -2 (system error in sys_err). */
 static int do_submit(RingObject *self, SubmitArgs *a) {
-    FdCache cache;
-    cache.used = cache.next = cache.last = 0;
     a->queued = 0;
-    if (validate_ops(self, a, &cache) < 0) return -1;
+    if (validate_ops(self, a) < 0) return -1;
     unsigned tail = *self->sq_tail;
     unsigned sq_free = self->sq_entries - (tail - load_acquire(self->sq_head));
     unsigned cq_free = self->cq_entries > self->inflight ? self->cq_entries - self->inflight : 0;
@@ -599,7 +548,7 @@ static int do_submit(RingObject *self, SubmitArgs *a) {
         while (k > 0 && (a->flags[k - 1] & (UMBP_SQE_IO_LINK | UMBP_SQE_IO_HARDLINK))) k--;
     }
     unsigned mask = *self->sq_mask;
-    for (Py_ssize_t i = 0; i < k; i++) fill_sqe(self, a, &cache, i, &self->sqes[(tail + (unsigned)i) & mask]);
+    for (Py_ssize_t i = 0; i < k; i++) fill_sqe(self, a, i, &self->sqes[(tail + (unsigned)i) & mask]);
     store_release(self->sq_tail, tail + (unsigned)k);
     self->inflight += (unsigned)k;
     a->queued = k;
@@ -690,15 +639,18 @@ static int parse_ops(int opcode, PyObject *o_fds, PyObject *o_offs, PyObject *o_
 
 static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"opcode",          "fds",   "offsets", "addrs",   "lengths",    "buf_index", "user_data",
-                             "flags",           "async_min_bytes",  "enter",   "ud_base", "auto_fixed", NULL};
+                             "flags",           "async_min_bytes",  "enter",   "ud_base", "auto_fixed", "mem_align",
+                             "off_align",       NULL};
     int opcode;
     PyObject *o_fds, *o_offs = Py_None, *o_addrs = Py_None, *o_lens = Py_None, *o_bidx = Py_None, *o_ud = Py_None,
                      *o_flags = Py_None;
     unsigned long long async_min = 0, ud_base = 0;
     PyObject *o_ud_base = Py_None;
     int enter = 1, auto_fixed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OOOKpOp", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens,
-                                     &o_bidx, &o_ud, &o_flags, &async_min, &enter, &o_ud_base, &auto_fixed))
+    unsigned int mem_align = 0, off_align = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OOOKpOp$II", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens,
+                                     &o_bidx, &o_ud, &o_flags, &async_min, &enter, &o_ud_base, &auto_fixed, &mem_align,
+                                     &off_align))
         return NULL;
     if (o_ud_base != Py_None) { /* checked: a negative or oversized base must not wrap silently */
         PyObject *ix = PyNumber_Index(o_ud_base);
@@ -721,6 +673,8 @@ static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
     a.auto_fixed = auto_fixed && opcode <= OP_WRITE && !o.bidx.held;
     a.ud_base = ud_base;
     a.async_min_bytes = async_min;
+    a.mem_align = mem_align;
+    a.off_align = off_align;
     a.enter = enter;
     int r;
     if (a.n <= 64 && !enter) {
@@ -746,11 +700,13 @@ done:
 
 /* check(): submit()'s validation for a whole batch, writing nothing. */
 static PyObject *Ring_check(RingObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"opcode", "fds", "offsets", "addrs", "lengths", "buf_index", "flags", NULL};
+    static char *kwlist[] = {"opcode", "fds", "offsets", "addrs", "lengths", "buf_index", "flags", "mem_align", "off_align",
+                             NULL};
     int opcode;
     PyObject *o_fds, *o_offs, *o_addrs, *o_lens, *o_bidx = Py_None, *o_flags = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OO", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens, &o_bidx,
-                                     &o_flags))
+    unsigned int mem_align = 0, off_align = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OO$II", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens, &o_bidx,
+                                     &o_flags, &mem_align, &off_align))
         return NULL;
     if (opcode != OP_READ && opcode != OP_WRITE) {
         PyErr_Format(PyExc_ValueError, "check() takes OP_READ or OP_WRITE, got %d", opcode);
@@ -762,11 +718,11 @@ static PyObject *Ring_check(RingObject *self, PyObject *args, PyObject *kwds) {
     PyObject *ret = NULL;
     if (parse_ops(opcode, o_fds, o_offs, o_addrs, o_lens, o_bidx, Py_None, o_flags, &o, &a) < 0) goto done;
     if (ring_acquire(self) < 0) goto done;
-    FdCache cache;
-    cache.used = cache.next = cache.last = 0;
+    a.mem_align = mem_align;
+    a.off_align = off_align;
     int r;
     Py_BEGIN_ALLOW_THREADS
-    r = validate_ops(self, &a, &cache);
+    r = validate_ops(self, &a);
     Py_END_ALLOW_THREADS
     ring_release(self);
     if (r < 0)

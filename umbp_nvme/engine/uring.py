@@ -49,6 +49,7 @@ from .base import (
 )
 from .arbiter import Arbiter, timed_read, write_sliced
 from .priority import IoPriorities
+from .files import dio_facts
 from .uring_buffers import FixedBuffers
 
 log = logging.getLogger(__name__)
@@ -325,10 +326,12 @@ class UringEngine:
 
     def _submit(self, op, fds, offsets, addrs, lengths, *, ud_base: int, enter: bool = True) -> int:
         """ring.submit with this engine's settings: user_data = ud_base + op index (slot << 32 | op),
-        F_ASYNC above async_min_bytes, registered buffers found per op when there are any."""
+        the O_DIRECT alignment of the batch's files (files.dio_facts), F_ASYNC above async_min_bytes
+        for page-cache files, registered buffers found per op when there are any."""
+        mem, off, buffered = dio_facts(fds)
         return self._ring.submit(
-            op, fds, offsets, addrs, lengths, async_min_bytes=self._async_min, enter=enter, ud_base=ud_base,
-            auto_fixed=self._fixed_on,
+            op, fds, offsets, addrs, lengths, async_min_bytes=self._async_min if buffered else 0, enter=enter,
+            ud_base=ud_base, auto_fixed=self._fixed_on, mem_align=mem, off_align=off,
         )  # fmt: skip
 
     async def _run_general(self, op, fds, offsets, addrs, lengths) -> np.ndarray:
@@ -352,7 +355,9 @@ class UringEngine:
         free = self._depth - self._ring.inflight
         if self._queue or self._retry or b.n > free:
             if validate:  # the whole batch is refused up front, before any of it is queued
-                self._ring.check(b.op, b.fds, b.offs, b.addrs, b.lens, self._fixed.index(b.addrs, b.lens))
+                mem, off, _ = dio_facts(b.fds)
+                self._ring.check(b.op, b.fds, b.offs, b.addrs, b.lens, self._fixed.index(b.addrs, b.lens),
+                                 mem_align=mem, off_align=off)  # fmt: skip
             self._batches[b.slot] = b
             self._queue.append(b)
             self._pump()
