@@ -32,3 +32,26 @@ def test_bench_mixed_smoke_rows(tmp_path):
             assert math.isnan(r["put_gbps"]) or r["put_gbps"] > 0
     assert "puts of the stream failed" not in proc.stdout
     assert "target: umbp_on" in proc.stdout and "target: umbp_off" in proc.stdout
+
+
+def test_bench_mixed_sglang_path_reads_back_every_page(tmp_path):
+    """Prefetch while backup through the real SGLang backend and host pool (skipped without sglang)."""
+    import argparse
+
+    import pytest
+
+    pytest.importorskip("sglang")
+    from umbp_nvme.bench.mixed_sglang import bench_sglang
+
+    cfg = argparse.Namespace(knobs=["on"], sizes=[1 << 20], gets=[2], rounds=1, calls=3, warm_s=0.2, solo_s=0.3,
+                             slice=8 << 20)  # fmt: skip
+    notes: list[str] = []
+    rows = bench_sglang(cfg, str(tmp_path), notes)
+    if any("no SGLang-path rows" in n for n in notes):
+        pytest.skip(notes[0])
+    assert not [n for n in notes if "failed" in n], notes
+    assert {(r["system"], r["op"], r["pattern"]) for r in rows} == {
+        ("sglang_on", op, p) for op in ("get_idle", "get_loaded") for p in ("b2b", "spaced")
+    }
+    for r in rows:  # every get was checked byte for byte against the page it was backed up from
+        assert r["gets"] == 2 and r["runs"] == 3 and 0 < r["p50_ms"] <= r["p99_ms"]

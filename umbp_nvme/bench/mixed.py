@@ -18,6 +18,7 @@ about a quarter of the read bandwidth), each cell ``--rounds`` rounds of:
 Ratios (``vs_idle_p50``/``_p99``, ``put_vs_solo``) are taken within each round and their median
 over rounds reported, so drift of a shared disk hits both sides alike; latencies are pooled.
 
+``--sglang`` adds the same cells through the SGLang backend on real host pools (mixed_sglang.py).
 ``--fio`` adds the device's own anchor (fio, io_uring, O_DIRECT): a 4 MiB randread job at QD 1
 alone, then beside a 4 MiB write job at QD 32, without and with ``prioclass=1`` on the reader.
 Rows: bench "mixed", system ("umbp_on" | "umbp_off" | "fio"), op, object_bytes, gets, pattern,
@@ -61,6 +62,7 @@ def parse_args(argv):
     p.add_argument("--read-set", type=int, default=64, help="objects prefilled per size for the gets")
     p.add_argument("--slice", default=None, help="ssd_write_slice_bytes for 'on' (default: the config default)")
     p.add_argument("--fio", action="store_true", help="also run the fio anchor (needs fio)")
+    p.add_argument("--sglang", action="store_true", help="also through the SGLang backend on real host pools (needs sglang)")
     p.add_argument("--json", help="write rows as JSON")
     p.add_argument("--plot", help=argparse.SUPPRESS)
     cfg = p.parse_args(argv)
@@ -365,6 +367,10 @@ def main(argv=None) -> int:
     try:
         for knob in cfg.knobs:
             rows += bench_knob(cfg, directory, knob, notes)
+        if cfg.sglang:
+            from .mixed_sglang import bench_sglang
+
+            rows += bench_sglang(cfg, directory, notes)
         if cfg.fio:
             rows += fio_anchor(directory, cfg.quick, notes)
     finally:
