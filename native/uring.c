@@ -28,15 +28,12 @@
 #define MAX_OP_BYTES (1ULL << 30)
 #define MAX_RING_ENTRIES 32768U
 #define MAX_FIXED_BUFFERS 16384 /* the kernel's IORING_MAX_REG_BUFFERS */
-#define MAX_FIXED_FILES 65536
-#define DEFAULT_DIO_ALIGN 4096U
 #define CRC_GIL_RELEASE_BYTES 8192
-#define FD_CACHE_SLOTS 16
 #define CANCEL_USER_DATA UINT64_MAX /* the cancel-all op's own CQE; never an engine op */
 
 enum { OP_READ = 0, OP_WRITE = 1, OP_FSYNC = 2, OP_FDATASYNC = 3 };
 #define USER_FLAGS_ALLOWED \
-    (UMBP_SQE_FIXED_FILE | UMBP_SQE_IO_DRAIN | UMBP_SQE_IO_LINK | UMBP_SQE_IO_HARDLINK | UMBP_SQE_ASYNC)
+    (UMBP_SQE_IO_DRAIN | UMBP_SQE_IO_LINK | UMBP_SQE_IO_HARDLINK | UMBP_SQE_ASYNC)
 
 /* ------------------------------------------------------------------ syscalls */
 
@@ -65,55 +62,6 @@ static double now_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* ------------------------------------------------------------------ fd facts */
-
-typedef struct {
-    int fd;
-    int direct;         /* opened with O_DIRECT */
-    uint32_t mem_align; /* DIO buffer address alignment */
-    uint32_t off_align; /* DIO file offset and length alignment */
-} FdInfo;
-
-/* A closed fd is not an argument error: the kernel reports -EBADF for that op alone. */
-static void query_fd(int fd, FdInfo *info) {
-    info->fd = fd;
-    info->direct = 0;
-    info->mem_align = info->off_align = 1;
-    int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || !(fl & O_DIRECT)) return;
-    info->direct = 1;
-    info->mem_align = info->off_align = DEFAULT_DIO_ALIGN;
-#ifdef SYS_statx
-    /* struct statx: stx_mask at 0, stx_dio_mem_align at 152, stx_dio_offset_align at 156 */
-    unsigned char stx[256];
-    memset(stx, 0, sizeof stx);
-    if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, 0x00002000U /* STATX_DIOALIGN */, stx) == 0) {
-        uint32_t mask, mem, off;
-        memcpy(&mask, stx, 4);
-        memcpy(&mem, stx + 152, 4);
-        memcpy(&off, stx + 156, 4);
-        if ((mask & 0x00002000U) && mem && off) {
-            info->mem_align = mem;
-            info->off_align = off;
-        }
-    }
-#endif
-}
-
-typedef struct {
-    FdInfo slot[FD_CACHE_SLOTS];
-    int used, next, last;
-} FdCache;
-
-static const FdInfo *fd_lookup(FdCache *c, int fd) {
-    if (c->used && c->slot[c->last].fd == fd) return &c->slot[c->last];
-    for (int i = 0; i < c->used; i++)
-        if (c->slot[i].fd == fd) return &c->slot[c->last = i];
-    int i = c->used < FD_CACHE_SLOTS ? c->used++ : (c->next++ % FD_CACHE_SLOTS);
-    query_fd(fd, &c->slot[i]);
-    return &c->slot[c->last = i];
-}
-
 /* ------------------------------------------------------------------ Ring */
 
 typedef struct {
@@ -137,9 +85,8 @@ typedef struct {
     unsigned nbufs;
     uint64_t *buf_addr, *buf_len;
     int bufs_sorted; /* ascending, non-overlapping: auto_fixed may binary-search */
-    /* registered files: index -> facts at registration time */
-    unsigned nfiles;
-    FdInfo *files;
+    /* I/O priority stamped on every read / write SQE (0 = the task's own, the kernel default) */
+    uint16_t read_ioprio, write_ioprio;
 } RingObject;
 
 static int ring_acquire(RingObject *self) {
@@ -357,12 +304,6 @@ static void ring_forget_buffers(RingObject *self) {
     self->nbufs = 0;
 }
 
-static void ring_forget_files(RingObject *self) {
-    free(self->files);
-    self->files = NULL;
-    self->nfiles = 0;
-}
-
 static void ring_teardown(RingObject *self, double timeout_s) {
     if (self->closed) return;
     self->closed = 1;
@@ -379,7 +320,6 @@ static void ring_teardown(RingObject *self, double timeout_s) {
     self->event_fd = -1;
     self->ring_fd = -1;
     ring_forget_buffers(self);
-    ring_forget_files(self);
 }
 
 static PyObject *Ring_close(RingObject *self, PyObject *args, PyObject *kwds) {
@@ -466,6 +406,8 @@ typedef struct {
     const uint8_t *flags;
     int auto_fixed; /* bidx NULL and auto_fixed: the registered buffer holding the op, if any */
     uint64_t async_min_bytes;
+    /* O_DIRECT alignment the caller knows for every op's file (engine/files.py); 0/1 = no check */
+    uint32_t mem_align, off_align;
     int enter;
     /* results */
     Py_ssize_t queued;
@@ -496,28 +438,18 @@ static int find_fixed(RingObject *self, uint64_t addr, uint64_t len) {
     return -1;
 }
 
-static const FdInfo *op_fd_info(RingObject *self, FdCache *cache, int fd, uint8_t fl) {
-    if (fl & UMBP_SQE_FIXED_FILE) return &self->files[fd];
-    return fd_lookup(cache, fd);
-}
 
 /* Every argument check, before any SQE is written. Returns 0 or -1 with a->msg set. */
-static int validate_ops(RingObject *self, SubmitArgs *a, FdCache *cache) {
+static int validate_ops(RingObject *self, SubmitArgs *a) {
     int rw = a->opcode == OP_READ || a->opcode == OP_WRITE;
     for (Py_ssize_t i = 0; i < a->n; i++) {
         int fd = OP_FD(a, i);
         uint8_t fl = a->flags ? a->flags[i] : 0;
         if (fl & ~USER_FLAGS_ALLOWED) {
-            snprintf(a->msg, sizeof a->msg, "op %zd: flags 0x%x has bits outside F_FIXED_FILE|F_DRAIN|F_LINK|F_HARDLINK|F_ASYNC", i, fl);
+            snprintf(a->msg, sizeof a->msg, "op %zd: flags 0x%x has bits outside F_DRAIN|F_LINK|F_HARDLINK|F_ASYNC", i, fl);
             return -1;
         }
-        if (fl & UMBP_SQE_FIXED_FILE) {
-            if (fd < 0 || (unsigned)fd >= self->nfiles || self->files[fd].fd < 0) {
-                snprintf(a->msg, sizeof a->msg, "op %zd: F_FIXED_FILE index %d is not a registered file (%u registered)", i, fd,
-                         self->nfiles);
-                return -1;
-            }
-        } else if (fd < 0) {
+        if (fd < 0) {
             snprintf(a->msg, sizeof a->msg, "op %zd: fd must be >= 0, got %d", i, fd);
             return -1;
         }
@@ -561,20 +493,20 @@ static int validate_ops(RingObject *self, SubmitArgs *a, FdCache *cache) {
                      (unsigned long long)self->buf_len[b]);
             return -1;
         }
-        const FdInfo *fi = op_fd_info(self, cache, fd, fl);
-        if (fi->direct && ((addr % fi->mem_align) || ((uint64_t)off % fi->off_align) || ((uint64_t)len % fi->off_align))) {
+        uint32_t ma = a->mem_align > 1 ? a->mem_align : 1, oa = a->off_align > 1 ? a->off_align : 1;
+        if ((addr % ma) || ((uint64_t)off % oa) || ((uint64_t)len % oa)) {
             snprintf(a->msg, sizeof a->msg,
                      "op %zd: fd %d is O_DIRECT and needs the buffer address aligned to %u bytes and the offset and "
                      "length to %u bytes; got address 0x%llx, offset %lld, length %lld (use an aligned buffer such as "
                      "umbp_nvme.buffers.AlignedBuffer)",
-                     i, fd, fi->mem_align, fi->off_align, (unsigned long long)addr, (long long)off, (long long)len);
+                     i, fd, ma, oa, (unsigned long long)addr, (long long)off, (long long)len);
             return -1;
         }
     }
     return 0;
 }
 
-static void fill_sqe(RingObject *self, SubmitArgs *a, FdCache *cache, Py_ssize_t i, struct umbp_sqe *sqe) {
+static void fill_sqe(RingObject *self, SubmitArgs *a, Py_ssize_t i, struct umbp_sqe *sqe) {
     uint8_t fl = a->flags ? a->flags[i] : 0;
     int fd = OP_FD(a, i);
     memset(sqe, 0, sizeof *sqe);
@@ -593,19 +525,18 @@ static void fill_sqe(RingObject *self, SubmitArgs *a, FdCache *cache, Py_ssize_t
     sqe->off = (uint64_t)a->offs[i];
     sqe->addr = a->addrs[i];
     sqe->len = (uint32_t)a->lens[i];
+    sqe->ioprio = write ? self->write_ioprio : self->read_ioprio;
     /* Page-cache copies run inline in io_uring_enter on the submitting core; large ones are
-     * pushed to io-wq workers when the caller asks (the threshold is Python's policy). */
-    if (a->async_min_bytes && (uint64_t)a->lens[i] >= a->async_min_bytes && !op_fd_info(self, cache, fd, fl)->direct)
+     * pushed to io-wq workers when the caller asks (Python passes 0 for O_DIRECT files). */
+    if (a->async_min_bytes && (uint64_t)a->lens[i] >= a->async_min_bytes)
         fl |= UMBP_SQE_ASYNC;
     sqe->flags = fl;
 }
 
 /* Runs without the GIL. Returns 0, -1 (validation, msg set) or -2 (system error in sys_err). */
 static int do_submit(RingObject *self, SubmitArgs *a) {
-    FdCache cache;
-    cache.used = cache.next = cache.last = 0;
     a->queued = 0;
-    if (validate_ops(self, a, &cache) < 0) return -1;
+    if (validate_ops(self, a) < 0) return -1;
     unsigned tail = *self->sq_tail;
     unsigned sq_free = self->sq_entries - (tail - load_acquire(self->sq_head));
     unsigned cq_free = self->cq_entries > self->inflight ? self->cq_entries - self->inflight : 0;
@@ -617,7 +548,7 @@ static int do_submit(RingObject *self, SubmitArgs *a) {
         while (k > 0 && (a->flags[k - 1] & (UMBP_SQE_IO_LINK | UMBP_SQE_IO_HARDLINK))) k--;
     }
     unsigned mask = *self->sq_mask;
-    for (Py_ssize_t i = 0; i < k; i++) fill_sqe(self, a, &cache, i, &self->sqes[(tail + (unsigned)i) & mask]);
+    for (Py_ssize_t i = 0; i < k; i++) fill_sqe(self, a, i, &self->sqes[(tail + (unsigned)i) & mask]);
     store_release(self->sq_tail, tail + (unsigned)k);
     self->inflight += (unsigned)k;
     a->queued = k;
@@ -708,15 +639,18 @@ static int parse_ops(int opcode, PyObject *o_fds, PyObject *o_offs, PyObject *o_
 
 static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"opcode",          "fds",   "offsets", "addrs",   "lengths",    "buf_index", "user_data",
-                             "flags",           "async_min_bytes",  "enter",   "ud_base", "auto_fixed", NULL};
+                             "flags",           "async_min_bytes",  "enter",   "ud_base", "auto_fixed", "mem_align",
+                             "off_align",       NULL};
     int opcode;
     PyObject *o_fds, *o_offs = Py_None, *o_addrs = Py_None, *o_lens = Py_None, *o_bidx = Py_None, *o_ud = Py_None,
                      *o_flags = Py_None;
     unsigned long long async_min = 0, ud_base = 0;
     PyObject *o_ud_base = Py_None;
     int enter = 1, auto_fixed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OOOKpOp", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens,
-                                     &o_bidx, &o_ud, &o_flags, &async_min, &enter, &o_ud_base, &auto_fixed))
+    unsigned int mem_align = 0, off_align = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OOOKpOp$II", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens,
+                                     &o_bidx, &o_ud, &o_flags, &async_min, &enter, &o_ud_base, &auto_fixed, &mem_align,
+                                     &off_align))
         return NULL;
     if (o_ud_base != Py_None) { /* checked: a negative or oversized base must not wrap silently */
         PyObject *ix = PyNumber_Index(o_ud_base);
@@ -739,6 +673,8 @@ static PyObject *Ring_submit(RingObject *self, PyObject *args, PyObject *kwds) {
     a.auto_fixed = auto_fixed && opcode <= OP_WRITE && !o.bidx.held;
     a.ud_base = ud_base;
     a.async_min_bytes = async_min;
+    a.mem_align = mem_align;
+    a.off_align = off_align;
     a.enter = enter;
     int r;
     if (a.n <= 64 && !enter) {
@@ -764,11 +700,13 @@ done:
 
 /* check(): submit()'s validation for a whole batch, writing nothing. */
 static PyObject *Ring_check(RingObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"opcode", "fds", "offsets", "addrs", "lengths", "buf_index", "flags", NULL};
+    static char *kwlist[] = {"opcode", "fds", "offsets", "addrs", "lengths", "buf_index", "flags", "mem_align", "off_align",
+                             NULL};
     int opcode;
     PyObject *o_fds, *o_offs, *o_addrs, *o_lens, *o_bidx = Py_None, *o_flags = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OO", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens, &o_bidx,
-                                     &o_flags))
+    unsigned int mem_align = 0, off_align = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|OO$II", kwlist, &opcode, &o_fds, &o_offs, &o_addrs, &o_lens, &o_bidx,
+                                     &o_flags, &mem_align, &off_align))
         return NULL;
     if (opcode != OP_READ && opcode != OP_WRITE) {
         PyErr_Format(PyExc_ValueError, "check() takes OP_READ or OP_WRITE, got %d", opcode);
@@ -780,11 +718,11 @@ static PyObject *Ring_check(RingObject *self, PyObject *args, PyObject *kwds) {
     PyObject *ret = NULL;
     if (parse_ops(opcode, o_fds, o_offs, o_addrs, o_lens, o_bidx, Py_None, o_flags, &o, &a) < 0) goto done;
     if (ring_acquire(self) < 0) goto done;
-    FdCache cache;
-    cache.used = cache.next = cache.last = 0;
+    a.mem_align = mem_align;
+    a.off_align = off_align;
     int r;
     Py_BEGIN_ALLOW_THREADS
-    r = validate_ops(self, &a, &cache);
+    r = validate_ops(self, &a);
     Py_END_ALLOW_THREADS
     ring_release(self);
     if (r < 0)
@@ -1123,7 +1061,7 @@ static PyObject *Ring_wait(RingObject *self, PyObject *args, PyObject *kwds) {
     return PyLong_FromUnsignedLong(load_acquire(self->cq_tail) - *self->cq_head);
 }
 
-/* register_buffers / register_files: `obj` as a fast sequence of 1..max_n items (count in *n),
+/* register_buffers: `obj` as a fast sequence of 1..max_n items (count in *n),
    or NULL with TypeError(type_err) or ValueError("<fn> takes 1..<max_n> <unit>, got <n>"). */
 static PyObject *registration_seq(PyObject *obj, const char *type_err, const char *fn, const char *unit, int max_n,
                                   Py_ssize_t *n) {
@@ -1206,7 +1144,7 @@ fail:
     return NULL;
 }
 
-/* Shared body of unregister_buffers / unregister_files: unregister what *count says is
+/* unregister_buffers: unregister what *count says is
    registered, forget the table, and report a failure other than "nothing registered". */
 static PyObject *ring_unregister(RingObject *self, unsigned opcode, const unsigned *count,
                                  void (*forget)(RingObject *)) {
@@ -1230,54 +1168,6 @@ static PyObject *Ring_unregister_buffers(RingObject *self, PyObject *unused) {
     return ring_unregister(self, UMBP_UNREGISTER_BUFFERS, &self->nbufs, ring_forget_buffers);
 }
 
-static PyObject *Ring_register_files(RingObject *self, PyObject *fds_obj) {
-    Py_ssize_t n;
-    PyObject *seq = registration_seq(fds_obj, "fds must be a sequence of ints", "register_files", "fds", MAX_FIXED_FILES, &n);
-    if (!seq) return NULL;
-    int32_t *arr = calloc((size_t)n, sizeof *arr);
-    FdInfo *info = calloc((size_t)n, sizeof *info);
-    if (!arr || !info) {
-        free(arr), free(info);
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) goto fail;
-        if (v < -1 || v > INT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "fd %zd: %ld is not a file descriptor (-1 leaves the slot empty)", i, v);
-            goto fail;
-        }
-        arr[i] = (int32_t)v;
-    }
-    Py_DECREF(seq);
-    seq = NULL;
-    Py_BEGIN_ALLOW_THREADS /* fcntl/statx per fd */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (arr[i] >= 0) query_fd(arr[i], &info[i]);
-        else info[i].fd = -1;
-    }
-    Py_END_ALLOW_THREADS
-    if (ring_acquire(self) < 0) goto fail;
-    if (ring_reregister(self, UMBP_UNREGISTER_FILES, UMBP_REGISTER_FILES, arr, (unsigned)n, self->nfiles,
-                        ring_forget_files) < 0)
-        goto fail;
-    self->files = info;
-    self->nfiles = (unsigned)n;
-    ring_release(self);
-    free(arr);
-    Py_RETURN_NONE;
-fail:
-    Py_XDECREF(seq);
-    free(arr);
-    free(info);
-    return NULL;
-}
-
-static PyObject *Ring_unregister_files(RingObject *self, PyObject *unused) {
-    return ring_unregister(self, UMBP_UNREGISTER_FILES, &self->nfiles, ring_forget_files);
-}
-
 static PyObject *Ring_get_int(RingObject *self, void *which) {
     switch ((intptr_t)which) {
     case 0: return PyLong_FromUnsignedLong(self->sq_entries);
@@ -1291,9 +1181,28 @@ static PyObject *Ring_get_int(RingObject *self, void *which) {
     case 8: return PyLong_FromLong(self->ring_fd);
     case 9: return PyBool_FromLong(self->closed);
     case 10: return PyBool_FromLong(self->leaked);
-    case 11: return PyLong_FromUnsignedLong(self->nfiles);
+    case 12: return PyLong_FromUnsignedLong(self->read_ioprio);
+    case 13: return PyLong_FromUnsignedLong(self->write_ioprio);
     }
     Py_RETURN_NONE;
+}
+
+/* read_ioprio / write_ioprio: IOPRIO_PRIO_VALUE(class, level) for later read / write SQEs. The
+ * kernel checks it per op (EPERM for RT without the capability, EINVAL for a bad class). */
+static int Ring_set_ioprio(RingObject *self, PyObject *value, void *which) {
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "ioprio cannot be deleted");
+        return -1;
+    }
+    long v = PyLong_AsLong(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < 0 || v > 0xFFFF) {
+        PyErr_Format(PyExc_ValueError, "ioprio must be in [0, 65535] (IOPRIO_PRIO_VALUE(class, level)), got %ld", v);
+        return -1;
+    }
+    if ((intptr_t)which == 12) self->read_ioprio = (uint16_t)v;
+    else self->write_ioprio = (uint16_t)v;
+    return 0;
 }
 
 static PyGetSetDef Ring_getset[] = {
@@ -1308,7 +1217,8 @@ static PyGetSetDef Ring_getset[] = {
     {"fd", (getter)Ring_get_int, NULL, "the io_uring file descriptor", (void *)8},
     {"closed", (getter)Ring_get_int, NULL, NULL, (void *)9},
     {"leaked", (getter)Ring_get_int, NULL, "closed with ops still owned by the kernel", (void *)10},
-    {"nfiles", (getter)Ring_get_int, NULL, "registered file slots", (void *)11},
+    {"read_ioprio", (getter)Ring_get_int, (setter)Ring_set_ioprio, "ioprio of read SQEs (0 = task default)", (void *)12},
+    {"write_ioprio", (getter)Ring_get_int, (setter)Ring_set_ioprio, "ioprio of write SQEs (0 = task default)", (void *)13},
     {NULL}};
 
 static PyMethodDef Ring_methods[] = {
@@ -1326,8 +1236,6 @@ static PyMethodDef Ring_methods[] = {
      "wait(min_complete=1, timeout_s=None) -> CQEs ready (GIL released)"},
     {"register_buffers", (PyCFunction)Ring_register_buffers, METH_O, "register_buffers([(addr, nbytes), ...])"},
     {"unregister_buffers", (PyCFunction)Ring_unregister_buffers, METH_NOARGS, NULL},
-    {"register_files", (PyCFunction)Ring_register_files, METH_O, "register_files([fd, ...]); use with F_FIXED_FILE"},
-    {"unregister_files", (PyCFunction)Ring_unregister_files, METH_NOARGS, NULL},
     {"close", (PyCFunction)(void (*)(void))Ring_close, METH_VARARGS | METH_KEYWORDS,
      "close(timeout_s=5.0) -> True, or False when ops outlived the timeout and the ring was leaked"},
     {NULL}};
@@ -1553,7 +1461,6 @@ PyMODINIT_FUNC PyInit__uring(void) {
     PyModule_AddIntConstant(m, "OP_WRITE", OP_WRITE);
     PyModule_AddIntConstant(m, "OP_FSYNC", OP_FSYNC);
     PyModule_AddIntConstant(m, "OP_FDATASYNC", OP_FDATASYNC);
-    PyModule_AddIntConstant(m, "F_FIXED_FILE", UMBP_SQE_FIXED_FILE);
     PyModule_AddIntConstant(m, "F_DRAIN", UMBP_SQE_IO_DRAIN);
     PyModule_AddIntConstant(m, "F_LINK", UMBP_SQE_IO_LINK);
     PyModule_AddIntConstant(m, "F_HARDLINK", UMBP_SQE_IO_HARDLINK);

@@ -36,6 +36,9 @@ IO_BACKENDS = ("posix", "io_uring", "auto")  # auto: io_uring, falling back to p
 DURABILITY_ALIASES = {"strict": "strict", "sync": "strict", "relaxed": "relaxed", "async": "relaxed"}
 SSD_BACKENDS = ("file", "spdk", "spdk_proxy")
 EVICTION_POLICIES = ("lru", "prefix_aware")
+READ_PRIORITY_CHOICES = ("on", "off")  # reads before writes: ioprio, write slices held while reads run
+WRITE_SLICE_BYTES_MIN = 256 << 10  # ssd_write_slice_bytes: 0 (off) or in [MIN, MAX]
+WRITE_SLICE_BYTES_MAX = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ class StoreConfig:
     ssd_segment_size_bytes: int = 256 * MiB
     ssd_queue_depth: int = 256  # io_uring SQ entries; UMBP's 4096 buys nothing on one local disk
     ssd_io_backend: str = "io_uring"  # "io_uring" | "posix"
+    # Reads first (docs/tuning.md): a put batch reaches the device in slices of this many bytes
+    # (0 = whole batches); "on" gives reads a higher ioprio and holds write slices while reads run.
+    ssd_write_slice_bytes: int = 8 * MiB
+    ssd_read_priority: str = "on"  # "on" | "off"
     ssd_durability_mode: str = "strict"  # "strict" | "relaxed" (after alias mapping)
     ssd_high_watermark: float = 0.9
     ssd_low_watermark: float = 0.7
@@ -100,6 +107,16 @@ class StoreConfig:
             )
         if self.ssd_io_backend not in IO_BACKENDS:
             raise ValueError(f"ssd_io_backend must be one of: {', '.join(IO_BACKENDS)}; got {self.ssd_io_backend!r}")
+        slice_b = self.ssd_write_slice_bytes
+        if isinstance(slice_b, bool) or not isinstance(slice_b, int) or (
+            slice_b != 0 and not WRITE_SLICE_BYTES_MIN <= slice_b <= WRITE_SLICE_BYTES_MAX
+        ):
+            raise ValueError(
+                f"ssd_write_slice_bytes must be 0 (off) or an int in [{WRITE_SLICE_BYTES_MIN}, "
+                f"{WRITE_SLICE_BYTES_MAX}] bytes, got {slice_b!r}"
+            )
+        if self.ssd_read_priority not in READ_PRIORITY_CHOICES:
+            raise ValueError(f"ssd_read_priority must be 'on' or 'off', got {self.ssd_read_priority!r}")
         if self.ssd_durability_mode not in ("strict", "relaxed"):
             raise ValueError(f"ssd_durability_mode must be 'strict' or 'relaxed', got {self.ssd_durability_mode!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
@@ -284,6 +301,10 @@ def _warn_kv_events(value: Any, label: str) -> Any:
     return value
 
 
+def _parse_on_off(value: Any, label: str) -> str:
+    return "on" if parse_bool(value, label) else "off"
+
+
 def _parse_tag(value: Any, label: str) -> str | None:
     return None if value is None else str(value)
 
@@ -298,6 +319,8 @@ _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
     "ssd_segment_size_bytes": ("ssd_segment_size_bytes", _int_parser(1)),
     "ssd_queue_depth": ("ssd_queue_depth", _int_parser(1)),
     "ssd_io_backend": ("ssd_io_backend", _parse_io_backend),
+    "ssd_write_slice_bytes": ("ssd_write_slice_bytes", _int_parser(0)),
+    "ssd_read_priority": ("ssd_read_priority", _parse_on_off),
     "ssd_durability_mode": ("ssd_durability_mode", _parse_durability),
     "ssd_high_watermark": ("ssd_high_watermark", _parse_float),
     "ssd_low_watermark": ("ssd_low_watermark", _parse_float),
@@ -397,6 +420,8 @@ ENV_KEYS: dict[str, str] = {
     "UMBP_IO_TIMEOUT_S": "io_timeout_s",
     "UMBP_O_DIRECT": "o_direct",
     "UMBP_GDS_STAGING": "gds_staging",
+    "UMBP_SSD_WRITE_SLICE_BYTES": "ssd_write_slice_bytes",
+    "UMBP_SSD_READ_PRIORITY": "ssd_read_priority",
 }
 
 # Environment variables that select a remote mode or SPDK in UMBP.

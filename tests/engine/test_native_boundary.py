@@ -122,10 +122,10 @@ def _arrays(fds, offs, addrs, lens, ud=None, bidx=None):
     )
 
 
-def _submit(ring, op, fds, offs, addrs, lens, ud=None, bidx=None, flags=None):
+def _submit(ring, op, fds, offs, addrs, lens, ud=None, bidx=None, flags=None, **kw):
     f, o, a, ln, b, u = _arrays(fds, offs, addrs, lens, ud, bidx)
     fl = None if flags is None else np.asarray(flags, dtype=np.uint8)
-    return ring.submit(op, f, o, a, ln, b, u, fl)
+    return ring.submit(op, f, o, a, ln, b, u, fl, **kw)
 
 
 def _reap_all(ring, count, timeout_s=10.0):
@@ -224,17 +224,25 @@ def test_short_read_at_eof_is_reported(ring, tmp_path):
 
 
 def test_misaligned_odirect_buffer_is_refused_before_submission(ring, tmp_path):
-    fd = open_direct(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    """The caller states the files' O_DIRECT alignment (engine/files.py knows it); the ring
+    refuses a misaligned op before writing any SQE. Without it the kernel fails that op alone."""
+    (tmp_path / "f").write_bytes(b"x" * 3 * PAGE)
+    fd = open_direct(tmp_path / "f", os.O_RDWR)
+    al = dict(mem_align=512, off_align=PAGE)
     with AlignedBuffer(3 * PAGE) as buf:
         buf.array[:] = 0xAB
         addrs = [buf.address, buf.address + PAGE + 100]
-        with pytest.raises(ValueError, match=r"op 1: fd \d+ is O_DIRECT.*aligned"):
-            _submit(ring, _uring.OP_READ, fd, [0, PAGE], addrs, [PAGE, PAGE])
-        with pytest.raises(ValueError, match=r"op 0: .*O_DIRECT.*offset 100"):
-            _submit(ring, _uring.OP_READ, fd, [100], [buf.address], [PAGE])
+        with pytest.raises(ValueError, match=r"op 1: fd \d+ is O_DIRECT.*aligned to 512 bytes"):
+            _submit(ring, _uring.OP_READ, fd, [0, PAGE], addrs, [PAGE, PAGE], **al)
+        with pytest.raises(ValueError, match=r"op 0: .*O_DIRECT.*offset and length to 4096 bytes.*offset 100"):
+            _submit(ring, _uring.OP_READ, fd, [100], [buf.address], [PAGE], **al)
         with pytest.raises(ValueError, match=r"op 0: .*O_DIRECT.*length 1000"):
-            _submit(ring, _uring.OP_READ, fd, [0], [buf.address], [1000])
+            _submit(ring, _uring.OP_READ, fd, [0], [buf.address], [1000], **al)
         assert ring.inflight == 0 and ring.sq_pending == 0
+        assert (buf.array == 0xAB).all()
+        # no alignment given: the ring does not ask the kernel; the kernel refuses the op alone
+        assert _submit(ring, _uring.OP_READ, fd, [100], [buf.address], [PAGE]) == 1
+        assert _reap_all(ring, 1) == {0: -errno.EINVAL}
         assert (buf.array == 0xAB).all()
     os.close(fd)
 
@@ -334,19 +342,14 @@ def test_submit_queues_no_more_than_the_ring_holds(tmp_path):
     os.close(fd)
 
 
-def test_register_files_and_fixed_file_ops(ring, tmp_path):
-    path = tmp_path / "f"
-    path.write_bytes(b"hello world")
-    fd = os.open(path, os.O_RDONLY)
-    ring.register_files([-1, fd])
-    assert ring.nfiles == 2
+def test_fixed_files_are_not_offered(ring, tmp_path):
+    """register_files/F_FIXED_FILE were dropped (nothing used them, issue 11): the flag bit is refused."""
+    assert not hasattr(ring, "register_files") and not hasattr(_uring, "F_FIXED_FILE")
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
     buf = np.zeros(11, dtype=np.uint8)
-    _submit(ring, _uring.OP_READ, 1, [0], [buf.ctypes.data], [11], flags=[_uring.F_FIXED_FILE])
-    assert _reap_all(ring, 1) == {0: 11}
-    assert buf.tobytes() == b"hello world"
-    with pytest.raises(ValueError, match="F_FIXED_FILE index 0 is not a registered file"):
-        _submit(ring, _uring.OP_READ, 0, [0], [buf.ctypes.data], [11], flags=[_uring.F_FIXED_FILE])
-    ring.unregister_files()
+    with pytest.raises(ValueError, match=r"op 0: flags 0x1 has bits outside F_DRAIN\|F_LINK"):
+        _submit(ring, _uring.OP_READ, fd, [0], [buf.ctypes.data], [11], flags=[1])
+    assert ring.inflight == 0
     os.close(fd)
 
 
@@ -603,14 +606,17 @@ def test_check_with_scalar_fd_refuses_misaligned_odirect_op_by_index(ring, tmp_p
         a = buf.address
         offs = _i64([0, PAGE, 2 * PAGE])
         lens = _i64([PAGE] * 3)
-        assert ring.check(_uring.OP_READ, fd, offs, _u64([a, a + PAGE, a + 2 * PAGE]), lens) is None
+        al = dict(mem_align=PAGE, off_align=PAGE)
+        assert ring.check(_uring.OP_READ, fd, offs, _u64([a, a + PAGE, a + 2 * PAGE]), lens, **al) is None
         with pytest.raises(ValueError, match=rf"op 2: fd {fd} is O_DIRECT.*address 0x{a + 2 * PAGE + 100:x}"):
-            ring.check(_uring.OP_READ, fd, offs, _u64([a, a + PAGE, a + 2 * PAGE + 100]), lens)
+            ring.check(_uring.OP_READ, fd, offs, _u64([a, a + PAGE, a + 2 * PAGE + 100]), lens, **al)
         with pytest.raises(ValueError, match=rf"op 1: fd {fd} is O_DIRECT.*offset {PAGE + 100}"):
-            ring.check(_uring.OP_WRITE, fd, _i64([0, PAGE + 100, 2 * PAGE]), _u64([a, a + PAGE, a + 2 * PAGE]), lens)
+            ring.check(_uring.OP_WRITE, fd, _i64([0, PAGE + 100, 2 * PAGE]), _u64([a, a + PAGE, a + 2 * PAGE]), lens, **al)
         # the one-entry array form is the same check
         with pytest.raises(ValueError, match=r"op 0: .*O_DIRECT.*length 1000"):
-            ring.check(_uring.OP_READ, np.array([fd], np.int32), _i64([0, 0]), _u64([a, a]), _i64([1000, PAGE]))
+            ring.check(_uring.OP_READ, np.array([fd], np.int32), _i64([0, 0]), _u64([a, a]), _i64([1000, PAGE]), **al)
+        # without an alignment the check has nothing to hold the op to
+        assert ring.check(_uring.OP_READ, fd, _i64([100]), _u64([a + 1]), _i64([1000])) is None
         with pytest.raises(ValueError, match=r"op 0: fd must be >= 0, got -1"):
             ring.check(_uring.OP_READ, -1, offs, _u64([a, a + PAGE, a + 2 * PAGE]), lens)
         with pytest.raises(ValueError, match="differ in length"):

@@ -15,6 +15,7 @@ from conftest import open_direct, run_without_memlock
 
 from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.engine.base import EngineClosed, EngineUnavailable, IoEngine
+from umbp_nvme.engine.files import open_data_file
 
 import umbp_nvme._uring  # noqa: E402,F401 - required: a missing extension fails here (python setup.py build_ext --inplace)
 
@@ -182,29 +183,42 @@ async def test_write_to_readonly_fd_fails_per_op_and_the_rest_succeeds(engine, t
     os.close(ro), os.close(rw)
 
 
+def _direct_data_file(path):
+    f = open_data_file(path, create=True)
+    if not f.direct:
+        f.close()
+        pytest.skip(f"O_DIRECT unsupported on {path} (tmpfs?)")
+    return f
+
+
 async def test_misaligned_odirect_buffer_raises_value_error(engine, tmp_path):
-    fd = open_direct(tmp_path / "f")
+    f = _direct_data_file(tmp_path / "f")  # its alignment is known (engine/files.py): checked up front
     with AlignedBuffer(2 * PAGE) as buf:
         buf.array[:] = 0x77
         with pytest.raises(ValueError, match=r"op 0: fd \d+ is O_DIRECT"):
-            await engine.read_many(fd, [0], [buf.address + 8], [PAGE])
+            await engine.read_many(f.fd, [0], [buf.address + 8], [PAGE])
         assert engine.inflight == 0 and (buf.array == 0x77).all()
         # the engine stays usable
-        assert (await engine.write_many(fd, [0], [buf.address], [PAGE])).tolist() == [PAGE]
-    os.close(fd)
+        assert (await engine.write_many(f.fd, [0], [buf.address], [PAGE])).tolist() == [PAGE]
+        # an O_DIRECT fd the engine knows nothing of: the kernel refuses the op alone
+        raw = open_direct(tmp_path / "f", os.O_RDWR)
+        assert (await engine.read_many(raw, [0], [buf.address + 8], [PAGE])).tolist() == [-errno.EINVAL]
+        assert (buf.array == 0x77).all()
+        os.close(raw)
+    f.close()
 
 
 async def test_misaligned_op_in_a_queued_batch_refuses_the_whole_batch(tmp_path):
     e = await open_uring_engine(4)
-    fd = open_direct(tmp_path / "f")
+    f = _direct_data_file(tmp_path / "f")
     with AlignedBuffer(20 * PAGE) as buf:
         mem = buf.address + _u64(np.arange(20) * PAGE)
         mem[17] += 1
         with pytest.raises(ValueError, match="op 17"):
-            await e.write_many(fd, np.arange(20) * PAGE, mem, np.full(20, PAGE))
-        assert e.inflight == 0 and os.fstat(fd).st_size == 0
+            await e.write_many(f.fd, np.arange(20) * PAGE, mem, np.full(20, PAGE))
+        assert e.inflight == 0 and os.fstat(f.fd).st_size == 0
     e.close()
-    os.close(fd)
+    f.close()
 
 
 async def test_short_read_at_eof_buffered(engine, tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("engine", "store", "hicache", "gds")
+BENCHES = ("engine", "store", "hicache", "gds", "mixed")
 
 
 def load(name: str):

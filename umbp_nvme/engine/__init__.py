@@ -7,6 +7,9 @@
   ``UMBP_NVME_FORCE_NO_URING=1``) the store still works: it falls back to the posix thread pool
   with one warning per process that names the reason.
 * ``"posix"`` forces the thread pool.
+
+``apply_io_policy(engines, read_priority=, write_slice_bytes=)`` gives a store's engines one
+``Arbiter`` (write slices, reads first) and the kernel I/O priorities (``priority.choose``).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import logging
 import os
 import threading
 
+from .arbiter import Arbiter
 from .base import Capabilities, EngineClosed, EngineUnavailable, IoBatch, IoEngine
 from .files import DataFile, open_data_file
 from .posix import PosixEngine
+from .priority import choose as choose_priorities
 
 __all__ = [
     "Capabilities",
@@ -31,6 +36,7 @@ __all__ = [
     "PosixEngine",
     "open_data_file",
     "open_engine",
+    "apply_io_policy",
     "BACKENDS",
     "FORCE_NO_URING_ENV",
 ]
@@ -81,6 +87,20 @@ async def open_engine(backend: str = "auto", queue_depth: int = 256, *, workers:
                 else:
                     log.warning("io_uring unavailable (%s); using the posix thread-pool engine", reason)
     return PosixEngine(queue_depth, workers=workers)
+
+
+def apply_io_policy(engines, *, read_priority: str = "on", write_slice_bytes: int = 0) -> Arbiter | None:
+    """One store's engines share one arbiter; engines without ``set_io_policy`` (test and fault
+    wrappers, GDS) are left as they are. Returns the arbiter (None when slicing is off)."""
+    prios = choose_priorities(read_priority)
+    arbiter = None
+    if write_slice_bytes:
+        arbiter = Arbiter(write_slice_bytes, hold_reads=read_priority == "on")
+    for e in engines:
+        setter = getattr(e, "set_io_policy", None)
+        if setter is not None:
+            setter(prios, arbiter)
+    return arbiter
 
 
 def _reset_fallback_warning() -> None:

@@ -11,6 +11,9 @@
   redirectable), with O_CLOEXEC so forked workers do not inherit them; an open file must be a
   regular file owned by this user (fstat), or it is refused: another user's file is not ours to
   serve or overwrite.
+* Every O_DIRECT file's alignment is recorded by fd while it is open (``dio_facts``): the io_uring
+  engine checks each batch against it before any SQE is written and tells the ring which files
+  are page-cache files (their large copies go to io-wq), so the ring never asks the kernel.
 * ``size`` preallocates with ``posix_fallocate`` so later writes do not allocate blocks on the
   hot path and ENOSPC shows up at open time, not mid-batch.
 """
@@ -43,6 +46,7 @@ _lock = threading.Lock()
 _no_direct_devices: set[int] = set()  # st_dev values whose file system refused O_DIRECT
 _libc = None
 _statx = None
+_dio: dict[int, tuple[int, int]] = {}  # fd -> (memory, offset) alignment of each open O_DIRECT DataFile
 
 
 def _statx_fn():
@@ -87,6 +91,7 @@ class DataFile:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            _dio.pop(self.fd, None)  # before the number can be reused
             os.close(self.fd)
 
     @property
@@ -166,10 +171,37 @@ def open_data_file(
             _preallocate(fd, path, size)
         mem, off = dio_alignment(fd) if is_direct else (0, 0)
         align = max(mem, off) or DEFAULT_DIO_ALIGN_BYTES
-        return DataFile(fd=fd, path=path, direct=is_direct, align=align, readonly=readonly)
+        f = DataFile(fd=fd, path=path, direct=is_direct, align=align, readonly=readonly)
+        if is_direct:
+            _dio[fd] = (mem or DEFAULT_DIO_ALIGN_BYTES, off or DEFAULT_DIO_ALIGN_BYTES)
+        return f
     except BaseException:
         os.close(fd)
         raise
+
+
+def dio_facts(fds) -> tuple[int, int, bool]:
+    """(memory alignment, offset alignment, any page-cache file) for a batch's fds (an int or an
+    int32 array): the strictest alignment among its O_DIRECT DataFiles (1, 1 when none). An fd
+    not opened by ``open_data_file`` counts as a page-cache file; if it is O_DIRECT after all, the
+    kernel fails its misaligned ops alone with EINVAL."""
+    if isinstance(fds, int):
+        got = _dio.get(fds)
+        return (got[0], got[1], False) if got else (1, 1, True)
+    if len(fds) == 0:
+        return 1, 1, False
+    lo, hi = int(fds.min()), int(fds.max())
+    if lo == hi:
+        return dio_facts(lo)
+    mem = off = 1
+    buffered = False
+    for fd in set(fds.tolist()):
+        got = _dio.get(fd)
+        if got is None:
+            buffered = True
+        else:
+            mem, off = max(mem, got[0]), max(off, got[1])
+    return mem, off, buffered
 
 
 def _preallocate(fd: int, path: str, size: int) -> None:

@@ -2,7 +2,9 @@
 
 The fallback when io_uring is unavailable (seccomp, old kernels) and the honest baseline for it.
 A batch is cut into at most ``workers`` contiguous slices; each worker loops over its slice, one
-blocking syscall per op with the GIL released, so at most ``workers`` ops are in flight. One
+blocking syscall per op with the GIL released, so at most ``workers`` ops are in flight. Reads and
+writes (and syncs) have separate pools of workers, so a read never waits in a queue behind a
+write; each pool's threads carry their own ioprio (``ioprio_set`` per thread, see priority.py). One
 ``call_soon_threadsafe`` per batch (not per op) wakes the loop: per-op Python work stays on the
 worker threads and the event loop sees one completion per batch.
 
@@ -25,7 +27,9 @@ import threading
 
 import numpy as np
 
+from .arbiter import Arbiter, timed_read, write_sliced
 from .base import RESULT_DTYPE, Capabilities, EngineClosed, IoBatch
+from .priority import IoPriorities, get_thread_ioprio, set_thread_ioprio
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +121,27 @@ class _SyncJob:
         self.drained = None
 
 
+class _Pool:
+    """The worker threads of one direction (reads, or writes and syncs) and their job queue."""
+
+    __slots__ = ("name", "jobs", "threads", "tids", "ioprio")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
+        self.tids: list[int] = []  # native thread ids, for ioprio_set after they started
+        self.ioprio = 0
+
+    def apply_ioprio(self, value: int) -> None:
+        self.ioprio = value
+        for tid in list(self.tids):
+            err = set_thread_ioprio(value, tid)
+            if err:
+                log.debug("posix engine: ioprio_set(%s) on %s worker %d failed: %s", value, self.name, tid,
+                          os.strerror(err))  # fmt: skip
+
+
 def _set_result(fut, value):
     if not fut.done():
         fut.set_result(value)
@@ -138,9 +163,9 @@ class PosixEngine:
         if not 0 < workers <= MAX_WORKERS:
             raise ValueError(f"workers must be in [1, {MAX_WORKERS}], got {workers}")
         self._max_workers = workers
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._reads, self._writes = _Pool("read"), _Pool("write")
+        self._arbiter: Arbiter | None = None
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
         self._pending: set = set()
         self._closed = False
         self._told_no_fixed = False
@@ -151,10 +176,21 @@ class PosixEngine:
     # -- public API ---------------------------------------------------------------------------
 
     async def read_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await self._submit(_read_full, IoBatch.of(fds, offsets, addrs, lengths))
+        batch = IoBatch.of(fds, offsets, addrs, lengths)
+        return await timed_read(self._arbiter, self._submit(_read_full, batch, self._reads))
 
     async def write_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await self._submit(_write_full, IoBatch.of(fds, offsets, addrs, lengths))
+        return await write_sliced(self._write_piece, self._arbiter, fds, offsets, addrs, lengths)
+
+    async def _write_piece(self, fds, offsets, addrs, lengths) -> np.ndarray:
+        return await self._submit(_write_full, IoBatch.of(fds, offsets, addrs, lengths), self._writes)
+
+    def set_io_policy(self, priorities: IoPriorities, arbiter: Arbiter | None) -> None:
+        """ioprio of the read and write workers (now and when started); the arbiter for writes."""
+        with self._lock:
+            self._reads.apply_ioprio(priorities.read)
+            self._writes.apply_ioprio(priorities.write)
+        self._arbiter = arbiter
 
     async def sync(self, fd: int, *, datasync: bool = True) -> None:
         loop = asyncio.get_running_loop()
@@ -162,8 +198,8 @@ class PosixEngine:
         with self._lock:
             self._check_open()
             self._pending.add(job)
-            self._spawn_locked(1)
-        self._jobs.put((job, 0, 0))
+            self._spawn_locked(self._writes)
+        self._writes.jobs.put((job, 0, 0))
         await self._wait(job)
 
     def register_buffers(self, ranges: list[tuple[int, int]]) -> bool:
@@ -184,11 +220,18 @@ class PosixEngine:
                 job.closed = True
                 if job.finished == len(job.started):
                     self._finish_locked(job)
-            nthreads = len(self._threads)
-        for _ in range(nthreads):
-            self._jobs.put(_STOP)
+            pools = [(p, len(p.threads)) for p in (self._reads, self._writes)]
+        for p, nthreads in pools:
+            for _ in range(nthreads):
+                p.jobs.put(_STOP)
         if pending:
             log.debug("posix engine closed with %d batch(es) pending", len(pending))
+
+    def worker_ioprio(self) -> dict[str, list[int]]:
+        """{"read": [...], "write": [...]}: each started worker's ioprio as the kernel reports it."""
+        with self._lock:
+            pools = {p.name: list(p.tids) for p in (self._reads, self._writes)}
+        return {name: [get_thread_ioprio(t) for t in tids] for name, tids in pools.items()}
 
     @property
     def closed(self) -> bool:
@@ -200,7 +243,7 @@ class PosixEngine:
         if self._closed:
             raise EngineClosed("posix engine is closed")
 
-    async def _submit(self, xfer, batch: IoBatch) -> np.ndarray:
+    async def _submit(self, xfer, batch: IoBatch, pool: _Pool) -> np.ndarray:
         n = len(batch)
         if n == 0:
             self._check_open()
@@ -213,8 +256,8 @@ class PosixEngine:
             self._check_open()
             job.nslices = nslices
             self._pending.add(job)
-            self._spawn_locked(nslices)
-        put = self._jobs.put
+            self._spawn_locked(pool)
+        put = pool.jobs.put
         for k in range(nslices):
             put((job, bounds[k], bounds[k + 1]))
         return await self._wait(job)
@@ -238,13 +281,17 @@ class PosixEngine:
                     continue  # cancelled again: a running preadv may still write the caller's memory
             raise
 
-    def _spawn_locked(self, wanted: int) -> None:
-        # All workers at the first use: tracking idle threads would cost a lock per slice, and an
-        # idle thread costs only its (unbacked) stack.
-        while len(self._threads) < self._max_workers:
-            t = threading.Thread(target=self._worker, name=f"umbp-posix-{len(self._threads)}", daemon=True)
-            self._threads.append(t)
-            t.start()
+    def _spawn_locked(self, pool: _Pool) -> None:
+        # All of a pool's workers at its first use: tracking idle threads would cost a lock per
+        # slice, and an idle thread costs only its (unbacked) stack.
+        while len(pool.threads) < self._max_workers:
+            name = f"umbp-posix-{pool.name}-{len(pool.threads)}"
+            t = threading.Thread(target=self._worker, args=(pool,), name=name, daemon=True)
+            pool.threads.append(t)
+            t.start()  # returns once the thread runs: native_id is known
+            pool.tids.append(t.native_id)
+            if pool.ioprio:
+                set_thread_ioprio(pool.ioprio, t.native_id)
 
     def _finish_locked(self, job) -> None:
         """Resolve a job whose ops are all done or abandoned. Caller holds self._lock."""
@@ -269,8 +316,8 @@ class PosixEngine:
         except RuntimeError:
             pass  # the loop is closed: nobody is waiting any more
 
-    def _worker(self) -> None:
-        get = self._jobs.get
+    def _worker(self, pool: _Pool) -> None:
+        get = pool.jobs.get
         lock = self._lock
         while True:
             item = get()

@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 from collections import deque
+from functools import partial
 
 import numpy as np
 
@@ -46,6 +47,9 @@ from .base import (
     EngineUnavailable,
     IoBatch,
 )
+from .arbiter import Arbiter, timed_read, write_sliced
+from .priority import IoPriorities
+from .files import dio_facts
 from .uring_buffers import FixedBuffers
 
 log = logging.getLogger(__name__)
@@ -137,6 +141,16 @@ class _Batch:
             return None
         return (np.uint64(self.slot) << np.uint64(_SLOT_SHIFT)) | running.astype(np.uint64)
 
+    def cancel_running(self, ring) -> None:
+        """Best-effort IORING_OP_ASYNC_CANCEL for the submitted ops not yet complete."""
+        ud = self.running_user_data()
+        if ud is None:
+            return
+        try:
+            ring.cancel(ud)
+        except Exception as e:  # noqa: BLE001 - cancelling is an optimisation; the wait is what matters
+            log.debug("io_uring: cancel of %d ops failed: %s", len(ud), e)
+
     def may_continue(self, i: int, done: int) -> bool:
         """A remainder that starts unaligned on an O_DIRECT file would be refused: stop there."""
         try:
@@ -165,6 +179,7 @@ class UringEngine:
         self._closed = False
         self._fixed = FixedBuffers()  # registered ranges, for READ_FIXED/WRITE_FIXED
         self._fixed_on = False  # == self._fixed.on, read by every submit
+        self._arbiter: Arbiter | None = None  # reads first: shared with the store's other engine
         self.capabilities = Capabilities(
             name="io_uring", native_async=True, fixed_buffers=False, thread_safe=False, queue_depth=self._depth
         )
@@ -188,10 +203,17 @@ class UringEngine:
     # ------------------------------------------------------------------ IoEngine
 
     async def read_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await self._run(self._u.OP_READ, fds, offsets, addrs, lengths)
+        return await timed_read(self._arbiter, self._run(self._u.OP_READ, fds, offsets, addrs, lengths))
 
     async def write_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await self._run(self._u.OP_WRITE, fds, offsets, addrs, lengths)
+        # through the arbiter's window in slices (reads first); whole when there is none
+        return await write_sliced(partial(self._run, self._u.OP_WRITE), self._arbiter, fds, offsets, addrs, lengths)
+
+    def set_io_policy(self, priorities: IoPriorities, arbiter: Arbiter | None) -> None:
+        """ioprio stamped on later read / write SQEs; the arbiter that slices writes and times reads."""
+        self._ring.read_ioprio = priorities.read
+        self._ring.write_ioprio = priorities.write
+        self._arbiter = arbiter
 
     async def sync(self, fd: int, *, datasync: bool = True) -> None:
         self._check_open()
@@ -304,10 +326,12 @@ class UringEngine:
 
     def _submit(self, op, fds, offsets, addrs, lengths, *, ud_base: int, enter: bool = True) -> int:
         """ring.submit with this engine's settings: user_data = ud_base + op index (slot << 32 | op),
-        F_ASYNC above async_min_bytes, registered buffers found per op when there are any."""
+        the O_DIRECT alignment of the batch's files (files.dio_facts), F_ASYNC above async_min_bytes
+        for page-cache files, registered buffers found per op when there are any."""
+        mem, off, buffered = dio_facts(fds)
         return self._ring.submit(
-            op, fds, offsets, addrs, lengths, async_min_bytes=self._async_min, enter=enter, ud_base=ud_base,
-            auto_fixed=self._fixed_on,
+            op, fds, offsets, addrs, lengths, async_min_bytes=self._async_min if buffered else 0, enter=enter,
+            ud_base=ud_base, auto_fixed=self._fixed_on, mem_align=mem, off_align=off,
         )  # fmt: skip
 
     async def _run_general(self, op, fds, offsets, addrs, lengths) -> np.ndarray:
@@ -331,7 +355,9 @@ class UringEngine:
         free = self._depth - self._ring.inflight
         if self._queue or self._retry or b.n > free:
             if validate:  # the whole batch is refused up front, before any of it is queued
-                self._ring.check(b.op, b.fds, b.offs, b.addrs, b.lens, self._fixed_index(b.addrs, b.lens))
+                mem, off, _ = dio_facts(b.fds)
+                self._ring.check(b.op, b.fds, b.offs, b.addrs, b.lens, self._fixed.index(b.addrs, b.lens),
+                                 mem_align=mem, off_align=off)  # fmt: skip
             self._batches[b.slot] = b
             self._queue.append(b)
             self._pump()
@@ -369,22 +395,12 @@ class UringEngine:
             self._finish(b)
             return
         b.drained = self._loop.create_future()
-        self._cancel_running(b)
+        b.cancel_running(self._ring)
         while not b.drained.done():
             try:
                 await asyncio.shield(b.drained)
             except asyncio.CancelledError:
                 continue  # cancelled again: still may not return while the kernel holds the memory
-
-    def _cancel_running(self, b: _Batch) -> None:
-        """Best-effort IORING_OP_ASYNC_CANCEL for the submitted ops of ``b`` not yet complete."""
-        ud = b.running_user_data()
-        if ud is None:
-            return
-        try:
-            self._ring.cancel(ud)
-        except Exception as e:  # noqa: BLE001 - cancelling is an optimisation; the wait is what matters
-            log.debug("io_uring: cancel of %d ops failed: %s", len(ud), e)
 
     def _drop_unsubmitted(self, b: _Batch) -> None:
         if b.next < b.n:
@@ -401,8 +417,7 @@ class UringEngine:
 
     # ------------------------------------------------------------------ submission
 
-    def _fixed_index(self, addrs: np.ndarray, lens: np.ndarray):
-        """int16 registered-buffer index per op (-1 = plain op), or None with none registered."""
+    def _fixed_index(self, addrs, lens):  # int16 registered-buffer index per op (-1 = plain op), or None
         return self._fixed.index(addrs, lens)
 
     def _pump(self) -> None:

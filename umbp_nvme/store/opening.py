@@ -18,7 +18,7 @@ import lmdb
 import numpy as np
 
 from ..config import StoreConfig
-from ..engine import open_engine
+from ..engine import apply_io_policy, open_engine
 from ..engine.base import errno_name
 from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, UnsafeStorePathError
 from ..keybytes import encode_key
@@ -105,6 +105,8 @@ class OpenSteps:
         if not self.readonly:
             self._write_engine = await factory(self.config.ssd_io_backend, qd)
             self._engines.append(self._write_engine)
+        cfg = self.config  # reads first: ioprio per direction, write slices held while reads run
+        apply_io_policy(self._engines, read_priority=cfg.ssd_read_priority, write_slice_bytes=cfg.ssd_write_slice_bytes)
 
     def _open_manifest(self, cfg: StoreConfig, namespace: dict | None, capacity_from_manifest: bool = False,
                        shrink: bool = False) -> None:  # fmt: skip

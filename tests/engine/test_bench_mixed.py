@@ -1,0 +1,57 @@
+"""Smoke test of ``bench mixed`` (issue 13): a tiny run in a child process, every cell present,
+latencies and throughputs positive, the put stream's failures reported, ratios computed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_mixed_smoke_rows(tmp_path):
+    out = tmp_path / "mixed.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run(
+        [sys.executable, "-m", "umbp_nvme.bench", "mixed", "--smoke", "--dir", str(tmp_path / "d"), "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    cells = {(r["system"], r["op"], r["pattern"]) for r in rows if r["system"] != "fio"}
+    want = {(s, op, p) for s in ("umbp_on", "umbp_off") for op in ("get_idle", "get_loaded") for p in ("b2b", "spaced")}
+    assert cells == want
+    for r in rows:
+        assert r["runs"] == 4 and 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]  # smoke: 4 calls per block
+        if r["op"] == "get_loaded":
+            assert r["vs_idle_p50"] > 0 and r["loop_p99_ms"] > 0
+            assert math.isnan(r["put_gbps"]) or r["put_gbps"] > 0
+    assert "puts of the stream failed" not in proc.stdout
+    assert "target: umbp_on" in proc.stdout and "target: umbp_off" in proc.stdout
+
+
+def test_bench_mixed_sglang_path_reads_back_every_page(tmp_path):
+    """Prefetch while backup through the real SGLang backend and host pool (skipped without sglang)."""
+    import argparse
+
+    import pytest
+
+    pytest.importorskip("sglang")
+    from umbp_nvme.bench.mixed_sglang import bench_sglang
+
+    cfg = argparse.Namespace(knobs=["on"], sizes=[1 << 20], gets=[2], rounds=1, calls=3, warm_s=0.2, solo_s=0.3,
+                             slice=8 << 20)  # fmt: skip
+    notes: list[str] = []
+    rows = bench_sglang(cfg, str(tmp_path), notes)
+    if any("no SGLang-path rows" in n for n in notes):
+        pytest.skip(notes[0])
+    assert not [n for n in notes if "failed" in n], notes
+    assert {(r["system"], r["op"], r["pattern"]) for r in rows} == {
+        ("sglang_on", op, p) for op in ("get_idle", "get_loaded") for p in ("b2b", "spaced")
+    }
+    for r in rows:  # every get was checked byte for byte against the page it was backed up from
+        assert r["gets"] == 2 and r["runs"] == 3 and 0 < r["p50_ms"] <= r["p99_ms"]

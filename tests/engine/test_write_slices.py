@@ -1,0 +1,178 @@
+"""Reads first, part 2: write batches reach the device in bounded slices; reads go ahead (issue 13)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import numpy as np
+import pytest
+
+from conftest import open_direct
+from umbp_nvme.buffers import AlignedBuffer
+from umbp_nvme.config import StoreConfig, load_config
+from umbp_nvme.engine.arbiter import WINDOW_SLICES, Arbiter, slice_bounds, write_sliced
+from umbp_nvme.engine.priority import OFF
+from umbp_nvme.engine.uring import UringEngine
+
+MiB = 1 << 20
+
+
+def test_slice_bounds_cover_every_op_once_in_order():
+    lens = np.array([1, 2, 3, 4, 10, 1, 1, 1], np.int64) * MiB
+    b = slice_bounds(lens, 4 * MiB)
+    assert b[0][0] == 0 and b[-1][1] == len(lens)
+    assert all(e0 == s1 for (_, e0), (s1, _) in zip(b, b[1:]))
+    for s, e in b:
+        assert e > s
+        assert lens[s:e].sum() <= 4 * MiB or e - s == 1  # only a single op may exceed a slice
+    assert b == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 8)]
+
+
+class FakeDevice:
+    """run(...) for write_sliced: each call is one slice at the device, taking `per_mib_s` per MiB."""
+
+    def __init__(self, per_mib_s=0.002):
+        self.per_mib_s = per_mib_s
+        self.inflight = 0
+        self.max_inflight = 0
+        self.log = []  # (event, t, bytes)
+
+    async def run(self, fds, offs, addrs, lens):
+        n = int(np.sum(lens))
+        self.inflight += n
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        self.log.append(("start", time.monotonic(), self.inflight))
+        t_end = time.monotonic() + self.per_mib_s * n / MiB
+        try:
+            await asyncio.sleep(t_end - time.monotonic())
+        except asyncio.CancelledError:  # like the kernel: a started op runs to its end first
+            await asyncio.sleep(max(0.0, t_end - time.monotonic()))
+            self.inflight -= n
+            raise
+        self.inflight -= n
+        self.log.append(("end", time.monotonic(), n))
+        return np.asarray(lens, np.int64) - 1  # distinguishable per-op results
+
+
+async def test_write_window_bounds_bytes_in_flight_and_keeps_results_in_op_order():
+    dev, arb = FakeDevice(), Arbiter(4 * MiB)
+    n = 40
+    lens = np.full(n, MiB, np.int64) + np.arange(n)  # 40 ops of ~1 MiB: ~10 slices
+    res = await write_sliced(dev.run, arb, 3, np.arange(n) * 2 * MiB, np.arange(n, dtype=np.uint64) + 1, lens)
+    assert res.tolist() == (lens - 1).tolist()
+    assert dev.max_inflight <= WINDOW_SLICES * 4 * MiB
+    assert arb.stats["write_slices"] == len(slice_bounds(lens, 4 * MiB)) >= 9
+    # two concurrent batches share the one window
+    dev2 = FakeDevice()
+    a, b = (write_sliced(dev2.run, arb, 3, np.zeros(20), np.ones(20, np.uint64), np.full(20, MiB)) for _ in range(2))
+    ra, rb = await asyncio.gather(a, b)
+    assert ra.tolist() == rb.tolist() == [MiB - 1] * 20 and dev2.max_inflight <= WINDOW_SLICES * 4 * MiB
+
+
+async def test_without_slicing_the_whole_batch_goes_at_once():
+    dev = FakeDevice()
+    res = await write_sliced(dev.run, None, 3, np.zeros(16), np.ones(16, np.uint64), np.full(16, MiB))
+    assert res.tolist() == [MiB - 1] * 16 and dev.max_inflight == 16 * MiB
+    dev = FakeDevice()
+    await write_sliced(dev.run, Arbiter(0), 3, np.zeros(16), np.ones(16, np.uint64), np.full(16, MiB))
+    assert dev.max_inflight == 16 * MiB
+
+
+async def test_a_read_behind_a_queued_write_batch_finishes_before_its_last_slice():
+    dev, arb = FakeDevice(per_mib_s=0.004), Arbiter(2 * MiB, hold_max_s=1.0)
+    n = 32  # 32 MiB in 16 slices of 2 MiB, ~8 ms each
+    write = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB)))
+    await asyncio.sleep(0.012)  # the batch is at the device and most of it queued in the window
+    arb.read_started()
+    t_read0 = time.monotonic()
+    await asyncio.sleep(0.040)  # the read's own time at the device
+    arb.read_done()
+    t_read1 = time.monotonic()
+    await write
+    ends = [t for ev, t, _ in dev.log if ev == "end"]
+    assert t_read1 < max(ends)  # the read did not wait for the batch
+    during = [inflight for ev, t, inflight in dev.log if ev == "start" and t_read0 < t < t_read1]
+    assert max(inflight for ev, _, inflight in dev.log if ev == "start") == 2 * 2 * MiB  # the window, unheld
+    # while the read ran, a write slice started only with nothing else of the batch at the device
+    assert during and max(during) <= 2 * MiB
+    assert arb.stats["write_slices_held"] > 0
+
+
+async def test_a_held_write_slice_goes_after_hold_max_even_if_reads_keep_coming():
+    dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(MiB, hold_max_s=0.005)
+    arb.read_started()  # a read stream that never ends
+    try:
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(
+            write_sliced(dev.run, arb, 3, np.zeros(8), np.ones(8, np.uint64), np.full(8, MiB)), 5.0
+        )
+        assert res.tolist() == [MiB - 1] * 8
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        arb.read_done()
+
+
+async def test_cancelled_sliced_write_waits_for_its_running_slices():
+    dev, arb = FakeDevice(per_mib_s=0.01), Arbiter(MiB)
+    task = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(8), np.ones(8, np.uint64), np.full(8, MiB)))
+    await asyncio.sleep(0.015)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert dev.inflight == 0  # nothing left at the "device" once the await returned
+    assert arb._wbytes == 0 and not arb._waiting  # the window is whole again
+
+
+async def test_uring_engine_keeps_at_most_the_window_of_write_ops_in_the_ring(tmp_path):
+    fd = open_direct(tmp_path / "f")
+    n, op = 64, 256 << 10
+    buf = AlignedBuffer(n * op)
+    buf.array[:] = np.arange(n * op, dtype=np.uint64).astype(np.uint8)
+    e = await UringEngine.open(256)
+    arb = Arbiter(512 << 10)  # 2 ops per slice, so at most 4 write ops in flight
+    e.set_io_policy(OFF, arb)
+    seen = []
+    stop = False
+
+    def sample():
+        seen.append(e.inflight)
+        if not stop:
+            asyncio.get_running_loop().call_soon(sample)
+
+    try:
+        asyncio.get_running_loop().call_soon(sample)
+        offs = np.arange(n, dtype=np.int64) * op
+        res = await e.write_many(fd, offs, buf.address + offs.astype(np.uint64), np.full(n, op, np.int64))
+        stop = True
+        assert res.tolist() == [op] * n
+        assert max(seen) <= 4 and max(seen) > 0
+        assert arb.stats["write_slices"] == n // 2
+        out = AlignedBuffer(n * op)
+        got = await e.read_many(fd, offs, out.address + offs.astype(np.uint64), np.full(n, op, np.int64))
+        assert got.tolist() == [op] * n and np.array_equal(out.array, buf.array)
+        out.close()
+    finally:
+        e.close()
+        buf.close()
+        os.close(fd)
+
+
+def test_knobs_are_validated_and_parsed():
+    assert StoreConfig().ssd_read_priority == "on" and StoreConfig().ssd_write_slice_bytes == 8 * MiB
+    assert StoreConfig(ssd_write_slice_bytes=0).ssd_write_slice_bytes == 0
+    for bad in (1, 100 << 10, (1 << 30) + 1, True, 2.5, "8M"):
+        with pytest.raises(ValueError, match="ssd_write_slice_bytes"):
+            StoreConfig(ssd_write_slice_bytes=bad)
+    for bad in ("yes", True, "", None):
+        with pytest.raises(ValueError, match="ssd_read_priority"):
+            StoreConfig(ssd_read_priority=bad)
+    c = load_config({"ssd_read_priority": "off", "ssd_write_slice_bytes": "16777216"}, env={})
+    assert (c.ssd_read_priority, c.ssd_write_slice_bytes) == ("off", 16 * MiB)
+    c = load_config({}, env={"UMBP_SSD_READ_PRIORITY": "false", "UMBP_SSD_WRITE_SLICE_BYTES": "0"})
+    assert (c.ssd_read_priority, c.ssd_write_slice_bytes) == ("off", 0)
+    with pytest.raises(ValueError, match="ssd_write_slice_bytes"):
+        load_config({"ssd_write_slice_bytes": 4096}, env={})
+    with pytest.raises(ValueError, match="ssd_read_priority"):
+        load_config({"ssd_read_priority": "maybe"}, env={})

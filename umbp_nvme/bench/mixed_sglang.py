@@ -1,0 +1,194 @@
+"""``bench mixed --sglang``: prefetch while backup through the SGLang backend, on real host pools.
+
+The same cells as ``bench mixed`` (spaced and back-to-back gets, rounds of [backup alone, gets
+beside it, gets alone], ratios within a round), driven the way SGLang's cache controller drives
+L3: ``UMBPNvmeStore`` made by the dynamic loader on an ``MHATokenToKVPoolHost`` (page_first,
+bf16), prefetch = ``batch_get_v1`` of P pages into free host slots, backup = ``batch_set_v1`` of
+24 pages (48 K/V objects) back to back in another thread. Object sizes: 1 MiB (page 16, 8 KV
+heads) and 4 MiB (page 64, Llama-3-8B). Every prefetched page is compared with the bytes it was
+backed up from. Needs sglang (``tools/install_sglang.sh``); without it: a note, no rows.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from ..keys import KeyScheme
+from .mixed import SPACING_X, pct, row
+
+SHAPES = {1 << 20: dict(page_size=16, layers=32, heads=8, head_dim=128), 4 << 20: dict(page_size=64, layers=32, heads=8, head_dim=128)}
+BACKUP_PAGES = 24  # 48 K/V objects per batch_set_v1
+READ_PAGES = 32
+
+
+class Backend:
+    """One backend on one host pool: pages [0, READ_PAGES) hold the read set, then the backup
+    batch's pages, then the prefetch destination."""
+
+    def __init__(self, env, directory: str, size: int, max_get_pages: int, knob: str, slice_bytes: int):
+        from .hicache import Pool
+
+        shape = SHAPES[size]
+        self.pool = Pool(env, shape, READ_PAGES + BACKUP_PAGES + max_get_pages, "4k")
+        self.tokens = shape["page_size"]
+        shutil.rmtree(directory, ignore_errors=True)
+        config = env.storage_config(directory, extra={
+            "ssd_capacity_bytes": 4 << 30, "ssd_segment_size_bytes": 256 << 20, "ssd_durability_mode": "strict",
+            "ssd_io_backend": "io_uring", "ssd_read_priority": knob, "ssd_write_slice_bytes": slice_bytes,
+        })  # fmt: skip
+        self.backend = env.load_backend(config, self.pool.host)
+        self.scheme = KeyScheme.from_storage_config(config)
+        self.read_keys = [f"read-{size}-{j}" for j in range(READ_PAGES)]
+        kv = self.pool.host.kv_buffer  # the pool's bytes repeat every 16 MiB: mark each page apart
+        for j in range(READ_PAGES):
+            kv[:, self.slots(j, 1)[0]] = float(j)
+        if not all(self.backend.batch_set_v1(self.read_keys, self.slots(0, READ_PAGES))):
+            raise RuntimeError("backing up the read set failed")
+
+    def slots(self, first_page: int, pages: int):
+        return self.pool.indices[first_page * self.tokens : (first_page + pages) * self.tokens]
+
+    def put(self, keys) -> int:
+        return sum(self.backend.batch_set_v1(keys, self.slots(READ_PAGES, len(keys))))
+
+    def delete(self, keys) -> None:
+        self.backend.store.delete_many(self.scheme.v1_keys(keys))
+
+    def get(self, pick: list[int]) -> float:
+        """batch_get_v1 of the picked pages into the destination slots; its seconds (the byte
+        check after it is not timed)."""
+        import torch
+
+        dst = READ_PAGES + BACKUP_PAGES
+        keys = [self.read_keys[j] for j in pick]
+        kv = self.pool.host.kv_buffer  # page_first: token slots on dim 1
+        kv[:, self.slots(dst, len(keys))] = 0
+        t0 = time.perf_counter()
+        ok = self.backend.batch_get_v1(keys, self.slots(dst, len(keys)))
+        took = time.perf_counter() - t0
+        if not all(ok):
+            raise RuntimeError(f"batch_get_v1 missed {ok.count(False)} of {len(keys)} backed-up pages")
+        for k, j in enumerate(pick):
+            got, want = kv[:, self.slots(dst + k, 1)], kv[:, self.slots(j, 1)]
+            if not torch.equal(got.view(torch.int16), want.view(torch.int16)):  # bits: random bf16 has NaNs
+                raise RuntimeError(f"page {keys[k]} read back wrong bytes")
+        return took
+
+    def close(self) -> None:
+        self.backend.close()
+        self.pool.close()
+
+
+class Backup:
+    """batch_set_v1 of BACKUP_PAGES fresh pages back to back; each batch deleted two batches later."""
+
+    def __init__(self, be: Backend, page_bytes: int, tag: str):
+        self.be, self.page_bytes, self.tag = be, page_bytes, tag
+        self.stop = threading.Event()
+        self.marks: list[tuple[float, int]] = []
+        self.failed = 0
+        self.thread = threading.Thread(target=self._run, name="bench-backup", daemon=True)
+
+    def _run(self) -> None:
+        done, old, gen = 0, [], 0
+        while not self.stop.is_set():
+            keys = [f"{self.tag}-{gen}-{i}" for i in range(BACKUP_PAGES)]
+            gen += 1
+            n = self.be.put(keys)
+            self.failed += len(keys) - n
+            done += n * self.page_bytes
+            self.marks.append((time.perf_counter(), done))
+            old.append(keys)
+            if len(old) > 2:
+                self.be.delete(old.pop(0))
+        for keys in old:
+            self.be.delete(keys)
+
+    def gbps(self, t0: float, t1: float) -> float:
+        inside = [m for m in self.marks if t0 <= m[0] <= t1]
+        before = [m for m in self.marks if m[0] < t0]
+        if not inside or not before or inside[-1][0] <= before[-1][0]:
+            return float("nan")
+        return (inside[-1][1] - before[-1][1]) / (inside[-1][0] - before[-1][0]) / 1e9
+
+
+def gets(be: Backend, pages: int, calls: int, gap: float, rng: random.Random) -> list[float]:
+    lat, next_t = [], time.perf_counter()
+    for _ in range(calls):
+        if gap:
+            delay = next_t - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            next_t += gap
+        lat.append(be.get(rng.sample(range(READ_PAGES), pages)) * 1e3)
+    return lat
+
+
+def cell(cfg, be: Backend, size: int, pages: int, pattern: str, gap: float, tag: str, notes: list) -> dict:
+    idle, loaded, r50, r99, rput = [], [], [], [], []
+    rng = random.Random(size + pages)
+    for r in range(cfg.rounds):
+        bk = Backup(be, 2 * size, f"{tag}-{r}")
+        bk.thread.start()
+        time.sleep(cfg.warm_s)
+        t0 = time.perf_counter()
+        time.sleep(cfg.solo_s)
+        t1 = time.perf_counter()
+        lat_l = gets(be, pages, cfg.calls, gap, rng)
+        t2 = time.perf_counter()
+        bk.stop.set()
+        bk.thread.join()
+        if bk.failed:
+            notes.append(f"{tag}: {bk.failed} backed-up pages failed")
+        lat_i = gets(be, pages, cfg.calls, gap, rng)
+        idle += lat_i
+        loaded += lat_l
+        solo = bk.gbps(t0, t1)
+        r50.append(pct(lat_l, 50) / pct(lat_i, 50))
+        r99.append(pct(lat_l, 99) / pct(lat_i, 99))
+        rput.append(bk.gbps(t1, t2) / solo if solo > 0 else float("nan"))
+    med = lambda v: round(float(np.nanmedian(v)), 2)  # noqa: E731
+    return dict(idle=idle, loaded=loaded, vs_idle_p50=med(r50), vs_idle_p99=med(r99), put_vs_solo=med(rput))
+
+
+def bench_sglang(cfg, directory: str, notes: list[str]) -> list[dict]:
+    """Rows of system "sglang_on" / "sglang_off" (objects = 2 per page: K and V)."""
+    from .hicache import load_sglang
+
+    try:
+        env = load_sglang()
+    except ImportError as e:
+        notes.append(f"--sglang: {e}; no SGLang-path rows")
+        return []
+    rows = []
+    for knob in cfg.knobs:
+        for size in cfg.sizes:
+            if size not in SHAPES:
+                notes.append(f"--sglang: no host-pool shape for {size}-byte objects (1M and 4M only)")
+                continue
+            page_counts = sorted({max(1, g // 2) for g in cfg.gets})
+            be = Backend(env, os.path.join(directory, f"sglang-{knob}"), size, max(page_counts), knob,
+                         cfg.slice if knob == "on" else 0)  # fmt: skip
+            try:
+                for pages in page_counts:
+                    calib = gets(be, pages, cfg.calls, 0.0, random.Random(1))
+                    gap = SPACING_X * statistics.median(calib) / 1e3
+                    for pattern in ("b2b", "spaced"):
+                        c = cell(cfg, be, size, pages, pattern, gap if pattern == "spaced" else 0.0,
+                                 f"sg-{knob}-{size}-{pages}-{pattern}", notes)  # fmt: skip
+                        system = f"sglang_{knob}"
+                        rows.append(row(system, "get_idle", size, 2 * pages, pattern, c["idle"]))
+                        rows.append(row(system, "get_loaded", size, 2 * pages, pattern, c["loaded"],
+                                        vs_idle_p50=c["vs_idle_p50"], vs_idle_p99=c["vs_idle_p99"],
+                                        put_vs_solo=c["put_vs_solo"]))  # fmt: skip
+            finally:
+                be.close()
+                shutil.rmtree(os.path.join(directory, f"sglang-{knob}"), ignore_errors=True)
+    return rows
