@@ -24,6 +24,9 @@ from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, Unsafe
 from ..keybytes import encode_key
 from . import layout
 from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
+from .index import key_crcs
+from .rebuild import boot_id, rebuild_index, write_area
+from .records import R_CONFIRMED, R_VALID, RecordAreas, make_records
 from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
 from .rows import RowTable
 from .segments import SegmentAllocator, SegmentFiles, segment_name
@@ -180,33 +183,67 @@ class OpenSteps:
     def _open_index(self) -> None:
         """Open index.lmdb; a writer also reads every record (``self._scan``).
 
-        The index is a cache of what the segments hold: a writer that finds it damaged moves it
-        aside (``index.lmdb.corrupt-<time>``) and starts empty, so the segments' space is reused.
-        A read-only opener raises IndexDamagedError naming the file.
+        The index is a cache of the records in the segments (records.py): a writer that finds it
+        missing, damaged, or possibly behind (the machine restarted while a writer had it open:
+        its commits are not synced) rebuilds it from the segments (rebuild.py). A store made
+        before the records existed keeps its index as the truth: a damaged one is moved aside
+        and the writer starts empty, and the writer migrates it once (``_migrate``). A read-only
+        opener raises IndexDamagedError naming the file.
         """
         ipath = os.path.join(self.path, INDEX_FILE)
         map_size = layout.map_size_bytes(self.capacity_bytes)
         self._scan = None
+        self._rebuilt = None
+        self._unclean = False
+        records = layout.has_records(self.manifest)
+        self._migrate = not self.readonly and not records
+        why = None
         if not self.readonly and not self._manifest_created and not os.path.lexists(ipath):
-            log.error(
-                "%s: the store index %s is missing; starting with an empty index (the objects it listed are lost; "
-                "their space is reused)", self.path, ipath,
-            )  # fmt: skip
-        try:
-            self._index = Index(ipath, readonly=self.readonly, map_size=map_size, durable=self.strict)
-            if not self.readonly:
-                self._scan = self._index.scan()
-                self._scan_next_gen = self._index.next_generation()
-                if self._index.scan_damage is not None:
-                    self._rebuild_index(ipath, map_size)
+            why = f"the store index {ipath} is missing"
+            if not records:
+                log.error("%s: %s; starting with an empty index (the objects it listed are lost; their space is "
+                          "reused)", self.path, why)  # fmt: skip
+                why = None
+        if why is not None:  # records in the segments, no index: rebuild without making an empty one first
+            lock = ipath + "-lock"
+            if os.path.lexists(lock):
+                os.unlink(lock)
+            self._rebuild_from_segments(ipath, map_size, why)
             return
+        try:
+            self._index = Index(ipath, readonly=self.readonly, map_size=map_size, durable=False)
+            if self.readonly:
+                return
+            self._scan = self._index.scan()
+            self._scan_next_gen = self._index.next_generation()
+            state = self._index.writer_state()
+            if self._index.scan_damage is not None:
+                why = why or f"the store index {ipath} is damaged ({self._index.scan_damage})"
+                if not records:
+                    self._rebuild_index(ipath, map_size)
+                    why = None
+            elif records and state is not None and state != b"clean":
+                self._unclean = True
+                if state != b"open:" + boot_id():
+                    why = why or f"the store index {ipath} may be behind its segments (the machine restarted " \
+                                 "while a writer had it open)"
+            if why is None:
+                self._index.set_writer_state(b"open:" + boot_id())
+                return
         except IndexDamagedError as e:
             if self.readonly:
                 raise
             if self._index is not None:
                 self._index.close()
                 self._index = None
-            reason = e
+            why = f"the store index {ipath} is damaged ({e})"
+            if not records:
+                self._reset_index(ipath, map_size, e)
+                return
+        self._rebuild_from_segments(ipath, map_size, why)
+
+    def _reset_index(self, ipath: str, map_size: int, reason) -> None:
+        """A store without records: a damaged index is moved aside and the writer starts empty."""
         try:
             dest = quarantine(ipath)
         except OSError as e:
@@ -218,11 +255,29 @@ class OpenSteps:
             "space is reused)",
             self.path, reason, dest,
         )  # fmt: skip
-        self._index = Index(ipath, readonly=False, map_size=map_size, durable=self.strict)
+        self._index = Index(ipath, readonly=False, map_size=map_size, durable=False)
         self._scan = self._index.scan()
         # generations keep growing across the reset: a follower still reading the old index
         # can never match a new record's generation to an old one
         self._scan_next_gen = time.time_ns() // 1000
+        self._index.set_writer_state(b"open:" + boot_id())
+
+    def _rebuild_from_segments(self, ipath: str, map_size: int, why: str) -> None:
+        """Move the index aside (if any) and write a new one from the segments' records."""
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        try:
+            self._index = rebuild_index(self.path, ipath, self.segment_bytes, self.capacity_bytes // self.segment_bytes,
+                                        map_size, why)  # fmt: skip
+        except OSError as e:
+            raise StoreError(f"{why}, and rebuilding it from the segments failed: {e}") from None
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(ipath, e, "rebuilding it from the segments") from None
+        self._scan = self._index.scan()
+        self._scan_next_gen = max(self._index.next_generation(), time.time_ns() // 1000)
+        self._rebuilt = why
+        self._index.set_writer_state(b"open:" + boot_id())
 
     def _rebuild_index(self, ipath: str, map_size: int) -> None:
         """The scan found damaged nodes (and left their keys out): move the file aside and write
@@ -238,12 +293,12 @@ class OpenSteps:
             raise StoreError(
                 f"store index {ipath} is damaged ({reason}) and cannot be moved aside ({e.strerror or e}); remove it"
             ) from None
-        self._index = Index(ipath, readonly=False, map_size=map_size, durable=self.strict)
+        self._index = Index(ipath, readonly=False, map_size=map_size, durable=False)
         blob = recs.tobytes()
         puts = [(encode_key(k), blob[i * REC_BYTES : (i + 1) * REC_BYTES]) for i, k in enumerate(keys)]
         try:
             self._index.commit(puts=puts, next_generation=self._scan_next_gen)
-            self._index.sync()
+            self._index.set_writer_state(b"open:" + boot_id())
         except lmdb.Error as e:
             raise wrap_lmdb_error(ipath, e, f"rebuilding it from {len(keys)} intact records") from None
         log.error(
@@ -268,7 +323,7 @@ class OpenSteps:
                 f"ssd_capacity_bytes={self.capacity_bytes} is smaller than this store's segment size "
                 f"({self.segment_bytes} bytes)"
             )
-        self._alloc = SegmentAllocator(n_segments, self.segment_bytes)
+        self._alloc = SegmentAllocator(n_segments, self.segment_bytes, records=True)
         self._high_bytes = int(self._alloc.capacity_bytes * self.config.ssd_high_watermark)
         self._low_bytes = int(self._alloc.capacity_bytes * self.config.ssd_low_watermark)
         keys, recs = self._scan
@@ -287,12 +342,44 @@ class OpenSteps:
             self._shrink_from = None
         self._rows = RowTable(keys, recs, self._alloc.free)
         self._keys = self._rows.index  # key -> row (the same dict)
+        self._load_records(keys, recs)
         gen_max = int(recs["generation"].max()) if len(keys) else 0
         if self._scan_next_gen >= GENERATION_MAX:
             log.error("%s: the index's next generation %d is damaged; continuing after its records' highest",
                       self.path, self._scan_next_gen)  # fmt: skip
             self._scan_next_gen = max(gen_max + 1, time.time_ns() // 1000)
         self._clock = max(self._scan_next_gen, gen_max + 1)
+
+    def _load_records(self, keys: list, recs: np.ndarray) -> None:
+        """The record areas in memory, from the rows; brought to disk where it may be behind.
+
+        After a rebuild, an unclean close or for a store made before the records (migrated here,
+        then the manifest says so): the data is fdatasynced first, so every record may say
+        confirmed, then every area is written and synced. A clean open writes nothing.
+        """
+        self._areas = RecordAreas(self.segment_bytes)
+        n = len(keys)
+        if n:
+            enc = [encode_key(k) for k in keys]
+            self._areas.load(make_records(recs["segment"], recs["offset"], recs["length"], recs["generation"],
+                                          recs["crc"], recs["depth"], key_crcs(enc), enc, R_VALID | R_CONFIRMED))
+        if not (self._migrate or self._rebuilt or self._unclean):
+            return
+        t0 = time.perf_counter()
+        segs = sorted(self._files.files)
+        for s in segs:
+            os.fdatasync(self._files.files[s].fd)
+        for s in segs:
+            write_area(os.path.join(self.path, segment_name(s)), self.segment_bytes, self._areas.areas.get(s),
+                       self._areas.cls.get(s, 0))  # fmt: skip
+        if self._migrate:
+            self.manifest["layout"]["record_bytes"] = layout.SEGMENT_RECORD_BYTES
+            layout.write_manifest(os.path.join(self.path, MANIFEST_FILE), self.manifest)
+            self._index.set_writer_state(b"open:" + boot_id())
+        log.warning("%s: wrote the record areas of %d segments (%d records, %s) in %.2f s", self.path, len(segs), n,
+                    "migrated to records in the segments" if self._migrate else "after a rebuild or unclean close",
+                    time.perf_counter() - t0)  # fmt: skip
+        self._migrate = False
 
     def _drop_unreadable(self, keys: list, recs: np.ndarray, n_segments: int):
         """(keys, records) the allocator accepts and whose bytes are on disk; the rest deleted from the index.

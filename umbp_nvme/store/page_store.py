@@ -120,8 +120,13 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
                 # the engines before that would let a late completion land in freed memory
                 log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, self._inflight)
                 await self._idle.wait()
-        if not self.readonly and self._index is not None and not self.strict:
-            await self.flush_for_close()
+        if not self.readonly and self._index is not None:
+            if await self.flush_for_close():
+                try:
+                    self._index.set_writer_state(b"clean")
+                except Exception as e:  # noqa: BLE001 - the next open checks the records instead
+                    log.warning("%s: cannot record the clean close: %s", self.path, e)
+            await self._areas.settle()
         if self._index_pool is not None and self._index is not None:
             # close the index after whatever is queued on its thread, and wait for it (bounded):
             # a reopen in this process right after close() must not share the closing handle
@@ -235,24 +240,38 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
     # ----------------------------------------------------------------------------- index commits
 
     async def _commit(self, puts=(), deletes=()) -> bool:
-        """One index transaction; strict commits fsync, so they run on the index thread."""
+        """One index transaction, not synced: the records in the segments are the durable truth
+        (records.py), so it runs inline."""
         try:
-            ix, nxt = self._index, self._clock + 1
-            if self.strict:
-                fut = asyncio.get_running_loop().run_in_executor(
-                    self._index_pool, lambda: ix.commit(puts, deletes, next_generation=nxt)
-                )
-                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-            else:
-                ix.commit(puts, deletes, next_generation=nxt)
+            self._index.commit(puts, deletes, next_generation=self._clock + 1)
             return True
-        except asyncio.TimeoutError:
-            self._counters["timeouts"] += 1
-            log.error("%s: index commit took longer than io_timeout_s=%.1f s", self.path, self.timeout_s)
-            raise
         except Exception as e:  # noqa: BLE001 - lmdb.Error (ENOSPC, MapFull) becomes a failed batch
             log.error("%s: index commit of %d puts / %d deletes failed: %s", self.path, len(puts), len(deletes), e)
             return False
+
+    async def _tombstone(self, rows) -> list | None:
+        """Clear the rows' records in their segments durably (strict: fdatasync); the undo list,
+        or None when a block write or sync failed (the records are restored in memory)."""
+        t = self._rows
+        touched, undo = self._areas.clear(t.seg[rows], t.off[rows], t.len[rows])
+        if not touched:
+            return undo
+        failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)
+        if not failed and self.strict:
+            segs = sorted({s for s, _ in touched})
+            done = await asyncio.gather(
+                *(asyncio.wait_for(self._write_engine.sync(int(self._files.fds[s])), self.timeout_s) for s in segs),
+                return_exceptions=True,
+            )
+            failed = {s for s, r in zip(segs, done) if isinstance(r, BaseException)}
+        if failed:
+            log.error("%s: clearing %d records in segments %s failed; the objects stay", self.path, len(rows),
+                      sorted(failed))  # fmt: skip
+            self._areas.restore(undo)
+            for s, blk in touched:
+                self._areas.dirty.setdefault(s, set()).add(blk)
+            return None
+        return undo
 
     async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
         """Durably remove rows' keys from the index, then free their slots. Caller holds no lock."""
@@ -264,7 +283,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
         self._rows.live[rows] = False
         async with self._commit_lock:
             try:
-                ok = await self._commit(deletes=[encode_key(k) for k in keys])  # decoded from bytes: always encodes
+                ok = await self._tombstone(rows) is not None
+                if ok:
+                    ok = await self._commit(deletes=[encode_key(k) for k in keys])  # decoded from bytes: always encodes
             except asyncio.TimeoutError:
                 ok = None  # the commit may still land: keep the slots out of use
         if ok:
@@ -314,14 +335,11 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
             return
         async with self._commit_lock:
             rows = list(self._keys.values())
+            if rows and await self._tombstone(rows) is None:
+                raise OSError(f"{self.path}: clear could not clear the records in the segments; nothing was dropped")
             self._keys.clear()
             self._rows.live[rows] = False
-            ix, nxt = self._index, self._clock + 1
-            if self.strict:
-                fut = asyncio.get_running_loop().run_in_executor(self._index_pool, lambda: ix.drop_all(next_generation=nxt))
-                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-            else:
-                ix.drop_all(next_generation=nxt)
+            self._index.drop_all(next_generation=self._clock + 1)
             self._rows.release(rows)
             self._counters["deletes"] += len(rows)
 
@@ -334,14 +352,36 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
             return True
         return await self._flush()
 
-    async def flush_for_close(self) -> None:
-        # relaxed mode: a clean close still leaves data and index durable
+    async def flush_for_close(self) -> bool:
+        # a clean close leaves data, records (all confirmed) and index durable
         try:
-            await self._flush()
+            return await self._flush()
         except Exception as e:  # noqa: BLE001 - closing must not raise for a flush
             log.warning("%s: flush at close failed: %s", self.path, e)
+            return False
 
     async def _flush(self) -> bool:
+        """Data durable, then every record confirmed and its block written, then synced again."""
+        t = self._rows
+        live = t.live[: t.n].nonzero()[0] if t is not None else []
+        snap = (t.seg[live].copy(), t.off[live].copy(), t.len[live].copy(), t.gen[live].copy()) if len(live) else None
+        ok = await self._sync_all()
+        if ok and snap is not None:
+            self._areas.confirm(*snap)
+        dirty = self._areas.dirty_blocks()
+        if dirty:
+            failed = await self._areas.write(self._write_engine, self._files.fds, dirty, self.timeout_s)
+            ok = await self._sync_all() and ok and not failed
+        try:
+            await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._index_pool, self._index.sync), self.timeout_s
+            )
+        except Exception as e:  # noqa: BLE001
+            log.error("%s: index sync failed: %s", self.path, e)
+            ok = False
+        return ok
+
+    async def _sync_all(self) -> bool:
         # all segments at once: a slow disk costs one io_timeout_s, not one per segment
         segs = list(self._files.files)
         done = await asyncio.gather(
@@ -355,13 +395,6 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
                 if isinstance(r, OSError) and not isinstance(r, TimeoutError):  # a timeout is counted apart
                     self._counters["io_errors_sync"] += 1
                 ok = False
-        try:
-            await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(self._index_pool, self._index.sync), self.timeout_s
-            )
-        except Exception as e:  # noqa: BLE001
-            log.error("%s: index sync failed: %s", self.path, e)
-            ok = False
         return ok
 
     # ----------------------------------------------------------------------------- stats

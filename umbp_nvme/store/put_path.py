@@ -18,6 +18,7 @@ from ..engine.base import errno_name
 from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key, key_error
 from .index import FLAG_CRC, FLAG_KEYCRC, REC_BYTES, REC_DTYPE, key_crcs
+from .records import R_VALID, make_records
 from .layout import SLOT_ALIGN_BYTES
 from .checks import Refusals, encode_all, plain_keys
 from .memory import int_arg
@@ -34,7 +35,7 @@ class WriteBatch:
     """One write submission: the objects (``todo``: key index per object) and their slots."""
 
     __slots__ = ("keys", "todo", "segs", "offs", "src", "nbytes", "depths", "route", "plan", "crc_job", "crc_out",
-                 "crcs", "good", "pre")  # fmt: skip
+                 "crcs", "good", "pre", "gen", "recorded")  # fmt: skip
 
     def __init__(self, keys, todo, segs, offs, addrs, lens, depths, route):
         self.keys, self.todo, self.segs, self.offs, self.depths, self.route = keys, todo, segs, offs, depths, route
@@ -42,6 +43,8 @@ class WriteBatch:
         self.nbytes = np.ascontiguousarray(lens, np.int64)
         self.plan = self.crc_job = self.crc_out = self.crcs = self.pre = None
         self.good = np.zeros(len(todo), bool)
+        self.recorded = np.zeros(len(todo), bool)  # its record went into the segment's area
+        self.gen = 0
 
     def key(self, j: int) -> str:
         return self.keys[int(self.todo[j])]
@@ -212,21 +215,53 @@ class PutPath:
                 return
             segs, offs, todo, addrs, lens = segs[ok_j], offs[ok_j], todo[ok_j], addrs[ok_j], lens[ok_j]
         b = WriteBatch(keys, todo, segs, offs, addrs, lens, depths, route)
+        b.gen = self._tick()  # in the records written now: generations order puts on disk too
         try:
             await self._write(b, refused)
+            if b.crc_job is not None:
+                await wait_out(b.crc_job)
+                b.crcs = b.crc_out
+            if b.crcs is None:  # the device write failed
+                b.crcs = np.zeros(len(todo), np.uint32)
+            if b.good.any():
+                await self._write_records(b, refused)
             if self.strict and b.good.any():
                 await self._sync_written(b)
         except BaseException:
+            self._unrecord(b, np.flatnonzero(b.recorded))
             await self._abort(b)
             raise
-        if b.crc_job is not None:
-            await wait_out(b.crc_job)
-            b.crcs = b.crc_out
         if b.plan is not None:
             b.plan.release(self._bounce)
-        if b.crcs is None:  # the device write failed
-            b.crcs = np.zeros(len(todo), np.uint32)
         await self._publish(b, results, refused)
+
+    async def _write_records(self, b: WriteBatch, refused) -> None:
+        """Each written object's record into its segment's area, the touched blocks written; an
+        object whose block did not land is not durable (the fdatasync after covers both)."""
+        j = np.flatnonzero(b.good)
+        recs48, enc = b.pre if b.pre is not None else self._pack_pending(b)
+        sub = recs48[j]
+        recs = make_records(b.segs[j], b.offs[j], b.nbytes[j], b.gen, b.crcs[j], sub["depth"], sub["key_crc"],
+                            [enc[i] for i in j.tolist()], R_VALID)  # fmt: skip
+        touched = self._areas.put(recs)
+        b.recorded[j] = True
+        failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)
+        if failed:
+            lost = b.good & np.isin(b.segs, list(failed))
+            for k in np.flatnonzero(lost)[:1].tolist():
+                refused.add(b.key(k), "index record write failed")
+            b.good &= ~lost
+
+    def _unrecord(self, b: WriteBatch, js) -> None:
+        """Clear the records of objects whose slots go back unpublished (rewritten with the next
+        write of their blocks; a rebuild meanwhile checks them against their data)."""
+        js = np.asarray(js, np.int64)
+        if len(js) and b.recorded[js].any():
+            js = js[b.recorded[js]]
+            touched, _ = self._areas.clear(b.segs[js], b.offs[js], b.nbytes[js])
+            for s, blk in touched:
+                self._areas.dirty.setdefault(s, set()).add(blk)
+            b.recorded[js] = False
 
     async def _write(self, b: WriteBatch, refused) -> None:
         """Stage, checksum and write the batch; ``b.good`` says which objects are on the file."""
@@ -327,7 +362,7 @@ class PutPath:
     async def _publish(self, b: WriteBatch, results, refused) -> None:
         """One index commit for the batch's good objects not published meanwhile; the rest's slots freed."""
         m = len(b.todo)
-        gen = self._tick()
+        gen = b.gen
         committed = False
         async with self._commit_lock:
             pj = np.flatnonzero(b.good)
@@ -353,8 +388,11 @@ class PutPath:
             published[pj] = True
             for i in pub_idx:
                 results[i] = True
+            if self.strict and len(pj):  # their fdatasync completed: the next image of their blocks says so
+                self._areas.confirm(b.segs[pj], b.offs[pj], b.nbytes[pj], np.full(len(pj), b.gen, np.uint64))
         rest = np.flatnonzero(~published)
         if len(rest):
+            self._unrecord(b, rest)
             self._alloc.free_many(b.segs[rest], b.offs[rest])
             for j in rest.tolist():
                 if b.good[j]:
