@@ -220,7 +220,8 @@ def boot_id() -> bytes:
     return _BOOT_ID
 
 
-def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: int, map_size: int, why: str):
+def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: int, map_size: int, why: str,
+                  summary_out: dict | None = None):  # fmt: skip
     """Move ``ipath`` aside (when present) and write a new index from the segments' records;
     returns the new (writer) Index, committed and synced. Progress and the outcome are logged."""
     from .index import Index, quarantine
@@ -237,6 +238,10 @@ def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: in
                         found)  # fmt: skip
 
     keys, recs, _conf, summary = rebuild_records(directory, segment_bytes, n_segments, progress)
+    if dest:
+        summary["moved_aside"] = dest
+    if summary_out is not None:
+        summary_out.update(summary)
     ix = Index(ipath, readonly=False, map_size=map_size, durable=False)
     try:
         blob = recs.tobytes()
