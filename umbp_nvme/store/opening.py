@@ -357,16 +357,13 @@ class OpenSteps:
         then the manifest says so): the data is fdatasynced first, so every record may say
         confirmed, then every area is written and synced. A clean open writes nothing.
         """
-        self._areas = RecordAreas(self.segment_bytes)
+        self._areas = RecordAreas(self.segment_bytes, self._segment_records)
         n = len(keys)
-        if n:
-            enc = [encode_key(k) for k in keys]
-            self._areas.load(make_records(recs["segment"], recs["offset"], recs["length"], recs["generation"],
-                                          recs["crc"], recs["depth"], key_crcs(enc), enc, R_VALID | R_CONFIRMED))
         if not (self._migrate or self._rebuilt or self._unclean):
             return
         t0 = time.perf_counter()
         segs = sorted(self._files.files)
+        self._areas.load_all(segs)
         for s in segs:
             os.fdatasync(self._files.files[s].fd)
         for s in segs:
@@ -380,6 +377,18 @@ class OpenSteps:
                     "migrated to records in the segments" if self._migrate else "after a rebuild or unclean close",
                     time.perf_counter() - t0)  # fmt: skip
         self._migrate = False
+
+    def _segment_records(self, seg: int):
+        """The sealed records of segment ``seg``'s published objects, from the rows (all confirmed:
+        a clean close confirmed them on disk; other opens write every area before serving)."""
+        t = self._rows
+        n = t.n
+        rows = np.flatnonzero(t.live[:n] & (t.seg[:n] == seg))
+        if not len(rows):
+            return None
+        enc = [encode_key(t.key[r]) for r in rows.tolist()]
+        return make_records(t.seg[rows], t.off[rows], t.len[rows], t.gen[rows], t.crc[rows], t.depth[rows],
+                            key_crcs(enc), enc, R_VALID | R_CONFIRMED)  # fmt: skip
 
     def _drop_unreadable(self, keys: list, recs: np.ndarray, n_segments: int):
         """(keys, records) the allocator accepts and whose bytes are on disk; the rest deleted from the index.

@@ -120,15 +120,28 @@ class RecordAreas:
     segment's slots for its current size class.
     """
 
-    def __init__(self, segment_bytes: int):
+    def __init__(self, segment_bytes: int, loader=None):
         self.segment_bytes = segment_bytes
+        # seg -> the sealed records it holds now (from the writer's rows), called once per segment
+        # on its first use: opening a store of a million objects builds no area
+        self._loader = loader
+        self._loaded: set[int] = set()
         self.areas: dict[int, np.ndarray] = {}
         self.cls: dict[int, int] = {}
         self.dirty: dict[int, set[int]] = {}  # seg -> blocks whose disk image is behind memory
         self._busy: dict[tuple[int, int], asyncio.Future] = {}  # (seg, block) -> its write in flight
         self._tasks: dict = {}  # write task -> its image buffer
 
+    def _ensure(self, seg: int) -> None:
+        if seg in self._loaded:
+            return
+        self._loaded.add(seg)
+        recs = self._loader(seg) if self._loader is not None else None
+        if recs is not None and len(recs):
+            self.put(recs)
+
     def _area(self, seg: int, cls: int) -> np.ndarray:
+        self._ensure(seg)
         a = self.areas.get(seg)
         if a is None or self.cls[seg] != cls:
             n = record_slots(self.segment_bytes, cls)
@@ -164,6 +177,7 @@ class RecordAreas:
         segs = np.asarray(segs, np.int64)
         idx = slot_index(np.asarray(offs), np.asarray(lens))
         for s in np.unique(segs).tolist():
+            self._ensure(s)
             a = self.areas.get(s)
             if a is None:
                 continue
@@ -186,6 +200,7 @@ class RecordAreas:
         idx = slot_index(np.asarray(offs), np.asarray(lens))
         gens = np.asarray(gens, np.uint64)
         for s in np.unique(segs).tolist():
+            self._ensure(s)
             a = self.areas.get(s)
             if a is None:
                 continue
@@ -207,6 +222,7 @@ class RecordAreas:
         return {(s, b) for s, bs in self.dirty.items() for b in bs}
 
     def _image(self, seg: int, blk: int, out: np.ndarray) -> None:
+        self._ensure(seg)
         a = self.areas.get(seg)
         out[:] = 0
         if a is not None:
@@ -278,8 +294,7 @@ class RecordAreas:
         while self._busy:
             await asyncio.wait(set(self._busy.values()))
 
-    def load(self, recs: np.ndarray) -> None:
-        """Start from sealed records (open): the areas hold exactly these."""
-        self.areas.clear()
-        self.cls.clear()
-        self.put(recs)
+    def load_all(self, segs) -> None:
+        """Build the areas of these segments now (open paths that write every area)."""
+        for s in segs:
+            self._ensure(int(s))
