@@ -126,7 +126,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
                     self._index.set_writer_state(b"clean")
                 except Exception as e:  # noqa: BLE001 - the next open checks the records instead
                     log.warning("%s: cannot record the clean close: %s", self.path, e)
-            await self._areas.settle()
+            if not await self._areas.settle(self.timeout_s):
+                log.warning("%s: record block writes outlived io_timeout_s at close", self.path)
         if self._index_pool is not None and self._index is not None:
             # close the index after whatever is queued on its thread, and wait for it (bounded):
             # a reopen in this process right after close() must not share the closing handle

@@ -35,7 +35,7 @@ class WriteBatch:
     """One write submission: the objects (``todo``: key index per object) and their slots."""
 
     __slots__ = ("keys", "todo", "segs", "offs", "src", "nbytes", "depths", "route", "plan", "crc_job", "crc_out",
-                 "crcs", "good", "pre", "gen", "recorded")  # fmt: skip
+                 "crcs", "good", "pre", "gen", "recorded", "lost")  # fmt: skip
 
     def __init__(self, keys, todo, segs, offs, addrs, lens, depths, route):
         self.keys, self.todo, self.segs, self.offs, self.depths, self.route = keys, todo, segs, offs, depths, route
@@ -44,6 +44,7 @@ class WriteBatch:
         self.plan = self.crc_job = self.crc_out = self.crcs = self.pre = None
         self.good = np.zeros(len(todo), bool)
         self.recorded = np.zeros(len(todo), bool)  # its record went into the segment's area
+        self.lost = np.zeros(len(todo), bool)  # its record block did not land
         self.gen = 0
 
     def key(self, j: int) -> str:
@@ -223,7 +224,7 @@ class PutPath:
                 b.crcs = b.crc_out
             if b.crcs is None:  # the device write failed
                 b.crcs = np.zeros(len(todo), np.uint32)
-            if b.good.any():
+            if b.route is not None and b.good.any():  # host batches wrote their records beside the data
                 await self._write_records(b, refused)
             if self.strict and b.good.any():
                 await self._sync_written(b)
@@ -235,10 +236,11 @@ class PutPath:
             b.plan.release(self._bounce)
         await self._publish(b, results, refused)
 
-    async def _write_records(self, b: WriteBatch, refused) -> None:
-        """Each written object's record into its segment's area, the touched blocks written; an
-        object whose block did not land is not durable (the fdatasync after covers both)."""
-        j = np.flatnonzero(b.good)
+    async def _write_records(self, b: WriteBatch, refused, early: bool = False) -> None:
+        """Each written object's record (``early``: every object's, its data still in flight) into
+        its segment's area, the touched blocks written; an object whose block did not land is not
+        durable (``b.lost``; the fdatasync after covers records and data)."""
+        j = np.arange(len(b.todo)) if early else np.flatnonzero(b.good)
         recs48, enc = b.pre if b.pre is not None else self._pack_pending(b)
         sub = recs48[j]
         recs = make_records(b.segs[j], b.offs[j], b.nbytes[j], b.gen, b.crcs[j], sub["depth"], sub["key_crc"],
@@ -247,10 +249,11 @@ class PutPath:
         b.recorded[j] = True
         failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)
         if failed:
-            lost = b.good & np.isin(b.segs, list(failed))
-            for k in np.flatnonzero(lost)[:1].tolist():
-                refused.add(b.key(k), "index record write failed")
-            b.good &= ~lost
+            b.lost = np.isin(b.segs, list(failed))
+            if not early:  # early: the data write's outcome is not known yet (_write reports)
+                for k in np.flatnonzero(b.lost & b.good)[:1].tolist():
+                    refused.add(b.key(k), "index record write failed")
+                b.good &= ~b.lost
 
     def _unrecord(self, b: WriteBatch, js) -> None:
         """Clear the records of objects whose slots go back unpublished (rewritten with the next
@@ -291,14 +294,26 @@ class PutPath:
                 else:
                     write = self._write_device(b.route, fds, b.offs, plan.io_addr, plan.io_len)
                 task = asyncio.ensure_future(write)
+                rec = None
                 if b.route is None:
                     # the write task submits on the next loop pass; the index records (all
                     # but their CRC and generation) are packed while it runs. Keys and depths
                     # were checked before the slots were reserved: this cannot fail.
                     await asyncio.sleep(0)
                     b.pre = self._pack_pending(b)
+                    # once the CRCs are in, the records go out while the data is still landing:
+                    # the fdatasync after both covers both, and a record whose data did not land
+                    # is unconfirmed, so a rebuild checks it against the data
+                    await wait_out(b.crc_job)
+                    b.crcs = b.crc_out
+                    rec = asyncio.ensure_future(self._write_records(b, refused, early=True))
                 res = await self._await_io(task, "write", segs)
                 self._note_written(b, res, refused)
+                if rec is not None:
+                    await asyncio.shield(rec)  # never raises; keeps running if our caller gives up
+                    for j in np.flatnonzero(b.good & b.lost)[:1].tolist():
+                        refused.add(b.key(j), "index record write failed")
+                    b.good &= ~b.lost
             except Exception as e:  # noqa: BLE001 - EngineClosed, validation: the batch fails
                 log.error("%s: write batch failed: %s", self.path, e)
                 b.good[:] = False

@@ -235,11 +235,18 @@ class RecordAreas:
         segs = {s for s, _ in blocks}
         for s in segs:
             blocks |= {(s, b) for b in self.dirty.get(s, ())}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         while True:
             pending = {self._busy[b] for b in blocks if b in self._busy}
             if not pending:
                 break
-            await asyncio.wait(pending)
+            if loop.time() >= deadline:  # an earlier image of these blocks is stuck in the device
+                log.error("record blocks of segments %s are still being written after io_timeout_s", sorted(segs))
+                for s, b in blocks:
+                    self.dirty.setdefault(s, set()).add(b)
+                return segs
+            await asyncio.wait(pending, timeout=deadline - loop.time())
         sb = self.segment_bytes
         order = sorted(blocks, key=lambda sb_: (sb_[0], -sb_[1]))  # file order: higher blocks sit lower
         for s in segs:
@@ -289,10 +296,17 @@ class RecordAreas:
                 self.dirty.setdefault(s, set()).add(b)
         return failed
 
-    async def settle(self) -> None:
-        """Wait for every block write in flight (close)."""
+    async def settle(self, timeout_s: float) -> bool:
+        """Wait (bounded) for every block write in flight (close); False when some outlived it:
+        closing the engine then fails them, and their image buffers live until it has."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         while self._busy:
-            await asyncio.wait(set(self._busy.values()))
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            await asyncio.wait(set(self._busy.values()), timeout=left)
+        return True
 
     def load_all(self, segs) -> None:
         """Build the areas of these segments now (open paths that write every area)."""
