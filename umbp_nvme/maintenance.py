@@ -391,7 +391,6 @@ def free_ranges(path: str) -> tuple[dict[int, list[tuple[int, int]]], set[int], 
 def rebuild_index_dir(path: str) -> dict:
     """``verify --rebuild-index``: write a new index.lmdb from the records in the segments (the
     old one, if any, moved aside). Takes the writer lock (StoreLockedError while a writer runs)."""
-    from .store.index import Index
     from .store.layout import map_size_bytes
     from .store.rebuild import rebuild_index
 

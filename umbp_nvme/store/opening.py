@@ -24,9 +24,7 @@ from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, Unsafe
 from ..keybytes import encode_key
 from . import layout
 from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
-from .index import key_crcs
-from .rebuild import boot_id, rebuild_index, write_area
-from .records import R_CONFIRMED, R_VALID, RecordAreas, make_records
+from .rebuild import boot_id
 from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
 from .rows import RowTable
 from .segments import SegmentAllocator, SegmentFiles, segment_name
@@ -262,23 +260,6 @@ class OpenSteps:
         self._scan_next_gen = time.time_ns() // 1000
         self._index.set_writer_state(b"open:" + boot_id())
 
-    def _rebuild_from_segments(self, ipath: str, map_size: int, why: str) -> None:
-        """Move the index aside (if any) and write a new one from the segments' records."""
-        if self._index is not None:
-            self._index.close()
-            self._index = None
-        try:
-            self._index = rebuild_index(self.path, ipath, self.segment_bytes, self.capacity_bytes // self.segment_bytes,
-                                        map_size, why)  # fmt: skip
-        except OSError as e:
-            raise StoreError(f"{why}, and rebuilding it from the segments failed: {e}") from None
-        except lmdb.Error as e:
-            raise wrap_lmdb_error(ipath, e, "rebuilding it from the segments") from None
-        self._scan = self._index.scan()
-        self._scan_next_gen = max(self._index.next_generation(), time.time_ns() // 1000)
-        self._rebuilt = why
-        self._index.set_writer_state(b"open:" + boot_id())
-
     def _rebuild_index(self, ipath: str, map_size: int) -> None:
         """The scan found damaged nodes (and left their keys out): move the file aside and write
         a new index holding every record that scanned clean, so nothing intact is lost and no
@@ -349,46 +330,6 @@ class OpenSteps:
                       self.path, self._scan_next_gen)  # fmt: skip
             self._scan_next_gen = max(gen_max + 1, time.time_ns() // 1000)
         self._clock = max(self._scan_next_gen, gen_max + 1)
-
-    def _load_records(self, keys: list, recs: np.ndarray) -> None:
-        """The record areas in memory, from the rows; brought to disk where it may be behind.
-
-        After a rebuild, an unclean close or for a store made before the records (migrated here,
-        then the manifest says so): the data is fdatasynced first, so every record may say
-        confirmed, then every area is written and synced. A clean open writes nothing.
-        """
-        self._areas = RecordAreas(self.segment_bytes, self._segment_records)
-        n = len(keys)
-        if not (self._migrate or self._rebuilt or self._unclean):
-            return
-        t0 = time.perf_counter()
-        segs = sorted(self._files.files)
-        self._areas.load_all(segs)
-        for s in segs:
-            os.fdatasync(self._files.files[s].fd)
-        for s in segs:
-            write_area(os.path.join(self.path, segment_name(s)), self.segment_bytes, self._areas.areas.get(s),
-                       self._areas.cls.get(s, 0))  # fmt: skip
-        if self._migrate:
-            self.manifest["layout"]["record_bytes"] = layout.SEGMENT_RECORD_BYTES
-            layout.write_manifest(os.path.join(self.path, MANIFEST_FILE), self.manifest)
-            self._index.set_writer_state(b"open:" + boot_id())
-        log.warning("%s: wrote the record areas of %d segments (%d records, %s) in %.2f s", self.path, len(segs), n,
-                    "migrated to records in the segments" if self._migrate else "after a rebuild or unclean close",
-                    time.perf_counter() - t0)  # fmt: skip
-        self._migrate = False
-
-    def _segment_records(self, seg: int):
-        """The sealed records of segment ``seg``'s published objects, from the rows (all confirmed:
-        a clean close confirmed them on disk; other opens write every area before serving)."""
-        t = self._rows
-        n = t.n
-        rows = np.flatnonzero(t.live[:n] & (t.seg[:n] == seg))
-        if not len(rows):
-            return None
-        enc = [encode_key(t.key[r]) for r in rows.tolist()]
-        return make_records(t.seg[rows], t.off[rows], t.len[rows], t.gen[rows], t.crc[rows], t.depth[rows],
-                            key_crcs(enc), enc, R_VALID | R_CONFIRMED)  # fmt: skip
 
     def _drop_unreadable(self, keys: list, recs: np.ndarray, n_segments: int):
         """(keys, records) the allocator accepts and whose bytes are on disk; the rest deleted from the index.

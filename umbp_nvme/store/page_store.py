@@ -31,6 +31,7 @@ from .get_path import GetPath
 from .memory import Ranges
 from .opening import OpenSteps
 from .put_path import PutPath
+from .record_steps import RecordSteps
 from .space import SpaceSteps
 from .staging import BouncePool
 from .waits import IoWaits
@@ -51,7 +52,7 @@ COUNTERS = (
 )  # fmt: skip
 
 
-class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
+class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
     # Per-instance once set; class defaults so every open path has them.
@@ -249,30 +250,6 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
         except Exception as e:  # noqa: BLE001 - lmdb.Error (ENOSPC, MapFull) becomes a failed batch
             log.error("%s: index commit of %d puts / %d deletes failed: %s", self.path, len(puts), len(deletes), e)
             return False
-
-    async def _tombstone(self, rows) -> list | None:
-        """Clear the rows' records in their segments durably (strict: fdatasync); the undo list,
-        or None when a block write or sync failed (the records are restored in memory)."""
-        t = self._rows
-        touched, undo = self._areas.clear(t.seg[rows], t.off[rows], t.len[rows])
-        if not touched:
-            return undo
-        failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)
-        if not failed and self.strict:
-            segs = sorted({s for s, _ in touched})
-            done = await asyncio.gather(
-                *(asyncio.wait_for(self._write_engine.sync(int(self._files.fds[s])), self.timeout_s) for s in segs),
-                return_exceptions=True,
-            )
-            failed = {s for s, r in zip(segs, done) if isinstance(r, BaseException)}
-        if failed:
-            log.error("%s: clearing %d records in segments %s failed; the objects stay", self.path, len(rows),
-                      sorted(failed))  # fmt: skip
-            self._areas.restore(undo)
-            for s, blk in touched:
-                self._areas.dirty.setdefault(s, set()).add(blk)
-            return None
-        return undo
 
     async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
         """Durably remove rows' keys from the index, then free their slots. Caller holds no lock."""

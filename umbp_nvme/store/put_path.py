@@ -17,10 +17,9 @@ import numpy as np
 from ..engine.base import errno_name
 from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key, key_error
-from .index import FLAG_CRC, FLAG_KEYCRC, REC_BYTES, REC_DTYPE, key_crcs
-from .records import R_VALID, make_records
+from .index import FLAG_CRC, REC_BYTES
 from .layout import SLOT_ALIGN_BYTES
-from .checks import Refusals, encode_all, plain_keys
+from .checks import Refusals, plain_keys
 from .memory import int_arg
 from . import staging
 from .staging import settle, wait_out
@@ -236,36 +235,6 @@ class PutPath:
             b.plan.release(self._bounce)
         await self._publish(b, results, refused)
 
-    async def _write_records(self, b: WriteBatch, refused, early: bool = False) -> None:
-        """Each written object's record (``early``: every object's, its data still in flight) into
-        its segment's area, the touched blocks written; an object whose block did not land is not
-        durable (``b.lost``; the fdatasync after covers records and data)."""
-        j = np.arange(len(b.todo)) if early else np.flatnonzero(b.good)
-        recs48, enc = b.pre if b.pre is not None else self._pack_pending(b)
-        sub = recs48[j]
-        recs = make_records(b.segs[j], b.offs[j], b.nbytes[j], b.gen, b.crcs[j], sub["depth"], sub["key_crc"],
-                            [enc[i] for i in j.tolist()], R_VALID)  # fmt: skip
-        touched = self._areas.put(recs)
-        b.recorded[j] = True
-        failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)
-        if failed:
-            b.lost = np.isin(b.segs, list(failed))
-            if not early:  # early: the data write's outcome is not known yet (_write reports)
-                for k in np.flatnonzero(b.lost & b.good)[:1].tolist():
-                    refused.add(b.key(k), "index record write failed")
-                b.good &= ~b.lost
-
-    def _unrecord(self, b: WriteBatch, js) -> None:
-        """Clear the records of objects whose slots go back unpublished (rewritten with the next
-        write of their blocks; a rebuild meanwhile checks them against their data)."""
-        js = np.asarray(js, np.int64)
-        if len(js) and b.recorded[js].any():
-            js = js[b.recorded[js]]
-            touched, _ = self._areas.clear(b.segs[js], b.offs[js], b.nbytes[js])
-            for s, blk in touched:
-                self._areas.dirty.setdefault(s, set()).add(blk)
-            b.recorded[js] = False
-
     async def _write(self, b: WriteBatch, refused) -> None:
         """Stage, checksum and write the batch; ``b.good`` says which objects are on the file."""
         files, segs, m = self._files, b.segs, len(b.todo)
@@ -304,16 +273,11 @@ class PutPath:
                     # once the CRCs are in, the records go out while the data is still landing:
                     # the fdatasync after both covers both, and a record whose data did not land
                     # is unconfirmed, so a rebuild checks it against the data
-                    await wait_out(b.crc_job)
-                    b.crcs = b.crc_out
-                    rec = asyncio.ensure_future(self._write_records(b, refused, early=True))
+                    rec = await self._records_early(b, refused)
                 res = await self._await_io(task, "write", segs)
                 self._note_written(b, res, refused)
                 if rec is not None:
-                    await asyncio.shield(rec)  # never raises; keeps running if our caller gives up
-                    for j in np.flatnonzero(b.good & b.lost)[:1].tolist():
-                        refused.add(b.key(j), "index record write failed")
-                    b.good &= ~b.lost
+                    await self._records_landed(b, rec, refused)
             except Exception as e:  # noqa: BLE001 - EngineClosed, validation: the batch fails
                 log.error("%s: write batch failed: %s", self.path, e)
                 b.good[:] = False
@@ -417,25 +381,6 @@ class PutPath:
                     else:
                         results[i] = True  # another put of the same key published first: keep its bytes
 
-    def _records(self, b: WriteBatch, pj, pub_idx, pub_keys, gen):
-        """(index records, encoded keys) of the objects ``pj`` of the batch, stamped with ``gen``."""
-        if b.pre is not None:
-            all_recs, enc_keys = b.pre
-            full = len(pj) == len(b.todo)
-            recs = all_recs if full else all_recs[pj]
-            enc = enc_keys if full else [enc_keys[j] for j in pj.tolist()]
-        else:
-            depths = b.depths
-            recs = np.zeros(len(pj), REC_DTYPE)
-            recs["segment"], recs["length"], recs["offset"] = b.segs[pj], b.nbytes[pj], b.offs[pj]
-            recs["depth"] = -1 if depths is None else np.asarray([int(depths[i]) for i in pub_idx], np.int32)
-            recs["flags"] = FLAG_CRC | FLAG_KEYCRC
-            enc = encode_all(pub_keys)
-            recs["key_crc"] = key_crcs(enc)
-        recs["generation"] = recs["group"] = gen
-        recs["crc"] = b.crcs[pj]
-        return recs, enc
-
     def _add_rows(self, b: WriteBatch, pj, pub_keys, recs, gen) -> None:
         t = self._rows
         rows = t.new(len(pj))
@@ -455,24 +400,6 @@ class PutPath:
             row_key[r] = k
         self._keys.update(zip(pub_keys, rows_l))
         self._counters["bytes_written"] += int(b.nbytes[pj].sum())
-
-    @staticmethod
-    def _pack_pending(b: WriteBatch):
-        """(records, encoded keys) for every object of a write batch, CRC and generation left 0."""
-        todo, depths = b.todo, b.depths
-        recs = np.zeros(len(todo), REC_DTYPE)
-        recs["segment"], recs["length"], recs["offset"] = b.segs, b.nbytes, b.offs
-        todo_l = todo.tolist()
-        if depths is None:
-            recs["depth"] = -1
-        elif isinstance(depths, np.ndarray):
-            recs["depth"] = depths[todo]
-        else:
-            recs["depth"] = np.asarray([depths[i] for i in todo_l], np.int32)
-        recs["flags"] = FLAG_CRC | FLAG_KEYCRC
-        enc = encode_all(b.keys, todo_l)
-        recs["key_crc"] = key_crcs(enc)
-        return recs, enc
 
     async def _write_device(self, route: str, fds, offs, addrs, lens):
         """(results, crcs) for a write from CUDA memory; the CRC is computed on a host copy."""

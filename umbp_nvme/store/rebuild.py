@@ -20,7 +20,7 @@ import numpy as np
 from ..keybytes import decode_keys
 from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, key_crcs
 from .layout import GENERATION_MAX, SLOT_ALIGN_BYTES, record_slots, segment_files
-from .records import (KEY_INLINE, MAGIC, PER_BLOCK, area_blocks, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_BYTES, RECORD_DTYPE,
+from .records import (KEY_INLINE, MAGIC, PER_BLOCK, area_blocks, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE,
                       record_crcs)  # fmt: skip
 
 log = logging.getLogger("umbp_nvme.store")
