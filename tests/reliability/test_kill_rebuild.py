@@ -43,15 +43,27 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _run_and_kill(path: str, rnd: int, mode: str, after_s: float) -> tuple[dict, set]:
+def _run_and_kill(path: str, rnd: int, mode: str, after_batches: int, delay_s: float) -> tuple[dict, set]:
+    """Run the child until it acknowledged ``after_batches`` batches, let it go on ``delay_s``
+    (mid-batch, most likely), SIGKILL it; (acknowledged key -> size, acknowledged deletes)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     p = subprocess.Popen([sys.executable, "-c", _CHILD, path, str(rnd), os.path.join(ROOT, "tests"), mode],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
-    time.sleep(after_s)
-    p.send_signal(signal.SIGKILL)
+    lines = []
+    deadline = time.monotonic() + 120
+    try:
+        while sum(1 for x in lines if x.startswith("put")) < after_batches and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        time.sleep(delay_s)
+    finally:
+        p.send_signal(signal.SIGKILL)
     out, _ = p.communicate(timeout=60)
+    text = "".join(lines) + out
     acked, deleted = {}, set()
-    for line in out.split("\n")[:-1]:  # the last piece was cut by the kill (or is empty)
+    for line in text.split("\n")[:-1]:  # the last piece was cut by the kill (or is empty)
         kind, *items = line.split()
         if kind == "put":
             for it in items:
@@ -69,7 +81,7 @@ async def test_sigkill_mid_batch_then_index_lost_loses_no_acknowledged_object(tm
     acked: dict[str, int] = {}
     deleted: set[str] = set()
     for rnd in range(3):
-        a, d = _run_and_kill(path, rnd, mode, rng.uniform(1.2, 2.5))
+        a, d = _run_and_kill(path, rnd, mode, rng.randrange(3, 40), rng.uniform(0.0, 0.05))
         acked.update(a)
         deleted |= d
         assert a, "the child acknowledged nothing before the kill"
