@@ -330,6 +330,7 @@ class OpenSteps:
                       self.path, self._scan_next_gen)  # fmt: skip
             self._scan_next_gen = max(gen_max + 1, time.time_ns() // 1000)
         self._clock = max(self._scan_next_gen, gen_max + 1)
+        self._open_clock = self._clock  # records of objects put before this open are confirmed on disk
 
     def _drop_unreadable(self, keys: list, recs: np.ndarray, n_segments: int):
         """(keys, records) the allocator accepts and whose bytes are on disk; the rest deleted from the index.

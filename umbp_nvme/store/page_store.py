@@ -341,7 +341,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
     async def _flush(self) -> bool:
         """Data durable, then every record confirmed and its block written, then synced again."""
         t = self._rows
-        live = t.live[: t.n].nonzero()[0] if t is not None else []
+        # only this session's puts can be unconfirmed (strict ones were confirmed at publish)
+        live = (t.live[: t.n] & (t.gen[: t.n] > self._open_clock)).nonzero()[0] if t is not None else []
         snap = (t.seg[live].copy(), t.off[live].copy(), t.len[live].copy(), t.gen[live].copy()) if len(live) else None
         ok = await self._sync_all()
         if ok and snap is not None:
