@@ -259,9 +259,27 @@ def _live_counters(store: str) -> dict | None:
         return None
 
 
+def cmd_rebuild_index(args) -> int:
+    from .errors import StoreLockedError
+    from .maintenance import rebuild_index_dir
+
+    try:
+        s = rebuild_index_dir(args.store)
+    except StoreLockedError as e:
+        raise CliError(f"verify --rebuild-index needs the store to itself: {e}") from None
+    bad = s["bad_records"] + s["data_bad"]
+    text = (f"rebuilt the index of {args.store} from {s['segments']} segments in {s['seconds']:.2f} s: "
+            f"{s['records']} objects" + (f"; {bad} records failed their checks and were left out" if bad else "")
+            + (f"; {s['long_keys']} objects with keys over 208 bytes cannot be rebuilt" if s["long_keys"] else ""))
+    _emit(args, s, text)
+    return EXIT_OK if not bad and not s["long_keys"] else EXIT_PROBLEMS
+
+
 def cmd_verify(args) -> int:
     from .maintenance import StoreReader, verify_records
 
+    if getattr(args, "rebuild_index", False):
+        return cmd_rebuild_index(args)
     if args.repair:
         _refuse_if_locked(args.store, "verify --repair")
     with StoreReader(args.store) as r:
@@ -489,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
              "Read every object and check its CRC32C. Without --repair it is read-only and works beside a running server.")
     _store_arg(v)
     v.add_argument("--repair", action="store_true", help="drop the bad entries (needs the store to itself)")
+    v.add_argument("--rebuild-index", action="store_true",
+                   help="write a new index.lmdb from the records in the segments (needs the store to itself); "
+                        "exit 1 when some records failed their checks")  # fmt: skip
     _config_args(v)
     _output_args(v, progress=False)
     v.set_defaults(func=cmd_verify)

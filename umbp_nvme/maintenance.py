@@ -28,6 +28,8 @@ from .errors import NotAStoreError
 from .keybytes import KeyEncodingError, encode_key
 from .store.index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
 from .store.layout import SLOT_ALIGN_BYTES, lock_holder, read_manifest, segment_files, segment_name
+from .store.layout import has_records, recorded_capacity_bytes, take_lock
+from .store.records import area_blocks
 from .store.segments import SegmentAllocator, size_classes
 
 log = logging.getLogger(__name__)
@@ -347,20 +349,27 @@ def _punch_hole(fd: int, offset: int, length: int) -> None:
 
 def free_ranges(path: str) -> tuple[dict[int, list[tuple[int, int]]], set[int], int]:
     """Per segment, the byte ranges no live record uses, merged; the segments with no record at
-    all; and the number of records the store itself would drop at open (kept out of the count)."""
+    all; and the number of records the store itself would drop at open (kept out of the count).
+    A segment's record area (at its tail, sized by its class) is never free."""
     with StoreReader(path) as r:
         names, recs = r.scan()
         seg_bytes = r.segment_bytes
+        records = has_records(r.manifest)
     on_disk = segment_files_on_disk(path)
     # records in segments without a file are dropped below; a damaged segment number must not size this
     n_segments = max(on_disk, default=-1) + 1
-    alloc = SegmentAllocator(max(n_segments, 1), seg_bytes)
+    alloc = SegmentAllocator(max(n_segments, 1), seg_bytes, records=records)
     keep = alloc.rebuild(recs["segment"], recs["offset"], recs["length"], recs["generation"]) if len(recs) else np.zeros(0, bool)
     live = recs[keep] if len(recs) else recs
     used: dict[int, list[tuple[int, int]]] = defaultdict(list)
     cls = size_classes(live["length"]) if len(live) else np.zeros(0, np.int64)
     for s, o, c in zip(live["segment"].tolist(), live["offset"].tolist(), cls.tolist()):
         used[int(s)].append((int(o), int(o) + int(c)))
+    if records:
+        for s in list(used):
+            c = alloc.seg_class[s] if s < len(alloc.seg_class) else 0
+            if c:
+                used[s].append((seg_bytes - area_blocks(seg_bytes, c) * SLOT_ALIGN_BYTES, seg_bytes))
     ranges: dict[int, list[tuple[int, int]]] = {}
     empty = set()
     for s in on_disk:
@@ -377,6 +386,39 @@ def free_ranges(path: str) -> tuple[dict[int, list[tuple[int, int]]], set[int], 
             gaps.append((pos, seg_bytes))
         ranges[s] = gaps
     return ranges, empty, int((~keep).sum()) if len(recs) else 0
+
+
+def rebuild_index_dir(path: str) -> dict:
+    """``verify --rebuild-index``: write a new index.lmdb from the records in the segments (the
+    old one, if any, moved aside). Takes the writer lock (StoreLockedError while a writer runs)."""
+    from .store.layout import map_size_bytes
+    from .store.rebuild import rebuild_index
+
+    path = os.path.abspath(path)
+    m = read_manifest(path)
+    if not has_records(m):
+        raise NotAStoreError(
+            f"{path} was written before the segments held index records; open it once with a writer "
+            "(it migrates) before rebuilding its index from the segments"
+        )
+    fd = take_lock(path)
+    try:
+        seg = int(m["layout"]["segment_bytes"])
+        on_disk = segment_files(path)
+        cap = recorded_capacity_bytes(m) or (max(on_disk, default=0) + 1) * seg
+        n_segments = max(cap // seg, max(on_disk, default=-1) + 1)
+        ipath = os.path.join(path, INDEX_FILE)
+        summary: dict = {}
+        ix = rebuild_index(path, ipath, seg, n_segments, map_size_bytes(cap), "verify --rebuild-index",
+                           summary_out=summary)  # fmt: skip
+        try:
+            ix.set_writer_state(b"clean")
+        finally:
+            ix.close()
+    finally:
+        os.close(fd)
+    summary["store"] = path
+    return summary
 
 
 def compact_dir(path: str, *, interior: bool = True) -> dict:

@@ -133,13 +133,39 @@ async def _get_check(st, keys, n=N):
     return res
 
 
+def _data_op(op, fd, off, n) -> bool:
+    """An object's write, not a record block's: records sit in the segment's last blocks."""
+    return off + n <= small_config().ssd_segment_size_bytes - 64 * KiB
+
+
+@pytest.mark.parametrize("kind", ["eio", "enospc", "short"])
+async def test_record_write_faults_fail_the_batch_and_are_never_published(store_dir, kind):
+    st, plan = await _store(store_dir)
+    good = _keys("g", 4)
+    assert await _put(st, good) == [True] * 4
+    bad = _keys("b", 8)
+    plan.set_rules([FaultRule(kind, ops=("write",), predicate=lambda *a: not _data_op(*a))])
+    assert await _put(st, bad) == [False] * 8 and plan.total_injected >= 1
+    assert await st.exists_many(bad) == [False] * 8
+    plan.clear()
+    assert await _get_check(st, good + bad) == [True] * 4 + [False] * 8
+    assert all(await _put(st, bad))  # the slots and records are usable again
+    assert all(await _get_check(st, good + bad))
+    await st.close()
+    st = await PageStore.open(store_dir, small_config())
+    assert all(await _get_check(st, good + bad))
+    await st.close()
+
+
 @pytest.mark.parametrize("kind", ["eio", "enospc", "short"])
 async def test_write_faults_are_per_key_false_and_never_published(store_dir, kind):
     st, plan = await _store(store_dir)
     good = _keys("g", 4)
     assert await _put(st, good) == [True] * 4
     bad = _keys("b", 8)
-    plan.set_rules([FaultRule(kind, ops=("write",), probability=0.5)])
+    # the objects' own writes (issue 14: the record blocks at the segment's tail are one more write
+    # per batch; their faults are test_record_write_faults_fail_the_batch_and_are_never_published)
+    plan.set_rules([FaultRule(kind, ops=("write",), probability=0.5, predicate=_data_op)])
     res = await _put(st, bad)
     assert 0 < res.count(False) < 8 and plan.total_injected == res.count(False)
     assert await st.exists_many(bad) == res  # a failed write is never visible

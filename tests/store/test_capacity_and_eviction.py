@@ -12,6 +12,9 @@ import numpy as np
 from support.faults import EngineHooks
 from conftest import KiB, MiB, payload, small_config
 from umbp_nvme.store import PageStore
+from umbp_nvme.store.layout import record_slots
+
+PER_64K = record_slots(MiB, 64 * KiB)  # 64 KiB slots per 1 MiB segment: 15, the tail holds their records
 
 
 def disk_bytes(path: str) -> int:
@@ -100,14 +103,14 @@ async def test_size_class_without_room_reclaims_a_whole_segment(store_dir):
     cap = 4 * MiB
     st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB,
                                                       ssd_high_watermark=1.0, ssd_low_watermark=0.99))
-    small = await fill(st, "s", cap // (64 * KiB), 64 * KiB)  # every segment now belongs to 64 KiB
+    small = await fill(st, "s", 4 * PER_64K, 64 * KiB, batch=PER_64K)  # every segment now belongs to 64 KiB
     assert st.stats()["segments_free"] == 0
     assert await st.put_many(["big"], [payload("big", 512 * KiB)]) == [True]
     out = np.zeros(512 * KiB, np.uint8)
     assert await st.get_many(["big"], [out]) == [True] and bytes(out) == bytes(payload("big", 512 * KiB))
     s = st.stats()
-    assert s["evictions"] == 1 * MiB // (64 * KiB)  # exactly one segment's worth
-    assert s["size_classes"] == {64 * KiB: len(small) - 16, 512 * KiB: 1}
+    assert s["evictions"] == PER_64K  # exactly one segment's worth
+    assert s["size_classes"] == {64 * KiB: len(small) - PER_64K, 512 * KiB: 1}
     await st.close()
 
 
@@ -152,8 +155,8 @@ async def test_put_that_cannot_get_space_fails_only_that_key(store_dir):
     st = await PageStore.open(
         store_dir, small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB), engine_factory=hooks.engine_factory()
     )
-    # all 16 slots pinned by an in-flight read: nothing can be evicted
-    keys = await fill(st, "p", 16, 64 * KiB)
+    # all slots pinned by an in-flight read: nothing can be evicted
+    keys = await fill(st, "p", PER_64K, 64 * KiB)
     started, gate = asyncio.Event(), asyncio.Event()
 
     async def held_read(real, *a):
@@ -167,7 +170,7 @@ async def test_put_that_cannot_get_space_fails_only_that_key(store_dir):
     r = await st.put_many(["x", "tiny"], [payload("x", 64 * KiB), payload("tiny", 64 * KiB)])
     assert r == [False, False]
     gate.set()
-    assert await reader == [True] * 16
+    assert await reader == [True] * PER_64K
     hooks.read = None
     assert await st.put_many(["x"], [payload("x", 64 * KiB)]) == [True]  # usable again
     await st.close()

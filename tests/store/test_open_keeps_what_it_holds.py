@@ -23,11 +23,13 @@ from umbp_nvme.store import segments as segments_mod
 from support.faults import FaultPlan, FaultRule
 from umbp_nvme.errors import CapacityShrinkError, IndexDamagedError, NotAStoreError, StoreError
 from umbp_nvme.store.index import INDEX_FILE
+from umbp_nvme.store.layout import record_slots
 from umbp_nvme.store.segments import segment_name
 from umbp_nvme.store import LOCK_FILE, MANIFEST_FILE, PageStore, lock_holder, read_manifest
 from umbp_nvme.store.sync import SyncPageStore
 
 OBJ = 64 * KiB
+PER = record_slots(MiB, OBJ)  # 64 KiB slots per 1 MiB segment: 15, the tail holds their records (issue 14)
 
 
 def cfg(cap_mib: int, **kw):
@@ -50,7 +52,7 @@ def seg_files(path):
 
 
 async def filled(path, cap_mib=8, n=100, prefix="k"):
-    """A store of cap_mib with n objects of 64 KiB (16 per 1 MiB segment); returns the keys."""
+    """A store of cap_mib with n objects of 64 KiB (PER per 1 MiB segment); returns the keys."""
     st = await PageStore.open(path, cfg(cap_mib))
     keys = [f"{prefix}{i}" for i in range(n)]
     for lo in range(0, n, 16):
@@ -105,16 +107,17 @@ async def test_deliberate_shrink_evicts_durably_and_records_it(store_dir, caplog
     caplog.set_level(logging.WARNING, logger="umbp_nvme.store")
     st = await PageStore.open(store_dir, cfg(3), shrink=True)
     s = st.stats()
-    assert s["usable_bytes"] == 3 * MiB and s["objects"] == 48  # the objects of segments 0..2 stay
+    assert s["usable_bytes"] == 3 * MiB and s["objects"] == 3 * PER  # the objects of segments 0..2 stay
     ok = await check(st, keys)
-    assert ok == [i < 48 for i in range(100)]
+    assert ok == [i < 3 * PER for i in range(100)]
     await st.close()
     assert seg_files(store_dir) == [segment_name(i) for i in range(3)]
     assert read_manifest(store_dir)["ssd_capacity_bytes"] == 3 * MiB
-    assert any("shrinking" in r.getMessage() and "evicting 52 objects" in r.getMessage() for r in caplog.records)
+    assert any("shrinking" in r.getMessage() and f"evicting {100 - 3 * PER} objects" in r.getMessage()
+               for r in caplog.records)
     # evictions are durable: a reopen with the old capacity finds nothing of them
     st = await PageStore.open(store_dir, cfg(8))
-    assert st.stats()["objects"] == 48 and not any((await st.exists_many(keys))[48:])
+    assert st.stats()["objects"] == 3 * PER and not any((await st.exists_many(keys))[3 * PER :])
     await st.close()
 
 
@@ -122,7 +125,7 @@ def test_sglang_facade_treats_a_lower_configured_capacity_as_a_shrink(store_dir)
     asyncio.run(filled(store_dir, 8, 100))
     st = SyncPageStore(store_dir, cfg(4))
     try:
-        assert st.stats()["usable_bytes"] == 4 * MiB and st.stats()["objects"] == 64
+        assert st.stats()["usable_bytes"] == 4 * MiB and st.stats()["objects"] == 4 * PER
     finally:
         st.close()
     with pytest.raises(CapacityShrinkError):
@@ -170,13 +173,13 @@ async def test_transient_segment_open_failure_refuses_and_keeps_the_index(store_
 
 
 async def test_gone_or_short_segments_drop_only_what_they_lost(store_dir):
-    keys = await filled(store_dir, 8, 48)  # segments 0, 1, 2 full (16 objects each)
+    keys = await filled(store_dir, 8, 3 * PER)  # segments 0, 1, 2 full (PER objects each)
     os.unlink(os.path.join(store_dir, segment_name(0)))
-    os.truncate(os.path.join(store_dir, segment_name(1)), 5 * OBJ)  # objects 16..20 intact
+    os.truncate(os.path.join(store_dir, segment_name(1)), 5 * OBJ)  # objects PER..PER+4 intact
     st = await PageStore.open(store_dir, cfg(8))
     ok = await check(st, keys)
-    assert ok == [16 <= i < 21 or i >= 32 for i in range(48)]
-    assert st.stats()["objects"] == 21
+    assert ok == [PER <= i < PER + 5 or i >= 2 * PER for i in range(3 * PER)]
+    assert st.stats()["objects"] == PER + 5
     assert all(await put(st, [f"new{i}" for i in range(64)]))  # the space is reused
     await st.close()
 
@@ -191,22 +194,26 @@ def _damage_index(path):
             f.write(b"\xa5" * 512)
 
 
-async def test_damaged_index_is_moved_aside_and_the_writer_starts_empty(store_dir, caplog):
-    keys = await filled(store_dir, 4, 60)  # nearly full
+async def test_damaged_index_is_moved_aside_and_the_writer_rebuilds_it(store_dir, caplog):
+    keys = await filled(store_dir, 4, 60)  # nearly full (the watermark evicted the oldest)
+    st = await PageStore.open(store_dir, cfg(4))
+    stored = [k for k, e in zip(keys, await st.exists_many(keys)) if e]
+    await st.close()
     _damage_index(store_dir)
     with pytest.raises(IndexDamagedError, match=os.path.join(store_dir, INDEX_FILE)):
         await PageStore.open(store_dir, cfg(4), readonly=True)
     caplog.set_level(logging.WARNING, logger="umbp_nvme.store")
     st = await PageStore.open(store_dir, cfg(4))
-    assert st.stats()["objects"] == 0 and not any(await st.exists_many(keys))
+    # issue 14: rebuilt from the records in the segments, every stored object is back, byte-exact
+    assert st.stats()["objects"] == len(stored) > 40 and all(await check(st, stored))
     aside = glob.glob(os.path.join(store_dir, INDEX_FILE + ".corrupt-*"))
     assert len(aside) == 1
     assert any("damaged" in r.getMessage() and aside[0] in r.getMessage() for r in caplog.records)
-    # the segments' space is reused: a store's worth of new objects fits without eviction
-    new = [f"n{i}" for i in range(57)]
+    # and it keeps caching: new objects evict old ones as usual
+    new = [f"n{i}" for i in range(32)]
     for lo in range(0, len(new), 16):
         assert all(await put(st, new[lo : lo + 16]))
-    assert st.stats()["evictions"] == 0 and all(await check(st, new))
+    assert all(await check(st, new))
     await st.close()
     ro = await PageStore.open(store_dir, cfg(4), readonly=True)
     assert all(await check(ro, new))

@@ -9,6 +9,7 @@ import numpy as np
 
 from conftest import small_config
 from umbp_nvme.store.index import INDEX_FILE, REC_DTYPE, Index
+from umbp_nvme.store.layout import record_slots
 from umbp_nvme.store.segments import segment_name
 from umbp_nvme.store import PageStore
 
@@ -18,7 +19,7 @@ SEG = 256 << 20
 
 def _fabricate(path: str) -> list[str]:
     """1 M committed 4 KiB records, written straight into the index (writing 4 GiB takes minutes)."""
-    per = SEG // 4096
+    per = record_slots(SEG, 4096)  # the segment's tail holds the slots' records (issue 14)
     recs = np.zeros(N, REC_DTYPE)
     i = np.arange(N)
     recs["segment"], recs["offset"], recs["length"] = i // per, (i % per) * 4096, 4096
@@ -36,7 +37,7 @@ def _fabricate(path: str) -> list[str]:
 
 
 async def test_reopen_of_1m_objects_under_2s(store_dir):
-    cfg = small_config(ssd_capacity_bytes=16 * SEG, ssd_segment_size_bytes=SEG)
+    cfg = small_config(ssd_capacity_bytes=17 * SEG, ssd_segment_size_bytes=SEG)  # 1 M 4 KiB slots
     st = await PageStore.open(store_dir, cfg)
     await st.close()
     keys = _fabricate(store_dir)

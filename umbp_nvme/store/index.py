@@ -57,6 +57,7 @@ _FLAGS_AT = REC_DTYPE.fields["flags"][1]
 _CREATING_WAIT_S = 2.0  # how long a reader waits for a new store's writer to create its databases
 _NEW_ENV_BYTES = 2 * 4096  # an environment whose two meta pages are not written yet is being created
 _META_NEXT_GEN = b"next_generation"
+_META_WRITER_STATE = b"writer_state"
 _U64 = struct.Struct("<Q")
 
 
@@ -379,6 +380,20 @@ class Index:
                 txn.cursor(db=self._objects).putmulti(puts, overwrite=True)
             if next_generation is not None:
                 txn.put(_META_NEXT_GEN, _U64.pack(next_generation), db=self._meta)
+
+    def writer_state(self) -> bytes | None:
+        """What the last writer left: b"clean" after a clean close, b"open:<boot id>" while open."""
+        try:
+            with self._read_txn(self._meta) as txn:
+                return txn.get(_META_WRITER_STATE)
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(self.path, e, "reading the writer state") from None
+
+    def set_writer_state(self, state: bytes) -> None:
+        """Record the writer state durably (commit and sync)."""
+        with self._env.begin(write=True) as txn:
+            txn.put(_META_WRITER_STATE, state, db=self._meta)
+        self._env.sync(True)
 
     def drop_all(self, *, next_generation: int) -> None:
         with self._env.begin(write=True) as txn:

@@ -37,6 +37,7 @@ SLOT_ALIGN_BYTES = DIO_ALIGN_BYTES  # slot offsets and sizes; a format fact too:
 
 SEGMENT_PREFIX, SEGMENT_SUFFIX = "seg-", ".dat"
 SEGMENTS_MAX = 1 << 20  # a segment file name beyond this is not one the store made
+SEGMENT_RECORD_BYTES = 256  # one record per 4 KiB of slots in the area after a segment's slots (records.py)
 GENERATION_MAX = 1 << 62  # generations (put batches) read from the index must stay below this
 
 
@@ -382,10 +383,28 @@ def new_manifest(capacity_bytes: int, segment_bytes: int, namespace: dict | None
         )
     return {
         "format_version": FORMAT_VERSION,
-        "layout": {"segment_bytes": seg, "slot_align_bytes": SLOT_ALIGN_BYTES},
+        "layout": {"segment_bytes": seg, "slot_align_bytes": SLOT_ALIGN_BYTES, "record_bytes": SEGMENT_RECORD_BYTES},
         "namespace": namespace or {},
         "ssd_capacity_bytes": int(capacity_bytes),
     }
+
+
+def record_slots(segment_bytes: int, cls: int) -> int:
+    """Slots of size class ``cls`` in a segment whose tail holds their records (records.py):
+    the most n with n slots plus ceil(n / 16) record blocks inside the segment."""
+    if cls <= 0 or cls > segment_bytes:
+        return 0
+    per = SLOT_ALIGN_BYTES // SEGMENT_RECORD_BYTES
+    n = min(segment_bytes // cls, (segment_bytes * per) // (per * cls + SLOT_ALIGN_BYTES) + 1)
+    while n > 0 and n * cls + -(-n // per) * SLOT_ALIGN_BYTES > segment_bytes:
+        n -= 1
+    return n
+
+
+def has_records(m: dict) -> bool:
+    """Whether the store keeps records in its segments (a store made before them has none until
+    its writer migrates it)."""
+    return (m.get("layout") or {}).get("record_bytes") == SEGMENT_RECORD_BYTES
 
 
 def segment_bytes_on_disk(path: str) -> int | None:

@@ -24,6 +24,7 @@ from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, Unsafe
 from ..keybytes import encode_key
 from . import layout
 from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
+from .rebuild import boot_id
 from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
 from .rows import RowTable
 from .segments import SegmentAllocator, SegmentFiles, segment_name
@@ -182,33 +183,67 @@ class OpenSteps:
     def _open_index(self) -> None:
         """Open index.lmdb; a writer also reads every record (``self._scan``).
 
-        The index is a cache of what the segments hold: a writer that finds it damaged moves it
-        aside (``index.lmdb.corrupt-<time>``) and starts empty, so the segments' space is reused.
-        A read-only opener raises IndexDamagedError naming the file.
+        The index is a cache of the records in the segments (records.py): a writer that finds it
+        missing, damaged, or possibly behind (the machine restarted while a writer had it open:
+        its commits are not synced) rebuilds it from the segments (rebuild.py). A store made
+        before the records existed keeps its index as the truth: a damaged one is moved aside
+        and the writer starts empty, and the writer migrates it once (``_migrate``). A read-only
+        opener raises IndexDamagedError naming the file.
         """
         ipath = os.path.join(self.path, INDEX_FILE)
         map_size = layout.map_size_bytes(self.capacity_bytes)
         self._scan = None
+        self._rebuilt = None
+        self._unclean = False
+        records = layout.has_records(self.manifest)
+        self._migrate = not self.readonly and not records
+        why = None
         if not self.readonly and not self._manifest_created and not os.path.lexists(ipath):
-            log.error(
-                "%s: the store index %s is missing; starting with an empty index (the objects it listed are lost; "
-                "their space is reused)", self.path, ipath,
-            )  # fmt: skip
-        try:
-            self._index = Index(ipath, readonly=self.readonly, map_size=map_size, durable=self.strict)
-            if not self.readonly:
-                self._scan = self._index.scan()
-                self._scan_next_gen = self._index.next_generation()
-                if self._index.scan_damage is not None:
-                    self._rebuild_index(ipath, map_size)
+            why = f"the store index {ipath} is missing"
+            if not records:
+                log.error("%s: %s; starting with an empty index (the objects it listed are lost; their space is "
+                          "reused)", self.path, why)  # fmt: skip
+                why = None
+        if why is not None:  # records in the segments, no index: rebuild without making an empty one first
+            lock = ipath + "-lock"
+            if os.path.lexists(lock):
+                os.unlink(lock)
+            self._rebuild_from_segments(ipath, map_size, why)
             return
+        try:
+            self._index = Index(ipath, readonly=self.readonly, map_size=map_size, durable=False)
+            if self.readonly:
+                return
+            self._scan = self._index.scan()
+            self._scan_next_gen = self._index.next_generation()
+            state = self._index.writer_state()
+            if self._index.scan_damage is not None:
+                why = why or f"the store index {ipath} is damaged ({self._index.scan_damage})"
+                if not records:
+                    self._rebuild_index(ipath, map_size)
+                    why = None
+            elif records and state is not None and state != b"clean":
+                self._unclean = True
+                if state != b"open:" + boot_id():
+                    why = why or f"the store index {ipath} may be behind its segments (the machine restarted " \
+                                 "while a writer had it open)"
+            if why is None:
+                self._index.set_writer_state(b"open:" + boot_id())
+                return
         except IndexDamagedError as e:
             if self.readonly:
                 raise
             if self._index is not None:
                 self._index.close()
                 self._index = None
-            reason = e
+            why = f"the store index {ipath} is damaged ({e})"
+            if not records:
+                self._reset_index(ipath, map_size, e)
+                return
+        self._rebuild_from_segments(ipath, map_size, why)
+
+    def _reset_index(self, ipath: str, map_size: int, reason) -> None:
+        """A store without records: a damaged index is moved aside and the writer starts empty."""
         try:
             dest = quarantine(ipath)
         except OSError as e:
@@ -220,11 +255,12 @@ class OpenSteps:
             "space is reused)",
             self.path, reason, dest,
         )  # fmt: skip
-        self._index = Index(ipath, readonly=False, map_size=map_size, durable=self.strict)
+        self._index = Index(ipath, readonly=False, map_size=map_size, durable=False)
         self._scan = self._index.scan()
         # generations keep growing across the reset: a follower still reading the old index
         # can never match a new record's generation to an old one
         self._scan_next_gen = time.time_ns() // 1000
+        self._index.set_writer_state(b"open:" + boot_id())
 
     def _rebuild_index(self, ipath: str, map_size: int) -> None:
         """The scan found damaged nodes (and left their keys out): move the file aside and write
@@ -240,12 +276,12 @@ class OpenSteps:
             raise StoreError(
                 f"store index {ipath} is damaged ({reason}) and cannot be moved aside ({e.strerror or e}); remove it"
             ) from None
-        self._index = Index(ipath, readonly=False, map_size=map_size, durable=self.strict)
+        self._index = Index(ipath, readonly=False, map_size=map_size, durable=False)
         blob = recs.tobytes()
         puts = [(encode_key(k), blob[i * REC_BYTES : (i + 1) * REC_BYTES]) for i, k in enumerate(keys)]
         try:
             self._index.commit(puts=puts, next_generation=self._scan_next_gen)
-            self._index.sync()
+            self._index.set_writer_state(b"open:" + boot_id())
         except lmdb.Error as e:
             raise wrap_lmdb_error(ipath, e, f"rebuilding it from {len(keys)} intact records") from None
         log.error(
@@ -270,7 +306,7 @@ class OpenSteps:
                 f"ssd_capacity_bytes={self.capacity_bytes} is smaller than this store's segment size "
                 f"({self.segment_bytes} bytes)"
             )
-        self._alloc = SegmentAllocator(n_segments, self.segment_bytes)
+        self._alloc = SegmentAllocator(n_segments, self.segment_bytes, records=True)
         self._high_bytes = int(self._alloc.capacity_bytes * self.config.ssd_high_watermark)
         self._low_bytes = int(self._alloc.capacity_bytes * self.config.ssd_low_watermark)
         keys, recs = self._scan
@@ -289,12 +325,14 @@ class OpenSteps:
             self._shrink_from = None
         self._rows = RowTable(keys, recs, self._alloc.free)
         self._keys = self._rows.index  # key -> row (the same dict)
+        self._load_records(keys, recs)
         gen_max = int(recs["generation"].max()) if len(keys) else 0
         if self._scan_next_gen >= GENERATION_MAX:
             log.error("%s: the index's next generation %d is damaged; continuing after its records' highest",
                       self.path, self._scan_next_gen)  # fmt: skip
             self._scan_next_gen = max(gen_max + 1, time.time_ns() // 1000)
         self._clock = max(self._scan_next_gen, gen_max + 1)
+        self._open_clock = self._clock  # records of objects put before this open are confirmed on disk
 
     def _drop_unreadable(self, keys: list, recs: np.ndarray, n_segments: int):
         """(keys, records) the allocator accepts and whose bytes are on disk; the rest deleted from the index.

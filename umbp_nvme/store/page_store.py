@@ -31,6 +31,7 @@ from .get_path import GetPath
 from .memory import Ranges
 from .opening import OpenSteps
 from .put_path import PutPath
+from .record_steps import RecordSteps
 from .space import SpaceSteps
 from .staging import BouncePool
 from .waits import IoWaits
@@ -51,7 +52,7 @@ COUNTERS = (
 )  # fmt: skip
 
 
-class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
+class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
     # Per-instance once set; class defaults so every open path has them.
@@ -133,8 +134,14 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
                 # the engines before that would let a late completion land in freed memory
                 log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, self._inflight)
                 await self._idle.wait()
-        if not self.readonly and self._index is not None and not self.strict:
-            await self.flush_for_close()
+        if not self.readonly and self._index is not None:
+            if await self.flush_for_close():
+                try:
+                    self._index.set_writer_state(b"clean")
+                except Exception as e:  # noqa: BLE001 - the next open checks the records instead
+                    log.warning("%s: cannot record the clean close: %s", self.path, e)
+            if not await self._areas.settle(self.timeout_s):
+                log.warning("%s: record block writes outlived io_timeout_s at close", self.path)
         if self._index_pool is not None and self._index is not None:
             # close the index after whatever is queued on its thread, and wait for it (bounded):
             # a reopen in this process right after close() must not share the closing handle
@@ -248,21 +255,11 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
     # ----------------------------------------------------------------------------- index commits
 
     async def _commit(self, puts=(), deletes=()) -> bool:
-        """One index transaction; strict commits fsync, so they run on the index thread."""
+        """One index transaction, not synced: the records in the segments are the durable truth
+        (records.py), so it runs inline."""
         try:
-            ix, nxt = self._index, self._clock + 1
-            if self.strict:
-                fut = asyncio.get_running_loop().run_in_executor(
-                    self._index_pool, lambda: ix.commit(puts, deletes, next_generation=nxt)
-                )
-                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-            else:
-                ix.commit(puts, deletes, next_generation=nxt)
+            self._index.commit(puts, deletes, next_generation=self._clock + 1)
             return True
-        except asyncio.TimeoutError:
-            self._counters["timeouts"] += 1
-            log.error("%s: index commit took longer than io_timeout_s=%.1f s", self.path, self.timeout_s)
-            raise
         except Exception as e:  # noqa: BLE001 - lmdb.Error (ENOSPC, MapFull) becomes a failed batch
             log.error("%s: index commit of %d puts / %d deletes failed: %s", self.path, len(puts), len(deletes), e)
             return False
@@ -277,7 +274,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
         self._rows.live[rows] = False
         async with self._commit_lock:
             try:
-                ok = await self._commit(deletes=[encode_key(k) for k in keys])  # decoded from bytes: always encodes
+                ok = await self._tombstone(rows) is not None
+                if ok:
+                    ok = await self._commit(deletes=[encode_key(k) for k in keys])  # decoded from bytes: always encodes
             except asyncio.TimeoutError:
                 ok = None  # the commit may still land: keep the slots out of use
         if ok:
@@ -327,14 +326,11 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
             return
         async with self._commit_lock:
             rows = list(self._keys.values())
+            if rows and await self._tombstone(rows) is None:
+                raise OSError(f"{self.path}: clear could not clear the records in the segments; nothing was dropped")
             self._keys.clear()
             self._rows.live[rows] = False
-            ix, nxt = self._index, self._clock + 1
-            if self.strict:
-                fut = asyncio.get_running_loop().run_in_executor(self._index_pool, lambda: ix.drop_all(next_generation=nxt))
-                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-            else:
-                ix.drop_all(next_generation=nxt)
+            self._index.drop_all(next_generation=self._clock + 1)
             self._rows.release(rows)
             self._counters["deletes"] += len(rows)
 
@@ -347,14 +343,37 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
             return True
         return await self._flush()
 
-    async def flush_for_close(self) -> None:
-        # relaxed mode: a clean close still leaves data and index durable
+    async def flush_for_close(self) -> bool:
+        # a clean close leaves data, records (all confirmed) and index durable
         try:
-            await self._flush()
+            return await self._flush()
         except Exception as e:  # noqa: BLE001 - closing must not raise for a flush
             log.warning("%s: flush at close failed: %s", self.path, e)
+            return False
 
     async def _flush(self) -> bool:
+        """Data durable, then every record confirmed and its block written, then synced again."""
+        t = self._rows
+        # only this session's puts can be unconfirmed (strict ones were confirmed at publish)
+        live = (t.live[: t.n] & (t.gen[: t.n] > self._open_clock)).nonzero()[0] if t is not None else []
+        snap = (t.seg[live].copy(), t.off[live].copy(), t.len[live].copy(), t.gen[live].copy()) if len(live) else None
+        ok = await self._sync_all()
+        if ok and snap is not None:
+            self._areas.confirm(*snap)
+        dirty = self._areas.dirty_blocks()
+        if dirty:
+            failed = await self._areas.write(self._write_engine, self._files.fds, dirty, self.timeout_s)
+            ok = await self._sync_all() and ok and not failed
+        try:
+            await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._index_pool, self._index.sync), self.timeout_s
+            )
+        except Exception as e:  # noqa: BLE001
+            log.error("%s: index sync failed: %s", self.path, e)
+            ok = False
+        return ok
+
+    async def _sync_all(self) -> bool:
         # all segments at once: a slow disk costs one io_timeout_s, not one per segment
         segs = list(self._files.files)
         done = await asyncio.gather(
@@ -368,13 +387,6 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, GetPath, IoWaits):
                 if isinstance(r, OSError) and not isinstance(r, TimeoutError):  # a timeout is counted apart
                     self._counters["io_errors_sync"] += 1
                 ok = False
-        try:
-            await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(self._index_pool, self._index.sync), self.timeout_s
-            )
-        except Exception as e:  # noqa: BLE001
-            log.error("%s: index sync failed: %s", self.path, e)
-            ok = False
         return ok
 
     # ----------------------------------------------------------------------------- stats

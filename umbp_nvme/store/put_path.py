@@ -17,9 +17,9 @@ import numpy as np
 from ..engine.base import errno_name
 from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key, key_error
-from .index import FLAG_CRC, FLAG_KEYCRC, REC_BYTES, REC_DTYPE, key_crcs
+from .index import FLAG_CRC, REC_BYTES
 from .layout import SLOT_ALIGN_BYTES
-from .checks import Refusals, encode_all, plain_keys
+from .checks import Refusals, plain_keys
 from .memory import int_arg
 from . import staging
 from .staging import settle, wait_out
@@ -34,7 +34,7 @@ class WriteBatch:
     """One write submission: the objects (``todo``: key index per object) and their slots."""
 
     __slots__ = ("keys", "todo", "segs", "offs", "src", "nbytes", "depths", "route", "plan", "crc_job", "crc_out",
-                 "crcs", "good", "pre")  # fmt: skip
+                 "crcs", "good", "pre", "gen", "recorded", "lost")  # fmt: skip
 
     def __init__(self, keys, todo, segs, offs, addrs, lens, depths, route):
         self.keys, self.todo, self.segs, self.offs, self.depths, self.route = keys, todo, segs, offs, depths, route
@@ -42,6 +42,9 @@ class WriteBatch:
         self.nbytes = np.ascontiguousarray(lens, np.int64)
         self.plan = self.crc_job = self.crc_out = self.crcs = self.pre = None
         self.good = np.zeros(len(todo), bool)
+        self.recorded = np.zeros(len(todo), bool)  # its record went into the segment's area
+        self.lost = np.zeros(len(todo), bool)  # its record block did not land
+        self.gen = 0
 
     def key(self, j: int) -> str:
         return self.keys[int(self.todo[j])]
@@ -212,20 +215,24 @@ class PutPath:
                 return
             segs, offs, todo, addrs, lens = segs[ok_j], offs[ok_j], todo[ok_j], addrs[ok_j], lens[ok_j]
         b = WriteBatch(keys, todo, segs, offs, addrs, lens, depths, route)
+        b.gen = self._tick()  # in the records written now: generations order puts on disk too
         try:
             await self._write(b, refused)
+            if b.crc_job is not None:
+                await wait_out(b.crc_job)
+                b.crcs = b.crc_out
+            if b.crcs is None:  # the device write failed
+                b.crcs = np.zeros(len(todo), np.uint32)
+            if b.route is not None and b.good.any():  # host batches wrote their records beside the data
+                await self._write_records(b, refused)
             if self.strict and b.good.any():
                 await self._sync_written(b)
         except BaseException:
+            self._unrecord(b, np.flatnonzero(b.recorded))
             await self._abort(b)
             raise
-        if b.crc_job is not None:
-            await wait_out(b.crc_job)
-            b.crcs = b.crc_out
         if b.plan is not None:
             b.plan.release(self._bounce)
-        if b.crcs is None:  # the device write failed
-            b.crcs = np.zeros(len(todo), np.uint32)
         await self._publish(b, results, refused)
 
     async def _write(self, b: WriteBatch, refused) -> None:
@@ -256,14 +263,21 @@ class PutPath:
                 else:
                     write = self._write_device(b.route, fds, b.offs, plan.io_addr, plan.io_len)
                 task = asyncio.ensure_future(write)
+                rec = None
                 if b.route is None:
                     # the write task submits on the next loop pass; the index records (all
                     # but their CRC and generation) are packed while it runs. Keys and depths
                     # were checked before the slots were reserved: this cannot fail.
                     await asyncio.sleep(0)
                     b.pre = self._pack_pending(b)
+                    # once the CRCs are in, the records go out while the data is still landing:
+                    # the fdatasync after both covers both, and a record whose data did not land
+                    # is unconfirmed, so a rebuild checks it against the data
+                    rec = await self._records_early(b, refused)
                 res = await self._await_io(task, "write", segs)
                 self._note_written(b, res, refused)
+                if rec is not None:
+                    await self._records_landed(b, rec, refused)
             except Exception as e:  # noqa: BLE001 - EngineClosed, validation: the batch fails
                 log.error("%s: write batch failed: %s", self.path, e)
                 b.good[:] = False
@@ -327,7 +341,7 @@ class PutPath:
     async def _publish(self, b: WriteBatch, results, refused) -> None:
         """One index commit for the batch's good objects not published meanwhile; the rest's slots freed."""
         m = len(b.todo)
-        gen = self._tick()
+        gen = b.gen
         committed = False
         async with self._commit_lock:
             pj = np.flatnonzero(b.good)
@@ -353,8 +367,11 @@ class PutPath:
             published[pj] = True
             for i in pub_idx:
                 results[i] = True
+            if self.strict and len(pj):  # their fdatasync completed: the next image of their blocks says so
+                self._areas.confirm(b.segs[pj], b.offs[pj], b.nbytes[pj], np.full(len(pj), b.gen, np.uint64))
         rest = np.flatnonzero(~published)
         if len(rest):
+            self._unrecord(b, rest)
             self._alloc.free_many(b.segs[rest], b.offs[rest])
             for j in rest.tolist():
                 if b.good[j]:
@@ -363,25 +380,6 @@ class PutPath:
                         refused.add(b.keys[i], "index commit failed")
                     else:
                         results[i] = True  # another put of the same key published first: keep its bytes
-
-    def _records(self, b: WriteBatch, pj, pub_idx, pub_keys, gen):
-        """(index records, encoded keys) of the objects ``pj`` of the batch, stamped with ``gen``."""
-        if b.pre is not None:
-            all_recs, enc_keys = b.pre
-            full = len(pj) == len(b.todo)
-            recs = all_recs if full else all_recs[pj]
-            enc = enc_keys if full else [enc_keys[j] for j in pj.tolist()]
-        else:
-            depths = b.depths
-            recs = np.zeros(len(pj), REC_DTYPE)
-            recs["segment"], recs["length"], recs["offset"] = b.segs[pj], b.nbytes[pj], b.offs[pj]
-            recs["depth"] = -1 if depths is None else np.asarray([int(depths[i]) for i in pub_idx], np.int32)
-            recs["flags"] = FLAG_CRC | FLAG_KEYCRC
-            enc = encode_all(pub_keys)
-            recs["key_crc"] = key_crcs(enc)
-        recs["generation"] = recs["group"] = gen
-        recs["crc"] = b.crcs[pj]
-        return recs, enc
 
     def _add_rows(self, b: WriteBatch, pj, pub_keys, recs, gen) -> None:
         t = self._rows
@@ -402,24 +400,6 @@ class PutPath:
             row_key[r] = k
         self._keys.update(zip(pub_keys, rows_l))
         self._counters["bytes_written"] += int(b.nbytes[pj].sum())
-
-    @staticmethod
-    def _pack_pending(b: WriteBatch):
-        """(records, encoded keys) for every object of a write batch, CRC and generation left 0."""
-        todo, depths = b.todo, b.depths
-        recs = np.zeros(len(todo), REC_DTYPE)
-        recs["segment"], recs["length"], recs["offset"] = b.segs, b.nbytes, b.offs
-        todo_l = todo.tolist()
-        if depths is None:
-            recs["depth"] = -1
-        elif isinstance(depths, np.ndarray):
-            recs["depth"] = depths[todo]
-        else:
-            recs["depth"] = np.asarray([depths[i] for i in todo_l], np.int32)
-        recs["flags"] = FLAG_CRC | FLAG_KEYCRC
-        enc = encode_all(b.keys, todo_l)
-        recs["key_crc"] = key_crcs(enc)
-        return recs, enc
 
     async def _write_device(self, route: str, fds, offs, addrs, lens):
         """(results, crcs) for a write from CUDA memory; the CRC is computed on a host copy."""

@@ -23,7 +23,7 @@ import threading
 import numpy as np
 
 from ..engine.files import DataFile, _preallocate, open_data_file
-from .layout import SLOT_ALIGN_BYTES, segment_files, segment_name  # noqa: F401 - re-exported
+from .layout import SLOT_ALIGN_BYTES, record_slots, segment_files, segment_name  # noqa: F401 - re-exported
 
 log = logging.getLogger("umbp_nvme.segments")  # the name operators know; kept across the move
 
@@ -40,13 +40,14 @@ def size_classes(lengths: np.ndarray) -> np.ndarray:
 class SegmentAllocator:
     """Slots in ``n_segments`` segments of ``segment_bytes`` each. Not thread-safe (loop thread)."""
 
-    def __init__(self, n_segments: int, segment_bytes: int):
+    def __init__(self, n_segments: int, segment_bytes: int, *, records: bool = False):
         if type(segment_bytes) is not int or segment_bytes <= 0 or segment_bytes % SLOT_ALIGN_BYTES:
             raise ValueError(f"segment_bytes={segment_bytes!r} must be a positive multiple of {SLOT_ALIGN_BYTES}")
         if type(n_segments) is not int or n_segments < 0:
             raise ValueError(f"n_segments={n_segments!r} must be a non-negative integer")
         self.n_segments = n_segments
         self.segment_bytes = segment_bytes
+        self.records = records  # each segment's tail holds its slots' records: fewer slots per segment
         self.seg_class = [0] * n_segments  # slot bytes; 0 = unassigned
         self.seg_used = [0] * n_segments  # slots handed out (published or in flight)
         self._free_segs = list(range(n_segments))  # a heap: low indices first, their files exist first
@@ -56,6 +57,12 @@ class SegmentAllocator:
         # free) would give one slot to two objects, so it is refused before anything changes
         self._in_use: dict[int, np.ndarray] = {}
         self.used_bytes = 0
+
+    def slots(self, cls: int) -> int:
+        """Slots of class ``cls`` per segment."""
+        if self.records:
+            return record_slots(self.segment_bytes, cls)
+        return self.segment_bytes // cls if 0 < cls <= self.segment_bytes else 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -78,14 +85,14 @@ class SegmentAllocator:
                 del segs[seg]
             self._in_use[seg][off // cls] = True
         else:
-            if not self._free_segs or cls > self.segment_bytes:
+            if not self._free_segs or not self.slots(cls):
                 return None
             seg = heapq.heappop(self._free_segs)
             if ensure_file is not None and not ensure_file(seg):
                 heapq.heappush(self._free_segs, seg)
                 return None
             self.seg_class[seg] = cls
-            n = self.segment_bytes // cls
+            n = self.slots(cls)
             self._in_use[seg] = used = np.zeros(n, bool)
             used[0] = True
             offs = list(range((n - 1) * cls, -1, -cls))
@@ -159,7 +166,7 @@ class SegmentAllocator:
     def free(self, seg: int, off: int) -> None:
         cls = self.seg_class[seg]
         used = self._in_use.get(seg)
-        if not cls or used is None or off % cls or not 0 <= off < self.segment_bytes or not used[off // cls]:
+        if not cls or used is None or off % cls or not 0 <= off < len(used) * cls or not used[off // cls]:
             # a double free would hand one slot to two objects: refuse loudly, change nothing
             raise RuntimeError(f"slot {off} of segment {seg} is not allocated")
         used[off // cls] = False
@@ -188,14 +195,17 @@ class SegmentAllocator:
         segs = segs.astype(np.int64)
         offs = offs.astype(np.int64)
         cls = size_classes(lengths)
+        room = np.zeros(len(cls), np.int64)  # slots of each record's class per segment
+        for c in np.unique(cls).tolist():
+            room[cls == c] = self.slots(int(c))
         keep = (
             (lengths > 0)
             & (offs >= 0)
             & (segs >= 0)
             & (segs < self.n_segments)
-            & (cls <= self.segment_bytes)
+            & (room > 0)
             & (offs % np.maximum(cls, 1) == 0)
-            & (offs + cls <= self.segment_bytes)
+            & (offs // np.maximum(cls, 1) < room)
         )
         self._reset()
         idx = np.flatnonzero(keep)
@@ -237,7 +247,7 @@ class SegmentAllocator:
             self.seg_class[seg] = c
             self.seg_used[seg] = b - a
             self.used_bytes += c * (b - a)
-            nslots = self.segment_bytes // c
+            nslots = self.slots(c)
             used = np.zeros(nslots, dtype=bool)
             used[o_all[a:b] // c] = True
             self._in_use[seg] = used

@@ -1,0 +1,264 @@
+"""Rebuild the index from the records in the segments (records.py).
+
+Read every segment's record area sequentially, keep the records that check out, and give back
+(keys, 48-byte index records) for the LMDB index. A record is kept when its own CRC, magic,
+segment number, slot position (offset == slot index x size class), extent bounds, key checksum
+and generation are all right; a record not marked confirmed (its data's fdatasync was not seen
+to complete) is kept only when the object's bytes read back with the record's data CRC. When one
+key has several records the newest generation wins; the allocator later keeps one record per
+slot (newest generation) and one size class per segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+
+from ..keybytes import decode_keys
+from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, key_crcs
+from .layout import GENERATION_MAX, SLOT_ALIGN_BYTES, record_slots, segment_files
+from .records import (KEY_INLINE, MAGIC, PER_BLOCK, area_blocks, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE,
+                      record_crcs)  # fmt: skip
+
+log = logging.getLogger("umbp_nvme.store")
+
+READ_CHUNK = 8 << 20
+
+
+def _read_blocks(fd: int, segment_bytes: int, nblocks: int) -> np.ndarray:
+    """Record blocks 0..nblocks-1 (block 0 = the file's last 4 KiB) as RECORD_DTYPE, in block order."""
+    n = nblocks * SLOT_ALIGN_BYTES
+    buf = np.zeros(n, np.uint8)
+    start = segment_bytes - n
+    pos = 0
+    while pos < n:
+        got = os.preadv(fd, [memoryview(buf)[pos : min(n, pos + READ_CHUNK)]], start + pos)
+        if got <= 0:
+            break
+        pos += got
+    # file order puts block nblocks-1 first: reverse the blocks, keep each block's records in order
+    return buf.reshape(nblocks, SLOT_ALIGN_BYTES)[::-1].reshape(-1).copy().view(RECORD_DTYPE)
+
+
+def _majority_class(r: np.ndarray) -> int:
+    live = r[(r["magic"] == MAGIC) & ((r["flags"] & R_VALID) != 0)]
+    live = live[record_crcs(np.ascontiguousarray(live)) == live["rcrc"]] if len(live) else live
+    if not len(live):
+        return 0
+    cls = (-(-live["length"].astype(np.int64) // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
+    u, c = np.unique(cls, return_counts=True)
+    return int(u[np.argmax(c)])
+
+
+def read_area(path: str, segment_bytes: int) -> tuple[np.ndarray, int]:
+    """One segment's record area as RECORD_DTYPE (index = slot index) and its class. Block 0 tells the segment's
+    class and so the area's size; when it holds no record, the largest area is read and the most
+    common class among its sound records decides."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_size < segment_bytes:
+            return np.zeros(0, RECORD_DTYPE), 0
+        cls = _majority_class(_read_blocks(fd, segment_bytes, 1))
+        if not cls:
+            most = area_blocks(segment_bytes, SLOT_ALIGN_BYTES)
+            cls = _majority_class(_read_blocks(fd, segment_bytes, most))
+            if not cls:
+                return np.zeros(0, RECORD_DTYPE), 0
+        n = record_slots(segment_bytes, cls)
+        return _read_blocks(fd, segment_bytes, area_blocks(segment_bytes, cls))[:n], cls
+    finally:
+        os.close(fd)
+
+
+def valid_records(area: np.ndarray, seg: int, segment_bytes: int, seg_cls: int) -> np.ndarray:
+    """The records of one area (of class ``seg_cls``) that are sound in themselves (not yet
+    checked against data): a record of another class is not this area's."""
+    live = np.flatnonzero((area["magic"] == MAGIC) & ((area["flags"] & R_VALID) != 0))
+    if not len(live):
+        return area[:0]
+    r = np.ascontiguousarray(area[live])
+    lens = r["length"].astype(np.int64)
+    offs = r["offset"]
+    cls = np.maximum((-(-lens // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES, SLOT_ALIGN_BYTES)
+    ok = (
+        (cls == seg_cls)
+        & (record_crcs(r) == r["rcrc"])
+        & (r["segment"] == seg)
+        & (lens > 0)
+        & (offs < np.uint64(segment_bytes))
+        & (offs.astype(np.int64) + cls <= segment_bytes)
+        & (offs.astype(np.int64) == live.astype(np.int64) * cls)
+        & (r["generation"] < np.uint64(GENERATION_MAX))
+        & (r["key_len"] > 0)
+        & ((r["flags"] & R_KEY_TRUNC) == 0)
+        & (r["key_len"] <= KEY_INLINE)
+    )
+    return r[ok]
+
+
+def _keys_of(r: np.ndarray) -> list[bytes]:
+    kb = r["key"]
+    return [bytes(kb[i, :n]) for i, n in enumerate(r["key_len"].tolist())]
+
+
+def _data_ok(path: str, r: np.ndarray, crc32c) -> np.ndarray:
+    """Whether each (unconfirmed) record's object bytes read back with its data CRC."""
+    ok = np.zeros(len(r), bool)
+    if not len(r):
+        return ok
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        for i, (off, n, c) in enumerate(zip(r["offset"].tolist(), r["length"].tolist(), r["crc"].tolist())):
+            try:
+                b = os.pread(fd, n, off)
+            except OSError:
+                continue
+            ok[i] = len(b) == n and crc32c(b) == c
+    finally:
+        os.close(fd)
+    return ok
+
+
+def rebuild_records(directory: str, segment_bytes: int, n_segments: int, progress=None):
+    """(keys as str, REC_DTYPE records, confirmed mask, summary dict) from the segments' record areas."""
+    from .._uring import crc32c
+
+    t0 = time.perf_counter()
+    files = {i: n for i, n in segment_files(directory).items() if i < n_segments}
+    parts, keys, conf = [], [], []
+    summary = {"segments": len(files), "records": 0, "bad_records": 0, "unconfirmed": 0, "data_bad": 0,
+               "long_keys": 0, "duplicates": 0}  # fmt: skip
+    for done, (seg, name) in enumerate(sorted(files.items())):
+        p = os.path.join(directory, name)
+        area, seg_cls = read_area(p, segment_bytes)
+        live = int(((area["magic"] == MAGIC) & ((area["flags"] & R_VALID) != 0)).sum())
+        r = valid_records(area, seg, segment_bytes, seg_cls)
+        summary["long_keys"] += int(((area["magic"] == MAGIC) & ((area["flags"] & R_KEY_TRUNC) != 0)).sum())
+        k = _keys_of(r)
+        kc = key_crcs(k) if k else np.zeros(0, np.uint32)
+        good = kc == r["key_crc"]
+        c = (r["flags"] & R_CONFIRMED) != 0
+        unconf = np.flatnonzero(good & ~c)
+        if len(unconf):
+            summary["unconfirmed"] += len(unconf)
+            ok = _data_ok(p, r[unconf], crc32c)
+            summary["data_bad"] += int((~ok).sum())
+            good[unconf[~ok]] = False
+        summary["bad_records"] += live - int(good.sum())
+        sel = np.flatnonzero(good)
+        parts.append(r[sel])
+        keys.extend(k[i] for i in sel.tolist())
+        conf.append(c[sel])
+        if progress is not None:
+            progress(done + 1, len(files), len(keys))
+    r = np.concatenate(parts) if parts else np.zeros(0, RECORD_DTYPE)
+    c = np.concatenate(conf) if conf else np.zeros(0, bool)
+    # one record per key: the newest generation
+    if len(keys) > 1:
+        uniq: dict[bytes, int] = {}
+        gens = r["generation"].tolist()
+        drop = []
+        for i, k in enumerate(keys):
+            j = uniq.get(k)
+            if j is None:
+                uniq[k] = i
+            elif gens[i] > gens[j]:
+                uniq[k] = i
+                drop.append(j)
+            else:
+                drop.append(i)
+        if drop:
+            summary["duplicates"] = len(drop)
+            sel = np.setdiff1d(np.arange(len(keys)), np.asarray(drop, np.int64))
+            r, c = r[sel], c[sel]
+            keys = [keys[i] for i in sel.tolist()]
+    out = np.zeros(len(keys), REC_DTYPE)
+    out["segment"], out["length"], out["offset"] = r["segment"], r["length"], r["offset"]
+    out["generation"] = out["group"] = r["generation"]
+    out["crc"], out["depth"], out["key_crc"] = r["crc"], r["depth"], r["key_crc"]
+    out["flags"] = FLAG_CRC | FLAG_KEYCRC
+    summary["records"] = len(keys)
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    return decode_keys(keys), out, c, summary
+
+
+def write_area(path: str, segment_bytes: int, area: np.ndarray | None, cls: int) -> None:
+    """Write one segment's record area for class ``cls`` from ``area`` (zeros where it has none) and
+    fdatasync it (open path). Blocks beyond the class's area are slots and are never touched."""
+    if not cls:
+        return
+    nb = area_blocks(segment_bytes, cls)
+    img = np.zeros(nb * PER_BLOCK, RECORD_DTYPE)
+    if area is not None:
+        img[: len(area)] = area
+    raw = img.view(np.uint8).reshape(nb, SLOT_ALIGN_BYTES)[::-1].reshape(-1).copy()  # block 0 last in the file
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        start, pos = segment_bytes - len(raw), 0
+        while pos < len(raw):
+            pos += os.pwritev(fd, [memoryview(raw)[pos : min(len(raw), pos + READ_CHUNK)]], start + pos)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+_BOOT_ID = None
+
+
+def boot_id() -> bytes:
+    """This boot's id: a writer state left by another boot means the machine restarted under it."""
+    global _BOOT_ID
+    if _BOOT_ID is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+                _BOOT_ID = f.read().strip() or b"unknown"
+        except OSError:
+            _BOOT_ID = b"unknown"
+    return _BOOT_ID
+
+
+def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: int, map_size: int, why: str,
+                  summary_out: dict | None = None):  # fmt: skip
+    """Move ``ipath`` aside (when present) and write a new index from the segments' records;
+    returns the new (writer) Index, committed and synced. Progress and the outcome are logged."""
+    from .index import Index, quarantine
+
+    dest = quarantine(ipath) if os.path.lexists(ipath) else None
+    log.error("%s: %s%s; rebuilding it from the record areas of the segments", directory, why,
+              f" (moved it to {dest})" if dest else "")  # fmt: skip
+    last = [time.monotonic()]
+
+    def progress(done, total, found):
+        if time.monotonic() - last[0] >= 2.0 or done == total:
+            last[0] = time.monotonic()
+            log.warning("%s: rebuilding the index: %d/%d segments read, %d records so far", directory, done, total,
+                        found)  # fmt: skip
+
+    keys, recs, _conf, summary = rebuild_records(directory, segment_bytes, n_segments, progress)
+    if dest:
+        summary["moved_aside"] = dest
+    if summary_out is not None:
+        summary_out.update(summary)
+    ix = Index(ipath, readonly=False, map_size=map_size, durable=False)
+    try:
+        blob = recs.tobytes()
+        step = REC_DTYPE.itemsize
+        from ..keybytes import encode_key
+
+        puts = [(encode_key(k), blob[i * step : (i + 1) * step]) for i, k in enumerate(keys)]
+        nxt = int(recs["generation"].max()) + 1 if len(recs) else 1
+        ix.commit(puts=puts, next_generation=max(nxt, time.time_ns() // 1000))
+        ix.sync()
+    except BaseException:
+        ix.close()
+        raise
+    log.warning(
+        "%s: rebuilt the index from %d segments in %.2f s: %d objects (%d records failed their checks, %d unconfirmed "
+        "records checked against their data of which %d did not match, %d older duplicates, %d keys too long to "
+        "rebuild)", directory, summary["segments"], summary["seconds"], summary["records"], summary["bad_records"],
+        summary["unconfirmed"], summary["data_bad"], summary["duplicates"], summary["long_keys"],
+    )  # fmt: skip
+    return ix

@@ -1,0 +1,192 @@
+"""The store's use of the records in its segments (records.py): a put batch's records, giving
+back the records of slots that go back unpublished, tombstones for deletes, the areas at open,
+and the rebuild of the index at open (rebuild.py). A mixin of PageStore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import lmdb
+import numpy as np
+
+from ..errors import StoreError
+from ..keybytes import encode_key
+from . import layout
+from .checks import encode_all
+from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, key_crcs, wrap_lmdb_error
+from .layout import MANIFEST_FILE
+from .rebuild import boot_id, rebuild_index, write_area
+from .records import R_CONFIRMED, R_VALID, RecordAreas, make_records
+from .segments import segment_name
+from .staging import wait_out
+
+log = logging.getLogger("umbp_nvme.store")
+
+
+class RecordSteps:
+    async def _records_early(self, b, refused):
+        """Once the batch's CRCs are in, its records go out while its data is still landing: the
+        fdatasync after both covers both, and a record whose data did not land is unconfirmed,
+        so a rebuild checks it against the data. Returns the records' write task."""
+        await wait_out(b.crc_job)
+        b.crcs = b.crc_out
+        return asyncio.ensure_future(self._write_records(b, refused, early=True))
+
+    async def _records_landed(self, b, rec, refused) -> None:
+        await asyncio.shield(rec)  # never raises; keeps running if our caller gives up
+        for j in np.flatnonzero(b.good & b.lost)[:1].tolist():
+            refused.add(b.key(j), "index record write failed")
+        b.good &= ~b.lost
+
+    async def _write_records(self, b, refused, early: bool = False) -> None:
+        """Each written object's record (``early``: every object's, its data still in flight) into
+        its segment's area, the touched blocks written; an object whose block did not land is not
+        durable (``b.lost``; the fdatasync after covers records and data)."""
+        j = np.arange(len(b.todo)) if early else np.flatnonzero(b.good)
+        recs48, enc = b.pre if b.pre is not None else self._pack_pending(b)
+        sub = recs48[j]
+        recs = make_records(b.segs[j], b.offs[j], b.nbytes[j], b.gen, b.crcs[j], sub["depth"], sub["key_crc"],
+                            [enc[i] for i in j.tolist()], R_VALID)  # fmt: skip
+        touched = self._areas.put(recs)
+        b.recorded[j] = True
+        failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)
+        if failed:
+            b.lost = np.isin(b.segs, list(failed))
+            if not early:  # early: the data write's outcome is not known yet (_write reports)
+                for k in np.flatnonzero(b.lost & b.good)[:1].tolist():
+                    refused.add(b.key(k), "index record write failed")
+                b.good &= ~b.lost
+
+    def _unrecord(self, b, js) -> None:
+        """Clear the records of objects whose slots go back unpublished (rewritten with the next
+        write of their blocks; a rebuild meanwhile checks them against their data)."""
+        js = np.asarray(js, np.int64)
+        if len(js) and b.recorded[js].any():
+            js = js[b.recorded[js]]
+            touched, _ = self._areas.clear(b.segs[js], b.offs[js], b.nbytes[js])
+            for s, blk in touched:
+                self._areas.dirty.setdefault(s, set()).add(blk)
+            b.recorded[js] = False
+
+    def _records(self, b, pj, pub_idx, pub_keys, gen):
+        """(index records, encoded keys) of the objects ``pj`` of the batch, stamped with ``gen``."""
+        if b.pre is not None:
+            all_recs, enc_keys = b.pre
+            full = len(pj) == len(b.todo)
+            recs = all_recs if full else all_recs[pj]
+            enc = enc_keys if full else [enc_keys[j] for j in pj.tolist()]
+        else:
+            depths = b.depths
+            recs = np.zeros(len(pj), REC_DTYPE)
+            recs["segment"], recs["length"], recs["offset"] = b.segs[pj], b.nbytes[pj], b.offs[pj]
+            recs["depth"] = -1 if depths is None else np.asarray([int(depths[i]) for i in pub_idx], np.int32)
+            recs["flags"] = FLAG_CRC | FLAG_KEYCRC
+            enc = encode_all(pub_keys)
+            recs["key_crc"] = key_crcs(enc)
+        recs["generation"] = recs["group"] = gen
+        recs["crc"] = b.crcs[pj]
+        return recs, enc
+
+    @staticmethod
+    def _pack_pending(b):
+        """(records, encoded keys) for every object of a write batch, CRC and generation left 0."""
+        todo, depths = b.todo, b.depths
+        recs = np.zeros(len(todo), REC_DTYPE)
+        recs["segment"], recs["length"], recs["offset"] = b.segs, b.nbytes, b.offs
+        todo_l = todo.tolist()
+        if depths is None:
+            recs["depth"] = -1
+        elif isinstance(depths, np.ndarray):
+            recs["depth"] = depths[todo]
+        else:
+            recs["depth"] = np.asarray([depths[i] for i in todo_l], np.int32)
+        recs["flags"] = FLAG_CRC | FLAG_KEYCRC
+        enc = encode_all(b.keys, todo_l)
+        recs["key_crc"] = key_crcs(enc)
+        return recs, enc
+
+    async def _tombstone(self, rows) -> list | None:
+        """Clear the rows' records in their segments durably (strict: fdatasync); the undo list,
+        or None when a block write or sync failed (the records are restored in memory)."""
+        t = self._rows
+        touched, undo = self._areas.clear(t.seg[rows], t.off[rows], t.len[rows])
+        if not touched:
+            return undo
+        failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)
+        if not failed and self.strict:
+            segs = sorted({s for s, _ in touched})
+            done = await asyncio.gather(
+                *(asyncio.wait_for(self._write_engine.sync(int(self._files.fds[s])), self.timeout_s) for s in segs),
+                return_exceptions=True,
+            )
+            failed = {s for s, r in zip(segs, done) if isinstance(r, BaseException)}
+        if failed:
+            log.error("%s: clearing %d records in segments %s failed; the objects stay", self.path, len(rows),
+                      sorted(failed))  # fmt: skip
+            self._areas.restore(undo)
+            for s, blk in touched:
+                self._areas.dirty.setdefault(s, set()).add(blk)
+            return None
+        return undo
+
+    def _load_records(self, keys: list, recs: np.ndarray) -> None:
+        """The record areas in memory, from the rows; brought to disk where it may be behind.
+
+        After a rebuild, an unclean close or for a store made before the records (migrated here,
+        then the manifest says so): the data is fdatasynced first, so every record may say
+        confirmed, then every area is written and synced. A clean open writes nothing.
+        """
+        self._areas = RecordAreas(self.segment_bytes, self._segment_records)
+        n = len(keys)
+        if not (self._migrate or self._rebuilt or self._unclean):
+            return
+        t0 = time.perf_counter()
+        segs = sorted(self._files.files)
+        self._areas.load_all(segs)
+        for s in segs:
+            os.fdatasync(self._files.files[s].fd)
+        for s in segs:
+            write_area(os.path.join(self.path, segment_name(s)), self.segment_bytes, self._areas.areas.get(s),
+                       self._areas.cls.get(s, 0))  # fmt: skip
+        if self._migrate:
+            self.manifest["layout"]["record_bytes"] = layout.SEGMENT_RECORD_BYTES
+            layout.write_manifest(os.path.join(self.path, MANIFEST_FILE), self.manifest)
+            self._index.set_writer_state(b"open:" + boot_id())
+        log.warning("%s: wrote the record areas of %d segments (%d records, %s) in %.2f s", self.path, len(segs), n,
+                    "migrated to records in the segments" if self._migrate else "after a rebuild or unclean close",
+                    time.perf_counter() - t0)  # fmt: skip
+        self._migrate = False
+
+    def _segment_records(self, seg: int):
+        """The sealed records of segment ``seg``'s published objects, from the rows (all confirmed:
+        a clean close confirmed them on disk; other opens write every area before serving)."""
+        t = self._rows
+        n = t.n
+        rows = np.flatnonzero(t.live[:n] & (t.seg[:n] == seg))
+        if not len(rows):
+            return None
+        enc = [encode_key(t.key[r]) for r in rows.tolist()]
+        return make_records(t.seg[rows], t.off[rows], t.len[rows], t.gen[rows], t.crc[rows], t.depth[rows],
+                            key_crcs(enc), enc, R_VALID | R_CONFIRMED)  # fmt: skip
+
+    def _rebuild_from_segments(self, ipath: str, map_size: int, why: str) -> None:
+        """Move the index aside (if any) and write a new one from the segments' records."""
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        try:
+            self._index = rebuild_index(self.path, ipath, self.segment_bytes, self.capacity_bytes // self.segment_bytes,
+                                        map_size, why)  # fmt: skip
+        except OSError as e:
+            raise StoreError(f"{why}, and rebuilding it from the segments failed: {e}") from None
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(ipath, e, "rebuilding it from the segments") from None
+        self._scan = self._index.scan()
+        self._scan_next_gen = max(self._index.next_generation(), time.time_ns() // 1000)
+        self._rebuilt = why
+        self._index.set_writer_state(b"open:" + boot_id())
+

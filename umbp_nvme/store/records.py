@@ -1,0 +1,314 @@
+"""Index records in the segments: the durable truth the LMDB index caches.
+
+Each segment file holds its slots from the start and, at its tail, a record area: one 256-byte
+record per slot (slot index = offset // size class, so a segment's records are dense whatever
+its class), 16 to a 4 KiB block; block b is the b-th 4 KiB block from the end of the file. A
+class gets as many slots as leave room for their record blocks (``layout.record_slots``), so
+the files keep their size and the store its capacity. A strict put writes its objects' records beside their data and one
+fdatasync per segment covers both; the LMDB commit after it is not synced. A delete clears the
+slot's record (a tombstone) the same way before the slot can be reused.
+
+The writer keeps each segment's area in memory and writes whole blocks copied from it
+(O_DIRECT needs aligned blocks). Writes of one block never overlap in flight: a later image of
+a block is submitted only once the earlier one completed, so an older image can never land
+after a newer one and drop a record that was acknowledged.
+
+A record says ``CONFIRMED`` only in images written after its data's fdatasync completed: a
+rebuild trusts confirmed records and checks the data CRC of the others (the last batch or so
+per segment after a crash). Confirmations ride along with the next write to the segment, and
+flush/close write the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from .layout import SEGMENT_RECORD_BYTES, SLOT_ALIGN_BYTES, record_slots
+
+log = logging.getLogger("umbp_nvme.store")
+
+RECORD_BYTES = SEGMENT_RECORD_BYTES
+KEY_INLINE = 208  # key bytes held in a record; longer keys keep a prefix and cannot be rebuilt
+PER_BLOCK = SLOT_ALIGN_BYTES // RECORD_BYTES
+MAGIC = 0x5552
+R_VALID, R_CONFIRMED, R_KEY_TRUNC = 1, 2, 4
+
+RECORD_DTYPE = np.dtype(
+    [
+        ("rcrc", "<u4"),  # CRC32C of the record's bytes 4..256
+        ("magic", "<u2"),
+        ("flags", "<u2"),
+        ("segment", "<u4"),
+        ("length", "<u4"),
+        ("offset", "<u8"),
+        ("generation", "<u8"),
+        ("crc", "<u4"),  # CRC32C of the object bytes
+        ("key_crc", "<u4"),  # CRC32C of the whole key
+        ("depth", "<i4"),
+        ("key_len", "<u2"),
+        ("pad", "<u2"),
+        ("key", "u1", (KEY_INLINE,)),
+    ]
+)
+assert RECORD_DTYPE.itemsize == RECORD_BYTES
+
+
+def block_offset(segment_bytes: int, blk: int) -> int:
+    """File offset of record block ``blk`` (block 0 is the segment's last 4 KiB)."""
+    return segment_bytes - (blk + 1) * SLOT_ALIGN_BYTES
+
+
+def area_blocks(segment_bytes: int, cls: int) -> int:
+    return -(-record_slots(segment_bytes, cls) // PER_BLOCK)
+
+
+def slot_index(offs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    cls = (-(-lens.astype(np.int64) // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
+    return offs.astype(np.int64) // cls
+
+
+def seal(recs: np.ndarray) -> None:
+    """Set each record's own CRC (over its bytes 4..256), in one C call."""
+    from .._uring import crc32c_many
+
+    n = len(recs)
+    if not n:
+        return
+    recs = np.ascontiguousarray(recs)
+    base = np.uint64(recs.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(RECORD_BYTES) + np.uint64(4)
+    out = np.empty(n, np.uint32)
+    crc32c_many(base, np.full(n, RECORD_BYTES - 4, np.int64), out)
+    recs["rcrc"] = out
+
+
+def record_crcs(recs: np.ndarray) -> np.ndarray:
+    """What each record's ``rcrc`` should be (records contiguous)."""
+    from .._uring import crc32c_many
+
+    n = len(recs)
+    out = np.empty(n, np.uint32)
+    if n:
+        base = np.uint64(recs.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(RECORD_BYTES) + np.uint64(4)
+        crc32c_many(base, np.full(n, RECORD_BYTES - 4, np.int64), out)
+    return out
+
+
+def make_records(segs, offs, lens, gens, crcs, depths, key_crcs, enc_keys: list[bytes], flags: int) -> np.ndarray:
+    """Sealed records (RECORD_DTYPE) for objects; keys over KEY_INLINE bytes keep a prefix (R_KEY_TRUNC)."""
+    n = len(enc_keys)
+    r = np.zeros(n, RECORD_DTYPE)
+    r["magic"] = MAGIC
+    r["segment"], r["length"], r["offset"] = segs, lens, offs
+    r["generation"], r["crc"], r["depth"], r["key_crc"] = gens, crcs, depths, key_crcs
+    klen = np.fromiter(map(len, enc_keys), np.int64, n)
+    r["key_len"] = np.minimum(klen, 0xFFFF)
+    r["flags"] = flags | np.where(klen > KEY_INLINE, R_KEY_TRUNC, 0)
+    if n:
+        blob = b"".join(k[:KEY_INLINE].ljust(KEY_INLINE, b"\0") for k in enc_keys)
+        r["key"] = np.frombuffer(blob, np.uint8).reshape(n, KEY_INLINE)
+    seal(r)
+    return r
+
+
+class RecordAreas:
+    """The writer's in-memory copy of every segment's record area, and the block writes from it.
+
+    Not thread-safe: the loop thread only. ``areas[seg]`` is a RECORD_DTYPE array of the
+    segment's slots for its current size class.
+    """
+
+    def __init__(self, segment_bytes: int, loader=None):
+        self.segment_bytes = segment_bytes
+        # seg -> the sealed records it holds now (from the writer's rows), called once per segment
+        # on its first use: opening a store of a million objects builds no area
+        self._loader = loader
+        self._loaded: set[int] = set()
+        self.areas: dict[int, np.ndarray] = {}
+        self.cls: dict[int, int] = {}
+        self.dirty: dict[int, set[int]] = {}  # seg -> blocks whose disk image is behind memory
+        self._busy: dict[tuple[int, int], asyncio.Future] = {}  # (seg, block) -> its write in flight
+        self._tasks: dict = {}  # write task -> its image buffer
+
+    def _ensure(self, seg: int) -> None:
+        if seg in self._loaded:
+            return
+        self._loaded.add(seg)
+        recs = self._loader(seg) if self._loader is not None else None
+        if recs is not None and len(recs):
+            self.put(recs)
+
+    def _area(self, seg: int, cls: int) -> np.ndarray:
+        self._ensure(seg)
+        a = self.areas.get(seg)
+        if a is None or self.cls[seg] != cls:
+            n = record_slots(self.segment_bytes, cls)
+            if a is not None and (a["flags"] != 0).any():
+                # the segment changed class while old records remain: wipe those inside the new
+                # area (the rest of the old area lies in the new class's slots)
+                old = np.unique(np.flatnonzero(a["flags"]) // PER_BLOCK)
+                self.dirty.setdefault(seg, set()).update(old[old < -(-n // PER_BLOCK)].tolist())
+            a = np.zeros(n, RECORD_DTYPE)
+            self.areas[seg], self.cls[seg] = a, cls
+        return a
+
+    def put(self, recs: np.ndarray) -> set[tuple[int, int]]:
+        """Place sealed records at their slots; returns the (segment, block) pairs touched."""
+        touched: set[tuple[int, int]] = set()
+        if not len(recs):
+            return touched
+        segs = recs["segment"].astype(np.int64)
+        lens = recs["length"].astype(np.int64)
+        idx = slot_index(recs["offset"], lens)
+        cls = (-(-lens // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
+        for s in np.unique(segs).tolist():
+            js = np.flatnonzero(segs == s)
+            a = self._area(s, int(cls[js[0]]))
+            a[idx[js]] = recs[js]
+            touched.update((s, b) for b in np.unique(idx[js] // PER_BLOCK).tolist())
+        return touched
+
+    def clear(self, segs, offs, lens) -> tuple[set[tuple[int, int]], list]:
+        """Tombstone the slots (records zeroed); returns (blocks touched, undo list for restore)."""
+        touched: set[tuple[int, int]] = set()
+        undo = []
+        segs = np.asarray(segs, np.int64)
+        idx = slot_index(np.asarray(offs), np.asarray(lens))
+        for s in np.unique(segs).tolist():
+            self._ensure(s)
+            a = self.areas.get(s)
+            if a is None:
+                continue
+            js = idx[segs == s]
+            js = js[js < len(a)]
+            undo.append((s, self.cls[s], js, a[js].copy()))
+            a[js] = np.zeros(1, RECORD_DTYPE)
+            touched.update((s, b) for b in np.unique(js // PER_BLOCK).tolist())
+        return touched, undo
+
+    def restore(self, undo) -> None:
+        for s, cls, js, old in undo:
+            if self.cls.get(s) == cls:
+                self.areas[s][js] = old
+
+    def confirm(self, segs, offs, lens, gens) -> None:
+        """Mark the slots' records confirmed (their data's fdatasync completed); written with the
+        segment's next block write (or flush). A slot holding another generation is left alone."""
+        segs = np.asarray(segs, np.int64)
+        idx = slot_index(np.asarray(offs), np.asarray(lens))
+        gens = np.asarray(gens, np.uint64)
+        for s in np.unique(segs).tolist():
+            self._ensure(s)
+            a = self.areas.get(s)
+            if a is None:
+                continue
+            m = segs == s
+            js, g = idx[m], gens[m]
+            ok = js < len(a)
+            js, g = js[ok], g[ok]
+            mine = (a["generation"][js] == g) & ((a["flags"][js] & (R_VALID | R_CONFIRMED)) == R_VALID)
+            js = js[mine]
+            if not len(js):
+                continue
+            sub = a[js]
+            sub["flags"] |= R_CONFIRMED
+            seal(sub)
+            a[js] = sub
+            self.dirty.setdefault(s, set()).update(np.unique(js // PER_BLOCK).tolist())
+
+    def dirty_blocks(self) -> set[tuple[int, int]]:
+        return {(s, b) for s, bs in self.dirty.items() for b in bs}
+
+    def _image(self, seg: int, blk: int, out: np.ndarray) -> None:
+        self._ensure(seg)
+        a = self.areas.get(seg)
+        out[:] = 0
+        if a is not None:
+            part = a[blk * PER_BLOCK : (blk + 1) * PER_BLOCK]
+            out[: len(part) * RECORD_BYTES] = part.view(np.uint8)
+
+    async def write(self, engine, fds: np.ndarray, blocks: set[tuple[int, int]], timeout_s: float) -> set[int]:
+        """Write the blocks (and the dirty ones of the same segments) from memory; returns the
+        segments whose blocks did not all land. Waits for earlier writes of the same blocks."""
+        segs = {s for s, _ in blocks}
+        for s in segs:
+            blocks |= {(s, b) for b in self.dirty.get(s, ())}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            pending = {self._busy[b] for b in blocks if b in self._busy}
+            if not pending:
+                break
+            if loop.time() >= deadline:  # an earlier image of these blocks is stuck in the device
+                log.error("record blocks of segments %s are still being written after io_timeout_s", sorted(segs))
+                for s, b in blocks:
+                    self.dirty.setdefault(s, set()).add(b)
+                return segs
+            await asyncio.wait(pending, timeout=deadline - loop.time())
+        sb = self.segment_bytes
+        order = sorted(blocks, key=lambda sb_: (sb_[0], -sb_[1]))  # file order: higher blocks sit lower
+        for s in segs:
+            self.dirty.pop(s, None)
+        n = len(order)
+        raw = np.zeros((n + 1) * SLOT_ALIGN_BYTES, np.uint8)
+        pad = -raw.ctypes.data % SLOT_ALIGN_BYTES
+        buf = raw[pad : pad + n * SLOT_ALIGN_BYTES]
+        # contiguous blocks of one segment go in one op
+        run_s, run_o, run_a, run_n = [], [], [], []
+        for i, (s, b) in enumerate(order):
+            self._image(s, b, buf[i * SLOT_ALIGN_BYTES : (i + 1) * SLOT_ALIGN_BYTES])
+            off = block_offset(sb, b)
+            if run_s and run_s[-1] == s and run_o[-1] + run_n[-1] == off:
+                run_n[-1] += SLOT_ALIGN_BYTES
+            else:
+                run_s.append(s)
+                run_o.append(off)
+                run_a.append(buf.ctypes.data + i * SLOT_ALIGN_BYTES)
+                run_n.append(SLOT_ALIGN_BYTES)
+        lens = np.asarray(run_n, np.int64)
+        task = asyncio.ensure_future(
+            engine.write_many(fds[np.asarray(run_s, np.int64)], np.asarray(run_o, np.int64),
+                              np.asarray(run_a, np.uint64), lens)
+        )  # fmt: skip
+        self._tasks[task] = raw  # the image buffer lives until the kernel is done with it
+        done = asyncio.get_running_loop().create_future()
+        for b in order:
+            self._busy[b] = done
+
+        def _release(t, order=order, done=done):
+            self._tasks.pop(t, None)
+            for b in order:
+                if self._busy.get(b) is done:
+                    del self._busy[b]
+            done.set_result(None)
+
+        task.add_done_callback(_release)
+        try:
+            res = await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except Exception as e:  # noqa: BLE001 - timeout, EngineClosed: those blocks are not known on disk
+            log.error("record block write failed: %r", e)
+            res = np.full(len(lens), -5, np.int64)
+        failed = {run_s[i] for i in np.flatnonzero(np.asarray(res) != lens).tolist()}
+        for s, b in order:
+            if s in failed:
+                self.dirty.setdefault(s, set()).add(b)
+        return failed
+
+    async def settle(self, timeout_s: float) -> bool:
+        """Wait (bounded) for every block write in flight (close); False when some outlived it:
+        closing the engine then fails them, and their image buffers live until it has."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._busy:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            await asyncio.wait(set(self._busy.values()), timeout=left)
+        return True
+
+    def load_all(self, segs) -> None:
+        """Build the areas of these segments now (open paths that write every area)."""
+        for s in segs:
+            self._ensure(int(s))
