@@ -18,7 +18,7 @@
 #      which also warms the JIT build cache (~/.cache/torch_extensions).
 #
 # torchvision is NOT installed: PyPI torchvision does not load beside CPU torch.
-# The tests put tests/support/sglang_shims (an inert torchvision stand-in) on sys.path.
+# The tests put umbp_nvme/bench/sglang_shims (an inert torchvision stand-in) on sys.path.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -34,7 +34,7 @@ for arg in "$@"; do
 done
 
 smoke() {
-    PYTHONPATH="$repo/tests/support/sglang_shims${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'PYEOF'
+    PYTHONPATH="$repo/umbp_nvme/bench/sglang_shims${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'PYEOF'
 import hashlib, struct, sys, warnings
 warnings.filterwarnings("ignore")
 import torch

@@ -22,7 +22,7 @@ Systems, all driven the way SGLang's cache controller drives them, in 128-page b
                      against the deepest fio of the same memory kind in the same round.
 
 Host pools are sglang's MHATokenToKVPoolHost (layout page_first, bf16, pin_memory off, built by
-tests/support/sglang_env.py as SGLang's assembler builds them) allocated by SGLang's own allocator:
+bench/sglang_pools.py as SGLang's assembler builds them) allocated by SGLang's own allocator:
 "4k" on plain pages, "huge" with SGLANG_HUGEPAGE_SIZE=2MB (hugetlb pages reserved through
 /proc/sys/vm/nr_hugepages as root and restored at exit; the run checks the pool really landed
 on hugetlb pages and skips the kind with a note otherwise).
@@ -61,7 +61,6 @@ import warnings
 
 import numpy as np
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, when run from one
 
 from .engine import HugePages, make_test_file, run_fio
 from .common import Sample, bench_dir, Skip, Stopwatch, check_buffers, drop_caches, finish, make_row, paired_ratio, parse_bytes, print_table, write_json
@@ -128,24 +127,17 @@ def parse_args(argv):
 
 
 def load_sglang():
-    """tests/support/sglang_env.py (real sglang host pools, the dynamic loader); ImportError without sglang."""
-    tests = os.path.join(_ROOT, "tests", "support")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    import importlib.util
+    """bench/sglang_pools.py (real sglang host pools, the dynamic loader); ImportError without sglang."""
+    from . import sglang_pools
 
     if os.environ.get("UMBP_BENCH_NO_SGLANG", "") not in ("", "0"):
         raise ImportError("UMBP_BENCH_NO_SGLANG is set")
-    if importlib.util.find_spec("sglang") is None:
+    if not sglang_pools.sglang_installed():
         raise ImportError("sglang is not installed (tools/install_sglang.sh installs sglang==0.5.23)")
-    try:
-        import sglang_env
-    except ImportError as e:  # pytest missing, or a broken checkout
-        raise ImportError(f"tests/support/sglang_env.py does not import: {e}") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sglang_env.sglang_imports()
-    return sglang_env
+        sglang_pools.sglang_imports()
+    return sglang_pools
 
 
 def shape_bytes(shape: dict) -> int:

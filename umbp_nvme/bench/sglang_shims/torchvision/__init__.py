@@ -1,4 +1,4 @@
-"""Inert stand-in for ``torchvision``, used only by the SGLang tests.
+"""Inert stand-in for ``torchvision``, used only where SGLang is driven on CPU (bench hicache, the tests).
 
 ``sglang.srt.configs`` imports ``torchvision.transforms`` at module level (for
 vision-language model preprocessing), and through it ``transformers`` imports

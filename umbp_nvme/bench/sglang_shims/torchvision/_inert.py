@@ -25,7 +25,7 @@ class _Inert:
     def __call__(self, *args, **kwargs):
         raise RuntimeError(
             f"{self._qualname} was called, but torchvision here is the inert test "
-            "shim from tests/support/sglang_shims (no image transforms in KV-cache tests)"
+            "shim from umbp_nvme/bench/sglang_shims (no image transforms in KV-cache tests)"
         )
 
     def __getattr__(self, name: str):
