@@ -32,7 +32,8 @@ class RecordSteps:
         """Once the batch's CRCs are in, its records go out while its data is still landing: the
         fdatasync after both covers both, and a record whose data did not land is unconfirmed,
         so a rebuild checks it against the data. Returns the records' write task."""
-        await wait_out(b.crc_job)
+        if b.crc_job is not None:  # None: computed on the loop thread already
+            await wait_out(b.crc_job)
         b.crcs = b.crc_out
         return asyncio.ensure_future(self._write_records(b, refused, early=True))
 
