@@ -163,6 +163,6 @@ async def settle_deletes(st, h: DriveHealth) -> bool:
         return True
     keys = list(owed)
     await st.delete_many(keys)
-    left = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
-    owed.intersection_update(left)
-    return not left
+    left = {k for k, f in zip(keys, st.exists_many_nowait(keys)) if f}
+    owed.difference_update(k for k in keys if k not in left)  # keys owed meanwhile stay owed
+    return not owed
