@@ -18,7 +18,7 @@ import pytest
 from conftest import payload, small_config
 from support.faults import FaultPlan, FaultRule
 from umbp_nvme.config import load_config
-from umbp_nvme.store import PageStore
+from umbp_nvme.store import PageStore, owed_deletes
 from umbp_nvme.store.drives import MultiDriveStore
 from umbp_nvme.store.placement import page_of
 
@@ -428,7 +428,8 @@ async def test_deletes_and_re_puts_owed_by_a_degraded_drive_survive_a_restart(tm
     res, wrong = await _get(st, good)
     assert res == [True] * len(good) and wrong == 0
     await st.close()
-    assert not any(os.path.exists(os.path.join(r, "OWED_DELETES.jsonl")) for r in roots)  # settled, log gone
+    left = owed_deletes.load(roots)  # compacted at the open: nothing owed any more
+    assert not left.owes(roots[0]) and not left.owes(roots[1])
 
 
 async def test_a_reader_hides_what_a_drive_owes_until_the_writer_applies_it(tmp_path):
@@ -471,3 +472,38 @@ async def test_deletes_and_re_puts_made_while_a_drive_was_not_open_survive_a_res
     assert all(np.array_equal(o, payload(k + "v2", OBJ)) for k, o in zip(bad[3:6], outs))
     assert sum(r["objects"] for r in st.stats()["drives"]) == 80 - 3  # no stale second copy kept
     await st.close()
+
+
+async def test_a_clear_while_a_drive_is_degraded_is_applied_by_it_after_a_restart(tmp_path):
+    roots, st, keys, where = await _degraded_by_eio(tmp_path, 3)
+    await st.clear()
+    fresh = _keys(10, "f")
+    assert await _put(st, fresh) == [True] * 20
+    assert 1 not in st.drive_of(fresh)
+    await st.close()
+    rd = await MultiDriveStore.open(roots, small_config(), readonly=True, probe_interval_s=60)
+    res, wrong = await _get(rd, keys)  # a reader before the writer reopened: the cleared drive serves nothing
+    assert res == [False] * len(keys) and wrong == 0
+    await rd.close()
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    res, wrong = await _get(st, keys + fresh)
+    assert wrong == 0 and res == [False] * len(keys) + [True] * 20
+    assert st.stats()["drives"][1]["objects"] == 0 and st.stats()["drives"][1]["state"] == "healthy"
+    await st.close()
+
+
+def test_the_owed_log_ignores_a_torn_line_and_a_settled_line_cancels_older_lines_in_any_drives_log(tmp_path):
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    for r in (a, b, c):
+        os.makedirs(r)
+    owed_deletes.append(c, [{"drive": b, "keys": ["k1"]}])  # c's log: then c was out a while
+    owed_deletes.append(a, [{"drive": b, "keys": ["k2"]}, {"drive": c, "out": True}])
+    with open(os.path.join(a, owed_deletes.OWED_FILE), "a") as f:
+        f.write('{"drive": "' + b + '", "keys": ["k3"')  # a crash mid-append
+    st = owed_deletes.load([a, c])
+    assert st.keys == {b: {"k1", "k2"}} and st.out == {c}
+    owed_deletes.append(a, [{"drive": b, "settled": True}])
+    st = owed_deletes.load([a, c])
+    assert st.keys == {} and st.out == {c}
+    owed_deletes.rewrite(a, st, [a, b, c])  # compaction keeps a settled line for b: c's old line stays cancelled
+    assert owed_deletes.load([a, c]).keys == {} and owed_deletes.load([a, c]).out == {c}

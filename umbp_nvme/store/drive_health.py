@@ -40,6 +40,7 @@ class DriveHealth:
         self._busy_from = {"get": 0.0, "put": 0.0}
         self.busy_s = {"get": 0.0, "put": 0.0}  # time with at least one such call in flight (for GB/s)
         self.deletes_owed: set[str] = set()  # deletes to apply before the drive serves again
+        self.clear_owed = False  # the store was cleared while it was degraded: it clears before serving
         self.readmitted_at = -1e9
         self.backoff_s = 0.0  # a drive that fails again right after rejoining is probed less often
         self.probe_after = 0.0  # monotonic time of its next probe
@@ -158,6 +159,9 @@ async def reads_back(st, h: DriveHealth) -> bool:
 
 async def settle_deletes(st, h: DriveHealth) -> bool:
     """Apply the deletes the drive owes (made while it was degraded); True when none is left."""
+    if h.clear_owed:
+        await st.clear()
+        h.clear_owed = False
     owed = h.deletes_owed
     if not owed:
         return True

@@ -53,6 +53,7 @@ class DriveProbes:
             h = self.health[d]
             if st is None:
                 h.deletes_owed.update(state.keys.get(r, ()))  # applied when it opens in this run
+                h.clear_owed = r in state.cleared
                 if not self.readonly and r not in state.out:
                     state.out.add(r)  # it misses this run's writes: its copies are stale where others hold one
                     changed = True
@@ -63,10 +64,13 @@ class DriveProbes:
                 h.deletes_owed = set(state.keys.get(r, ()))
                 if r in state.out:
                     self._order = [i for i in self._order if i != d] + [d]
+                if r in state.cleared:  # its pages were cleared: none is served until the writer clears it
+                    h.clear_owed = True
+                    h.degrade("cleared", "the writer cleared the store while this drive was degraded")
                 continue
             others = [s for s in self.stores if s is not None and s is not st]
-            left = await owed_deletes.apply(st, state.keys.pop(r, set()), r in state.out, others)
-            state.out.discard(r)
+            left = await owed_deletes.apply(st, state.keys.get(r, set()), r in state.out, others, r in state.cleared)
+            state.settle(r)
             changed = True
             if left:
                 state.keys[r] = h.deletes_owed = left
@@ -74,9 +78,18 @@ class DriveProbes:
         if changed and not self.readonly:
             for r in opened:
                 try:
-                    await asyncio.to_thread(owed_deletes.rewrite, r, state)
+                    await asyncio.to_thread(owed_deletes.rewrite, r, state, self.roots)
                 except OSError as e:
                     log.warning("drive %s: could not rewrite %s: %s", r, owed_deletes.OWED_FILE, e)
+
+    async def _owe_clear(self, drives: list[int]) -> None:
+        """The store was cleared while ``drives`` were degraded: each clears itself before it serves."""
+        for d in drives:
+            self.health[d].clear_owed = True
+            self.health[d].deletes_owed.clear()
+        if not await self._log([{"drive": self.roots[d], "clear": True} for d in drives]):
+            log.warning("the clear owed by drive(s) %s is recorded on no drive: kept in memory only",
+                        ", ".join(self.roots[d] for d in drives))  # fmt: skip
 
     async def _owe(self, owed: dict[int, list[str]]) -> None:
         """Drive ``d`` owes the deletes of ``owed[d]``: kept in memory and, before this returns, in
@@ -192,7 +205,8 @@ class DriveProbes:
         if not await reads_back(st, h):
             return
         if self.readonly:  # it hides what the drive owes; the writer applies it
-            h.readmit()
+            if not h.clear_owed:
+                h.readmit()
             return
         if not await settle_deletes(st, h):
             return

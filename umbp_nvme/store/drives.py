@@ -314,14 +314,14 @@ class MultiDriveStore(DriveProbes):
         if self._closed:
             self._closed_call("clear")
             return
-        live, owed = [], {}
+        live, owed = [], []
         for d, (st, h) in enumerate(zip(self.stores, self.health)):
-            if st is not None and h.healthy:
+            if st is not None and h.readable:  # healthy, or full: it still clears
                 live.append(st.clear())
-            elif st is not None:
-                owed[d] = st.keys()
+            else:
+                owed.append(d)
         if owed:
-            await self._owe(owed)
+            await self._owe_clear(owed)
         await asyncio.gather(*live)
 
     async def flush(self) -> bool:

@@ -9,7 +9,11 @@ in memory only. Lines (``at`` in ns orders them across the drives' files):
 * ``{"drive": root, "at": t, "keys": [...]}`` -- the drive owes these deletes;
 * ``{"drive": root, "at": t, "out": true}`` -- its store was not open: every key another drive
   holds is newer than its copy (puts never go to it), so the copy is stale;
+* ``{"drive": root, "at": t, "clear": true}`` -- the store was cleared while it was degraded;
 * ``{"drive": root, "at": t, "settled": true}`` -- it applied everything owed before ``t``.
+
+The log grows while drives are degraded (one line per batch that owes) and is compacted at each
+open of the writer.
 
 Why a log on the other drives rather than tombstones on the owing one: the owing drive is the one
 that cannot be written. A torn last line (a crash while appending) is ignored; the delete it
@@ -34,9 +38,15 @@ class Owed:
     def __init__(self):
         self.keys: dict[str, set[str]] = {}
         self.out: set[str] = set()
+        self.cleared: set[str] = set()
 
     def owes(self, root: str) -> bool:
-        return bool(self.keys.get(root)) or root in self.out
+        return bool(self.keys.get(root)) or root in self.out or root in self.cleared
+
+    def settle(self, root: str) -> None:
+        self.keys.pop(root, None)
+        self.out.discard(root)
+        self.cleared.discard(root)
 
 
 def _lines(root: str) -> list[dict]:
@@ -64,8 +74,10 @@ def load(roots: list[str]) -> Owed:
     for e in entries:
         d = e["drive"]
         if e.get("settled"):
-            state.keys.pop(d, None)
-            state.out.discard(d)
+            state.settle(d)
+        elif e.get("clear"):
+            state.settle(d)  # everything it held goes
+            state.cleared.add(d)
         elif e.get("out"):
             state.out.add(d)
         elif isinstance(e.get("keys"), list):
@@ -87,8 +99,11 @@ def append(root: str, entries: list[dict]) -> None:
     data = "".join(json.dumps(dict(e, at=now), sort_keys=True) + "\n" for e in entries).encode()
     path = os.path.join(root, OWED_FILE)
     new = not os.path.exists(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data  # after a torn line (a crash mid-append): never glued to it
         while data:
             data = data[os.write(fd, data) :]
         os.fsync(fd)
@@ -98,19 +113,16 @@ def append(root: str, entries: list[dict]) -> None:
         _fsync_dir(root)
 
 
-def rewrite(root: str, state: Owed) -> None:
-    """Replace the log on ``root`` with ``state`` alone (after the owed deletes were applied at open)."""
+def rewrite(root: str, state: Owed, roots: list[str]) -> None:
+    """Replace the log on ``root`` with ``state`` alone (after the owed deletes were applied at
+    open); a drive of ``roots`` that owes nothing gets a ``settled`` line, so that older lines in
+    the log of a drive that did not open this time cannot bring its owes back."""
     path = os.path.join(root, OWED_FILE)
     now = time.time_ns()
-    lines = [{"drive": d, "at": now, "out": True} for d in sorted(state.out)]
-    lines += [{"drive": d, "at": now, "keys": sorted(k)} for d, k in sorted(state.keys.items()) if k]
-    if not lines:
-        try:
-            os.unlink(path)
-            _fsync_dir(root)
-        except FileNotFoundError:
-            pass
-        return
+    lines = [{"drive": d, "at": now, "settled": True} for d in sorted(roots) if not state.owes(d)]
+    lines += [{"drive": d, "at": now + 1, "clear": True} for d in sorted(state.cleared)]
+    lines += [{"drive": d, "at": now + 2, "out": True} for d in sorted(state.out)]
+    lines += [{"drive": d, "at": now + 2, "keys": sorted(k)} for d, k in sorted(state.keys.items()) if k]
     tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -133,9 +145,11 @@ def stale_copies(st, others: list) -> list[str]:
     return [k for k, s in zip(keys, stale) if s]
 
 
-async def apply(st, owed_keys: set[str], out: bool, others: list) -> set[str]:
-    """Apply what a drive owes on its open store ``st``: the owed keys, and (``out``) its stale
-    copies. Returns the keys still held that should not be (a delete that failed)."""
+async def apply(st, owed_keys: set[str], out: bool, others: list, cleared: bool = False) -> set[str]:
+    """Apply what a drive owes on its open store ``st``: a clear, the owed keys, and (``out``) its
+    stale copies. Returns the keys still held that should not be (a delete that failed)."""
+    if cleared:
+        await st.clear()
     keys = set(owed_keys)
     if out:
         keys.update(stale_copies(st, others))
