@@ -507,3 +507,55 @@ def test_the_owed_log_ignores_a_torn_line_and_a_settled_line_cancels_older_lines
     assert st.keys == {} and st.out == {c}
     owed_deletes.rewrite(a, st, [a, b, c])  # compaction keeps a settled line for b: c's old line stays cancelled
     assert owed_deletes.load([a, c]).keys == {} and owed_deletes.load([a, c]).out == {c}
+
+
+_KILLED_CHILD = r"""
+import asyncio, json, os, signal, sys
+sys.path[:0] = [TESTS, os.path.join(TESTS, "store")]
+import numpy as np
+from conftest import payload, small_config
+from support.faults import FaultPlan, FaultRule
+from test_drives import OBJ, _keys, _on
+from umbp_nvme.store.drives import MultiDriveStore
+
+async def main(roots):
+    plan = FaultPlan()
+    cfg = small_config(ssd_durability_mode="strict")
+    st = await MultiDriveStore.open(roots, cfg, engine_factory=plan.engine_factory(), probe_interval_s=60)
+    keys = _keys(40)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
+    bad = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
+    await st.get_many(keys, [np.zeros(OBJ, np.uint8) for _ in keys])
+    assert st.stats()["drives"][1]["state"] == "degraded"
+    await st.delete_many(bad[:4])
+    assert await st.put_many(bad[4:8], [payload(k + "v2", OBJ) for k in bad[4:8]]) == [True] * 4
+    print(json.dumps(bad), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close: only what is on disk survives
+
+asyncio.run(main(json.loads(sys.argv[1])))
+"""
+
+
+def test_owed_deletes_survive_a_sigkill_of_the_writer(tmp_path):
+    import json
+    import sys
+
+    roots = _roots(tmp_path, 2)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _KILLED_CHILD.replace("TESTS", repr(tests))
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(roots)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stderr[-2000:]
+    bad = json.loads(p.stdout)
+
+    async def check():
+        st = await MultiDriveStore.open(roots, small_config(ssd_durability_mode="strict"), probe_interval_s=60)
+        res, wrong = await _get(st, bad[:4] + bad[8:])
+        assert wrong == 0 and res == [False] * 4 + [True] * (len(bad) - 8)
+        outs = [np.zeros(OBJ, np.uint8) for _ in range(4)]
+        assert await st.get_many(bad[4:8], outs) == [True] * 4
+        assert all(np.array_equal(o, payload(k + "v2", OBJ)) for k, o in zip(bad[4:8], outs))
+        assert st.drive_of(bad[4:8]) == [0] * 4
+        await st.close()
+
+    asyncio.run(check())
