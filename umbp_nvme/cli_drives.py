@@ -96,10 +96,11 @@ def stats_table(results) -> str:
     """One line per drive: objects, bytes, capacity, fill, writer, live counters when published."""
     from .store.drive_set import recorded_health
 
-    rows = [("drive", "root", "state (last recorded)", "objects", "used GiB", "capacity GiB", "fill %", "writer", "hits/misses")]
+    rows = [("drive", "root", "state (last recorded)", "objects", "used GiB", "capacity GiB", "fill %", "writer",
+             "errors", "read/write GB/s", "hits/misses")]  # fmt: skip
     for i, root, rc, text, err in results:
         if err is not None:
-            rows.append((str(i), root, "error", "-", "-", "-", "-", "-", "-"))
+            rows.append((str(i), root, "error", *["-"] * 8))
             continue
         s = _stats_json(root)
         c = s.get("counters") or {}
@@ -108,7 +109,8 @@ def stats_table(results) -> str:
         rows.append((
             str(i), root, state, str(s.get("objects", "?")), f"{(s.get('bytes_used') or 0) / 2**30:.3f}",
             f"{(s.get('capacity_bytes') or 0) / 2**30:.2f}", f"{(s.get('fill') or 0) * 100:.1f}",
-            f"pid {s['writer_pid']}" if s.get("writer_pid") else "none",
+            f"pid {s['writer_pid']}" if s.get("writer_pid") else "none", str(rec.get("errors", "-")),
+            f"{rec['read_gbps']:.3f}/{rec['write_gbps']:.3f}" if "read_gbps" in rec and "write_gbps" in rec else "-",
             f"{c['hits']}/{c['misses']}" if "hits" in c and "misses" in c else "-",
         ))  # fmt: skip
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]

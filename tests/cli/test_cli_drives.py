@@ -54,9 +54,13 @@ def test_stats_verify_inspect_over_two_drives_show_each_drive(tmp_path, capsys):
     assert doc["objects"] == 48
     assert doc["drives"][1]["recorded_health"]["state"] == "degraded"
     assert doc["drives"][0]["recorded_health"]["state"] == "healthy"
+    assert doc["drives"][1]["recorded_health"]["errors"] > 0 and doc["drives"][0]["recorded_health"]["errors"] == 0
+    assert doc["drives"][0]["recorded_health"]["write_gbps"] > 0
     assert main(["stats", "--store", spec]) == 0
     text = capsys.readouterr().out
     assert "== drive 1: " in text and "degraded (get failed: io_errors_read=" in text
+    table = text[text.rindex("drive  root"):].splitlines()
+    assert "errors" in table[0] and "read/write GB/s" in table[0] and len(table) == 3
     assert main(["verify", "--store", spec, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert sum(d["checked"] for d in doc["drives"]) == 48 and all(not d["bad"] for d in doc["drives"])

@@ -112,10 +112,14 @@ class DriveHealth:
         else:
             self.degrade("io_error", f"{what} failed: " + ", ".join(f"{k}={v}" for k, v in sorted(grown.items())))
 
-    def record(self) -> dict:
-        """What DRIVES.json keeps of this drive, for ``umbp-nvme stats`` in another process."""
-        return {"state": self.state, "reason": self.reason, "degradations": self.degradations,
-                "at": time.time()}  # fmt: skip
+    def record(self, row: dict | None = None) -> dict:
+        """What DRIVES.json keeps of this drive, for ``umbp-nvme stats`` in another process: its
+        state and, from its stats row (``row()``), errors and GB/s of this process so far."""
+        out = {"state": self.state, "reason": self.reason, "degradations": self.degradations, "at": time.time()}
+        for k in ("errors", "read_gbps", "write_gbps", "bytes_read", "bytes_written"):
+            if row and k in row:
+                out[k] = row[k]
+        return out
 
     def row(self, st: dict) -> dict:
         """The drive's line in stats(): state, bytes, objects, GB/s (over time busy), errors."""

@@ -135,7 +135,7 @@ class DriveProbes:
     def _record_set(self) -> None:
         """DRIVES.json on the healthy drives, written off the loop (it fsyncs)."""
         healthy = [h.healthy for h in self.health]
-        health = [h.record() for h in self.health]
+        health = [h.record(r) for h, r in zip(self.health, self.stats()["drives"])]
         self._probe_pool.submit(write_drive_set, self.roots, self.stores, healthy, health)
 
     async def _in_thread(self, d: int, fn, *args):

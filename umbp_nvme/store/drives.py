@@ -390,7 +390,9 @@ class MultiDriveStore(DriveProbes):
         self._closed = True
         self._stop_background()
         if not self.readonly:
-            write_drive_set(self.roots, self.stores, [h.healthy for h in self.health], [h.record() for h in self.health])
+            rows = self.stats()["drives"]
+            write_drive_set(self.roots, self.stores, [h.healthy for h in self.health],
+                            [h.record(r) for h, r in zip(self.health, rows)])  # fmt: skip
         await asyncio.gather(*(st.close() for st in self.stores if st is not None), return_exceptions=True)
 
     async def __aenter__(self):
