@@ -294,16 +294,16 @@ class MultiDriveStore(DriveProbes):
             if sk:
                 continue
             if st is None:  # its index is not open: a deleted key may be there (a re-put one is stale anyway)
-                if deleting:
-                    owed[d] = [k for k in keys if type(k) is str]
+                if deleting and any(type(k) is str and k not in h.deletes_owed for k in keys):
+                    owed[d] = [k for k in keys if type(k) is str and k not in h.deletes_owed]
                 continue
             held = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
             if not held:
                 continue
             if h.readable:
                 dropped.update(k for k, ok in zip(held, await st.delete_many(held)) if ok)
-            else:
-                owed[d] = held
+            elif any(k not in h.deletes_owed for k in held):  # already owed: recorded once
+                owed[d] = [k for k in held if k not in h.deletes_owed]
         if owed:
             await self._owe(owed)
         return dropped
