@@ -107,11 +107,11 @@ class DriveProbes:
         live = [d for d, (st, h) in enumerate(zip(self.stores, self.health)) if st is not None and h.healthy]
 
         async def one(d):
-            fut = loop.run_in_executor(self._log_pools[d], owed_deletes.append, self.roots[d], entries)
             try:
+                fut = loop.run_in_executor(self._log_pools[d], owed_deletes.append, self.roots[d], entries)
                 await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
                 return 1
-            except (OSError, asyncio.TimeoutError) as e:
+            except Exception as e:  # noqa: BLE001 - OSError, a hung drive, or a close() under way: never raise
                 log.warning("drive %s: could not record owed deletes: %r", self.roots[d], e)
                 return 0
 
@@ -193,8 +193,13 @@ class DriveProbes:
         if self.readonly:  # a reader cannot delete them: it looks at this drive last
             self._order = [i for i in self._order if i != d] + [d]
         else:
-            others = [s for s in self.stores if s is not None]
-            self.health[d].deletes_owed |= await owed_deletes.apply(st, set(), True, others)
+            try:
+                others = [s for s in self.stores if s is not None]
+                self.health[d].deletes_owed |= await owed_deletes.apply(st, set(), True, others)
+            except Exception as e:  # noqa: BLE001 - not yet: closed (its lock freed) for the next probe
+                log.debug("drive %d: dropping its stale copies failed: %r", d, e)
+                await st.close()
+                return
         self.stores[d] = st
         await self._settle_and_readmit(d)
 
