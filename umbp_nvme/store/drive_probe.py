@@ -200,6 +200,9 @@ class DriveProbes:
                 log.debug("drive %d: dropping its stale copies failed: %r", d, e)
                 await st.close()
                 return
+        if self._closed:  # closed while its stale copies were dropped
+            await st.close()
+            return
         self.stores[d] = st
         await self._settle_and_readmit(d)
 
