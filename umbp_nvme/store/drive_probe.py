@@ -31,7 +31,8 @@ class DriveProbes:
         n = len(self.roots)
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="umbp-drive-probe")
         # one thread per drive for the owed-deletes log: appends to one drive stay in order
-        self._log_pools = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="umbp-owed-log") for _ in range(n)]
+        pool = concurrent.futures.ThreadPoolExecutor
+        self._log_pools = [pool(1, thread_name_prefix="umbp-owed-log") for _ in range(n)]
         self._thread_calls: dict[int, asyncio.Future] = {}  # drive -> its probe thread's call
         self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
 
