@@ -30,6 +30,8 @@ def roots_of(args) -> list[str] | None:
 
 
 def run_per_drive(args, roots: list[str], errors: tuple, cli_error) -> int:
+    if args.command == "stats" and getattr(args, "prometheus", False):
+        return _stats_prometheus(roots, cli_error)
     if args.command == "export" and args.out == "-":
         raise cli_error("export of several drives writes one archive per drive: give --out PATH, not -")
     results = []
@@ -94,10 +96,11 @@ def stats_table(results) -> str:
     """One line per drive: objects, bytes, capacity, fill, writer, live counters when published."""
     from .store.drive_set import recorded_health
 
-    rows = [("drive", "root", "state (last recorded)", "objects", "used GiB", "capacity GiB", "fill %", "writer", "hits/misses")]
+    rows = [("drive", "root", "state (last recorded)", "objects", "used GiB", "capacity GiB", "fill %", "writer",
+             "errors", "read/write GB/s", "hits/misses")]  # fmt: skip
     for i, root, rc, text, err in results:
         if err is not None:
-            rows.append((str(i), root, "error", "-", "-", "-", "-", "-", "-"))
+            rows.append((str(i), root, "error", *["-"] * 8))
             continue
         s = _stats_json(root)
         c = s.get("counters") or {}
@@ -106,11 +109,40 @@ def stats_table(results) -> str:
         rows.append((
             str(i), root, state, str(s.get("objects", "?")), f"{(s.get('bytes_used') or 0) / 2**30:.3f}",
             f"{(s.get('capacity_bytes') or 0) / 2**30:.2f}", f"{(s.get('fill') or 0) * 100:.1f}",
-            f"pid {s['writer_pid']}" if s.get("writer_pid") else "none",
+            f"pid {s['writer_pid']}" if s.get("writer_pid") else "none", str(rec.get("errors", "-")),
+            f"{rec['read_gbps']:.3f}/{rec['write_gbps']:.3f}" if "read_gbps" in rec and "write_gbps" in rec else "-",
             f"{c['hits']}/{c['misses']}" if "hits" in c and "misses" in c else "-",
         ))  # fmt: skip
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _stats_prometheus(roots: list[str], cli_error) -> int:
+    """One exposition for the whole store: the drives' gauges summed, and ``umbp_nvme_drive_*``
+    per drive (its state as a running writer last recorded it; a drive that cannot be read: 0)."""
+    import sys
+
+    from .cli import _live_counters
+    from .metrics import FAMILIES, available, store_on_disk_exposition
+    from .store.drive_set import recorded_health
+
+    if not available():
+        raise cli_error("--prometheus needs prometheus_client: pip install 'umbp_nvme[metrics]'")
+    summed = {k for _, kind, k, _ in FAMILIES if k and k != "high_watermark"}
+    total: dict = {"drives": []}
+    for i, root in enumerate(roots):
+        s, c = _stats_json(root), _live_counters(root) or {}
+        row = {"drive": i, "path": root, "state": (recorded_health(root) or {}).get("state", "healthy") if s else "degraded"}
+        for k in ("objects", "bytes_used", "capacity_bytes", "bytes_read", "bytes_written"):
+            v = s.get(k, c.get(k))
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                row[k] = v
+        total["drives"].append(row)
+        for k, v in list(s.items()) + [(k, v) for k, v in c.items() if k not in s]:
+            if k in summed and isinstance(v, (int, float)) and not isinstance(v, bool):
+                total[k] = total.get(k, 0) + v
+    sys.stdout.write(store_on_disk_exposition(total).decode())
+    return 0
 
 
 def _stats_json(root: str) -> dict:

@@ -212,7 +212,7 @@ def _parse_dir(value: Any, label: str) -> str:
         try:
             return json.dumps(parse_roots(value))
         except ValueError as e:
-            raise ValueError(f"{label}: {e}") from None
+            raise ValueError(f"{label}: {e}, got {value!r}") from None
     if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip():
         raise ValueError(f"{label} must be a non-empty directory path, got {value!r}")
     try:

@@ -8,6 +8,8 @@ What a process exposes, all ``umbp_nvme_*`` (the table is ``FAMILIES``):
 * I/O errors per op (``-errno`` results and failed syncs), counted by a thin wrapper around the
   store's engines (one ``count_nonzero`` per engine batch);
 * fallbacks: the engine and O_DIRECT asked for vs. what the store really uses;
+* a store over several drives: ``umbp_nvme_drive_*`` per drive (label ``drive``): healthy, objects,
+  bytes, capacity, bytes read / written, errors, degradations, read / write GB/s, free bytes;
 * latency histograms per op (``put``, ``get``, ``exists``), per batch call and per object (the
   batch's time over its objects, one observation per call), buckets 10 us .. 10 s.
 
@@ -85,6 +87,23 @@ FAMILIES = (
     ("umbp_nvme_engine_info", "gauge", None, "1, labelled with the engine asked for and the engine in use."),
     ("umbp_nvme_o_direct", "gauge", None, "1 when the data files are opened with O_DIRECT."),
 )
+# A store over several drives (store/drives.py) adds these, one series per drive (label ``drive``:
+# its index in the configured roots; ``umbp_nvme_drive_info`` maps it to the root's path).
+# (family, kind, stats()["drives"][i] key, help)
+DRIVE_FAMILIES = (
+    ("umbp_nvme_drive_healthy", "gauge", None, "1 while the drive serves (healthy), 0 while it is degraded (stalled, I/O errors, gone, full, not open)."),
+    ("umbp_nvme_drive_info", "gauge", None, "1, labelled with the drive's root path."),
+    ("umbp_nvme_drive_fs_free_bytes", "gauge", None, "Free bytes on the drive's file system (statvfs; not read while it is degraded)."),
+    ("umbp_nvme_drive_objects", "gauge", "objects", "Objects stored on the drive."),
+    ("umbp_nvme_drive_bytes_used", "gauge", "bytes_used", "Bytes in allocated slots on the drive."),
+    ("umbp_nvme_drive_capacity_bytes", "gauge", "capacity_bytes", "The drive's share of ssd_capacity_bytes."),
+    ("umbp_nvme_drive_bytes_read", "counter", "bytes_read", "Object bytes read and verified from the drive."),
+    ("umbp_nvme_drive_bytes_written", "counter", "bytes_written", "Object bytes written to the drive."),
+    ("umbp_nvme_drive_errors", "counter", "errors", "Failed ops on the drive (I/O errors, failed syncs, timeouts)."),
+    ("umbp_nvme_drive_degradations", "counter", "degradations", "Times the drive was marked degraded."),
+    ("umbp_nvme_drive_read_gbps", "gauge", "read_gbps", "The drive's read throughput: bytes read over the time a get was in flight on it (GB/s)."),
+    ("umbp_nvme_drive_write_gbps", "gauge", "write_gbps", "The drive's write throughput: bytes written over the time a put was in flight on it (GB/s)."),
+)
 HISTOGRAMS = (
     ("umbp_nvme_batch_seconds", "Wall time of one batch call (put_many, get_many, exists), by op."),
     ("umbp_nvme_object_seconds", "Wall time of one batch call divided by its objects (one observation per call), by op."),
@@ -141,6 +160,7 @@ def samples_from_stats(stats: dict, *, asked_engine: str | None = None,
             out.append(("umbp_nvme_fs_free_bytes", "gauge", {}, float(sv.f_bavail * sv.f_frsize)))
         except OSError:
             pass
+    out += drive_samples(stats.get("drives"))
     chosen = stats.get("engine")
     if chosen is not None:
         asked = asked_engine or "auto"
@@ -154,8 +174,37 @@ def samples_from_stats(stats: dict, *, asked_engine: str | None = None,
     return out
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def drive_samples(rows) -> list[tuple[str, str, dict, float]]:
+    """The per-drive series of a store over several drives (``stats()["drives"]``); [] for one."""
+    if not isinstance(rows, list) or len(rows) < 2:
+        return []
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            continue
+        lab = {"drive": str(row.get("drive", i))}
+        state = str(row.get("state", ""))
+        out.append(("umbp_nvme_drive_healthy", "gauge", lab, float(state == "healthy")))
+        out.append(("umbp_nvme_drive_info", "gauge", dict(lab, path=str(row.get("path", ""))), 1.0))
+        for name, kind, key, _ in DRIVE_FAMILIES:
+            if key is not None and _number(row.get(key)):
+                out.append((name, kind, lab, float(row[key])))
+        path = row.get("path")
+        if path and state == "healthy":  # a stalled drive's statvfs could hang the scrape
+            try:
+                sv = os.statvfs(path)
+                out.append(("umbp_nvme_drive_fs_free_bytes", "gauge", lab, float(sv.f_bavail * sv.f_frsize)))
+            except OSError:
+                pass
+    return out
+
+
 def _help(name: str) -> str:
-    for n, _, _, h in FAMILIES:
+    for n, _, _, h in FAMILIES + DRIVE_FAMILIES:
         if n == name:
             return h
     return name

@@ -54,9 +54,13 @@ def test_stats_verify_inspect_over_two_drives_show_each_drive(tmp_path, capsys):
     assert doc["objects"] == 48
     assert doc["drives"][1]["recorded_health"]["state"] == "degraded"
     assert doc["drives"][0]["recorded_health"]["state"] == "healthy"
+    assert doc["drives"][1]["recorded_health"]["errors"] > 0 and doc["drives"][0]["recorded_health"]["errors"] == 0
+    assert doc["drives"][0]["recorded_health"]["write_gbps"] > 0
     assert main(["stats", "--store", spec]) == 0
     text = capsys.readouterr().out
     assert "== drive 1: " in text and "degraded (get failed: io_errors_read=" in text
+    table = text[text.rindex("drive  root"):].splitlines()
+    assert "errors" in table[0] and "read/write GB/s" in table[0] and len(table) == 3
     assert main(["verify", "--store", spec, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert sum(d["checked"] for d in doc["drives"]) == 48 and all(not d["bad"] for d in doc["drives"])
@@ -90,3 +94,22 @@ def test_export_then_warmup_moves_a_two_drive_store_byte_exact(tmp_path, capsys)
 
     res, ok, spread = asyncio.run(check())
     assert res == [True] * 40 and ok and min(spread) > 0
+
+
+def test_stats_prometheus_over_two_drives_is_one_exposition_with_a_series_per_drive(tmp_path, capsys):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    roots = [str(tmp_path / f"d{i}" / "store") for i in range(2)]
+    keys = [f"p{i:03d}_0_{c}" for i in range(24) for c in "kv"]
+    where = asyncio.run(_fill(roots, keys, degrade_second=True))
+    assert main(["stats", "--store", ",".join(roots), "--prometheus"]) == 0
+    samples = {}
+    for fam in text_string_to_metric_families(capsys.readouterr().out):  # parses: one valid exposition
+        for s in fam.samples:
+            samples[(s.name, s.labels.get("drive"))] = s.value
+    assert samples[("umbp_nvme_objects", None)] == 48
+    assert samples[("umbp_nvme_drive_objects", "0")] == where.count(0)
+    assert samples[("umbp_nvme_drive_objects", "1")] == where.count(1)
+    assert samples[("umbp_nvme_drive_healthy", "0")] == 1
+    assert samples[("umbp_nvme_drive_healthy", "1")] == 0  # as the writer recorded it
+    assert samples[("umbp_nvme_drive_bytes_used", "0")] > 0

@@ -35,9 +35,10 @@ def test_mha_tp2_over_two_roots_round_trips_byte_exact_with_whole_pages_per_driv
         rows = b.store_stats()["store"]["drives"]
         assert [x["state"] for x in rows] == ["healthy"] * 2 and all(x["objects"] > 0 for x in rows)
         assert sum(x["objects"] for x in rows) == 280
-        got = b.get_stats()
-        if hasattr(got, "drives"):  # SGLang's StorageMetrics takes the extra attribute
-            assert [x["objects"] for x in got.drives] == [x["objects"] for x in rows]
+        got = b.get_stats()  # SGLang's StorageMetrics (a plain dataclass) carries the per-drive rows
+        assert [(x["drive"], x["objects"], x["state"]) for x in got.drives] == [
+            (x["drive"], x["objects"], x["state"]) for x in rows]
+        assert all(x["write_gbps"] > 0 and x["bytes_written"] > 0 for x in got.drives)
     for (idx, written), b, p in zip(data, backends, pools):
         E.zero_pages(p.host, idx)
         assert hit_pages(b, hashes) == 140
@@ -128,6 +129,8 @@ def test_a_failing_drive_under_the_backend_costs_only_its_pages_and_rejoins(tmp_
     assert backend.batch_exists(hashes) == first_bad  # exists stops at the first page it lost
     rows = backend.store_stats()["store"]["drives"]
     assert rows[1]["state"] == "degraded" and rows[0]["state"] == "healthy"
+    got = backend.get_stats().drives  # what SGLang's metrics call sees
+    assert [x["state"] for x in got] == ["healthy", "degraded"] and got[1]["errors"] > 0
     plan.clear()
     deadline = time.monotonic() + 10
     while backend.store_stats()["store"]["drives"][1]["state"] != "healthy" and time.monotonic() < deadline:

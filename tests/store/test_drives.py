@@ -18,7 +18,7 @@ import pytest
 from conftest import payload, small_config
 from support.faults import FaultPlan, FaultRule
 from umbp_nvme.config import load_config
-from umbp_nvme.store import PageStore
+from umbp_nvme.store import PageStore, owed_deletes
 from umbp_nvme.store.drives import MultiDriveStore
 from umbp_nvme.store.placement import page_of
 
@@ -389,3 +389,173 @@ async def test_a_drive_missing_at_open_joins_once_its_store_is_back(tmp_path):
     res, wrong = await _get(st, keys)
     assert res == [True] * 60 and wrong == 0
     await st.close()
+
+
+async def _degraded_by_eio(tmp_path, n: int = 2):
+    """A writer over ``n`` drives whose drive 1 answers EIO to reads (degraded by one get), with
+    pages on every drive; the probe never re-admits it in this process."""
+    roots = _roots(tmp_path, n)
+    plan = FaultPlan()
+    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), probe_interval_s=60)
+    keys = _keys(60)
+    assert await _put(st, keys) == [True] * 120
+    where = st.drive_of(keys)
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
+    res, wrong = await _get(st, keys)
+    assert wrong == 0 and st.stats()["drives"][1]["state"] == "degraded"
+    return roots, st, keys, where
+
+
+async def test_deletes_and_re_puts_owed_by_a_degraded_drive_survive_a_restart(tmp_path):
+    roots, st, keys, where = await _degraded_by_eio(tmp_path)
+    bad = [k for k, d in zip(keys, where) if d == 1]
+    deleted, reput, kept = bad[:6], bad[6:12], bad[12:]
+    assert len(kept) > 4
+    await st.delete_many(deleted)
+    assert await st.put_many(reput, [payload(k + "v2", OBJ) for k in reput]) == [True] * 6
+    assert set(st.drive_of(reput)) == {0}
+    await st.close()  # the drive still owes them: only the log on drive 0 remembers
+
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)  # drive 1 healthy again
+    assert [r["state"] for r in st.stats()["drives"]] == ["healthy", "healthy"]
+    res, wrong = await _get(st, deleted + kept)
+    assert wrong == 0 and res == [False] * 6 + [True] * len(kept)
+    assert st.drive_of(reput) == [0] * 6  # the old copies left drive 1 before it served
+    outs = [np.zeros(OBJ, np.uint8) for _ in reput]
+    assert await st.get_many(reput, outs) == [True] * 6
+    assert all(np.array_equal(o, payload(k + "v2", OBJ)) for k, o in zip(reput, outs))
+    good = [k for k, d in zip(keys, where) if d == 0]
+    res, wrong = await _get(st, good)
+    assert res == [True] * len(good) and wrong == 0
+    await st.close()
+    left = owed_deletes.load(roots)  # compacted at the open: nothing owed any more
+    assert not left.owes(roots[0]) and not left.owes(roots[1])
+
+
+async def test_a_reader_hides_what_a_drive_owes_until_the_writer_applies_it(tmp_path):
+    roots, st, keys, where = await _degraded_by_eio(tmp_path)
+    bad = [k for k, d in zip(keys, where) if d == 1]
+    await st.delete_many(bad[:4])
+    assert await st.put_many(bad[4:8], [payload(k + "v2", OBJ) for k in bad[4:8]]) == [True] * 4
+    await st.close()
+    rd = await MultiDriveStore.open(roots, small_config(), readonly=True, probe_interval_s=60)
+    res, wrong = await _get(rd, bad[:4] + bad[8:])
+    assert wrong == 0 and res == [False] * 4 + [True] * (len(bad) - 8)
+    outs = [np.zeros(OBJ, np.uint8) for _ in range(4)]
+    assert await rd.get_many(bad[4:8], outs) == [True] * 4
+    assert all(np.array_equal(o, payload(k + "v2", OBJ)) for k, o in zip(bad[4:8], outs))
+    await rd.close()
+
+
+async def test_deletes_and_re_puts_made_while_a_drive_was_not_open_survive_a_restart(tmp_path):
+    roots = _roots(tmp_path, 2)
+    st = await MultiDriveStore.open(roots, small_config())
+    keys = _keys(40)
+    assert await _put(st, keys) == [True] * 80
+    bad = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
+    await st.close()
+    parked = str(tmp_path / "parked")
+    os.rename(os.path.dirname(roots[1]), parked)  # drive 1 cannot open for a whole run
+    open(os.path.dirname(roots[1]), "w").close()  # (a file where its directory should be)
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    assert st.stats()["drives"][1]["state"] == "degraded"
+    await st.delete_many(bad[:3])
+    assert await st.put_many(bad[3:6], [payload(k + "v2", OBJ) for k in bad[3:6]]) == [True] * 3
+    await st.close()
+    os.unlink(os.path.dirname(roots[1]))
+    os.rename(parked, os.path.dirname(roots[1]))
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    res, wrong = await _get(st, bad[:3] + bad[6:])
+    assert wrong == 0 and res == [False] * 3 + [True] * (len(bad) - 6)
+    outs = [np.zeros(OBJ, np.uint8) for _ in range(3)]
+    assert await st.get_many(bad[3:6], outs) == [True] * 3
+    assert all(np.array_equal(o, payload(k + "v2", OBJ)) for k, o in zip(bad[3:6], outs))
+    assert sum(r["objects"] for r in st.stats()["drives"]) == 80 - 3  # no stale second copy kept
+    await st.close()
+
+
+async def test_a_clear_while_a_drive_is_degraded_is_applied_by_it_after_a_restart(tmp_path):
+    roots, st, keys, where = await _degraded_by_eio(tmp_path, 3)
+    await st.clear()
+    fresh = _keys(10, "f")
+    assert await _put(st, fresh) == [True] * 20
+    assert 1 not in st.drive_of(fresh)
+    await st.close()
+    rd = await MultiDriveStore.open(roots, small_config(), readonly=True, probe_interval_s=60)
+    res, wrong = await _get(rd, keys)  # a reader before the writer reopened: the cleared drive serves nothing
+    assert res == [False] * len(keys) and wrong == 0
+    await rd.close()
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    res, wrong = await _get(st, keys + fresh)
+    assert wrong == 0 and res == [False] * len(keys) + [True] * 20
+    assert st.stats()["drives"][1]["objects"] == 0 and st.stats()["drives"][1]["state"] == "healthy"
+    await st.close()
+
+
+def test_the_owed_log_ignores_a_torn_line_and_a_settled_line_cancels_older_lines_in_any_drives_log(tmp_path):
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    for r in (a, b, c):
+        os.makedirs(r)
+    owed_deletes.append(c, [{"drive": b, "keys": ["k1"]}])  # c's log: then c was out a while
+    owed_deletes.append(a, [{"drive": b, "keys": ["k2"]}, {"drive": c, "out": True}])
+    with open(os.path.join(a, owed_deletes.OWED_FILE), "a") as f:
+        f.write('{"drive": "' + b + '", "keys": ["k3"')  # a crash mid-append
+    st = owed_deletes.load([a, c])
+    assert st.keys == {b: {"k1", "k2"}} and st.out == {c}
+    owed_deletes.append(a, [{"drive": b, "settled": True}])
+    st = owed_deletes.load([a, c])
+    assert st.keys == {} and st.out == {c}
+    owed_deletes.rewrite(a, st, [a, b, c])  # compaction keeps a settled line for b: c's old line stays cancelled
+    assert owed_deletes.load([a, c]).keys == {} and owed_deletes.load([a, c]).out == {c}
+
+
+_KILLED_CHILD = r"""
+import asyncio, json, os, signal, sys
+sys.path[:0] = [TESTS, os.path.join(TESTS, "store")]
+import numpy as np
+from conftest import payload, small_config
+from support.faults import FaultPlan, FaultRule
+from test_drives import OBJ, _keys, _on
+from umbp_nvme.store.drives import MultiDriveStore
+
+async def main(roots):
+    plan = FaultPlan()
+    cfg = small_config(ssd_durability_mode="strict")
+    st = await MultiDriveStore.open(roots, cfg, engine_factory=plan.engine_factory(), probe_interval_s=60)
+    keys = _keys(40)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
+    bad = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
+    await st.get_many(keys, [np.zeros(OBJ, np.uint8) for _ in keys])
+    assert st.stats()["drives"][1]["state"] == "degraded"
+    await st.delete_many(bad[:4])
+    assert await st.put_many(bad[4:8], [payload(k + "v2", OBJ) for k in bad[4:8]]) == [True] * 4
+    print(json.dumps(bad), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close: only what is on disk survives
+
+asyncio.run(main(json.loads(sys.argv[1])))
+"""
+
+
+def test_owed_deletes_survive_a_sigkill_of_the_writer(tmp_path):
+    import json
+    import sys
+
+    roots = _roots(tmp_path, 2)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _KILLED_CHILD.replace("TESTS", repr(tests))
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(roots)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stderr[-2000:]
+    bad = json.loads(p.stdout)
+
+    async def check():
+        st = await MultiDriveStore.open(roots, small_config(ssd_durability_mode="strict"), probe_interval_s=60)
+        res, wrong = await _get(st, bad[:4] + bad[8:])
+        assert wrong == 0 and res == [False] * 4 + [True] * (len(bad) - 8)
+        outs = [np.zeros(OBJ, np.uint8) for _ in range(4)]
+        assert await st.get_many(bad[4:8], outs) == [True] * 4
+        assert all(np.array_equal(o, payload(k + "v2", OBJ)) for k, o in zip(bad[4:8], outs))
+        assert st.drive_of(bad[4:8]) == [0] * 4
+        await st.close()
+
+    asyncio.run(check())

@@ -40,6 +40,7 @@ class DriveHealth:
         self._busy_from = {"get": 0.0, "put": 0.0}
         self.busy_s = {"get": 0.0, "put": 0.0}  # time with at least one such call in flight (for GB/s)
         self.deletes_owed: set[str] = set()  # deletes to apply before the drive serves again
+        self.clear_owed = False  # the store was cleared while it was degraded: it clears before serving
         self.readmitted_at = -1e9
         self.backoff_s = 0.0  # a drive that fails again right after rejoining is probed less often
         self.probe_after = 0.0  # monotonic time of its next probe
@@ -111,10 +112,14 @@ class DriveHealth:
         else:
             self.degrade("io_error", f"{what} failed: " + ", ".join(f"{k}={v}" for k, v in sorted(grown.items())))
 
-    def record(self) -> dict:
-        """What DRIVES.json keeps of this drive, for ``umbp-nvme stats`` in another process."""
-        return {"state": self.state, "reason": self.reason, "degradations": self.degradations,
-                "at": time.time()}  # fmt: skip
+    def record(self, row: dict | None = None) -> dict:
+        """What DRIVES.json keeps of this drive, for ``umbp-nvme stats`` in another process: its
+        state and, from its stats row (``row()``), errors and GB/s of this process so far."""
+        out = {"state": self.state, "reason": self.reason, "degradations": self.degradations, "at": time.time()}
+        for k in ("errors", "read_gbps", "write_gbps", "bytes_read", "bytes_written"):
+            if row and k in row:
+                out[k] = row[k]
+        return out
 
     def row(self, st: dict) -> dict:
         """The drive's line in stats(): state, bytes, objects, GB/s (over time busy), errors."""
@@ -158,11 +163,14 @@ async def reads_back(st, h: DriveHealth) -> bool:
 
 async def settle_deletes(st, h: DriveHealth) -> bool:
     """Apply the deletes the drive owes (made while it was degraded); True when none is left."""
+    if h.clear_owed:
+        await st.clear()
+        h.clear_owed = False
     owed = h.deletes_owed
     if not owed:
         return True
     keys = list(owed)
     await st.delete_many(keys)
-    left = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
-    owed.intersection_update(left)
-    return not left
+    left = {k for k, f in zip(keys, st.exists_many_nowait(keys)) if f}
+    owed.difference_update(k for k in keys if k not in left)  # keys owed meanwhile stay owed
+    return not owed

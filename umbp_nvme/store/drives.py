@@ -19,11 +19,9 @@ once no call of ours is in flight on it and one of its objects reads back.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import os
-import time
 
 from ..config import StoreConfig
 from ..errors import (
@@ -31,9 +29,9 @@ from ..errors import (
     UnsafeStorePathError,
 )  # fmt: skip
 from . import placement
-from .drive_health import FULL, DriveHealth, reads_back, settle_deletes
+from .drive_health import FULL, DriveHealth
+from .drive_probe import DriveProbes
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
-from .layout import MANIFEST_FILE
 from .page_store import COUNTERS, PageStore
 
 log = logging.getLogger("umbp_nvme.store")
@@ -55,7 +53,7 @@ def _drive_failure(e: BaseException) -> bool:
     return isinstance(e, (OSError, StoreError)) and not isinstance(e, _CONFIG_ERRORS)
 
 
-class MultiDriveStore:
+class MultiDriveStore(DriveProbes):
     """PageStore's calls over several roots. Create with ``await MultiDriveStore.open(roots, ...)``."""
 
     _closed_logged = False
@@ -104,32 +102,19 @@ class MultiDriveStore:
         self.manifest = first.manifest
         self.path = ",".join(self.roots)
         self.removed_drives = note_drive_set(self.roots, self.stores, readonly)
-        self._probe_pool = concurrent.futures.ThreadPoolExecutor(len(self.roots), thread_name_prefix="umbp-drive-probe")
-        self._thread_calls: dict[int, asyncio.Future] = {}  # drive -> its probe thread's call
-        self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+        self._order = list(range(len(self.roots)))  # lookup order (a reader looks at a stale drive last)
+        self._start_background()
+        try:
+            await self._settle_owed_at_open()  # before any drive serves
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     def _open_drive(self, i: int):
         r = self.roots[i]
         cfg = dataclasses.replace(self.config, ssd_storage_dir=r, ssd_capacity_bytes=self._caps[i])
         return PageStore.open(r, cfg, **self._open_kw)
-
-    async def _reopen(self, d: int) -> None:
-        """A drive that could not open at first: opened again once its store is back (never created here:
-        an unmounted drive's empty mount point must not get a new store on the wrong file system)."""
-        try:
-            await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
-            st = await self._open_drive(d)
-        except Exception as e:  # noqa: BLE001 - still out; the next probe tries again
-            log.debug("drive %d still cannot open: %r", d, e)
-            return
-        if self._closed:
-            await st.close()
-            return
-        for a, n in self._ranges:
-            st.register_memory(a, n)
-        self.stores[d] = st
-        self.health[d].readmit()
 
     # ----------------------------------------------------------------------------- routing
 
@@ -152,15 +137,16 @@ class MultiDriveStore:
         """The drive holding each key among ``usable`` ones (-1: none). Index lookups are cheap."""
         out = [-1] * len(keys)
         rest = list(range(len(keys)))
-        for d, st in enumerate(self.stores):
+        for d in self._order:
             if not rest:
                 break
             if usable[d]:
-                found = st.exists_many_nowait([keys[j] for j in rest])
+                found = self.stores[d].exists_many_nowait([keys[j] for j in rest])
+                owed = self.health[d].deletes_owed  # a reader hides what the drive owes
                 for j, f in zip(rest, found):
-                    if f:
+                    if f and not (owed and keys[j] in owed):
                         out[j] = d
-                rest = [j for j, f in zip(rest, found) if not f]
+                rest = [j for j in rest if out[j] < 0]
         return out
 
     def _pages(self, keys) -> list[str]:
@@ -291,27 +277,35 @@ class MultiDriveStore:
             self._closed_call("delete_many")
             return results
         live = [st for st, h in zip(self.stores, self.health) if st is not None and h.healthy]
-        dropped = await self._drop_elsewhere(keys, [st is not None and h.healthy for st, h in zip(self.stores, self.health)])
+        healthy = [st is not None and h.healthy for st, h in zip(self.stores, self.health)]
+        dropped = await self._drop_elsewhere(keys, healthy, deleting=True)
         results = [k in dropped for k in keys]
         for out in await asyncio.gather(*(st.delete_many(keys) for st in live)):
             results = [a or bool(b) for a, b in zip(results, out)]
         return results
 
-    async def _drop_elsewhere(self, keys: list[str], skip: list[bool]) -> set[str]:
+    async def _drop_elsewhere(self, keys: list[str], skip: list[bool], *, deleting: bool = False) -> set[str]:
         """Delete ``keys`` on every drive not in ``skip``: at once where the drive still serves reads
-        (full), else owed until it rejoins (degraded drives are probed before they serve again).
+        (full), else owed until it rejoins (recorded durably before this returns: drive_probe.py).
         Returns the keys deleted at once."""
         dropped: set[str] = set()
-        for st, h, sk in zip(self.stores, self.health, skip):
-            if st is None or sk:
+        owed: dict[int, list[str]] = {}
+        for d, (st, h, sk) in enumerate(zip(self.stores, self.health, skip)):
+            if sk:
+                continue
+            if st is None:  # its index is not open: a deleted key may be there (a re-put one is stale anyway)
+                if deleting and any(type(k) is str and k not in h.deletes_owed for k in keys):
+                    owed[d] = [k for k in keys if type(k) is str and k not in h.deletes_owed]
                 continue
             held = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
             if not held:
                 continue
             if h.readable:
                 dropped.update(k for k, ok in zip(held, await st.delete_many(held)) if ok)
-            else:
-                h.deletes_owed.update(held)
+            elif any(k not in h.deletes_owed for k in held):  # already owed: recorded once
+                owed[d] = [k for k in held if k not in h.deletes_owed]
+        if owed:
+            await self._owe(owed)
         return dropped
 
     async def clear(self) -> None:
@@ -320,12 +314,14 @@ class MultiDriveStore:
         if self._closed:
             self._closed_call("clear")
             return
-        live = []
-        for st, h in zip(self.stores, self.health):
-            if st is not None and h.healthy:
+        live, owed = [], []
+        for d, (st, h) in enumerate(zip(self.stores, self.health)):
+            if st is not None and h.readable:  # healthy, or full: it still clears
                 live.append(st.clear())
-            elif st is not None:
-                h.deletes_owed.update(st.keys())
+            else:
+                owed.append(d)
+        if owed:
+            await self._owe_clear(owed)
         await asyncio.gather(*live)
 
     async def flush(self) -> bool:
@@ -381,65 +377,6 @@ class MultiDriveStore:
         )  # fmt: skip
         return out
 
-    # ----------------------------------------------------------------------------- health probes
-
-    async def _probe_loop(self) -> None:
-        while not self._closed:
-            await asyncio.sleep(self.probe_interval_s)
-            if any(h.changed for h in self.health) and not self.readonly:
-                for h in self.health:
-                    h.changed = False
-                self._record_set()
-            now = time.monotonic()
-            for d, h in enumerate(self.health):
-                if not h.probing and not self._closed and now >= h.probe_after:
-                    h.probing = True
-                    asyncio.get_running_loop().create_task(self._probe(d))
-
-    def _record_set(self) -> None:
-        """DRIVES.json on the healthy drives, written off the loop (it fsyncs)."""
-        healthy = [h.healthy for h in self.health]
-        health = [h.record() for h in self.health]
-        self._probe_pool.submit(write_drive_set, self.roots, self.stores, healthy, health)
-
-    async def _in_thread(self, d: int, fn, *args):
-        """``fn(*args)`` on a probe thread, bounded by io_timeout_s. A call that hung is given up on
-        but keeps its thread: no second one for that drive until it ends (threads stay free)."""
-        prev = self._thread_calls.get(d)
-        if prev is not None and not prev.done():
-            raise asyncio.TimeoutError
-        fut = self._thread_calls[d] = asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args)
-        return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-
-    async def _probe(self, d: int) -> None:
-        h, st = self.health[d], self.stores[d]
-        try:
-            if st is None:
-                await self._reopen(d)
-                return
-            if h.pending:  # a call of ours is still in flight there (stalled): not yet
-                return
-            try:
-                await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
-            except FileNotFoundError:
-                h.degrade("gone", f"its directory {self.roots[d]} is gone (no {MANIFEST_FILE})")
-                return
-            except (OSError, asyncio.TimeoutError):
-                return
-            if h.healthy:
-                return
-            if h.kind == FULL:
-                vfs = await self._in_thread(d, os.statvfs, self.roots[d])
-                if vfs.f_bavail * vfs.f_frsize >= self.segment_bytes:
-                    h.readmit()
-                return
-            if await reads_back(st, h) and await settle_deletes(st, h):
-                h.readmit()
-        except Exception as e:  # noqa: BLE001 - a probe never takes the store down
-            log.debug("drive %d probe failed: %r", d, e)
-        finally:
-            h.probing = False
-
     # ----------------------------------------------------------------------------- close
 
     def _closed_call(self, op: str) -> None:
@@ -451,11 +388,12 @@ class MultiDriveStore:
         if self._closed:
             return
         self._closed = True
-        self._probe_task.cancel()
+        self._stop_background()
         if not self.readonly:
-            write_drive_set(self.roots, self.stores, [h.healthy for h in self.health], [h.record() for h in self.health])
+            rows = self.stats()["drives"]
+            write_drive_set(self.roots, self.stores, [h.healthy for h in self.health],
+                            [h.record(r) for h, r in zip(self.health, rows)])  # fmt: skip
         await asyncio.gather(*(st.close() for st in self.stores if st is not None), return_exceptions=True)
-        self._probe_pool.shutdown(wait=False)
 
     async def __aenter__(self):
         return self

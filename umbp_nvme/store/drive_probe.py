@@ -1,0 +1,227 @@
+"""The background side of MultiDriveStore: probes, re-admission, and deletes owed durably.
+
+A mixin of ``drives.MultiDriveStore`` (it uses its roots, stores and health): every
+``probe_interval_s`` a healthy drive is checked for its directory and a degraded one probed (its
+directory, one object read back, its owed deletes applied) before it serves again; a drive that
+could not open is opened once its store is back. Deletes a degraded drive owes are recorded in
+owed_deletes.py's log on the healthy drives before they are acknowledged, and applied at the next
+open when the process ended first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+
+from . import owed_deletes
+from .drive_health import FULL, reads_back, settle_deletes
+from .drive_set import write_drive_set
+from .layout import MANIFEST_FILE
+
+log = logging.getLogger("umbp_nvme.store")
+
+
+class DriveProbes:
+    """Probing and owed deletes for MultiDriveStore (which sets the attributes used here)."""
+
+    def _start_background(self) -> None:
+        n = len(self.roots)
+        self._probe_pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="umbp-drive-probe")
+        # one thread per drive for the owed-deletes log: appends to one drive stay in order
+        pool = concurrent.futures.ThreadPoolExecutor
+        self._log_pools = [pool(1, thread_name_prefix="umbp-owed-log") for _ in range(n)]
+        self._thread_calls: dict[int, asyncio.Future] = {}  # drive -> its probe thread's call
+        self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    def _stop_background(self) -> None:
+        self._probe_task.cancel()
+        self._probe_pool.shutdown(wait=False)
+        for p in self._log_pools:
+            p.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ owed deletes
+
+    async def _settle_owed_at_open(self) -> None:
+        """Apply what the drives owe (the logs of the drives that opened) before any of them serves.
+        A reader cannot delete: it hides the owed keys and looks at a stale drive last."""
+        opened = [r for r, s in zip(self.roots, self.stores) if s is not None]
+        state = await asyncio.to_thread(owed_deletes.load, opened)
+        changed = False
+        for d, (r, st) in enumerate(zip(self.roots, self.stores)):
+            h = self.health[d]
+            if st is None:
+                h.deletes_owed.update(state.keys.get(r, ()))  # applied when it opens in this run
+                h.clear_owed = r in state.cleared
+                if not self.readonly and r not in state.out:
+                    state.out.add(r)  # it misses this run's writes: its copies are stale where others hold one
+                    changed = True
+                continue
+            if not state.owes(r):
+                continue
+            if self.readonly:
+                h.deletes_owed = set(state.keys.get(r, ()))
+                if r in state.out:
+                    self._order = [i for i in self._order if i != d] + [d]
+                if r in state.cleared:  # its pages were cleared: none is served until the writer clears it
+                    h.clear_owed = True
+                    h.degrade("cleared", "the writer cleared the store while this drive was degraded")
+                continue
+            others = [s for s in self.stores if s is not None and s is not st]
+            left = await owed_deletes.apply(st, state.keys.get(r, set()), r in state.out, others, r in state.cleared)
+            state.settle(r)
+            changed = True
+            if left:
+                state.keys[r] = h.deletes_owed = left
+                h.degrade("io_error", f"{len(left)} deletes it owed from before the restart failed")
+        if changed and not self.readonly:
+            for r in opened:
+                try:
+                    await asyncio.to_thread(owed_deletes.rewrite, r, state, self.roots)
+                except OSError as e:
+                    log.warning("drive %s: could not rewrite %s: %s", r, owed_deletes.OWED_FILE, e)
+
+    async def _owe_clear(self, drives: list[int]) -> None:
+        """The store was cleared while ``drives`` were degraded: each clears itself before it serves."""
+        for d in drives:
+            self.health[d].clear_owed = True
+            self.health[d].deletes_owed.clear()
+        if not await self._log([{"drive": self.roots[d], "clear": True} for d in drives]):
+            log.warning("the clear owed by drive(s) %s is recorded on no drive: kept in memory only",
+                        ", ".join(self.roots[d] for d in drives))  # fmt: skip
+
+    async def _owe(self, owed: dict[int, list[str]]) -> None:
+        """Drive ``d`` owes the deletes of ``owed[d]``: kept in memory and, before this returns, in
+        the log on every healthy drive (so a restart still applies them)."""
+        for d, keys in owed.items():
+            self.health[d].deletes_owed.update(keys)
+        n = await self._log([{"drive": self.roots[d], "keys": sorted(k)} for d, k in owed.items()])
+        if not n:
+            log.warning("owed deletes of drive(s) %s recorded on no drive (none healthy): kept in memory only",
+                        ", ".join(self.roots[d] for d in owed))  # fmt: skip
+
+    async def _log(self, entries: list[dict]) -> int:
+        """Append ``entries`` to the owed-deletes log of every healthy drive; how many recorded them."""
+        loop = asyncio.get_running_loop()
+        live = [d for d, (st, h) in enumerate(zip(self.stores, self.health)) if st is not None and h.healthy]
+
+        async def one(d):
+            try:
+                fut = loop.run_in_executor(self._log_pools[d], owed_deletes.append, self.roots[d], entries)
+                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+                return 1
+            except Exception as e:  # noqa: BLE001 - OSError, a hung drive, or a close() under way: never raise
+                log.warning("drive %s: could not record owed deletes: %r", self.roots[d], e)
+                return 0
+
+        return sum(await asyncio.gather(*(one(d) for d in live)))
+
+    # ------------------------------------------------------------------ probes
+
+    async def _probe_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.probe_interval_s)
+            if any(h.changed for h in self.health) and not self.readonly:
+                for h in self.health:
+                    h.changed = False
+                self._record_set()
+            now = time.monotonic()
+            for d, h in enumerate(self.health):
+                if not h.probing and not self._closed and now >= h.probe_after:
+                    h.probing = True
+                    asyncio.get_running_loop().create_task(self._probe(d))
+
+    def _record_set(self) -> None:
+        """DRIVES.json on the healthy drives, written off the loop (it fsyncs)."""
+        healthy = [h.healthy for h in self.health]
+        health = [h.record(r) for h, r in zip(self.health, self.stats()["drives"])]
+        self._probe_pool.submit(write_drive_set, self.roots, self.stores, healthy, health)
+
+    async def _in_thread(self, d: int, fn, *args):
+        """``fn(*args)`` on a probe thread, bounded by io_timeout_s. A call that hung is given up on
+        but keeps its thread: no second one for that drive until it ends (threads stay free)."""
+        prev = self._thread_calls.get(d)
+        if prev is not None and not prev.done():
+            raise asyncio.TimeoutError
+        fut = self._thread_calls[d] = asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args)
+        return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+
+    async def _probe(self, d: int) -> None:
+        h, st = self.health[d], self.stores[d]
+        try:
+            if st is None:
+                await self._reopen(d)
+                return
+            if h.pending:  # a call of ours is still in flight there (stalled): not yet
+                return
+            try:
+                await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
+            except FileNotFoundError:
+                h.degrade("gone", f"its directory {self.roots[d]} is gone (no {MANIFEST_FILE})")
+                return
+            except (OSError, asyncio.TimeoutError):
+                return
+            if h.healthy:
+                return
+            if h.kind == FULL:
+                vfs = await self._in_thread(d, os.statvfs, self.roots[d])
+                if vfs.f_bavail * vfs.f_frsize >= self.segment_bytes:
+                    h.readmit()
+                return
+            await self._settle_and_readmit(d)
+        except Exception as e:  # noqa: BLE001 - a probe never takes the store down
+            log.debug("drive %d probe failed: %r", d, e)
+        finally:
+            h.probing = False
+
+    async def _reopen(self, d: int) -> None:
+        """A drive that could not open at first: opened again once its store is back (never created here:
+        an unmounted drive's empty mount point must not get a new store on the wrong file system)."""
+        try:
+            await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
+            st = await self._open_drive(d)
+        except Exception as e:  # noqa: BLE001 - still out; the next probe tries again
+            log.debug("drive %d still cannot open: %r", d, e)
+            return
+        if self._closed:
+            await st.close()
+            return
+        for a, n in self._ranges:
+            st.register_memory(a, n)
+        # it missed the writes made while it was out: where another drive holds a key, its copy is older
+        if self.readonly:  # a reader cannot delete them: it looks at this drive last
+            self._order = [i for i in self._order if i != d] + [d]
+        else:
+            try:
+                others = [s for s in self.stores if s is not None]
+                self.health[d].deletes_owed |= await owed_deletes.apply(st, set(), True, others)
+            except Exception as e:  # noqa: BLE001 - not yet: closed (its lock freed) for the next probe
+                log.debug("drive %d: dropping its stale copies failed: %r", d, e)
+                await st.close()
+                return
+        if self._closed:  # closed while its stale copies were dropped
+            await st.close()
+            return
+        self.stores[d] = st
+        await self._settle_and_readmit(d)
+
+    async def _settle_and_readmit(self, d: int) -> None:
+        """Re-admit a degraded drive once an object reads back and its owed deletes are applied; the
+        log then records it settled (owes that arrived meanwhile are recorded again, and wait)."""
+        h, st = self.health[d], self.stores[d]
+        if not await reads_back(st, h):
+            return
+        if self.readonly:  # it hides what the drive owes; the writer applies it
+            if not h.clear_owed:
+                h.readmit()
+            return
+        if not await settle_deletes(st, h):
+            return
+        await self._log([{"drive": self.roots[d], "settled": True}])
+        if h.deletes_owed:  # owed while the log was written: the settled line cancelled their record
+            await self._log([{"drive": self.roots[d], "keys": sorted(h.deletes_owed)}])
+            return
+        h.readmit()
+

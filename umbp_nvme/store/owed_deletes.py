@@ -1,0 +1,160 @@
+"""Deletes a degraded drive owes, kept durably until the drive has applied them.
+
+A drive that is degraded (stalled, EIO, gone, or not open) cannot delete: a key deleted or
+written anew elsewhere meanwhile would come back from it after a restart. The owing is recorded
+in ``OWED_DELETES.jsonl`` on every healthy drive (appended and fsynced before the delete returns
+or the new copy is written), not on the owing drive itself (it may be the one that hangs) and not
+in memory only. Lines (``at`` in ns orders them across the drives' files):
+
+* ``{"drive": root, "at": t, "keys": [...]}`` -- the drive owes these deletes;
+* ``{"drive": root, "at": t, "out": true}`` -- its store was not open: every key another drive
+  holds is newer than its copy (puts never go to it), so the copy is stale;
+* ``{"drive": root, "at": t, "clear": true}`` -- the store was cleared while it was degraded;
+* ``{"drive": root, "at": t, "settled": true}`` -- it applied everything owed before ``t``.
+
+The log grows while drives are degraded (one line per batch that owes) and is compacted at each
+open of the writer.
+
+Why a log on the other drives rather than tombstones on the owing one: the owing drive is the one
+that cannot be written. A torn last line (a crash while appending) is ignored; the delete it
+recorded had not returned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+log = logging.getLogger("umbp_nvme.store")
+
+OWED_FILE = "OWED_DELETES.jsonl"
+
+
+class Owed:
+    """The merged state of the logs: per drive root, keys owed and whether it was out."""
+
+    def __init__(self):
+        self.keys: dict[str, set[str]] = {}
+        self.out: set[str] = set()
+        self.cleared: set[str] = set()
+
+    def owes(self, root: str) -> bool:
+        return bool(self.keys.get(root)) or root in self.out or root in self.cleared
+
+    def settle(self, root: str) -> None:
+        self.keys.pop(root, None)
+        self.out.discard(root)
+        self.cleared.discard(root)
+
+
+def _lines(root: str) -> list[dict]:
+    try:
+        with open(os.path.join(root, OWED_FILE), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue  # a torn append
+        if isinstance(e, dict) and isinstance(e.get("drive"), str) and isinstance(e.get("at"), int):
+            out.append(e)
+    return out
+
+
+def load(roots: list[str]) -> Owed:
+    """Merge the logs found on ``roots`` (the drives that opened): a drive's ``settled`` line
+    in any file cancels what any file recorded for it before."""
+    entries = sorted((e for r in roots for e in _lines(r)), key=lambda e: e["at"])
+    state = Owed()
+    for e in entries:
+        d = e["drive"]
+        if e.get("settled"):
+            state.settle(d)
+        elif e.get("clear"):
+            state.settle(d)  # everything it held goes
+            state.cleared.add(d)
+        elif e.get("out"):
+            state.out.add(d)
+        elif isinstance(e.get("keys"), list):
+            state.keys.setdefault(d, set()).update(k for k in e["keys"] if isinstance(k, str))
+    return state
+
+
+def _fsync_dir(root: str) -> None:
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append(root: str, entries: list[dict]) -> None:
+    """Append ``entries`` to the log on ``root`` and fsync (blocking: run it off the loop)."""
+    now = time.time_ns()
+    data = "".join(json.dumps(dict(e, at=now), sort_keys=True) + "\n" for e in entries).encode()
+    path = os.path.join(root, OWED_FILE)
+    new = not os.path.exists(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data  # after a torn line (a crash mid-append): never glued to it
+        while data:
+            data = data[os.write(fd, data) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if new:
+        _fsync_dir(root)
+
+
+def rewrite(root: str, state: Owed, roots: list[str]) -> None:
+    """Replace the log on ``root`` with ``state`` alone (after the owed deletes were applied at
+    open); a drive of ``roots`` that owes nothing gets a ``settled`` line, so that older lines in
+    the log of a drive that did not open this time cannot bring its owes back."""
+    path = os.path.join(root, OWED_FILE)
+    now = time.time_ns()
+    lines = [{"drive": d, "at": now, "settled": True} for d in sorted(roots) if not state.owes(d)]
+    lines += [{"drive": d, "at": now + 1, "clear": True} for d in sorted(state.cleared)]
+    lines += [{"drive": d, "at": now + 2, "out": True} for d in sorted(state.out)]
+    lines += [{"drive": d, "at": now + 2, "keys": sorted(k)} for d, k in sorted(state.keys.items()) if k]
+    tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        data = "".join(json.dumps(e, sort_keys=True) + "\n" for e in lines).encode()
+        while data:
+            data = data[os.write(fd, data) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(root)
+
+
+def stale_copies(st, others: list) -> list[str]:
+    """Keys of ``st`` (a drive that was out) that another open drive holds: its copies are older."""
+    keys = st.keys()
+    stale = [False] * len(keys)
+    for o in others:
+        stale = [a or b for a, b in zip(stale, o.exists_many_nowait(keys))]
+    return [k for k, s in zip(keys, stale) if s]
+
+
+async def apply(st, owed_keys: set[str], out: bool, others: list, cleared: bool = False) -> set[str]:
+    """Apply what a drive owes on its open store ``st``: a clear, the owed keys, and (``out``) its
+    stale copies. Returns the keys still held that should not be (a delete that failed)."""
+    if cleared:
+        await st.clear()
+    keys = set(owed_keys)
+    if out:
+        keys.update(stale_copies(st, others))
+    if not keys:
+        return set()
+    keys_l = list(keys)
+    await st.delete_many(keys_l)
+    return {k for k, f in zip(keys_l, st.exists_many_nowait(keys_l)) if f}
