@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass

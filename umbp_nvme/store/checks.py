@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key, printable_key
 
 log = logging.getLogger("umbp_nvme.store")
@@ -45,3 +46,20 @@ def encode_all(keys, idx=None) -> list[bytes]:
         return [k.encode() for k in keys] if idx is None else [keys[i].encode() for i in idx]
     except UnicodeEncodeError:
         return [encode_key(k) for k in keys] if idx is None else [encode_key(keys[i]) for i in idx]
+
+
+def begin_call(store, op: str, keys, buffers=None, depths=None, *, writes: bool = False) -> list[bool] | None:
+    """What every batch call of a store (one drive or several) checks first: a write on a
+    read-only store and mismatched argument lengths raise; a closed store answers once (its
+    ``_closed_call``) and gives None. Otherwise the call's results, all False so far."""
+    if writes and store.readonly:
+        raise ReadOnlyStoreError(f"store {store.path} was opened read-only; {op} is not allowed")
+    n = len(keys)
+    if buffers is not None and len(buffers) != n:
+        raise ValueError(f"{op} needs one buffer per key: {n} keys, {len(buffers)} buffers")
+    if depths is not None and len(depths) != n:
+        raise ValueError(f"{op} needs one depth per key: {n} keys, {len(depths)} depths")
+    if store._closed:
+        store._closed_call(op)
+        return None
+    return [False] * n

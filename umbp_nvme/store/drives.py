@@ -29,6 +29,7 @@ from ..errors import (
     UnsafeStorePathError,
 )  # fmt: skip
 from . import placement
+from .checks import begin_call
 from .drive_health import FULL, DriveHealth
 from .drive_probe import DriveProbes
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
@@ -173,18 +174,9 @@ class MultiDriveStore(DriveProbes):
     # ----------------------------------------------------------------------------- data calls
 
     async def put_many(self, keys: list[str], buffers: list, *, depths: list[int] | None = None) -> list[bool]:
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; put_many is not allowed")
-        n = len(keys)
-        if len(buffers) != n or (depths is not None and len(depths) != n):
-            raise ValueError(
-                f"put_many needs one buffer (and depth) per key: {n} keys, {len(buffers)} buffers, "
-                f"{'no' if depths is None else len(depths)} depths"
-            )
-        results = [False] * n
-        if self._closed:
-            self._closed_call("put_many")
-            return results
+        results = begin_call(self, "put_many", keys, buffers, depths, writes=True)
+        if results is None:
+            return [False] * len(keys)
         writable = self._mask("write")
         if not any(writable):
             return results
@@ -201,13 +193,9 @@ class MultiDriveStore(DriveProbes):
         return results
 
     async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
-        n = len(keys)
-        if len(buffers) != n:
-            raise ValueError(f"get_many needs one buffer per key: {n} keys, {len(buffers)} buffers")
-        results = [False] * n
-        if self._closed:
-            self._closed_call("get_many")
-            return results
+        results = begin_call(self, "get_many", keys, buffers)
+        if results is None:
+            return [False] * len(keys)
         route = self._holders(keys, self._mask("read"))
         self._unrouted_gets += route.count(-1)  # misses no drive saw
         await self._fan_out("get", route, results,
@@ -270,12 +258,9 @@ class MultiDriveStore(DriveProbes):
 
     async def delete_many(self, keys: list[str]) -> list[bool]:
         """Delete on every drive; a degraded drive owes the delete and applies it before it rejoins."""
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; delete_many is not allowed")
-        results = [False] * len(keys)
-        if self._closed:
-            self._closed_call("delete_many")
-            return results
+        results = begin_call(self, "delete_many", keys, writes=True)
+        if results is None:
+            return [False] * len(keys)
         live = [st for st, h in zip(self.stores, self.health) if st is not None and h.healthy]
         healthy = [st is not None and h.healthy for st, h in zip(self.stores, self.health)]
         dropped = await self._drop_elsewhere(keys, healthy, deleting=True)

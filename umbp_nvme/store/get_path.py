@@ -15,7 +15,7 @@ import numpy as np
 
 from ..keybytes import encode_key, key_error
 from . import staging
-from .checks import Refusals, plain_keys
+from .checks import Refusals, begin_call, plain_keys
 from .index import FLAG_CRC, REC_BYTES, REC_DTYPE
 from .staging import wait_out
 
@@ -68,13 +68,9 @@ class ReadBatch:
 
 class GetPath:
     async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
-        n = len(keys)
-        if len(buffers) != n:
-            raise ValueError(f"get_many needs one buffer per key: {n} keys, {len(buffers)} buffers")
-        results = [False] * n
-        if self._closed:
-            self._closed_call("get_many")
-            return results
+        results = begin_call(self, "get_many", keys, buffers)
+        if results is None:
+            return [False] * len(keys)
         self._enter()
         try:
             await self._get(keys, buffers, results)
@@ -82,7 +78,7 @@ class GetPath:
             log.exception("%s: get_many failed", self.path)
         finally:
             self._leave()
-        hits = sum(results)
+        n, hits = len(keys), sum(results)
         self._counters["gets"] += n
         self._counters["hits"] += hits
         self._counters["misses"] += n - hits

@@ -46,7 +46,7 @@ def _read_meta(fd: int, off: int, size: int, which: str) -> tuple:
     if len(buf) < _META.size:
         raise _IndexFileDamage(f"file of {size} bytes ends before the {which} meta page", size)
     m = _META.unpack(buf)
-    pgno, flags, magic, version, psize = m[0], m[2], m[3], m[4], m[7]
+    flags, magic, version, psize = m[2], m[3], m[4], m[7]
     if not flags & _P_META or magic != _MDB_MAGIC:
         raise _IndexFileDamage(f"{which} meta page at offset {off} is not an LMDB meta page", size)
     if version != _MDB_DATA_VERSION:

@@ -341,7 +341,6 @@ class OpenSteps:
         back: drop it. Any other failure (EMFILE, EACCES, EIO...) may be transient: refuse to open
         rather than destroy the index over it.
         """
-        n = len(keys)
         segs = recs["segment"]
         shrunk = int((segs >= n_segments).sum()) if self._shrink_from is not None else 0
         keep = self._alloc.rebuild(segs, recs["offset"], recs["length"], recs["generation"])

@@ -27,6 +27,7 @@ from typing import NamedTuple
 from ..config import StoreConfig, parse_roots
 from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key
+from .checks import begin_call
 from .get_path import GetPath
 from .memory import Ranges
 from .opening import OpenSteps
@@ -299,12 +300,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
     # ----------------------------------------------------------------------------- delete
 
     async def delete_many(self, keys: list[str]) -> list[bool]:
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; delete_many is not allowed")
-        results = [False] * len(keys)
-        if self._closed:
-            self._closed_call("delete_many")
-            return results
+        results = begin_call(self, "delete_many", keys, writes=True)
+        if results is None:
+            return [False] * len(keys)
         rows, where = [], []
         seen = set()
         for i, r in enumerate(self._writer_rows(keys)):

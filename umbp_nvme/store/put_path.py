@@ -15,11 +15,10 @@ import logging
 import numpy as np
 
 from ..engine.base import errno_name
-from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key, key_error
 from .index import FLAG_CRC, REC_BYTES
 from .layout import SLOT_ALIGN_BYTES
-from .checks import Refusals, plain_keys
+from .checks import Refusals, begin_call, plain_keys
 from .memory import int_arg
 from . import staging
 from .staging import settle, wait_out
@@ -54,18 +53,10 @@ class WriteBatch:
 
 class PutPath:
     async def put_many(self, keys: list[str], buffers: list, *, depths: list[int] | None = None) -> list[bool]:
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; put_many is not allowed")
+        results = begin_call(self, "put_many", keys, buffers, depths, writes=True)
+        if results is None:
+            return [False] * len(keys)
         n = len(keys)
-        if len(buffers) != n or (depths is not None and len(depths) != n):
-            raise ValueError(
-                f"put_many needs one buffer (and depth) per key: {n} keys, {len(buffers)} buffers, "
-                f"{'no' if depths is None else len(depths)} depths"
-            )
-        results = [False] * n
-        if self._closed:
-            self._closed_call("put_many")
-            return results
         self._enter()
         try:
             await self._put(keys, buffers, self._depth_array(depths, n), results)
