@@ -11,8 +11,8 @@ read and write engines share one ``Arbiter`` (one event loop, no locks):
   write slice is in flight: a prefetch that arrives competes with at most one slice, and a stream
   of back-to-back reads still lets the backup move one slice at a time (never starved).
 
-Measured (docs/tuning.md): a second queued slice while reads were spaced ~20 ms apart put 1 MiB
-gets' p99 at 1.4-2.7x idle; one slice in flight kept it at 0.8-1.4x, and the backup's share.
+Why one slice beside reads, and 8 MiB slices: the sweep in docs/tuning.md (a second slice queued
+while reads ran cost 1 MiB gets more than it gave the backup).
 """
 
 from __future__ import annotations
