@@ -36,7 +36,7 @@ IO_BACKENDS = ("posix", "io_uring", "auto")  # auto: io_uring, falling back to p
 DURABILITY_ALIASES = {"strict": "strict", "sync": "strict", "relaxed": "relaxed", "async": "relaxed"}
 SSD_BACKENDS = ("file", "spdk", "spdk_proxy")
 EVICTION_POLICIES = ("lru", "prefix_aware")
-READ_PRIORITY_CHOICES = ("on", "off")  # reads before writes: ioprio, write slices held while reads run
+READ_PRIORITY_CHOICES = ("on", "off")  # reads before writes: ioprio, one write slice in flight while reads run
 WRITE_SLICE_BYTES_MIN = 256 << 10  # ssd_write_slice_bytes: 0 (off) or in [MIN, MAX]
 WRITE_SLICE_BYTES_MAX = 1 << 30
 
@@ -50,7 +50,7 @@ class StoreConfig:
     ssd_queue_depth: int = 256  # io_uring SQ entries; UMBP's 4096 buys nothing on one local disk
     ssd_io_backend: str = "io_uring"  # "io_uring" | "posix"
     # Reads first (docs/tuning.md): a put batch reaches the device in slices of this many bytes
-    # (0 = whole batches); "on" gives reads a higher ioprio and holds write slices while reads run.
+    # (0 = whole batches); "on" gives reads a higher ioprio and one write slice in flight while they run.
     ssd_write_slice_bytes: int = 8 * MiB
     ssd_read_priority: str = "on"  # "on" | "off"
     ssd_durability_mode: str = "strict"  # "strict" | "relaxed" (after alias mapping)

@@ -376,3 +376,42 @@ async def test_engine_is_usable_through_the_selector():
         assert isinstance(e, UringEngine)
     finally:
         e.close()
+
+
+def test_may_continue_uses_the_recorded_alignment_not_a_syscall(tmp_path, monkeypatch):
+    """The short-transfer retry decides from files.dio_facts: no fcntl on the completion path."""
+    import fcntl
+
+    from umbp_nvme.engine.uring import _Batch
+
+    def no_syscall(*a, **k):
+        raise AssertionError("fcntl called on the completion path")
+
+    monkeypatch.setattr(fcntl, "fcntl", no_syscall)
+    f = _direct_data_file(tmp_path / "d")
+    plain = os.open(tmp_path / "p", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fds = np.array([f.fd, plain], dtype=np.int32)
+        offs = np.array([2 * f.align, 0], dtype=np.int64)
+        addrs = _u64([1 << 20, (1 << 20) + 3])  # never dereferenced: only the decision is tested
+        lens = np.array([4 * f.align, 4 * f.align], dtype=np.int64)
+        b = _Batch(0, 0, fds, offs, addrs, lens, None, None, 2)
+        assert b.may_continue(0, f.align)  # remainder aligned in file and memory: resubmit
+        assert not b.may_continue(0, f.align + 512 if f.align > 512 else 100)  # O_DIRECT would refuse it
+        assert b.may_continue(1, 100)  # a page-cache fd takes any remainder
+    finally:
+        os.close(plain)
+        f.close()
+
+
+async def test_short_read_at_eof_of_a_data_file(engine, tmp_path):
+    """An O_DIRECT data file read past EOF: the bytes that exist, no resubmit of an unaligned tail."""
+    f = _direct_data_file(tmp_path / "f")
+    data = os.urandom(3 * PAGE + 100)
+    with open(tmp_path / "f", "r+b") as w:
+        w.write(data)
+    with AlignedBuffer(2 * PAGE) as buf:
+        res = await engine.read_many(f.fd, [2 * PAGE], [buf.address], [2 * PAGE])
+        assert res.tolist() == [PAGE + 100]
+        assert buf.array[: PAGE + 100].tobytes() == data[2 * PAGE :]
+    f.close()

@@ -44,6 +44,9 @@ cpu_us_per_op count objects of object_bytes; queue_depth is pages per call (fio:
 Writes are what the caller waits for: HiCacheFile's are buffered (page cache), so rows also
 carry sync_s (an untimed syncfs right after) and gbps_incl_sync. Ratios are paired per round:
 vs_fio (fio for 4k, fio_huge for huge) and vs_hicache_file.
+
+Prefetch while backup (issue 13: get latency beside a saturating batch_set_v1 stream) is not
+measured here: ``umbp-nvme bench mixed --sglang`` (bench/mixed_sglang.py) does it on the same pools.
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
-"""Reads first: write bytes in flight are bounded, and a write slice waits while reads run.
+"""Reads first: write bytes in flight are bounded, and narrowed to one slice while reads run.
 
 A backup batch (48 x 4 MiB = 192 MiB) handed to the device at once sits in front of every read
 that arrives after it: the device and the block layer serve whichever came first. So a store's
 read and write engines share one ``Arbiter`` (one event loop, no locks):
 
-* a write batch goes to the device in slices of about ``slice_bytes``; at most ``WINDOW_SLICES``
-  slices are in flight (the next one is queued while the current one runs, so the device never
-  idles between slices), across every write batch of the store;
-* while a read batch is in flight, the next write slice is held as long as another write slice
-  is still at the device, or until it has waited ``HOLD_MAX_S``: reads compete with at most one
-  slice, and a stream of back-to-back reads still lets the backup move one slice at a time.
+* a write batch goes to the device in slices of about ``slice_bytes``; with no reads about, up to
+  ``WINDOW_SLICES`` slices are in flight (the next one queued while the current one runs, so the
+  device never idles between slices), across every write batch of the store;
+* while a read batch is in flight, and for ``READ_QUIET_S`` after the last one ended, only one
+  write slice is in flight: a prefetch that arrives competes with at most one slice, and a stream
+  of back-to-back reads still lets the backup move one slice at a time (never starved).
 
-A read therefore waits behind at most the write slices already at the device.
+Why one slice beside reads, and 8 MiB slices: the sweep in docs/tuning.md (a second slice queued
+while reads ran cost 1 MiB gets more than it gave the backup).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from ..config import StoreConfig
 from .base import RESULT_DTYPE, IoBatch
 
 DEFAULT_SLICE_BYTES = StoreConfig.ssd_write_slice_bytes
-WINDOW_SLICES = 2  # slices in flight: one at the device, the next queued behind it
-HOLD_MAX_S = 0.010  # longest a ready write slice waits for reads to finish
+WINDOW_SLICES = 2  # slices in flight with no reads about: one at the device, the next queued
+READ_QUIET_S = 0.100  # after a read ends, this long before the window widens again (spaced prefetches)
 
 
 def check_slice_bytes(v) -> int:
@@ -47,15 +48,18 @@ class Arbiter:
     """Write window and read gate shared by one store's engines (used from their event loop only)."""
 
     def __init__(self, slice_bytes: int = DEFAULT_SLICE_BYTES, *, hold_reads: bool = True,
-                 hold_max_s: float = HOLD_MAX_S):  # fmt: skip
+                 quiet_s: float = READ_QUIET_S, window_slices: int | None = None):  # fmt: skip
         self.slice_bytes = check_slice_bytes(slice_bytes)
-        self.hold_reads = hold_reads
-        self.hold_max_s = float(hold_max_s)
-        self._limit = self.slice_bytes * WINDOW_SLICES
+        self.hold_reads = hold_reads  # False (ssd_read_priority=off): reads never narrow the window
+        self.quiet_s = float(quiet_s)
+        self.window_slices = WINDOW_SLICES if window_slices is None else int(window_slices)
+        if self.window_slices < 1:
+            raise ValueError(f"window_slices must be >= 1, got {window_slices!r}")
+        self._limit = self.slice_bytes * self.window_slices
         self._wbytes = 0  # write bytes submitted, not complete
-        self._waiting: deque = deque()  # (nbytes, future, since) of write slices, FIFO
+        self._waiting: deque = deque()  # (nbytes, future) of write slices, FIFO
         self._reads = 0  # read batches in flight
-        self._timer = None
+        self._read_end = -1e9  # monotonic time the last read batch ended
         self.stats = {"write_slices": 0, "write_slices_held": 0, "reads": 0}
 
     @property
@@ -71,25 +75,27 @@ class Arbiter:
     def read_done(self) -> None:
         self._reads -= 1
         if self._reads == 0:
-            self._wake()
+            self._read_end = time.monotonic()
 
     # -- writes -----------------------------------------------------------------------------
 
-    def _may_go(self, nbytes: int, since: float, now: float) -> bool:
-        if self._wbytes and self._wbytes + nbytes > self._limit:
+    def _may_go(self, nbytes: int) -> bool:
+        """A slice goes when nothing is in flight, else when it fits the window: the full one, or
+        one slice while reads run or ran within quiet_s. A held slice goes at the next release."""
+        if not self._wbytes:
+            return True
+        if self.hold_reads and (self._reads or time.monotonic() - self._read_end < self.quiet_s):
             return False
-        return not (self.hold_reads and self._reads and self._wbytes and now - since < self.hold_max_s)
+        return self._wbytes + nbytes <= self._limit
 
     async def acquire(self, nbytes: int) -> None:
-        now = time.monotonic()
-        if not self._waiting and self._may_go(nbytes, now, now):
+        if not self._waiting and self._may_go(nbytes):
             self._wbytes += nbytes
             self.stats["write_slices"] += 1
             return
         fut = asyncio.get_running_loop().create_future()
-        self._waiting.append((nbytes, fut, now))
+        self._waiting.append((nbytes, fut))
         self.stats["write_slices_held"] += 1
-        self._arm_timer()
         try:
             await fut
         except asyncio.CancelledError:
@@ -111,31 +117,17 @@ class Arbiter:
         self._wake()
 
     def _wake(self) -> None:
-        now = time.monotonic()
         while self._waiting:
-            nbytes, fut, since = self._waiting[0]
+            nbytes, fut = self._waiting[0]
             if fut.done():
                 self._waiting.popleft()
                 continue
-            if not self._may_go(nbytes, since, now):
+            if not self._may_go(nbytes):
                 break
             self._waiting.popleft()
             self._wbytes += nbytes
             self.stats["write_slices"] += 1
             fut.set_result(None)
-        self._arm_timer()
-
-    def _arm_timer(self) -> None:
-        """A held slice goes after hold_max_s even if reads keep coming."""
-        if self._timer is not None or not self._waiting or not (self.hold_reads and self._reads):
-            return
-        since = self._waiting[0][2]
-        delay = max(0.0, since + self.hold_max_s - time.monotonic())
-        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._wake()
 
 
 async def timed_read(arbiter: Arbiter | None, read):

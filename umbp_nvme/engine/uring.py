@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import fcntl
 import logging
 import os
 import threading
@@ -152,12 +151,13 @@ class _Batch:
             log.debug("io_uring: cancel of %d ops failed: %s", len(ud), e)
 
     def may_continue(self, i: int, done: int) -> bool:
-        """A remainder that starts unaligned on an O_DIRECT file would be refused: stop there."""
-        try:
-            direct = fcntl.fcntl(self.fd(i), fcntl.F_GETFL) & os.O_DIRECT
-        except OSError:
-            return False
-        return not direct or (done % 512 == 0 and (int(self.addrs[i]) + done) % 512 == 0)
+        """A remainder that starts unaligned on an O_DIRECT file would be refused: stop there.
+
+        Uses the alignment recorded when the file was opened (files.dio_facts), never a syscall;
+        an fd the store did not open counts as a page-cache file: if it is O_DIRECT after all, the
+        kernel refuses the remainder with EINVAL and the op keeps the bytes it moved."""
+        mem, off, buffered = dio_facts(self.fd(i))
+        return buffered or ((int(self.offs[i]) + done) % off == 0 and (int(self.addrs[i]) + done) % mem == 0)
 
 
 class UringEngine:
@@ -533,7 +533,8 @@ class UringEngine:
                     b.retries[i] = c + 1
                     self._retry.append((b, i))
                     return
-            b.final(i, r)
+            # EINVAL on a remainder: an fd the store did not open was O_DIRECT after all (may_continue)
+            b.final(i, done if r == -errno.EINVAL and done > 0 else r)
             return
         if b.op not in (self._u.OP_READ, self._u.OP_WRITE):
             b.final(i, r)
