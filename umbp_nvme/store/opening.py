@@ -106,7 +106,7 @@ class OpenSteps:
         if not self.readonly:
             self._write_engine = await factory(self.config.ssd_io_backend, qd)
             self._engines.append(self._write_engine)
-        cfg = self.config  # reads first: ioprio per direction, write slices held while reads run
+        cfg = self.config  # reads first: ioprio per direction, one write slice in flight while reads run
         apply_io_policy(self._engines, read_priority=cfg.ssd_read_priority, write_slice_bytes=cfg.ssd_write_slice_bytes)
 
     def _open_manifest(self, cfg: StoreConfig, namespace: dict | None, capacity_from_manifest: bool = False,
