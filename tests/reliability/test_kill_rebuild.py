@@ -66,6 +66,8 @@ def _run_and_kill(path: str, rnd: int, mode: str, after_batches: int, delay_s: f
     text = "".join(lines) + out
     acked, deleted, doubt = {}, set(), set()
     for line in text.split("\n")[:-1]:  # the last piece was cut by the kill (or is empty)
+        if not line.strip():  # a line the kill's partial flush left empty
+            continue
         kind, *items = line.split()
         if kind == "put":
             for it in items:
