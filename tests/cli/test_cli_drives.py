@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from conftest import payload, small_config
-from support.faults import FaultPlan, FaultRule
+from support.faults import FaultPlan, FaultRule, on_files_under as _on
 from umbp_nvme.cli import main
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.drives import MultiDriveStore
@@ -18,16 +18,6 @@ from umbp_nvme.store.drives import MultiDriveStore
 OBJ = 8 << 10
 
 
-def _on(root: str):
-    root = os.path.realpath(root)
-
-    def pred(op, fd, offset, length) -> bool:
-        try:
-            return os.readlink(f"/proc/self/fd/{fd}").startswith(root + os.sep)
-        except OSError:
-            return False
-
-    return pred
 
 
 async def _fill(roots, keys, degrade_second: bool) -> list[int]:

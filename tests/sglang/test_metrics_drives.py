@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
 from conftest import KiB, payload, small_config
-from support.faults import FaultPlan, FaultRule
+from support.faults import FaultPlan, FaultRule, on_files_under as _on
 from test_metrics_scrape import scrape, value
 from umbp_nvme import metrics
 from umbp_nvme.store.sync import SyncPageStore
@@ -16,16 +15,6 @@ from umbp_nvme.store.sync import SyncPageStore
 OBJ = 64 * KiB
 
 
-def _on(root: str):
-    root = os.path.realpath(root)
-
-    def pred(op, fd, offset, length) -> bool:
-        try:
-            return os.readlink(f"/proc/self/fd/{fd}").startswith(root + os.sep)
-        except OSError:
-            return False
-
-    return pred
 
 
 def _keys(pages: int) -> list[str]:

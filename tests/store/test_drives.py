@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import payload, small_config
-from support.faults import FaultPlan, FaultRule
+from support.faults import FaultPlan, FaultRule, on_files_under as _on
 from umbp_nvme.config import load_config
 from umbp_nvme.store import PageStore, owed_deletes
 from umbp_nvme.store.drives import MultiDriveStore
@@ -130,17 +130,6 @@ async def test_removing_a_root_drops_exactly_its_pages_and_says_how_many(tmp_pat
     await st.close()
 
 
-def _on(root: str):
-    """FaultRule predicate: ops on files under ``root``."""
-    root = os.path.realpath(root)
-
-    def pred(op, fd, offset, length) -> bool:
-        try:
-            return os.readlink(f"/proc/self/fd/{fd}").startswith(root + os.sep)
-        except OSError:
-            return False
-
-    return pred
 
 
 async def test_an_eio_drive_is_degraded_at_once_its_pages_miss_and_it_rejoins(tmp_path, caplog):

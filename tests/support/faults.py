@@ -379,3 +379,16 @@ class HookedEngine:
     async def sync(self, fd, datasync=True):
         h = self.hooks.sync
         return await (self.inner.sync(fd, datasync) if h is None else h(self.inner.sync, fd, datasync))
+
+
+def on_files_under(root: str):
+    """FaultRule predicate: ops on files under ``root`` (one drive of several)."""
+    root = os.path.realpath(root)
+
+    def pred(op, fd, offset, length) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").startswith(root + os.sep)
+        except OSError:
+            return False
+
+    return pred

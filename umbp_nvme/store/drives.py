@@ -294,10 +294,7 @@ class MultiDriveStore(DriveProbes):
         return dropped
 
     async def clear(self) -> None:
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; clear is not allowed")
-        if self._closed:
-            self._closed_call("clear")
+        if begin_call(self, "clear", (), writes=True) is None:
             return
         live, owed = [], []
         for d, (st, h) in enumerate(zip(self.stores, self.health)):

@@ -196,12 +196,17 @@ def take_lock(path: str) -> int:
 
 
 def write_json_atomic(path: str, obj) -> None:
+    write_file_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_file_atomic(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data``, durably: written and fsynced under a fresh name, renamed, the
+    directory fsynced."""
     # a fresh name, created exclusively: never an existing file or a symlink someone planted
     tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
-            data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
             while data:
                 data = data[os.write(fd, data) :]
             os.fsync(fd)
@@ -214,11 +219,15 @@ def write_json_atomic(path: str, obj) -> None:
         except OSError:
             pass
         raise
-    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    fsync_dir(os.path.dirname(path))
+
+
+def fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.fsync(dfd)
+        os.fsync(fd)
     finally:
-        os.close(dfd)
+        os.close(fd)
 
 
 MANIFEST_CRC = "crc32c"  # of the other fields' canonical JSON: a flipped byte is damage, not another namespace

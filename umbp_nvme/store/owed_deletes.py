@@ -27,6 +27,8 @@ import logging
 import os
 import time
 
+from .layout import fsync_dir, write_file_atomic
+
 log = logging.getLogger("umbp_nvme.store")
 
 OWED_FILE = "OWED_DELETES.jsonl"
@@ -85,14 +87,6 @@ def load(roots: list[str]) -> Owed:
     return state
 
 
-def _fsync_dir(root: str) -> None:
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def append(root: str, entries: list[dict]) -> None:
     """Append ``entries`` to the log on ``root`` and fsync (blocking: run it off the loop)."""
     now = time.time_ns()
@@ -110,7 +104,7 @@ def append(root: str, entries: list[dict]) -> None:
     finally:
         os.close(fd)
     if new:
-        _fsync_dir(root)
+        fsync_dir(root)
 
 
 def rewrite(root: str, state: Owed, roots: list[str]) -> None:
@@ -123,17 +117,7 @@ def rewrite(root: str, state: Owed, roots: list[str]) -> None:
     lines += [{"drive": d, "at": now + 1, "clear": True} for d in sorted(state.cleared)]
     lines += [{"drive": d, "at": now + 2, "out": True} for d in sorted(state.out)]
     lines += [{"drive": d, "at": now + 2, "keys": sorted(k)} for d, k in sorted(state.keys.items()) if k]
-    tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        data = "".join(json.dumps(e, sort_keys=True) + "\n" for e in lines).encode()
-        while data:
-            data = data[os.write(fd, data) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(root)
+    write_file_atomic(path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in lines).encode())
 
 
 def stale_copies(st, others: list) -> list[str]:

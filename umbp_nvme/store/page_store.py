@@ -317,10 +317,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
 
     async def clear(self) -> None:
         """Drop every entry durably and free all space (slots being read are freed after the read)."""
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; clear is not allowed")
-        if self._closed:
-            self._closed_call("clear")
+        if begin_call(self, "clear", (), writes=True) is None:
             return
         async with self._commit_lock:
             rows = list(self._keys.values())
