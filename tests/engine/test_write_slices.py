@@ -12,7 +12,7 @@ import pytest
 from conftest import open_direct
 from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.config import StoreConfig, load_config
-from umbp_nvme.engine.arbiter import WINDOW_SLICES, Arbiter, slice_bounds, write_sliced
+from umbp_nvme.engine.arbiter import READ_SLICE_FLOOR, WINDOW_SLICES, Arbiter, slice_bounds, write_sliced
 from umbp_nvme.engine.priority import OFF
 from umbp_nvme.engine.uring import UringEngine
 
@@ -38,9 +38,11 @@ class FakeDevice:
         self.inflight = 0
         self.max_inflight = 0
         self.log = []  # (event, t, bytes)
+        self.sizes = []  # bytes of each slice, in submit order
 
     async def run(self, fds, offs, addrs, lens):
         n = int(np.sum(lens))
+        self.sizes.append(n)
         self.inflight += n
         self.max_inflight = max(self.max_inflight, self.inflight)
         self.log.append(("start", time.monotonic(), self.inflight))
@@ -130,6 +132,74 @@ async def test_a_never_ending_read_stream_still_lets_the_backup_move():
         assert dev.max_inflight == MiB  # one slice at a time, every slice moved
     finally:
         arb.read_done()
+
+
+def test_the_slice_beside_reads_is_a_fraction_of_the_full_one_with_a_floor():
+    assert Arbiter(8 * MiB).read_slice_bytes == 4 * MiB  # the default: half
+    assert Arbiter(8 * MiB, read_slice_fraction=0.75).read_slice_bytes == 6 * MiB
+    assert Arbiter(8 * MiB, read_slice_fraction=1).read_slice_bytes == 8 * MiB  # never cut
+    assert Arbiter(8 * MiB, read_slice_fraction=0.1).read_slice_bytes == READ_SLICE_FLOOR == 2 * MiB
+    assert Arbiter(3 * MiB).read_slice_bytes == 2 * MiB  # floor, not 1.5 MiB
+    assert Arbiter(MiB).read_slice_bytes == MiB  # slices below the floor are not cut further
+    assert Arbiter(0).read_slice_bytes == 0 and not Arbiter(0).enabled
+    for bad in (0, -0.5, 1.5, True, "0.5", float("nan")):
+        with pytest.raises(ValueError, match="read_slice_fraction"):
+            Arbiter(8 * MiB, read_slice_fraction=bad)
+
+
+async def test_slices_are_cut_to_half_while_reads_are_about_and_full_when_idle():
+    dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, quiet_s=0.05)
+    n = 96  # 96 MiB of 1 MiB ops, submitted while idle: 8 MiB slices, two in flight
+    write = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB)))
+    await asyncio.sleep(0.020)
+    idle = list(dev.sizes)
+    assert idle and set(idle) == {8 * MiB} and dev.max_inflight == 16 * MiB
+    arb.read_started()  # slices queued before the read are cut when their turn comes
+    mark = len(dev.sizes)
+    await asyncio.sleep(0.060)
+    arb.read_done()
+    during = dev.sizes[mark + 1:]  # one slice may have been granted in the same step as the read began
+    assert during and set(during) == {4 * MiB}
+    res = await write
+    assert res.tolist() == [MiB - 1] * n
+    assert dev.sizes[-1] == 8 * MiB  # quiet again: full slices
+    assert sum(dev.sizes) == n * MiB and arb.stats["write_slices_cut"] >= len(during)
+    assert arb._wbytes == 0 and not arb._waiting
+
+
+async def test_beside_reads_one_cut_slice_at_a_time_and_small_batches_go_whole():
+    dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(8 * MiB)
+    arb.read_started()
+    try:
+        res = await write_sliced(dev.run, arb, 3, np.zeros(20), np.ones(20, np.uint64), np.full(20, MiB))
+        assert res.tolist() == [MiB - 1] * 20
+        assert dev.sizes == [4 * MiB] * 5 and dev.max_inflight == 4 * MiB
+        dev.sizes.clear()
+        await write_sliced(dev.run, arb, 3, np.zeros(3), np.ones(3, np.uint64), np.full(3, MiB))
+        await write_sliced(dev.run, arb, 3, np.zeros(6), np.ones(6, np.uint64), np.full(6, MiB))
+        assert dev.sizes == [3 * MiB, 4 * MiB, 2 * MiB]
+    finally:
+        arb.read_done()
+    arb.quiet_s = 0.0
+    dev.sizes.clear()
+    await write_sliced(dev.run, arb, 3, np.zeros(6), np.ones(6, np.uint64), np.full(6, MiB))
+    assert dev.sizes == [6 * MiB]  # no reads about: one full-size slice
+
+
+async def test_a_failed_slice_stops_the_batch_and_frees_the_window():
+    dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(2 * MiB, window_slices=1)
+    calls = []
+
+    async def run(fds, offs, addrs, lens):
+        calls.append(len(lens))
+        if len(calls) == 2:
+            raise OSError(5, "EIO")
+        return await dev.run(fds, offs, addrs, lens)
+
+    with pytest.raises(OSError):
+        await write_sliced(run, arb, 3, np.zeros(16), np.ones(16, np.uint64), np.full(16, MiB))
+    assert len(calls) < 8  # not every slice of the batch was submitted after the failure
+    assert arb._wbytes == 0 and not arb._waiting
 
 
 async def test_cancelled_sliced_write_waits_for_its_running_slices():

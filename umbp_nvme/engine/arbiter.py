@@ -8,11 +8,14 @@ read and write engines share one ``Arbiter`` (one event loop, no locks):
   ``WINDOW_SLICES`` slices are in flight (the next one queued while the current one runs, so the
   device never idles between slices), across every write batch of the store;
 * while a read batch is in flight, and for ``READ_QUIET_S`` after the last one ended, only one
-  write slice is in flight: a prefetch that arrives competes with at most one slice, and a stream
-  of back-to-back reads still lets the backup move one slice at a time (never starved).
+  write slice is in flight, cut to ``read_slice_fraction`` of ``slice_bytes`` (floor
+  ``READ_SLICE_FLOOR``): a prefetch that arrives competes with at most one short slice, and a
+  stream of back-to-back reads still lets the backup move one slice at a time (never starved).
 
-Why one slice beside reads, and 8 MiB slices: the sweep in docs/tuning.md (a second slice queued
-while reads ran cost 1 MiB gets more than it gave the backup).
+A batch is cut into slices lazily, each when the window grants it, so the cut follows whether
+reads are about at that moment. Why one slice beside reads, 8 MiB slices, and half of that beside
+reads: the sweeps in docs/tuning.md (a ~3.5 ms 1 MiB read waited behind a whole 8 MiB slice; 4 MiB
+slices all the time cost 4 MiB-object backups their share).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from .base import RESULT_DTYPE, IoBatch
 DEFAULT_SLICE_BYTES = StoreConfig.ssd_write_slice_bytes
 WINDOW_SLICES = 2  # slices in flight with no reads about: one at the device, the next queued
 READ_QUIET_S = 0.100  # after a read ends, this long before the window widens again (spaced prefetches)
+READ_SLICE_FRACTION = 0.5  # slice size while reads are about, as a fraction of slice_bytes
+READ_SLICE_FLOOR = 2 << 20  # ... but never below this (or slice_bytes, if that is smaller)
 
 
 def check_slice_bytes(v) -> int:
@@ -48,8 +53,14 @@ class Arbiter:
     """Write window and read gate shared by one store's engines (used from their event loop only)."""
 
     def __init__(self, slice_bytes: int = DEFAULT_SLICE_BYTES, *, hold_reads: bool = True,
-                 quiet_s: float = READ_QUIET_S, window_slices: int | None = None):  # fmt: skip
+                 quiet_s: float = READ_QUIET_S, window_slices: int | None = None,
+                 read_slice_fraction: float | None = None):  # fmt: skip
         self.slice_bytes = check_slice_bytes(slice_bytes)
+        frac = READ_SLICE_FRACTION if read_slice_fraction is None else read_slice_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+            raise ValueError(f"read_slice_fraction must be in (0, 1], got {frac!r}")
+        floor = min(self.slice_bytes, READ_SLICE_FLOOR)
+        self.read_slice_bytes = max(floor, int(self.slice_bytes * frac))  # the cut while reads are about
         self.hold_reads = hold_reads  # False (ssd_read_priority=off): reads never narrow the window
         self.quiet_s = float(quiet_s)
         self.window_slices = WINDOW_SLICES if window_slices is None else int(window_slices)
@@ -57,10 +68,10 @@ class Arbiter:
             raise ValueError(f"window_slices must be >= 1, got {window_slices!r}")
         self._limit = self.slice_bytes * self.window_slices
         self._wbytes = 0  # write bytes submitted, not complete
-        self._waiting: deque = deque()  # (nbytes, future) of write slices, FIFO
+        self._waiting: deque = deque()  # futures of write slices waiting for a grant, FIFO
         self._reads = 0  # read batches in flight
         self._read_end = -1e9  # monotonic time the last read batch ended
-        self.stats = {"write_slices": 0, "write_slices_held": 0, "reads": 0}
+        self.stats = {"write_slices": 0, "write_slices_held": 0, "write_slices_cut": 0, "reads": 0}
 
     @property
     def enabled(self) -> bool:
@@ -79,55 +90,67 @@ class Arbiter:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def _may_go(self, nbytes: int) -> bool:
-        """A slice goes when nothing is in flight, else when it fits the window: the full one, or
-        one slice while reads run or ran within quiet_s. A held slice goes at the next release."""
+    def _reads_about(self) -> bool:
+        return self.hold_reads and bool(self._reads or time.monotonic() - self._read_end < self.quiet_s)
+
+    def _may_go(self, reads_about: bool) -> bool:
+        """A slice goes when nothing is in flight, else when one more full slice fits the window,
+        and never beside another while reads run or ran within quiet_s. A held one goes at a release."""
         if not self._wbytes:
             return True
-        if self.hold_reads and (self._reads or time.monotonic() - self._read_end < self.quiet_s):
-            return False
-        return self._wbytes + nbytes <= self._limit
+        return not reads_about and self._wbytes + self.slice_bytes <= self._limit
 
-    async def acquire(self, nbytes: int) -> None:
-        if not self._waiting and self._may_go(nbytes):
-            self._wbytes += nbytes
-            self.stats["write_slices"] += 1
-            return
+    def _grant(self, reads_about: bool) -> int:
+        nbytes = self.read_slice_bytes if reads_about else self.slice_bytes
+        self._wbytes += nbytes
+        self.stats["write_slices"] += 1
+        self.stats["write_slices_cut"] += nbytes < self.slice_bytes
+        return nbytes
+
+    async def acquire(self) -> int:
+        """Wait for a turn in the window; returns the bytes granted (charged until settle/release):
+        the caller cuts its next slice to about that many and settles the difference."""
+        about = self._reads_about()
+        if not self._waiting and self._may_go(about):
+            return self._grant(about)
         fut = asyncio.get_running_loop().create_future()
-        self._waiting.append((nbytes, fut))
+        self._waiting.append(fut)
         self.stats["write_slices_held"] += 1
         try:
-            await fut
+            return await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                self.release(nbytes)  # granted and cancelled in the same step: hand it back
+                self.release(fut.result())  # granted and cancelled in the same step: hand it back
             else:
                 self._drop(fut)
             raise
+
+    def settle(self, granted: int, used: int) -> None:
+        """The slice cut from a grant holds ``used`` bytes (ops are never split): charge that instead."""
+        self._wbytes += used - granted
+        if used < granted:
+            self._wake()
 
     def release(self, nbytes: int) -> None:
         self._wbytes -= nbytes
         self._wake()
 
     def _drop(self, fut) -> None:
-        for item in self._waiting:
-            if item[1] is fut:
-                self._waiting.remove(item)
-                break
+        if fut in self._waiting:
+            self._waiting.remove(fut)
         self._wake()
 
     def _wake(self) -> None:
+        about = self._reads_about()
         while self._waiting:
-            nbytes, fut = self._waiting[0]
+            fut = self._waiting[0]
             if fut.done():
                 self._waiting.popleft()
                 continue
-            if not self._may_go(nbytes):
+            if not self._may_go(about):
                 break
             self._waiting.popleft()
-            self._wbytes += nbytes
-            self.stats["write_slices"] += 1
-            fut.set_result(None)
+            fut.set_result(self._grant(about))
 
 
 async def timed_read(arbiter: Arbiter | None, read):
@@ -141,22 +164,28 @@ async def timed_read(arbiter: Arbiter | None, read):
         arbiter.read_done()
 
 
+def slice_end(ends: np.ndarray, s: int, slice_bytes: int) -> int:
+    """End of the op range from ``s`` of at most ``slice_bytes`` (``ends``: cumsum of lengths);
+    an op is never split, so a range holds >= 1 op."""
+    base = int(ends[s - 1]) if s else 0
+    e = int(np.searchsorted(ends, base + slice_bytes, side="right"))
+    return min(max(e, s + 1), len(ends))
+
+
 def slice_bounds(lengths: np.ndarray, slice_bytes: int) -> list[tuple[int, int]]:
     """Consecutive op ranges of about ``slice_bytes`` each (an op is never split; >= 1 op each)."""
-    n = len(lengths)
     ends = np.cumsum(lengths)
     bounds, s = [], 0
-    while s < n:
-        base = int(ends[s - 1]) if s else 0
-        e = int(np.searchsorted(ends, base + slice_bytes, side="right"))
-        e = max(e, s + 1)
-        bounds.append((s, min(e, n)))
+    while s < len(ends):
+        e = slice_end(ends, s, slice_bytes)
+        bounds.append((s, e))
         s = e
     return bounds
 
 
 async def write_sliced(run, arbiter: Arbiter | None, fds, offsets, addrs, lengths) -> np.ndarray:
-    """``run(fds, offs, addrs, lens)`` for the batch, in slices through the arbiter's window.
+    """``run(fds, offs, addrs, lens)`` for the batch, in slices through the arbiter's window, each
+    cut to the size the window grants when its turn comes.
 
     Results are the same per-op array one ``run`` of the whole batch returns. A cancelled await
     returns only once every slice already submitted has ended (each ``run`` drains its own).
@@ -168,27 +197,37 @@ async def write_sliced(run, arbiter: Arbiter | None, fds, offsets, addrs, length
         total = int(lens.sum())
     except (TypeError, ValueError):
         return await run(fds, offsets, addrs, lengths)  # run() reports what is wrong
-    if total <= arbiter.slice_bytes:
-        await arbiter.acquire(total)
+    if total <= arbiter.read_slice_bytes:
+        arbiter.settle(await arbiter.acquire(), total)
         try:
             return await run(fds, offsets, addrs, lengths)
         finally:
             arbiter.release(total)
     b = IoBatch.of(fds, offsets, addrs, lengths)
     out = np.zeros(len(b), dtype=RESULT_DTYPE)
+    ends = np.cumsum(b.lengths)
     tasks: list[asyncio.Task] = []
+    failed = False
 
-    async def one(s: int, e: int) -> None:
-        nbytes = int(b.lengths[s:e].sum())
-        await arbiter.acquire(nbytes)
+    async def one(s: int, e: int, nbytes: int) -> None:
+        nonlocal failed
         try:
             out[s:e] = await run(b.fds[s:e], b.offsets[s:e], b.addrs[s:e], b.lengths[s:e])
+        except BaseException:
+            failed = True  # stop cutting slices; gather below raises it
+            raise
         finally:
             arbiter.release(nbytes)
 
     try:
-        for s, e in slice_bounds(b.lengths, arbiter.slice_bytes):
-            tasks.append(asyncio.ensure_future(one(s, e)))  # FIFO in the arbiter keeps their order
+        s = 0
+        while s < len(b) and not failed:
+            granted = await arbiter.acquire()  # FIFO in the arbiter keeps batches in order
+            e = slice_end(ends, s, granted)
+            nbytes = int(ends[e - 1] - (ends[s - 1] if s else 0))
+            arbiter.settle(granted, nbytes)
+            tasks.append(asyncio.ensure_future(one(s, e, nbytes)))
+            s = e
         await asyncio.gather(*tasks)
     except BaseException as exc:
         if not isinstance(exc, asyncio.CancelledError):  # a cancel already reached every slice via gather
