@@ -148,7 +148,7 @@ def test_the_slice_beside_reads_is_a_fraction_of_the_full_one_with_a_floor():
 
 
 async def test_slices_are_cut_to_half_while_reads_are_about_and_full_when_idle():
-    dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, quiet_s=0.05)
+    dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, quiet_s=0.0)  # full again once the read ends
     n = 96  # 96 MiB of 1 MiB ops, submitted while idle: 8 MiB slices, two in flight
     write = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB)))
     await asyncio.sleep(0.020)
@@ -160,9 +160,11 @@ async def test_slices_are_cut_to_half_while_reads_are_about_and_full_when_idle()
     arb.read_done()
     during = dev.sizes[mark + 1:]  # one slice may have been granted in the same step as the read began
     assert during and set(during) == {4 * MiB}
+    mark = len(dev.sizes)
     res = await write
     assert res.tolist() == [MiB - 1] * n
-    assert dev.sizes[-1] == 8 * MiB  # quiet again: full slices
+    after = dev.sizes[mark + 1:-1]  # past one granted beside the read; the last may be a short tail
+    assert after and set(after) == {8 * MiB}  # quiet again: full slices
     assert sum(dev.sizes) == n * MiB and arb.stats["write_slices_cut"] >= len(during)
     assert arb._wbytes == 0 and not arb._waiting
 
