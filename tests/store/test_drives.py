@@ -45,6 +45,16 @@ async def _get(st, keys) -> tuple[list[bool], int]:
     wrong = sum(1 for ok, k, o in zip(res, keys, outs) if ok and not np.array_equal(o, payload(k, OBJ)))
     return res, wrong
 
+async def _filled(roots, pages: int) -> tuple[list[str], list[int]]:
+    """Write ``pages`` pages (K and V) through a writer over ``roots`` and close it: (keys, drive of each)."""
+    st = await PageStore.open(roots, small_config())
+    keys = _keys(pages)
+    assert await _put(st, keys) == [True] * len(keys)
+    where = st.drive_of(keys)
+    await st.close()
+    return keys, where
+
+
 
 def test_roots_parse_from_a_json_list_a_comma_string_and_a_list():
     assert load_config({"ssd_storage_dir": '["/a", "/b"]'}).storage_roots == ["/a", "/b"]
@@ -112,11 +122,7 @@ async def test_a_single_directory_store_opened_with_two_roots_serves_every_old_p
 
 async def test_removing_a_root_drops_exactly_its_pages_and_says_how_many(tmp_path, caplog):
     roots = _roots(tmp_path, 3)
-    st = await PageStore.open(roots, small_config())
-    keys = _keys(90)
-    assert await _put(st, keys) == [True] * 180
-    where = st.drive_of(keys)
-    await st.close()
+    keys, where = await _filled(roots, 90)
     lost = where.count(2)
     assert lost > 0
     caplog.set_level(logging.WARNING, "umbp_nvme.store")
@@ -198,11 +204,7 @@ async def test_a_write_error_sends_later_puts_to_the_other_drive(tmp_path):
 
 async def test_a_root_that_cannot_open_is_a_degraded_drive_and_the_rest_open(tmp_path):
     roots = _roots(tmp_path, 2)
-    st = await PageStore.open(roots, small_config())
-    keys = _keys(30)
-    assert await _put(st, keys) == [True] * 60
-    where = st.drive_of(keys)
-    await st.close()
+    keys, where = await _filled(roots, 30)
     os.chmod(os.path.dirname(roots[1]), 0o000)  # root ignores modes; an unreadable index is what fails
     try:
         with open(os.path.join(roots[1], "index.lmdb"), "r+b") as f:
@@ -359,11 +361,7 @@ async def test_the_rest_of_a_page_joins_the_drive_that_holds_part_of_it(tmp_path
 
 async def test_a_drive_missing_at_open_joins_once_its_store_is_back(tmp_path):
     roots = _roots(tmp_path, 2)
-    st = await PageStore.open(roots, small_config())
-    keys = _keys(30)
-    assert await _put(st, keys) == [True] * 60
-    where = st.drive_of(keys)
-    await st.close()
+    keys, where = await _filled(roots, 30)
     parked = str(tmp_path / "parked")
     os.rename(os.path.dirname(roots[1]), parked)  # drive 1 not mounted: its directory is not there
     st = await MultiDriveStore.open(roots, small_config(), readonly=True, probe_interval_s=0.05)

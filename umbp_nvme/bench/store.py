@@ -385,42 +385,33 @@ async def bench_large(cfg, directory: str, notes: list[str]) -> list[dict]:
     samples: dict[str, list[tuple[Sample, float]]] = {v: [] for v, _ in variants}
     store = await PageStore.open(path, scfg)  # warm the cache once
     await store.close()
+    async def timed_open(what: str) -> tuple[Sample, float]:
+        gc.collect()
+        with Stopwatch() as sw:
+            store = await PageStore.open(path, scfg)
+        count = store.stats()["objects"]
+        await store.close()
+        if count != n:
+            raise RuntimeError(f"{what} store holds {count} objects, expected {n}")
+        return sw.sample(0, n), sw.wall_s
+
     if "reopen" in cfg.ops:
         for _ in range(cfg.runs):
             for op, cold in variants:  # alternate warm and cold
                 if cold:
                     drop_caches()
-                gc.collect()
-                with Stopwatch() as sw:
-                    store = await PageStore.open(path, scfg)
-                count = store.stats()["objects"]
-                await store.close()
-                if count != n:
-                    raise RuntimeError(f"reopened store holds {count} objects, expected {n}")
-                samples[op].append((sw.sample(0, n), sw.wall_s))
-        for op, _ in variants:
-            ss = [s for s, _ in samples[op]]
-            secs = [w for _, w in samples[op]]
-            med = statistics.median(secs)
-            rows.append(make_row(BENCH, "umbp_store", op, cfg.reopen_object_bytes, 0, ss, buffers="",
-                                 objects=n, seconds_p50=med, latency_us_p50=med * 1e6,
-                                 latency_us_p50_min=min(secs) * 1e6, latency_us_p50_max=max(secs) * 1e6))
+                samples[op].append(await timed_open("reopened"))
     if "rebuild" in cfg.ops:
-        # index.lmdb lost: the writer rebuilds it from the records in the segments
-        secs, ss = [], []
-        for _ in range(cfg.runs):
+        samples["rebuild"] = []
+        for _ in range(cfg.runs):  # index.lmdb lost: the writer rebuilds it from the records in the segments
             os.unlink(os.path.join(path, "index.lmdb"))
-            gc.collect()
-            with Stopwatch() as sw:
-                store = await PageStore.open(path, scfg)
-            count = store.stats()["objects"]
-            await store.close()
-            if count != n:
-                raise RuntimeError(f"rebuilt store holds {count} objects, expected {n}")
-            secs.append(sw.wall_s)
-            ss.append(sw.sample(0, n))
+            samples["rebuild"].append(await timed_open("rebuilt"))
+    for op, got in samples.items():
+        if not got:
+            continue
+        ss, secs = [s for s, _ in got], [w for _, w in got]
         med = statistics.median(secs)
-        rows.append(make_row(BENCH, "umbp_store", "rebuild", cfg.reopen_object_bytes, 0, ss, buffers="", objects=n,
+        rows.append(make_row(BENCH, "umbp_store", op, cfg.reopen_object_bytes, 0, ss, buffers="", objects=n,
                              seconds_p50=med, latency_us_p50=med * 1e6, latency_us_p50_min=min(secs) * 1e6,
                              latency_us_p50_max=max(secs) * 1e6))  # fmt: skip
     if "exists" in cfg.ops:
