@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import time as _time
 import types
-from dataclasses import dataclass
-from typing import Any
 
 from .host_pool import MiB, HostPool
 
@@ -90,34 +88,6 @@ def unexpected_files(root: str) -> list[str]:
             if not f.startswith(STORE_FILE_PREFIXES):
                 bad.append(os.path.join(d, f))
     return bad
-
-
-@dataclass
-class Tally:
-    """Figures one part of the suite contributes to the report."""
-
-    kills: int = 0
-    kills_survived: int = 0
-    faults_injected: int = 0
-    bad_inputs_tried: int = 0
-    wrong_bytes: int = 0
-    lost_acknowledged: int = 0
-    hangs: int = 0
-    raised_from_v1: int = 0
-    soak_seconds: float = 0.0
-
-    def add(self, other: "Tally") -> "Tally":
-        for k in self.__dataclass_fields__:
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        return self
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["soak_seconds"] = round(d["soak_seconds"], 1)
-        return d
-
-
-# =============================================================================================
 
 
 class Caller:

@@ -13,7 +13,6 @@ from .host_pool import KiB, MiB, HostPool, page_key
 
 
 def _fault_backend(root, plan, pool, **kw):
-
     kw.setdefault("io_timeout_s", 1.0)
     kw.setdefault("capacity", 8 * MiB)
     kw.setdefault("segment", 512 * KiB)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess as _subprocess
+import sys
 
 from .backends import find_store_dirs, make_backend
 from .host_pool import HostPool, page_key
@@ -98,7 +99,7 @@ def hygiene_run(root: str, log=None) -> dict:
     be = make_backend(d, pool)
     checks += 1
     r = _subprocess.run(
-        [__import__("sys").executable, "-c",
+        [sys.executable, "-c",
          "import sys; from support.backends import make_backend; from support.host_pool import HostPool\n"
          "try:\n make_backend(sys.argv[1], HostPool(16)); print('OPENED')\n"
          "except Exception as e: print(type(e).__name__, e)", d],

@@ -10,7 +10,7 @@ import threading as _threading
 import time as _time
 
 from .backends import Caller, make_backend
-from .crash_survival import _mp_context
+from .crash_survival import mp_context
 from .host_pool import KiB, MiB, HostPool, page_key
 
 
@@ -106,7 +106,7 @@ def soak_run(root: str, *, seconds: float = 60.0, follower: bool = True, log=Non
 
     fproc = fq = None
     if follower:
-        ctx = _mp_context()
+        ctx = mp_context()
         fq = ctx.Queue()
         fproc = ctx.Process(target=soak_follower, args=(root, seconds, fq), daemon=True)
     threads = [_threading.Thread(target=f, name=f"soak-{f.__name__}", daemon=True) for f in (prefetch_exists, prefetch_io, backup)]
