@@ -208,3 +208,30 @@ def test_the_knob_parses_from_extra_config_and_the_environment():
     assert load_config({"ssd_require_mount": "off"}, env={"UMBP_SSD_REQUIRE_MOUNT": "1"}).ssd_require_mount is False
     with pytest.raises(ValueError, match="ssd_require_mount.*'maybe'"):
         load_config({"ssd_require_mount": "maybe"}, env={})
+
+
+def test_the_backend_on_rank_subdirectories_leaves_an_unmounted_drive_alone(tmp_path, mounted):
+    """SGLang's layout: each root gets this rank's subdirectory (<drive>/hicache/tp1); the guard
+    still sees drive 1's directory as an unmounted mount point beside a mounted drive 0."""
+    from support.backends import make_backend
+    from support.host_pool import HostPool, page_key
+
+    drives, roots = _drives(tmp_path, 2)
+    mounted.add(drives[0])
+    pool = HostPool(page_num=32)
+    be = make_backend(roots, pool, tp_rank=1, tp_size=2, mode="relaxed", capacity=16 << 20)
+    try:
+        assert be.store_dirs == [os.path.join(r, "tp1") for r in roots]
+        keys = [page_key(i, "mnt") for i in range(16)]
+        for p, k in enumerate(keys):
+            pool.fill(p, k)
+        assert be.batch_set_v1(keys, pool.indices(0, 16)) == [True] * 16
+        pool.clear_pages(16, 16, 0xEE)
+        assert be.batch_get_v1(keys, pool.indices(16, 16)) == [True] * 16
+        assert all(pool.holds(16 + p, k) for p, k in enumerate(keys))
+        rows = be.store_stats()["store"]["drives"]
+        assert [r["state"] for r in rows] == ["healthy", "degraded"] and rows[0]["objects"] == 32
+        assert os.listdir(drives[1]) == []
+    finally:
+        be.close()
+        pool.close()
