@@ -235,3 +235,16 @@ def test_the_backend_on_rank_subdirectories_leaves_an_unmounted_drive_alone(tmp_
     finally:
         be.close()
         pool.close()
+
+
+def test_the_backend_on_one_unmounted_root_with_require_mount_refuses_clearly(tmp_path, mounted):
+    from support.backends import make_backend
+    from support.host_pool import HostPool
+
+    pool = HostPool(page_num=8)
+    try:
+        with pytest.raises(DriveNotMountedError, match="mount the drive, or turn ssd_require_mount off"):
+            make_backend(str(tmp_path / "nvme0" / "hicache"), pool, ssd_require_mount=True)
+        assert os.listdir(tmp_path) == []  # not even the drive's directory
+    finally:
+        pool.close()
