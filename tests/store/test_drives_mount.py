@@ -105,6 +105,7 @@ async def test_an_unmounted_drive_is_held_out_and_joins_once_mounted(tmp_path, m
     mounted.add(drives[1])  # the drive is mounted: the probe opens it, creating its store
     assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
     assert os.path.isfile(os.path.join(roots[1], "MANIFEST.json"))
+    assert st.stats()["drives"][1]["capacity_bytes"] == 8 << 20  # its share of 16 MiB, sized once mounted
     fresh = _keys(40, "late")
     assert await _put(st, fresh) == [True] * 80
     on = st.drive_of(fresh)

@@ -18,7 +18,7 @@ import time
 
 from . import owed_deletes
 from .drive_health import FULL, UNMOUNTED, reads_back, settle_deletes
-from .drive_set import sized_share, write_drive_set
+from .drive_set import capacity_share, sized_share, write_drive_set
 from .layout import MANIFEST_FILE
 from .mounts import unmounted_reason
 
@@ -187,8 +187,9 @@ class DriveProbes:
                 if why:
                     return
                 if self._sized:  # its share was not sized on the file system that was missing
-                    seg = int(self.config.ssd_segment_size_bytes)
-                    self._caps[d] = await self._in_thread(d, sized_share, self.roots[d], self._caps[d], seg)
+                    cfg, root = self.config, self.roots[d]
+                    share = capacity_share(cfg, len(self.roots))
+                    self._caps[d] = await self._in_thread(d, sized_share, root, share, int(cfg.ssd_segment_size_bytes))
             else:
                 await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
             st = await self._open_drive(d)

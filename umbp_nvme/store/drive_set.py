@@ -41,10 +41,16 @@ def drive_capacities(roots: list[str], config: StoreConfig, *, sized: bool, skip
     ``skip[i]``: not sized now (a drive held out as unmounted: its file system is not there yet).
     """
     seg = int(config.ssd_segment_size_bytes)
-    share = max(seg, int(config.ssd_capacity_bytes) // len(roots) // seg * seg)
+    share = capacity_share(config, len(roots))
     if not sized:
         return [share] * len(roots)
     return [share if skip and skip[i] else sized_share(r, share, seg) for i, r in enumerate(roots)]
+
+
+def capacity_share(config: StoreConfig, n: int) -> int:
+    """One drive's even share of ``ssd_capacity_bytes`` over ``n`` drives (whole segments, at least one)."""
+    seg = int(config.ssd_segment_size_bytes)
+    return max(seg, int(config.ssd_capacity_bytes) // n // seg * seg)
 
 
 def sized_share(root: str, share: int, seg: int) -> int:
