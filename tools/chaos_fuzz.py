@@ -27,7 +27,7 @@ or caught by a catch-all and logged with ``log.exception``), exited with a code 
 allowed set, raised from an API call that must answer per key, or grew its address space past the
 limit. A child **hung** when it outlived its timeout. **wrong_bytes**: any page returned whose
 bytes differ from the bytes stored under that key (page content is derived from the key, as in
-tests/support/testing.py, so every process knows it). Losing pages is allowed: it is a cache.
+tests/support/host_pool.py, so every process knows it). Losing pages is allowed: it is a cache.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ QUICK_TARGETS = {"metadata": 60, "keys": 400, "archive": 80}
 FULL_TARGETS = {"metadata_damage_trials": 300, "key_fuzz_cases": 2000, "archive_fuzz_cases": 300}  # issue 10
 
 # =============================================================================================
-# page content: derived from the key alone (the same formula as support.testing.oracle(key, 0, n))
+# page content: derived from the key alone (the same formula as support.host_pool.oracle(key, 0, n))
 
 
 def content(key, n: int) -> bytes:

@@ -55,7 +55,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.WARNING if a.verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s")
-    from support.testing import check_legacy_pointer, crash_run, fault_run, fuzz_run, hygiene_run, soak_run
+    from support.bad_input import check_legacy_pointer, fuzz_run
+    from support.crash_survival import crash_run
+    from support.fault_runs import fault_run
+    from support.hygiene import hygiene_run
+    from support.soak import soak_run
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from chaos_fuzz import FULL_TARGETS, run_fuzzers

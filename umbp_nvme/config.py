@@ -61,6 +61,9 @@ class StoreConfig:
     io_timeout_s: float = 30.0  # bound on every wait for the disk; a stuck device becomes a failure
     o_direct: bool = True  # used when the file system allows it (probed once per store)
     gds_staging: bool = False  # CUDA buffers without GPUDirect Storage: stage through pinned host memory
+    # Swift's mount_check: a root must lie on a mounted drive (store/mounts.py), else that drive is
+    # degraded and nothing is created there; off: only the multi-drive guard applies.
+    ssd_require_mount: bool = False
     extra_backend_tag: str | None = None
     # UMBP knobs kept for compatibility and stats; they change nothing in this store.
     ssd_enabled: bool = True  # UMBP's SSD-tier switch; False leaves the backend nothing to store
@@ -329,6 +332,7 @@ _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
     "io_timeout_s": ("io_timeout_s", _parse_positive_float),
     "o_direct": ("o_direct", parse_bool),
     "gds_staging": ("gds_staging", parse_bool),
+    "ssd_require_mount": ("ssd_require_mount", parse_bool),
     "extra_backend_tag": ("extra_backend_tag", _parse_tag),
     "ssd_enabled": ("ssd_enabled", parse_bool),
     "dram_capacity_bytes": ("dram_capacity_bytes", _int_parser(0)),
@@ -422,6 +426,7 @@ ENV_KEYS: dict[str, str] = {
     "UMBP_GDS_STAGING": "gds_staging",
     "UMBP_SSD_WRITE_SLICE_BYTES": "ssd_write_slice_bytes",
     "UMBP_SSD_READ_PRIORITY": "ssd_read_priority",
+    "UMBP_SSD_REQUIRE_MOUNT": "ssd_require_mount",
 }
 
 # Environment variables that select a remote mode or SPDK in UMBP.

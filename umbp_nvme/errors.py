@@ -23,6 +23,11 @@ class UnsafeStorePathError(StoreError, PermissionError):
     """The store directory is a symlink, not a directory, or owned by another user."""
 
 
+class DriveNotMountedError(StoreError):
+    """A root does not lie on a mounted drive (``ssd_require_mount``, or a multi-drive store's guard
+    against an unmounted drive's empty mount point): nothing is created there."""
+
+
 class NotAStoreError(StoreError, FileNotFoundError):
     """The path is not a store directory (missing, no MANIFEST.json, or a damaged manifest)."""
 

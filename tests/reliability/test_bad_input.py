@@ -1,4 +1,4 @@
-"""Bad input (issue item 4): hypothesis drives the checkers of ``support.testing``; each returns
+"""Bad input (issue item 4): hypothesis drives the checkers of ``support.bad_input``; each returns
 the findings for one input (an empty list = handled as documented: a ValueError naming key and
 value, or per-page False). Guard zones of canary bytes around the host pool catch any write
 outside registered memory. The same checkers with seeded inputs, the layout/namespace and legacy
@@ -17,18 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.testing import (
-    CONFIG_KEYS,
-    WEIRD_KEYS,
-    HostilePool,
-    HostPool,
-    check_config_value,
-    check_indices,
-    check_keys,
-    check_meta,
-    make_backend,
-    page_key,
-)
+from support.backends import make_backend
+from support.bad_input import CONFIG_KEYS, WEIRD_KEYS, HostilePool, check_config_value, check_indices, check_keys, check_meta
+from support.host_pool import HostPool, page_key
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 

@@ -48,6 +48,7 @@ def test_every_default_is_pinned():
         eviction_candidate_window=16,
         auto_promote_on_read=True,
         gds_staging=False,
+        ssd_require_mount=False,
     )
     assert load() == cfg and cfg.validate() is cfg
     assert (GiB, MiB) == (1 << 30, 1 << 20)
@@ -160,6 +161,7 @@ def test_every_environment_variable_reaches_its_field():
         "UMBP_SSD_SEGMENT_SIZE": str(MiB), "UMBP_SSD_IO_BACKEND": "POSIX", "UMBP_SSD_DURABILITY": "async",
         "UMBP_VERIFY_CRC": "no", "UMBP_SSD_QUEUE_DEPTH": "1", "UMBP_IO_TIMEOUT_S": "0.5", "UMBP_O_DIRECT": "false",
         "UMBP_GDS_STAGING": "on", "UMBP_SSD_WRITE_SLICE_BYTES": str(16 * MiB), "UMBP_SSD_READ_PRIORITY": "off",
+        "UMBP_SSD_REQUIRE_MOUNT": "yes",
     }
     assert set(env) == set(ENV_KEYS)
     cfg = load(env=env)
@@ -168,7 +170,7 @@ def test_every_environment_variable_reaches_its_field():
     assert (cfg.dram_capacity_bytes, cfg.ssd_segment_size_bytes, cfg.ssd_io_backend) == (0, MiB, "posix")
     assert (cfg.ssd_durability_mode, cfg.verify_crc, cfg.ssd_queue_depth) == ("relaxed", False, 1)
     assert (cfg.io_timeout_s, cfg.o_direct, cfg.gds_staging) == (0.5, False, True)
-    assert (cfg.ssd_write_slice_bytes, cfg.ssd_read_priority) == (16 * MiB, "off")
+    assert (cfg.ssd_write_slice_bytes, cfg.ssd_read_priority, cfg.ssd_require_mount) == (16 * MiB, "off", True)
     # extra_config overrides each one it names and leaves the others alone
     cfg = load({"o_direct": True, "ssd_queue_depth": 8}, env)
     assert (cfg.o_direct, cfg.ssd_queue_depth, cfg.verify_crc, cfg.io_timeout_s) == (True, 8, False, 0.5)

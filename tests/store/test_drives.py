@@ -255,12 +255,18 @@ async def test_a_drive_whose_directory_disappears_is_degraded_and_rejoins_when_i
 async def test_a_full_drive_stops_taking_writes_but_keeps_serving_its_pages(tmp_path):
     from conftest import mount_tmpfs
 
-    small = str(tmp_path / "small")
+    small, big = str(tmp_path / "small"), str(tmp_path / "big")
     why = mount_tmpfs(small, "3m")
     if why:
         pytest.skip(why)
+    # the other drive is mounted too: a plain directory beside a mounted drive, holding no store,
+    # is what an unmounted drive looks like, and the guard holds it out (store/mounts.py)
+    why = mount_tmpfs(big, "64m")
+    if why:
+        subprocess.run(["umount", "-l", small], capture_output=True)
+        pytest.skip(why)
     try:
-        roots = [os.path.join(small, "store"), str(tmp_path / "big" / "store")]
+        roots = [os.path.join(small, "store"), os.path.join(big, "store")]
         cfg = small_config(ssd_capacity_bytes=32 << 20, ssd_segment_size_bytes=1 << 20)
         st = await MultiDriveStore.open(roots, cfg, probe_interval_s=60)
         kept = []
@@ -289,7 +295,8 @@ async def test_a_full_drive_stops_taking_writes_but_keeps_serving_its_pages(tmp_
         assert st.exists_many_nowait([k_del]) == [False] and (await _get(st, [k_del]))[0] == [False]
         await st.close()
     finally:
-        subprocess.run(["umount", "-l", small], capture_output=True)
+        for mnt in (small, big):
+            subprocess.run(["umount", "-l", mnt], capture_output=True)
 
 
 async def test_a_hung_drive_holds_only_the_batch_that_touched_it(tmp_path):

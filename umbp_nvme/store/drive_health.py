@@ -20,6 +20,7 @@ log = logging.getLogger("umbp_nvme.store")
 # Store counters whose growth during a call means the drive failed it (not a miss or a bad key).
 ERROR_COUNTERS = ("io_errors_read", "io_errors_write", "io_errors_sync", "timeouts")
 FULL = "full"
+UNMOUNTED = "unmounted"  # held out at open: its drive looks unmounted (mounts.py); opened once mounted
 FLAP_S = 10.0  # degraded again within this long after rejoining: back off the probes
 MAX_BACKOFF_S = 60.0
 
@@ -30,7 +31,7 @@ class DriveHealth:
         self.root = root
         self.state = "healthy"
         self.reason: str | None = None
-        self.kind: str | None = None  # "stall" | "io_error" | "gone" | "full" | "open"
+        self.kind: str | None = None  # "stall" | "io_error" | "gone" | "full" | "open" | "unmounted"
         self.since = 0.0
         self.errors = 0  # failed ops and stalls seen on this drive
         self.degradations = 0

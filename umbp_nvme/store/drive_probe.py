@@ -17,9 +17,10 @@ import os
 import time
 
 from . import owed_deletes
-from .drive_health import FULL, reads_back, settle_deletes
-from .drive_set import write_drive_set
+from .drive_health import FULL, UNMOUNTED, reads_back, settle_deletes
+from .drive_set import capacity_share, sized_share, write_drive_set
 from .layout import MANIFEST_FILE
+from .mounts import unmounted_reason
 
 log = logging.getLogger("umbp_nvme.store")
 
@@ -178,9 +179,19 @@ class DriveProbes:
 
     async def _reopen(self, d: int) -> None:
         """A drive that could not open at first: opened again once its store is back (never created here:
-        an unmounted drive's empty mount point must not get a new store on the wrong file system)."""
+        an unmounted drive's empty mount point must not get a new store on the wrong file system). A
+        drive held out as unmounted (mounts.py) opens, creating its store, once the mount rule passes."""
         try:
-            await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
+            if self.health[d].kind == UNMOUNTED:
+                why = await self._in_thread(d, unmounted_reason, d, self.roots, self.config.ssd_require_mount)
+                if why:
+                    return
+                if self._sized:  # its share was not sized on the file system that was missing
+                    cfg, root = self.config, self.roots[d]
+                    share = capacity_share(cfg, len(self.roots))
+                    self._caps[d] = await self._in_thread(d, sized_share, root, share, int(cfg.ssd_segment_size_bytes))
+            else:
+                await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
             st = await self._open_drive(d)
         except Exception as e:  # noqa: BLE001 - still out; the next probe tries again
             log.debug("drive %d still cannot open: %r", d, e)

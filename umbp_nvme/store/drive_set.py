@@ -32,30 +32,39 @@ def _free_bytes(root: str) -> int:
     return vfs.f_bavail * vfs.f_frsize
 
 
-def drive_capacities(roots: list[str], config: StoreConfig, *, sized: bool) -> list[int]:
+def drive_capacities(roots: list[str], config: StoreConfig, *, sized: bool, skip=None) -> list[int]:
     """``ssd_capacity_bytes`` split evenly over the drives, whole segments, at least one each.
 
     ``sized`` (a writer that runs with the config's capacity): a share never exceeds what the
     drive's file system can hold (free space plus this store's own segment files), except that a
     drive keeps the capacity its store already records (lowering it would evict its pages).
+    ``skip[i]``: not sized now (a drive held out as unmounted: its file system is not there yet).
     """
     seg = int(config.ssd_segment_size_bytes)
-    share = max(seg, int(config.ssd_capacity_bytes) // len(roots) // seg * seg)
+    share = capacity_share(config, len(roots))
     if not sized:
         return [share] * len(roots)
-    out = []
-    for r in roots:
-        try:
-            room = (_free_bytes(r) + segment_disk_bytes(r)) // seg * seg
-        except OSError:
-            room = share  # the open will report the drive
-        m = read_manifest_or_none(r) if os.path.isdir(r) else None
-        recorded = (recorded_capacity_bytes(m) or 0) if m else 0
-        cap = min(share, max(room, recorded, seg))
-        if cap < share:
-            log.warning("drive %s: capacity share %d B lowered to %d B (what its file system can hold)", r, share, cap)
-        out.append(cap)
-    return out
+    return [share if skip and skip[i] else sized_share(r, share, seg) for i, r in enumerate(roots)]
+
+
+def capacity_share(config: StoreConfig, n: int) -> int:
+    """One drive's even share of ``ssd_capacity_bytes`` over ``n`` drives (whole segments, at least one)."""
+    seg = int(config.ssd_segment_size_bytes)
+    return max(seg, int(config.ssd_capacity_bytes) // n // seg * seg)
+
+
+def sized_share(root: str, share: int, seg: int) -> int:
+    """``share`` capped by what the file system under ``root`` can hold (see drive_capacities)."""
+    try:
+        room = (_free_bytes(root) + segment_disk_bytes(root)) // seg * seg
+    except OSError:
+        room = share  # the open will report the drive
+    m = read_manifest_or_none(root) if os.path.isdir(root) else None
+    recorded = (recorded_capacity_bytes(m) or 0) if m else 0
+    cap = min(share, max(room, recorded, seg))
+    if cap < share:
+        log.warning("drive %s: capacity share %d B lowered to %d B (what its file system can hold)", root, share, cap)
+    return cap
 
 
 def _read_set(root: str) -> dict:

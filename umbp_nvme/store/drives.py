@@ -25,14 +25,15 @@ import os
 
 from ..config import StoreConfig
 from ..errors import (
-    CapacityShrinkError, NamespaceMismatchError, ReadOnlyStoreError, StoreError, StoreLockedError,
-    UnsafeStorePathError,
+    CapacityShrinkError, DriveNotMountedError, NamespaceMismatchError, ReadOnlyStoreError, StoreError,
+    StoreLockedError, UnsafeStorePathError,
 )  # fmt: skip
 from . import placement
 from .checks import begin_call
-from .drive_health import FULL, DriveHealth
+from .drive_health import FULL, UNMOUNTED, DriveHealth
 from .drive_probe import DriveProbes
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
+from .mounts import unmounted_reason
 from .page_store import COUNTERS, PageStore
 
 log = logging.getLogger("umbp_nvme.store")
@@ -68,8 +69,9 @@ class MultiDriveStore(DriveProbes):
         """Open (a writer creates) one PageStore per root; see PageStore.open for the arguments.
 
         A root that cannot be opened for a reason of its own (I/O error, missing, damaged) is a
-        degraded drive and the others open; a configuration error (namespace, lock, shrink)
-        raises. ``page_of(key) -> page hash`` (default placement.page_of) decides placement.
+        degraded drive and the others open; so is a root whose drive looks unmounted (mounts.py),
+        which is not touched at all. A configuration error (namespace, lock, shrink) raises.
+        ``page_of(key) -> page hash`` (default placement.page_of) decides placement.
         """
         self = cls.__new__(cls)
         config = config or StoreConfig()
@@ -80,11 +82,14 @@ class MultiDriveStore(DriveProbes):
         self.health = [DriveHealth(i, r) for i, r in enumerate(self.roots)]
         self.probe_interval_s = float(probe_interval_s)
         self._unrouted_gets = 0
-        caps = drive_capacities(self.roots, config, sized=not (readonly or capacity_from_manifest))
+        # a root whose drive looks unmounted is not opened, so nothing is created there (mounts.py)
+        self._unmounted = [unmounted_reason(i, self.roots, config.ssd_require_mount) for i in range(len(self.roots))]
+        self._sized = not (readonly or capacity_from_manifest)
+        caps = drive_capacities(self.roots, config, sized=self._sized, skip=self._unmounted)
         self._open_kw = dict(readonly=readonly, namespace=namespace, capacity_from_manifest=capacity_from_manifest,
                              shrink=shrink, engine_factory=engine_factory)  # fmt: skip
         self._caps, self._ranges = caps, []
-        opened = await asyncio.gather(*(self._open_drive(i) for i in range(len(self.roots))), return_exceptions=True)
+        opened = await asyncio.gather(*(self._first_open(i) for i in range(len(self.roots))), return_exceptions=True)
         self.stores: list[PageStore | None] = []
         fatal = next((e for e in opened if isinstance(e, BaseException) and not _drive_failure(e)), None)
         if fatal is None and all(isinstance(e, BaseException) for e in opened):
@@ -93,7 +98,10 @@ class MultiDriveStore(DriveProbes):
             await asyncio.gather(*(s.close() for s in opened if isinstance(s, PageStore)), return_exceptions=True)
             raise fatal
         for i, s in enumerate(opened):
-            if isinstance(s, BaseException):
+            if isinstance(s, DriveNotMountedError):  # re-checked by the probe (drive_probe._reopen)
+                self.stores.append(None)
+                self.health[i].degrade(UNMOUNTED, f"not opened: {s}; nothing is created there")
+            elif isinstance(s, BaseException):
                 self.stores.append(None)
                 self.health[i].degrade("open", f"open failed: {s!r}")
             else:
@@ -111,6 +119,11 @@ class MultiDriveStore(DriveProbes):
             await self.close()
             raise
         return self
+
+    async def _first_open(self, i: int):
+        if self._unmounted[i]:
+            raise DriveNotMountedError(self._unmounted[i])
+        return await self._open_drive(i)
 
     def _open_drive(self, i: int):
         r = self.roots[i]

@@ -26,6 +26,7 @@ from . import layout
 from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
 from .rebuild import boot_id
 from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
+from .mounts import check_mounted
 from .rows import RowTable
 from .segments import SegmentAllocator, SegmentFiles, segment_name
 
@@ -55,6 +56,7 @@ class OpenSteps:
         t0 = time.perf_counter()
         self._check_config(cfg, readonly)
         try:
+            check_mounted(path, cfg.ssd_require_mount)  # before anything is created there
             self.path = layout.prepare_dir(path, readonly=readonly)
             if not readonly:
                 self._lock_fd = layout.take_lock(self.path)
