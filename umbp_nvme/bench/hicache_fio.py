@@ -15,7 +15,7 @@ per hardware queue) io_uring hands the excess to io-wq threads and the deepest j
 Page cache. HiCacheFile writes buffered files and never syncs. While what it wrote stays under
 the kernel's dirty background threshold, none of it is on disk when batch_set returns (measured:
 all 2 GiB of a sample still dirty, none under writeback) and its set times a memcpy plus whatever
-dirty throttling the kernel applies (0.3-1.9 GiB/s within one 2 GiB sample). set / hicache_file
+dirty throttling the kernel applies (0.3-1.8 GiB/s within one 2 GiB sample). set / hicache_file
 is then no backup-to-disk comparison: the verdict says so and gives the ratio with both on disk
 (each system's set plus a syncfs right after).
 """
