@@ -16,10 +16,12 @@ Systems, all driven the way SGLang's cache controller drives them, in 128-page b
                      [host_pool.get_dummy_flat_data_page() ...]) then set_from_flat_data_page per
                      page, and the base batch_exists (one exists() per key).
   fio / fio_huge     fio --ioengine=io_uring --direct=1 random reads / writes of the object size
-                     (bench_engine's runner) on its own test file, at iodepth 32 and 256 (--fio-qd;
-                     256 = the objects one 128-page call of ours keeps in flight); fio_huge uses
-                     --iomem=shmhuge. The reference for "cold reads >= 0.9x fio": vs_fio is
-                     against the deepest fio of the same memory kind in the same round.
+                     (bench_engine's runner) on its own test file, streaming at iodepth 32, 128
+                     and 256 (--fio-qd); fio_huge uses --iomem=shmhuge. fio[_huge]_batch: one
+                     call's objects submitted together, the next batch once all completed (a
+                     synchronous call's pattern). vs_fio is against the batch job (like for
+                     like), vs_fio_best against the fastest streaming job of the round
+                     (bench/hicache_fio.py says why).
 
 Host pools are sglang's MHATokenToKVPoolHost (layout page_first, bf16, pin_memory off, built by
 bench/sglang_pools.py as SGLang's assembler builds them) allocated by SGLang's own allocator:
@@ -66,7 +68,8 @@ import numpy as np
 
 
 from .engine import HugePages, make_test_file, run_fio
-from .common import Sample, bench_dir, Skip, Stopwatch, check_buffers, drop_caches, finish, make_row, paired_ratio, parse_bytes, print_table, write_json
+from .common import Sample, bench_dir, Skip, Stopwatch, check_buffers, drop_caches, finish, make_row, parse_bytes, print_table, write_json
+from .hicache_fio import fio_batch_label, ratio_fields, run_fio_batch_for, targets  # noqa: F401 - targets kept for callers
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES
 
@@ -93,8 +96,8 @@ def parse_args(argv):
     p.add_argument("--runs", type=int, default=None, help="alternating rounds (default 3; --quick 2; --smoke 1)")
     p.add_argument("--durability", default="strict", choices=("strict", "relaxed"), help="our store's durability mode")
     p.add_argument("--exists-calls", type=int, default=None, help="batch_exists calls per run (default 300)")
-    p.add_argument("--fio-qd", default="32,256", help="fio iodepths (default 32,256; vs_fio is against the deepest, "
-                   "256 = the objects one 128-page call keeps in flight)")
+    p.add_argument("--fio-qd", default="32,128,256", help="streaming fio iodepths (default 32,128,256; vs_fio_best "
+                   "is against the fastest; vs_fio against a batch job of one call's objects)")
     p.add_argument("--fio-file-size", default=None, help="fio test file size (default 2g; --quick 512m)")
     p.add_argument("--fio-duration", type=float, default=None, help="seconds per fio run (default 1.0)")
     p.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache before reads")
@@ -115,7 +118,7 @@ def parse_args(argv):
     a.fio_duration = a.fio_duration or (0.1 if s else 0.5 if q else 1.0)
     a.drop_caches = not (a.no_drop_caches or s)
     a.fio_qds = sorted({int(x) for x in a.fio_qd.split(",") if x}) if a.fio_qd else []
-    if (q or s) and a.fio_qd == "32,256":
+    if (q or s) and a.fio_qd == "32,128,256":
         a.fio_qds = [2 * a.batch_pages]  # as deep as one of our calls: 2 objects per page in flight
     for sh in a.shapes:
         if sh not in SHAPES:
@@ -347,6 +350,7 @@ def bench_cell(env, cfg, shape_name: str, kind: str, directory: str, fio_path: s
     fio_cfg = argparse.Namespace(fio=cfg.fio, duration=cfg.fio_duration, fio_runs=[])
     fio_name = "fio_huge" if kind == "huge" else "fio"
     fio_ok = fio_path is not None and not cfg.fio_skip.get(fio_name)
+    batch_label = fio_batch_label(fio_name, 2 * bp)  # one call's objects at once
 
     def fio_round(op: str, rw: str) -> bool:
         """fio at every --fio-qd for this op; False (and fio skipped from then on) when fio cannot run."""
@@ -354,6 +358,8 @@ def bench_cell(env, cfg, shape_name: str, kind: str, directory: str, fio_path: s
             for qd in cfg.fio_qds:
                 samples.setdefault((op, f"{fio_name}@{qd}"), []).append(
                     run_fio(fio_path, cfg.fio_file_size, rw, obj, qd, kind == "huge", fio_cfg))
+            samples.setdefault((op, batch_label), []).append(
+                run_fio_batch_for(cfg, fio_path, op, rw, obj, 2 * bp, kind == "huge"))
         except Skip as e:
             cfg.fio_skip[fio_name] = True
             notes.append(f"{fio_name}: skipped ({e})")
@@ -433,9 +439,7 @@ def bench_cell(env, cfg, shape_name: str, kind: str, directory: str, fio_path: s
     common = dict(buffers=kind, shape=shape_name, page_size=shape["page_size"], page_bytes=page_bytes,
                   pages_per_sample=k_batches * bp, host_pool_bytes=slots * batch_bytes)
     for op in ("set", "get"):
-        base_hf = samples.get((op, hf.name))
-        base_fio = samples.get((op, f"{fio_name}@{cfg.fio_qds[-1]}")) if cfg.fio_qds else None
-        for label in [umbp.name, hf.name] + [f"{fio_name}@{qd}" for qd in cfg.fio_qds]:
+        for label in [umbp.name, hf.name] + [f"{fio_name}@{qd}" for qd in cfg.fio_qds] + [batch_label]:
             ss = samples.get((op, label))
             if not ss:
                 continue
@@ -443,13 +447,7 @@ def bench_cell(env, cfg, shape_name: str, kind: str, directory: str, fio_path: s
             system = label.split("@")[0]
             row = make_row(BENCH, system, op, obj, int(label.split("@")[1]) if is_fio else bp, ss, **common)
             if not is_fio:
-                row["vs_fio"] = paired_ratio(ss, base_fio) if base_fio else None
-                row["vs_hicache_file"] = paired_ratio(ss, base_hf) if system != hf.name else None
-                if op == "set":
-                    syncs = extra[("sync_s", system)]
-                    row["sync_s"] = statistics.median(syncs)
-                    incl = [s.nbytes / (s.wall_s + y) / 1e9 for s, y in zip(ss, syncs)]
-                    row["gbps_incl_sync"] = statistics.median(incl)
+                row.update(ratio_fields(samples, extra, op, system, fio_name, cfg.fio_qds, batch_label))
             row["cold"] = op == "get" and cfg.drop_caches
             rows.append(row)
     for system in (umbp.name, hf.name):
@@ -490,7 +488,7 @@ def bench(cfg, env) -> tuple[list[dict], list[str]]:
                 bb = cfg.batch_pages * 2 * shape_bytes(SHAPES[sh])
                 slots = min(cfg.pool_batches, max(cfg.pool_batches, -(-cfg.sample_bytes // bb)))
                 need = max(need, slots * bb)
-            fio_bytes = 2 * max(cfg.fio_qds or [0]) * max(shape_bytes(SHAPES[sh]) for sh in cfg.shapes) + 4 * HUGE_PAGE_BYTES
+            fio_bytes = 2 * max(cfg.fio_qds + [2 * cfg.batch_pages]) * max(shape_bytes(SHAPES[sh]) for sh in cfg.shapes) + 4 * HUGE_PAGE_BYTES
             ok, why = huge.reserve(need + fio_bytes + 2 * HUGE_PAGE_BYTES)
             if not ok:
                 notes.append(f"huge host pools and fio_huge skipped: {why}")
@@ -515,25 +513,6 @@ def bench(cfg, env) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
-def targets(rows: list[dict]) -> list[str]:
-    out = []
-    for r in rows:
-        if r["system"] != "umbp_nvme_backend":
-            continue
-        tag = f"{r['shape']} {r['buffers']}"
-        if r["op"] == "get" and r.get("vs_fio") is not None:
-            v = r["vs_fio"]
-            out.append(f"{tag}: cold get / fio = {v:.2f} (>= 0.9) {'MET' if v >= 0.9 else 'NOT MET'}; "
-                       f"/ hicache_file = {r['vs_hicache_file']:.2f}")
-        if r["op"] == "set" and r.get("vs_hicache_file") is not None:
-            v = r["vs_hicache_file"]
-            out.append(f"{tag}: set / hicache_file = {v:.2f} (>= 3) {'MET' if v >= 3 else 'NOT MET'}")
-        if r["op"] == "exists":
-            v = r["latency_us_p50"]
-            out.append(f"{tag}: batch_exists({r['queue_depth']}) p50 = {v:.1f} us (<= 150) {'MET' if v <= 150 else 'NOT MET'}")
-    return out
-
-
 def main(argv=None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -551,7 +530,7 @@ def main(argv=None) -> int:
         sub = [r for r in rows if r.get("shape") == sh and r["op"] in ("set", "get")]
         if sub:
             print(f"\nshape {sh}:")
-            print_table(sub, ratio_keys=("vs_fio", "vs_hicache_file", "gbps_incl_sync"))
+            print_table(sub, ratio_keys=("vs_fio", "vs_fio_best", "vs_hicache_file", "gbps_incl_sync"))
     lat = [r for r in rows if r["op"] == "exists"]
     if lat:
         print(f"\nbatch_exists({cfg.batch_pages} pages), latency_us_p50 med [min-max]:")
