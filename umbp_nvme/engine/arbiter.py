@@ -53,8 +53,9 @@ class Arbiter:
     """Write window and read gate shared by one store's engines (used from their event loop only)."""
 
     def __init__(self, slice_bytes: int = DEFAULT_SLICE_BYTES, *, hold_reads: bool = True,
-                 quiet_s: float = READ_QUIET_S, window_slices: int | None = None,
+                 quiet_s: float | None = None, window_slices: int | None = None,
                  read_slice_fraction: float | None = None):  # fmt: skip
+        # None: the module's value at construction (bench mixed's sweep flags set those)
         self.slice_bytes = check_slice_bytes(slice_bytes)
         frac = READ_SLICE_FRACTION if read_slice_fraction is None else read_slice_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
@@ -62,7 +63,7 @@ class Arbiter:
         floor = min(self.slice_bytes, READ_SLICE_FLOOR)
         self.read_slice_bytes = max(floor, int(self.slice_bytes * frac))  # the cut while reads are about
         self.hold_reads = hold_reads  # False (ssd_read_priority=off): reads never narrow the window
-        self.quiet_s = float(quiet_s)
+        self.quiet_s = float(READ_QUIET_S if quiet_s is None else quiet_s)
         self.window_slices = WINDOW_SLICES if window_slices is None else int(window_slices)
         if self.window_slices < 1:
             raise ValueError(f"window_slices must be >= 1, got {window_slices!r}")
