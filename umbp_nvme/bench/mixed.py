@@ -63,7 +63,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=0, help="rounds per cell (default 5, --quick 3)")
     p.add_argument("--read-set", type=int, default=64, help="objects prefilled per size for the gets")
     p.add_argument("--slice", default=None, help="ssd_write_slice_bytes for 'on' (default: the config default)")
-    p.add_argument("--read-fraction", type=float, help="sweeps: the arbiter's READ_SLICE_FRACTION (default 0.5)")
+    p.add_argument("--read-fraction", type=float, help="sweeps: the arbiter's READ_SLICE_FRACTION (default 0.25)")
     p.add_argument("--read-floor", help="sweeps: the arbiter's READ_SLICE_FLOOR in bytes (default 2M)")
     p.add_argument("--quiet-ms", type=float, help="sweeps: the arbiter's READ_QUIET_S in ms (default 100)")
     p.add_argument("--fio", action="store_true", help="also run the fio anchor (needs fio)")
