@@ -405,7 +405,8 @@ def main(argv=None) -> int:
     for r in rows:
         if r["system"] != "fio":
             r.update(settings)
-    notes.append("arbiter: read slice fraction {read_fraction}, floor {read_floor} B, quiet {quiet_ms} ms".format(**settings))
+    notes.append("arbiter: read slice fraction {read_fraction}, floor {read_floor} B, quiet {quiet_ms} ms"
+                 .format(**settings))  # fmt: skip
     print_rows(rows)
     finish(cfg, rows, notes, targets=targets(rows))
     return 0
