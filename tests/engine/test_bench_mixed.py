@@ -55,3 +55,5 @@ def test_bench_mixed_sglang_path_reads_back_every_page(tmp_path):
     }
     for r in rows:  # every get was checked byte for byte against the page it was backed up from
         assert r["gets"] == 2 and r["runs"] == 3 and 0 < r["p50_ms"] <= r["p99_ms"]
+        if r["op"] == "get_loaded":  # the backup's own GB/s, alone and beside the gets
+            assert r["put_solo_gbps"] > 0 and (math.isnan(r["put_gbps"]) or r["put_gbps"] > 0)

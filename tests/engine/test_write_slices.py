@@ -135,7 +135,8 @@ async def test_a_never_ending_read_stream_still_lets_the_backup_move():
 
 
 def test_the_slice_beside_reads_is_a_fraction_of_the_full_one_with_a_floor():
-    assert Arbiter(8 * MiB).read_slice_bytes == 4 * MiB  # the default: half
+    assert Arbiter(8 * MiB).read_slice_bytes == 2 * MiB  # the default: a quarter (docs/tuning.md's sweep)
+    assert Arbiter(8 * MiB, read_slice_fraction=0.5).read_slice_bytes == 4 * MiB
     assert Arbiter(8 * MiB, read_slice_fraction=0.75).read_slice_bytes == 6 * MiB
     assert Arbiter(8 * MiB, read_slice_fraction=1).read_slice_bytes == 8 * MiB  # never cut
     assert Arbiter(8 * MiB, read_slice_fraction=0.1).read_slice_bytes == READ_SLICE_FLOOR == 2 * MiB
@@ -147,7 +148,51 @@ def test_the_slice_beside_reads_is_a_fraction_of_the_full_one_with_a_floor():
             Arbiter(8 * MiB, read_slice_fraction=bad)
 
 
-async def test_slices_are_cut_to_half_while_reads_are_about_and_full_when_idle():
+
+def test_module_constants_are_read_when_an_arbiter_is_made(monkeypatch):
+    """bench mixed's sweep flags set these before a store opens; an arbiter made later follows them."""
+    from umbp_nvme.engine import arbiter as mod
+
+    before = Arbiter(8 * MiB)
+    monkeypatch.setattr(mod, "READ_SLICE_FRACTION", 0.125)
+    monkeypatch.setattr(mod, "READ_SLICE_FLOOR", MiB)
+    monkeypatch.setattr(mod, "READ_QUIET_S", 0.02)
+    after = Arbiter(8 * MiB)
+    assert (before.read_slice_bytes, before.quiet_s) == (2 * MiB, 0.1)
+    assert (after.read_slice_bytes, after.quiet_s) == (MiB, 0.02)
+    assert Arbiter(8 * MiB, quiet_s=0.5, read_slice_fraction=0.5).quiet_s == 0.5  # explicit values win
+
+
+def test_bench_mixed_sweep_flags_set_the_arbiter_and_bad_ones_are_refused(monkeypatch, capsys):
+    from umbp_nvme.bench import mixed
+    from umbp_nvme.engine import arbiter as mod
+
+    for name in ("READ_SLICE_FRACTION", "READ_SLICE_FLOOR", "READ_QUIET_S"):
+        monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
+    cfg = mixed.parse_args(["--read-fraction", "0.25", "--read-floor", "1M", "--quiet-ms", "30"])
+    assert mixed.arbiter_settings(cfg) == {"read_fraction": 0.25, "read_floor": MiB, "quiet_ms": 30.0}
+    assert Arbiter(8 * MiB).read_slice_bytes == 2 * MiB and Arbiter(8 * MiB).quiet_s == 0.03
+    assert mixed.arbiter_settings(mixed.parse_args([]))["read_fraction"] == 0.25  # no flags: left as they are
+    for bad in (["--read-fraction", "0"], ["--read-fraction", "1.5"], ["--read-floor", "0"], ["--quiet-ms", "-1"]):
+        with pytest.raises(SystemExit):
+            mixed.parse_args(bad)
+        assert bad[0] in capsys.readouterr().err
+
+
+def test_bench_mixed_module_runs_as_a_script():
+    """``python -m umbp_nvme.bench.mixed`` used to import and exit silently."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "umbp_nvme.bench.mixed", "--help"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "umbp-nvme bench mixed" in proc.stdout and "--read-fraction" in proc.stdout
+
+
+async def test_slices_are_cut_while_reads_are_about_and_full_when_idle():
     dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, quiet_s=0.0)  # full again once the read ends
     n = 96  # 96 MiB of 1 MiB ops, submitted while idle: 8 MiB slices, two in flight
     write = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB)))
@@ -159,7 +204,7 @@ async def test_slices_are_cut_to_half_while_reads_are_about_and_full_when_idle()
     await asyncio.sleep(0.060)
     arb.read_done()
     during = dev.sizes[mark + 1:]  # one slice may have been granted in the same step as the read began
-    assert during and set(during) == {4 * MiB}
+    assert during and set(during) == {2 * MiB}  # a quarter of 8 MiB
     mark = len(dev.sizes)
     res = await write
     assert res.tolist() == [MiB - 1] * n
@@ -170,7 +215,7 @@ async def test_slices_are_cut_to_half_while_reads_are_about_and_full_when_idle()
 
 
 async def test_beside_reads_one_cut_slice_at_a_time_and_small_batches_go_whole():
-    dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(8 * MiB)
+    dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(8 * MiB, read_slice_fraction=0.5)  # cut to 4 MiB
     arb.read_started()
     try:
         res = await write_sliced(dev.run, arb, 3, np.zeros(20), np.ones(20, np.uint64), np.full(20, MiB))

@@ -1,7 +1,7 @@
 """Mixed benchmark: what a prefetch (get) pays while a backup (put stream) saturates the disk.
 
     umbp-nvme bench mixed [--quick] -- [--dir DIR] [--sizes 1M,4M] [--gets 4,8] [--json PATH]
-    python -m umbp_nvme.bench mixed [same args]
+    python -m umbp_nvme.bench mixed [same args]   (or python -m umbp_nvme.bench.mixed [same args])
 
 One ``SyncPageStore`` (strict durability, io_uring) per knob setting (``--knobs on,off``: "on" =
 the defaults, ``ssd_read_priority=on`` and ``ssd_write_slice_bytes`` sliced; "off" = whole
@@ -35,6 +35,7 @@ import random
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
 
@@ -42,6 +43,7 @@ import numpy as np
 
 from ..buffers import AlignedBuffer
 from ..config import StoreConfig
+from ..engine import arbiter as arbiter_mod
 from ..store.sync import SyncPageStore
 from .common import bench_dir, finish, parse_bytes
 
@@ -61,6 +63,9 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=0, help="rounds per cell (default 5, --quick 3)")
     p.add_argument("--read-set", type=int, default=64, help="objects prefilled per size for the gets")
     p.add_argument("--slice", default=None, help="ssd_write_slice_bytes for 'on' (default: the config default)")
+    p.add_argument("--read-fraction", type=float, help="sweeps: the arbiter's READ_SLICE_FRACTION (default 0.25)")
+    p.add_argument("--read-floor", help="sweeps: the arbiter's READ_SLICE_FLOOR in bytes (default 2M)")
+    p.add_argument("--quiet-ms", type=float, help="sweeps: the arbiter's READ_QUIET_S in ms (default 100)")
     p.add_argument("--fio", action="store_true", help="also run the fio anchor (needs fio)")
     p.add_argument("--sglang", action="store_true", help="also through the SGLang backend on real host pools (needs sglang)")
     p.add_argument("--json", help="write rows as JSON")
@@ -77,7 +82,27 @@ def parse_args(argv):
     if cfg.smoke:
         cfg.sizes, cfg.gets, cfg.read_set = [256 << 10], [4], 16
     cfg.slice = parse_bytes(cfg.slice) if cfg.slice else StoreConfig.ssd_write_slice_bytes
+    if cfg.read_fraction is not None and not 0 < cfg.read_fraction <= 1:
+        p.error(f"--read-fraction must be in (0, 1], got {cfg.read_fraction}")
+    cfg.read_floor = parse_bytes(cfg.read_floor) if cfg.read_floor else None
+    if cfg.read_floor is not None and cfg.read_floor <= 0:
+        p.error("--read-floor must be > 0")
+    if cfg.quiet_ms is not None and cfg.quiet_ms < 0:
+        p.error("--quiet-ms must be >= 0")
     return cfg
+
+
+def arbiter_settings(cfg) -> dict:
+    """Apply the sweep flags to the arbiter's module constants (read when a store's arbiter is
+    made, so before any store opens) and return the settings in force, for the rows."""
+    if cfg.read_fraction is not None:
+        arbiter_mod.READ_SLICE_FRACTION = cfg.read_fraction
+    if cfg.read_floor is not None:
+        arbiter_mod.READ_SLICE_FLOOR = cfg.read_floor
+    if cfg.quiet_ms is not None:
+        arbiter_mod.READ_QUIET_S = cfg.quiet_ms / 1e3
+    return {"read_fraction": arbiter_mod.READ_SLICE_FRACTION, "read_floor": arbiter_mod.READ_SLICE_FLOOR,
+            "quiet_ms": round(arbiter_mod.READ_QUIET_S * 1e3, 3)}  # fmt: skip
 
 
 def store_config(path: str, knob: str, slice_bytes: int, capacity: int) -> StoreConfig:
@@ -364,6 +389,7 @@ def main(argv=None) -> int:
     directory, tmpdir = bench_dir(cfg, "bench-mixed", "umbp-mixed-")
     notes: list[str] = []
     rows: list[dict] = []
+    settings = arbiter_settings(cfg)
     try:
         for knob in cfg.knobs:
             rows += bench_knob(cfg, directory, knob, notes)
@@ -376,6 +402,15 @@ def main(argv=None) -> int:
     finally:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
+    for r in rows:
+        if r["system"] != "fio":
+            r.update(settings)
+    notes.append("arbiter: read slice fraction {read_fraction}, floor {read_floor} B, quiet {quiet_ms} ms"
+                 .format(**settings))  # fmt: skip
     print_rows(rows)
     finish(cfg, rows, notes, targets=targets(rows))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

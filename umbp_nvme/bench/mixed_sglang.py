@@ -132,7 +132,7 @@ def gets(be: Backend, pages: int, calls: int, gap: float, rng: random.Random) ->
 
 
 def cell(cfg, be: Backend, size: int, pages: int, pattern: str, gap: float, tag: str, notes: list) -> dict:
-    idle, loaded, r50, r99, rput = [], [], [], [], []
+    idle, loaded, r50, r99, rput, solos, puts = [], [], [], [], [], [], []
     rng = random.Random(size + pages)
     for r in range(cfg.rounds):
         bk = Backup(be, 2 * size, f"{tag}-{r}")
@@ -151,11 +151,14 @@ def cell(cfg, be: Backend, size: int, pages: int, pattern: str, gap: float, tag:
         idle += lat_i
         loaded += lat_l
         solo = bk.gbps(t0, t1)
+        solos.append(solo)
+        puts.append(bk.gbps(t1, t2))
         r50.append(pct(lat_l, 50) / pct(lat_i, 50))
         r99.append(pct(lat_l, 99) / pct(lat_i, 99))
-        rput.append(bk.gbps(t1, t2) / solo if solo > 0 else float("nan"))
+        rput.append(puts[-1] / solo if solo > 0 else float("nan"))
     med = lambda v: round(float(np.nanmedian(v)), 2)  # noqa: E731
-    return dict(idle=idle, loaded=loaded, vs_idle_p50=med(r50), vs_idle_p99=med(r99), put_vs_solo=med(rput))
+    return dict(idle=idle, loaded=loaded, vs_idle_p50=med(r50), vs_idle_p99=med(r99), put_vs_solo=med(rput),
+                put_solo_gbps=round(float(np.nanmedian(solos)), 3), put_gbps=round(float(np.nanmedian(puts)), 3))
 
 
 def bench_sglang(cfg, directory: str, notes: list[str]) -> list[dict]:
@@ -187,7 +190,8 @@ def bench_sglang(cfg, directory: str, notes: list[str]) -> list[dict]:
                         rows.append(row(system, "get_idle", size, 2 * pages, pattern, c["idle"]))
                         rows.append(row(system, "get_loaded", size, 2 * pages, pattern, c["loaded"],
                                         vs_idle_p50=c["vs_idle_p50"], vs_idle_p99=c["vs_idle_p99"],
-                                        put_vs_solo=c["put_vs_solo"]))  # fmt: skip
+                                        put_vs_solo=c["put_vs_solo"], put_solo_gbps=c["put_solo_gbps"],
+                                        put_gbps=c["put_gbps"]))  # fmt: skip
             finally:
                 be.close()
                 shutil.rmtree(os.path.join(directory, f"sglang-{knob}"), ignore_errors=True)

@@ -13,9 +13,10 @@ read and write engines share one ``Arbiter`` (one event loop, no locks):
   stream of back-to-back reads still lets the backup move one slice at a time (never starved).
 
 A batch is cut into slices lazily, each when the window grants it, so the cut follows whether
-reads are about at that moment. Why one slice beside reads, 8 MiB slices, and half of that beside
-reads: the sweeps in docs/tuning.md (a ~3.5 ms 1 MiB read waited behind a whole 8 MiB slice; 4 MiB
-slices all the time cost 4 MiB-object backups their share).
+reads are about at that moment. Why one slice beside reads, 8 MiB slices, and a quarter of that
+(2 MiB) beside reads: the sweeps in docs/tuning.md (a ~3.5 ms 1 MiB read waited behind a whole 8 MiB
+slice; 4 MiB slices all the time cost 4 MiB-object backups their share; 1 MiB slices beside reads
+cost 1 MiB-object backups theirs and did not shorten the read tail).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .base import RESULT_DTYPE, IoBatch
 DEFAULT_SLICE_BYTES = StoreConfig.ssd_write_slice_bytes
 WINDOW_SLICES = 2  # slices in flight with no reads about: one at the device, the next queued
 READ_QUIET_S = 0.100  # after a read ends, this long before the window widens again (spaced prefetches)
-READ_SLICE_FRACTION = 0.5  # slice size while reads are about, as a fraction of slice_bytes
+READ_SLICE_FRACTION = 0.25  # slice size while reads are about, as a fraction of slice_bytes
 READ_SLICE_FLOOR = 2 << 20  # ... but never below this (or slice_bytes, if that is smaller)
 
 
@@ -53,8 +54,9 @@ class Arbiter:
     """Write window and read gate shared by one store's engines (used from their event loop only)."""
 
     def __init__(self, slice_bytes: int = DEFAULT_SLICE_BYTES, *, hold_reads: bool = True,
-                 quiet_s: float = READ_QUIET_S, window_slices: int | None = None,
+                 quiet_s: float | None = None, window_slices: int | None = None,
                  read_slice_fraction: float | None = None):  # fmt: skip
+        # None: the module's value at construction (bench mixed's sweep flags set those)
         self.slice_bytes = check_slice_bytes(slice_bytes)
         frac = READ_SLICE_FRACTION if read_slice_fraction is None else read_slice_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
@@ -62,7 +64,7 @@ class Arbiter:
         floor = min(self.slice_bytes, READ_SLICE_FLOOR)
         self.read_slice_bytes = max(floor, int(self.slice_bytes * frac))  # the cut while reads are about
         self.hold_reads = hold_reads  # False (ssd_read_priority=off): reads never narrow the window
-        self.quiet_s = float(quiet_s)
+        self.quiet_s = float(READ_QUIET_S if quiet_s is None else quiet_s)
         self.window_slices = WINDOW_SLICES if window_slices is None else int(window_slices)
         if self.window_slices < 1:
             raise ValueError(f"window_slices must be >= 1, got {window_slices!r}")
