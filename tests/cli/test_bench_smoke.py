@@ -69,6 +69,18 @@ def test_store_bench_smoke(tmp_path):
         if r["op"].startswith("reopen"):
             assert r["seconds_p50"] > 0
     assert "target:" in stdout
+    assert all(r["verify_crc"] is True for r in rows if r["op"] in ("put", "get")), "the default verifies"
+    assert "verify_crc on" in stdout
+
+
+def test_store_bench_no_verify_opens_stores_without_the_get_crc(tmp_path):
+    rows, stdout = _run("store", tmp_path, "--ops", "put,get", "--buffers", "4k", "--no-verify")
+    _check_common(rows, "store")
+    assert {(r["op"], r["system"]) for r in rows} == {
+        ("put", "umbp_store"), ("put", "umbp_uring"), ("get", "umbp_store"), ("get", "umbp_uring")
+    }
+    assert all(r["verify_crc"] is False for r in rows)
+    assert "verify_crc off (--no-verify)" in stdout
 
 
 def test_store_bench_roots_smoke(tmp_path):

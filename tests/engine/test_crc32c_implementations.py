@@ -150,6 +150,40 @@ def test_large_sizes_with_odd_tails(impl, blob):
     assert _uring.crc32c(blob, impl=impl) == _uring.crc32c((base, blob.nbytes), impl="table")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_buffers_ending_at_a_guard_page_around_the_prefetch_window(impl):
+    """The folding loops prefetch 8 KiB ahead only while that stays inside the buffer, and never load past
+    its end: a buffer that ends right before a PROT_NONE page checksums to the table's value (a stray load
+    would be a SIGSEGV) at every length around the window's edges and at unaligned starts."""
+    import mmap
+
+    _need(impl)
+    page = mmap.PAGESIZE
+    span = 64 << 10
+    m = mmap.mmap(-1, span + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        arr = np.frombuffer(m, np.uint8)
+        arr[:span] = np.random.default_rng(14).integers(0, 256, span, dtype=np.uint8)
+        base = arr.ctypes.data
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        assert libc.mprotect(base + span, page, 0) == 0, os.strerror(ctypes.get_errno())
+        end = base + span
+        lengths = sorted({8192 + 256 + d for d in range(-300, 300, 7)} | {16384, 16384 + 255, 32768 + 1, span - 63})  # + lead <= span
+        checked = 0
+        for n in lengths:
+            for lead in (0, 1, 63):
+                got = _uring.crc32c((end - n - lead, n), impl=impl)
+                assert got == _uring.crc32c((end - n - lead, n), impl="table"), (impl, n, lead)
+                checked += 1
+        assert checked == 3 * len(lengths)
+    finally:
+        del arr
+        m.close()
+
+
 @pytest.mark.parametrize("api", ["crc32c", "crc32c_many"])
 def test_gil_released_during_a_long_checksum(api):
     # 64 MiB through the table path takes tens of ms; a thread holding the GIL that long would stall this one

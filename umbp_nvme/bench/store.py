@@ -92,6 +92,8 @@ def parse_args(argv):
     p.add_argument("--ops", default="put,get,exists,reopen,rebuild", help="subset of put,get,exists,reopen,rebuild")
     p.add_argument("--runs", type=int, default=None, help="alternating rounds (default 3; --quick 2)")
     p.add_argument("--durability", default="strict", choices=("strict", "relaxed"), help="store durability mode")
+    p.add_argument("--no-verify", action="store_true", help="stores opened with verify_crc=False: gets skip the CRC "
+                   "check (puts still compute it for the records); the opt-out's cost, beside the default")
     p.add_argument("--segment-bytes", default="256m", help="store segment size")
     p.add_argument("--reopen-objects", type=int, default=None, help="objects in the reopen store (default 1000000; --quick 100000)")
     p.add_argument("--reopen-object-bytes", default="4k", help="object size of the reopen store")
@@ -195,6 +197,7 @@ def _store_config(cfg, path: str, capacity: int) -> StoreConfig:
         ssd_durability_mode=cfg.durability,
         ssd_io_backend="io_uring",
         ssd_queue_depth=256,
+        verify_crc=not getattr(cfg, "no_verify", False),
     )
 
 
@@ -220,7 +223,8 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
         if fixed:
             fixed = bool(raw.register_buffers(ranges))
         notes.append(f"store: {cfg.durability}, capacity {capacity >> 20} MiB, segments {seg >> 20} MiB, "
-                     f"fixed buffers {'on' if fixed else 'off'} for both systems")
+                     f"fixed buffers {'on' if fixed else 'off'} for both systems, "
+                     f"verify_crc {'on' if store.verify_crc else 'off (--no-verify)'}")  # as the store opened
         strict = cfg.durability == "strict"
         rnd = [0]
 
@@ -288,7 +292,7 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
                         ss = samples[op, system]
                         vs = paired_ratio(ss, base) if system == "umbp_store" else None
                         rows.append(make_row(BENCH, system, op, size, n_obj, ss, buffers=kind, fixed=fixed,
-                                             vs_umbp_uring=vs, cold=(op == "get")))
+                                             vs_umbp_uring=vs, cold=(op == "get"), verify_crc=store.verify_crc))
         st = store.stats()
         if st.get("o_direct") is False:
             notes.append(f"O_DIRECT refused on {path}: reads were not cold (page cache)")
