@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -44,13 +45,11 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _run_and_kill(path: str, rnd: int, mode: str, after_batches: int, delay_s: float) -> tuple[dict, set, set]:
-    """Run the child until it acknowledged ``after_batches`` batches, let it go on ``delay_s``
-    (mid-batch, most likely), SIGKILL it; (acknowledged key -> size, acknowledged deletes, keys of
-    the delete the kill cut short: each may be gone or intact, never wrong)."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, path, str(rnd), os.path.join(ROOT, "tests"), mode],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+def _read_until_kill(p: subprocess.Popen, after_batches: int, delay_s: float) -> str:
+    """The child's whole stdout: lines until ``after_batches`` acknowledged puts, then ``delay_s``
+    more, then SIGKILL and the rest. The rest is read through the same file object: readline
+    leaves whatever else the pipe held in that object's buffer, and communicate(timeout=...)
+    reads the raw fd and never sees it (acknowledged deletes went missing that way)."""
     lines = []
     deadline = time.monotonic() + 120
     try:
@@ -62,8 +61,12 @@ def _run_and_kill(path: str, rnd: int, mode: str, after_batches: int, delay_s: f
         time.sleep(delay_s)
     finally:
         p.send_signal(signal.SIGKILL)
-    out, _ = p.communicate(timeout=60)
-    text = "".join(lines) + out
+        p.wait(timeout=60)  # dead: the pipe's write end is closed, so the read below ends
+    return "".join(lines) + p.stdout.read()
+
+
+def _parse(text: str) -> tuple[dict, set, set]:
+    """(acknowledged key -> size, acknowledged deletes, keys of the delete the kill cut short)."""
     acked, deleted, doubt = {}, set(), set()
     for line in text.split("\n")[:-1]:  # the last piece was cut by the kill (or is empty)
         if not line.strip():  # a line the kill's partial flush left empty
@@ -79,6 +82,31 @@ def _run_and_kill(path: str, rnd: int, mode: str, after_batches: int, delay_s: f
             deleted.update(items)
             doubt = set()
     return acked, deleted, doubt
+
+
+def _run_and_kill(path: str, rnd: int, mode: str, after_batches: int, delay_s: float) -> tuple[dict, set, set]:
+    """Run the child until it acknowledged ``after_batches`` batches, let it go on ``delay_s``
+    (mid-batch, most likely), SIGKILL it; (acknowledged key -> size, acknowledged deletes, keys of
+    the delete the kill cut short: each may be gone or intact, never wrong)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, path, str(rnd), os.path.join(ROOT, "tests"), mode],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+    with p.stdout:
+        return _parse(_read_until_kill(p, after_batches, delay_s))
+
+
+def test_kill_reader_keeps_lines_the_pipe_already_held():
+    """The child writes its ack lines before the parent reads the first: every line written before
+    the kill is parsed, the acknowledged delete included (the old communicate(timeout=...) remainder
+    dropped the lines readline had buffered, and an acknowledged delete looked like a lost object)."""
+    out = "put a:1\ndeleting a\ndel a\nput b:2 c:3\ndeleting b\nput cut:4"
+    child = f"import os, time\nos.write(1, {out!r}.encode())\ntime.sleep(60)"  # one write: one pipe read
+    p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    with p.stdout:
+        assert select.select([p.stdout], [], [], 60)[0], "the child wrote nothing"
+        text = _read_until_kill(p, 1, 0.0)
+    assert text == out
+    assert _parse(text) == ({"a": 1, "b": 2, "c": 3}, {"a"}, {"b"})
 
 
 @pytest.mark.parametrize("mode", ["strict", "relaxed"])
