@@ -43,3 +43,33 @@ def test_rebuild_marks_used_slots_and_drops_damaged_records():
     assert a.alloc(64 * KiB) == (0, 128 * KiB)
     assert a.alloc(4 * KiB) == (1, 8 * KiB)
     assert a.alloc(128 * KiB) == (2, 0)
+
+
+def test_a_segment_being_opened_on_a_worker_is_not_answered_open_before_its_fd_is_set(tmp_path):
+    """precreate() installs a segment on a worker thread while ensure() answers on the loop from
+    `files` without the lock: ensure must never say True while fds[i] is still -1 (a put would
+    then write to fd -1). The stand-in file's fd read is where a thread switch lands."""
+    import threading
+    import time
+
+    from umbp_nvme.store.segments import SegmentFiles
+
+    sf = SegmentFiles(str(tmp_path), 1 << 20, readonly=False, o_direct=False, n_segments=4)
+    reading_fd = threading.Event()
+
+    class SlowFile:
+        direct, align = False, 4096
+
+        @property
+        def fd(self):
+            reading_fd.set()
+            time.sleep(0.2)
+            return 99
+
+    t = threading.Thread(target=sf._install, args=(1, SlowFile()))
+    t.start()
+    assert reading_fd.wait(5)
+    seen = (1 in sf.files, int(sf.fds[1]))
+    t.join()
+    assert seen == (False, -1), seen  # not published while its fd is unset
+    assert (1 in sf.files, int(sf.fds[1])) == (True, 99)

@@ -371,10 +371,11 @@ class SegmentFiles:
             self.fds = np.concatenate([self.fds, np.full(n - len(self.fds), -1, dtype=np.int32)])
             self.direct = np.concatenate([self.direct, np.zeros(n - len(self.direct), dtype=bool)])
             self.align = np.concatenate([self.align, np.full(n - len(self.align), SLOT_ALIGN_BYTES, dtype=np.int64)])
-        self.files[i] = f
         self.fds[i] = f.fd
         self.direct[i] = f.direct
         self.align[i] = max(f.align, 1)
+        # last: ensure() answers from `files` without the lock, so fds/direct/align must be set first
+        self.files[i] = f
 
     @property
     def any_direct(self) -> bool | None:
