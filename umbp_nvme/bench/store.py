@@ -12,6 +12,9 @@ Systems:
                the very (segment file, offset) extents the store chose for those objects in the
                same round, from/into the same memory; fdatasync of the touched segments per
                call when the store runs strict (the store does the same). No index, no CRC.
+  nixl_posix   NVIDIA NIXL's POSIX plugin on the same extents and memory (bench/nixl_posix.py),
+               when ``nixl`` is importable (`pip install nixl`; CPU-only works): the peer the
+               issue measured, fdatasync of the touched segments per call when strict.
 
 Each measured round is, per (object size, memory kind): store put, raw put (overwrites the same
 extents with the same bytes, so the store's CRCs stay valid), store get, raw get, then an
@@ -59,6 +62,7 @@ import numpy as np
 
 from .engine import HugePages, Memory
 from .common import Sample, bench_dir, Stopwatch, check_buffers, drop_caches, finish, make_row, paired_ratio, parse_bytes, print_table
+from . import nixl_posix
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES
 from umbp_nvme.config import StoreConfig
@@ -213,7 +217,9 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
     raw = await open_engine("io_uring", queue_depth=256)
     segfds = SegFds(store.path)
     rows: list[dict] = []
+    nixl = None
     try:
+        nixl = open_nixl(mem, notes)
         if raw.capabilities.name != "io_uring":
             notes.append("umbp_uring: io_uring unavailable, the raw engine fell back to posix")
         fixed = False
@@ -257,6 +263,16 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
                     if strict:
                         await asyncio.gather(*(raw.sync(int(fd)) for fd in np.unique(fds).tolist()))
             out["put", "umbp_uring"] = sw.sample(total * size, total)
+            if nixl is not None:
+                for fds, _ in plan:
+                    nixl.register_files(fds, seg)
+                with Stopwatch() as sw:
+                    for fds, offs in plan:
+                        nixl.write_many(fds, offs, addrs, lens)
+                        if strict:
+                            for fd in np.unique(fds).tolist():
+                                os.fdatasync(int(fd))
+                out["put", "nixl_posix"] = sw.sample(total * size, total)
             # store get (cold: O_DIRECT)
             buf.array[:n_obj * size] = 0
             with Stopwatch() as sw:
@@ -271,6 +287,11 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
                     if (r != lens).any():
                         raise RuntimeError(f"raw read returned {int(r[r != lens][0])}")
             out["get", "umbp_uring"] = sw.sample(total * size, total)
+            if nixl is not None:
+                with Stopwatch() as sw:
+                    for fds, offs in plan:
+                        nixl.read_many(fds, offs, addrs, lens)
+                out["get", "nixl_posix"] = sw.sample(total * size, total)
             for b in range(k_batches):
                 await store.delete_many(keys[b])
             return out
@@ -288,7 +309,7 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
                     if op not in cfg.ops:
                         continue
                     base = samples[op, "umbp_uring"]
-                    for system in ("umbp_store", "umbp_uring"):
+                    for system in ("umbp_store", "umbp_uring") + (("nixl_posix",) if nixl else ()):
                         ss = samples[op, system]
                         vs = paired_ratio(ss, base) if system == "umbp_store" else None
                         rows.append(make_row(BENCH, system, op, size, n_obj, ss, buffers=kind, fixed=fixed,
@@ -304,6 +325,23 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
         await store.close()
         shutil.rmtree(path, ignore_errors=True)
     return rows
+
+
+def open_nixl(mem: Memory, notes: list[str]):
+    """The NIXL POSIX baseline with every memory kind registered, or None (and a note why)."""
+    why = nixl_posix.load_error()
+    if why is None:
+        try:
+            nixl = nixl_posix.NixlPosix()
+            for b in mem.bufs.values():
+                nixl.register_dram(b.address, b.nbytes)
+            notes.append(f"nixl_posix: NIXL POSIX plugin, one transfer request per call, polled every "
+                         f"{nixl_posix.POLL_S * 1e6:.0f} us (a spinning poll bills NIXL a whole core)")
+            return nixl
+        except Exception as e:  # a plugin that will not start is a missing baseline, not a failed run
+            why = f"{type(e).__name__}: {e}"
+    notes.append(f"nixl_posix: not run ({why}; `pip install nixl` adds it)")
+    return None
 
 
 # -- the large store: exists, reopen -------------------------------------------------------------
