@@ -120,6 +120,15 @@ def make_records(segs, offs, lens, gens, crcs, depths, key_crcs, enc_keys: list[
     return r
 
 
+def confirmed_copy(recs: np.ndarray) -> np.ndarray:
+    """The records as they read once their data's fdatasync completed (R_CONFIRMED, sealed): made
+    while the data is in flight, so confirming costs a copy after the sync."""
+    c = np.array(recs, RECORD_DTYPE, copy=True)
+    c["flags"] |= R_CONFIRMED
+    seal(c)
+    return c
+
+
 class RecordAreas:
     """The writer's in-memory copy of every segment's record area, and the block writes from it.
 
@@ -226,6 +235,34 @@ class RecordAreas:
             sub["flags"] |= R_CONFIRMED
             seal(sub)
             av[js] = sub.view(_WHOLE)
+            self.dirty.setdefault(s, set()).update(np.unique(js // PER_BLOCK).tolist())
+
+    def confirm_sealed(self, conf: np.ndarray) -> None:
+        """Place records sealed as confirmed (``confirmed_copy``) where their slot still holds the
+        same generation unconfirmed (their data's fdatasync completed); written with the segment's
+        next block write (or flush). A slot holding another generation is left alone."""
+        if not len(conf):
+            return
+        segs = conf["segment"].astype(np.int64)
+        idx = slot_index(conf["offset"], conf["length"])
+        whole = _whole(conf)
+        one = segs[0] == segs[-1] and (segs == segs[0]).all()  # the usual batch: one segment
+        for s in [int(segs[0])] if one else np.unique(segs).tolist():
+            self._ensure(s)
+            a = self.areas.get(s)
+            if a is None:
+                continue
+            m = slice(None) if one else segs == s
+            js, g, w = idx[m], conf["generation"][m], whole[m]
+            ok = js < len(a)
+            if not ok.all():
+                js, g, w = js[ok], g[ok], w[ok]
+            mine = (a["generation"][js] == g) & ((a["flags"][js] & (R_VALID | R_CONFIRMED)) == R_VALID)
+            if not mine.all():
+                js, w = js[mine], w[mine]
+            if not len(js):
+                continue
+            a.view(_WHOLE)[js] = w
             self.dirty.setdefault(s, set()).update(np.unique(js // PER_BLOCK).tolist())
 
     def dirty_blocks(self) -> set[tuple[int, int]]:
