@@ -395,7 +395,7 @@ class PutPath:
                     results[i] = True
             if b.conf is not None and len(pj):  # their fdatasync completed: the next image of their blocks says so
                 c = pj[b.recorded[pj]]
-                self._areas.confirm_sealed(b.conf if len(c) == m else b.conf[c])
+                self._areas.confirm_later(b.conf if len(c) == m else b.conf[c])
         rest = np.flatnonzero(~published)
         if len(rest):
             self._unrecord(b, rest)
