@@ -213,3 +213,28 @@ async def test_verify_rebuild_index_exit_codes(store_dir):
     # not a store: exit 2
     p = _cli("verify", "--store", os.path.dirname(store_dir), "--rebuild-index")
     assert p.returncode == 2
+
+
+async def test_a_strict_batch_is_confirmed_on_disk_by_the_next_write_never_over_a_reused_slot(store_dir):
+    """Confirmation is placed after the put returns, with the next use of the areas: batch A's
+    records reach disk unconfirmed, B's block write carries A's flag; a pending confirmation
+    never lands on a slot cleared and reused meanwhile."""
+    st = await PageStore.open(store_dir, cfg())
+    a = [f"a{i}" for i in range(3)]
+    assert all(await st.put_many(a, [payload(k, OBJ) for k in a]))
+    exts = st.locate(a)
+    assert len({e.segment for e in exts}) == 1
+    seg, idx = exts[0].segment, [e.offset // 8192 for e in exts]
+    flags = [int(_area_record(store_dir, seg, i)[1]["flags"][0]) for i in idx]
+    assert all(f & 1 and not f & R_CONFIRMED for f in flags)  # valid, not yet confirmed on disk
+    assert all(await st.delete_many(a[:1]))  # its tombstone is written while A's flags still wait
+    b = ["b0"]
+    assert all(await st.put_many(b, [payload(k, OBJ) for k in b]))
+    assert st.locate(b)[0][:2] == (seg, exts[0].offset)  # B reuses the deleted one's slot
+    recs = [_area_record(store_dir, seg, i)[1] for i in idx]
+    # that slot holds B's record (A's pending flag did not land on it), itself unconfirmed so far
+    assert bytes(recs[0]["key"][0][:2]) == b"b0" and not recs[0]["flags"][0] & R_CONFIRMED
+    assert all(r["flags"][0] & R_CONFIRMED and r["magic"][0] == MAGIC for r in recs[1:])
+    await st.close()
+    hits, wrong, n = await served(store_dir, a + b)
+    assert (hits, wrong, n) == (3, [], 3)

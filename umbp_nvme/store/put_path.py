@@ -29,19 +29,22 @@ INT32_MIN, INT32_END = -(1 << 31), 1 << 31
 OBJECT_BYTES_END = 1 << 32  # an object's length is a u32 in the index record
 INLINE_CRC_BYTES = 16 << 20  # a host batch up to this size is checksummed on the loop thread
 INLINE_CRC_CHUNK = 4 << 20  # bytes per CRC call there (~0.3 ms) before other tasks get a turn
+SUBMIT_PASSES = 2  # loop passes a write task needs to reach the ring (engine/arbiter.write_sliced)
 
 
 class WriteBatch:
     """One write submission: the objects (``todo``: key index per object) and their slots."""
 
     __slots__ = ("keys", "todo", "segs", "offs", "src", "nbytes", "depths", "route", "plan", "crc_job", "crc_out",
-                 "crcs", "good", "pre", "gen", "recorded", "lost")  # fmt: skip
+                 "crcs", "good", "pre", "puts", "conf", "gen", "recorded", "lost")  # fmt: skip
 
     def __init__(self, keys, todo, segs, offs, addrs, lens, depths, route):
         self.keys, self.todo, self.segs, self.offs, self.depths, self.route = keys, todo, segs, offs, depths, route
         self.src = np.ascontiguousarray(addrs, np.uint64)
         self.nbytes = np.ascontiguousarray(lens, np.int64)
         self.plan = self.crc_job = self.crc_out = self.crcs = self.pre = None
+        self.puts = None  # the LMDB (key, record) pairs of every object, made while the data lands
+        self.conf = None  # RECORD_DTYPE per object as it reads once synced (strict; zero where not recorded)
         self.good = np.zeros(len(todo), bool)
         self.recorded = np.zeros(len(todo), bool)  # its record went into the segment's area
         self.lost = np.zeros(len(todo), bool)  # its record block did not land
@@ -260,10 +263,13 @@ class PutPath:
                 task = asyncio.ensure_future(write)
                 rec = None
                 if b.route is None:
-                    # the write task submits on the next loop pass; the index records (all
-                    # but their CRC and generation) are packed while it runs. Keys and depths
-                    # were checked before the slots were reserved: this cannot fail.
-                    await asyncio.sleep(0)
+                    # the write task submits within the next loop passes (a sliced write: one
+                    # pass to cut the slices, one for their tasks to submit); the CRC must not
+                    # hold the loop before that, or the device idles for a CRC chunk. The
+                    # index records (all but CRC and generation) are packed while it runs.
+                    # Keys and depths were checked before the slots were reserved: this cannot fail.
+                    for _ in range(SUBMIT_PASSES):
+                        await asyncio.sleep(0)
                     if b.crc_job is None:
                         await self._crc_inline(b)
                     b.pre = self._pack_pending(b)
@@ -322,7 +328,8 @@ class PutPath:
         fdl = self._files.fds
         if len(touched) == 1:
             try:
-                await asyncio.wait_for(sync(int(fdl[touched[0]])), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):  # no task per sync, as wait_for makes
+                    await sync(int(fdl[touched[0]]))
                 done = [None]
             except Exception as e:  # noqa: BLE001 - incl. timeout
                 done = [e]
@@ -355,18 +362,23 @@ class PutPath:
         committed = False
         async with self._commit_lock:
             pj = np.flatnonzero(b.good)
-            pub_idx = b.todo[pj].tolist()
             # todo is increasing: every key of the call written means todo[pj] is 0..n-1
-            pub_keys = list(b.keys) if len(pj) == len(b.keys) else [b.keys[i] for i in pub_idx]
+            full = len(pj) == m == len(b.keys)
+            pub_idx = range(m) if full else b.todo[pj].tolist()
+            pub_keys = b.keys if full else [b.keys[i] for i in pub_idx]
             kd = self._keys
             if any(map(kd.__contains__, pub_keys)):
                 keep = [t for t, k in enumerate(pub_keys) if k not in kd]
                 pj = pj[keep]
                 pub_idx = [pub_idx[t] for t in keep]
                 pub_keys = [pub_keys[t] for t in keep]
-            recs, enc = self._records(b, pj, pub_idx, pub_keys, gen)
-            blob = recs.tobytes()
-            puts = list(zip(enc, [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
+                full = False
+            if full and b.puts is not None:  # the common batch: records and puts made during the write
+                recs, puts = b.pre[0], b.puts
+            else:
+                recs, enc = self._records(b, pj, pub_idx, pub_keys, gen)
+                blob = recs.tobytes()
+                puts = list(zip(enc, [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
             try:
                 committed = await self._commit(puts) if puts else True
             except asyncio.TimeoutError:
@@ -376,13 +388,14 @@ class PutPath:
         published = np.zeros(m, bool)
         if committed:
             published[pj] = True
-            if len(pub_idx) == len(results):
+            if full:
                 results[:] = [True] * len(results)
             else:
                 for i in pub_idx:
                     results[i] = True
-            if self.strict and len(pj):  # their fdatasync completed: the next image of their blocks says so
-                self._areas.confirm(b.segs[pj], b.offs[pj], b.nbytes[pj], np.full(len(pj), b.gen, np.uint64))
+            if b.conf is not None and len(pj):  # their fdatasync completed: the next image of their blocks says so
+                c = pj[b.recorded[pj]]
+                self._areas.confirm_later(b.conf if len(c) == m else b.conf[c])
         rest = np.flatnonzero(~published)
         if len(rest):
             self._unrecord(b, rest)

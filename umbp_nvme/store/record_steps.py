@@ -17,10 +17,10 @@ from ..errors import StoreError
 from ..keybytes import encode_key
 from . import layout
 from .checks import encode_all
-from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, key_crcs, wrap_lmdb_error
+from .index import FLAG_CRC, FLAG_KEYCRC, REC_BYTES, REC_DTYPE, key_crcs, wrap_lmdb_error
 from .layout import MANIFEST_FILE
 from .rebuild import boot_id, rebuild_index, write_area
-from .records import R_CONFIRMED, R_VALID, RecordAreas, make_records
+from .records import R_CONFIRMED, R_VALID, RecordAreas, confirmed_copy, make_records
 from .segments import segment_name
 from .staging import wait_out
 
@@ -46,12 +46,27 @@ class RecordSteps:
     async def _write_records(self, b, refused, early: bool = False) -> None:
         """Each written object's record (``early``: every object's, its data still in flight) into
         its segment's area, the touched blocks written; an object whose block did not land is not
-        durable (``b.lost``; the fdatasync after covers records and data)."""
-        j = np.arange(len(b.todo)) if early else np.flatnonzero(b.good)
+        durable (``b.lost``; the fdatasync after covers records and data). Early, the batch's LMDB
+        puts and confirmed records are made here too, so publishing after the sync only copies."""
+        m = len(b.todo)
+        j = np.arange(m) if early else np.flatnonzero(b.good)
         recs48, enc = b.pre if b.pre is not None else self._pack_pending(b)
-        sub = recs48[j]
-        recs = make_records(b.segs[j], b.offs[j], b.nbytes[j], b.gen, b.crcs[j], sub["depth"], sub["key_crc"],
-                            [enc[i] for i in j.tolist()], R_VALID)  # fmt: skip
+        if early:
+            recs48["crc"] = b.crcs
+            recs48["generation"] = recs48["group"] = b.gen
+            blob = recs48.tobytes()
+            b.puts = list(zip(enc, [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
+            sub, keys = recs48, enc
+        else:
+            sub, keys = recs48[j], [enc[i] for i in j.tolist()]
+        recs = make_records(b.segs[j], b.offs[j], b.nbytes[j], b.gen, b.crcs[j], sub["depth"], sub["key_crc"], keys,
+                            R_VALID)  # fmt: skip
+        if self.strict:
+            conf = confirmed_copy(recs)
+            if not early:
+                conf, c = np.zeros(m, conf.dtype), conf
+                conf[j] = c
+            b.conf = conf
         touched = self._areas.put(recs)
         b.recorded[j] = True
         failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)

@@ -120,6 +120,15 @@ def make_records(segs, offs, lens, gens, crcs, depths, key_crcs, enc_keys: list[
     return r
 
 
+def confirmed_copy(recs: np.ndarray) -> np.ndarray:
+    """The records as they read once their data's fdatasync completed (R_CONFIRMED, sealed): made
+    while the data is in flight, so confirming costs a copy after the sync."""
+    c = np.array(recs, RECORD_DTYPE, copy=True)
+    c["flags"] |= R_CONFIRMED
+    seal(c)
+    return c
+
+
 class RecordAreas:
     """The writer's in-memory copy of every segment's record area, and the block writes from it.
 
@@ -138,6 +147,7 @@ class RecordAreas:
         self.dirty: dict[int, set[int]] = {}  # seg -> blocks whose disk image is behind memory
         self._busy: dict[tuple[int, int], asyncio.Future] = {}  # (seg, block) -> its write in flight
         self._tasks: dict = {}  # write task -> its image buffer
+        self._confirms: list[np.ndarray] = []  # confirm_later's records, placed at the next use
 
     def _ensure(self, seg: int) -> None:
         if seg in self._loaded:
@@ -163,6 +173,7 @@ class RecordAreas:
 
     def put(self, recs: np.ndarray) -> set[tuple[int, int]]:
         """Place sealed records at their slots; returns the (segment, block) pairs touched."""
+        self._place_confirms()
         touched: set[tuple[int, int]] = set()
         if not len(recs):
             return touched
@@ -180,6 +191,7 @@ class RecordAreas:
 
     def clear(self, segs, offs, lens) -> tuple[set[tuple[int, int]], list]:
         """Tombstone the slots (records zeroed); returns (blocks touched, undo list for restore)."""
+        self._place_confirms()
         touched: set[tuple[int, int]] = set()
         undo = []
         segs = np.asarray(segs, np.int64)
@@ -198,6 +210,7 @@ class RecordAreas:
         return touched, undo
 
     def restore(self, undo) -> None:
+        self._place_confirms()
         for s, cls, js, old in undo:
             if self.cls.get(s) == cls:
                 self.areas[s].view(_WHOLE)[js] = old
@@ -205,6 +218,7 @@ class RecordAreas:
     def confirm(self, segs, offs, lens, gens) -> None:
         """Mark the slots' records confirmed (their data's fdatasync completed); written with the
         segment's next block write (or flush). A slot holding another generation is left alone."""
+        self._place_confirms()
         segs = np.asarray(segs, np.int64)
         idx = slot_index(np.asarray(offs), np.asarray(lens))
         gens = np.asarray(gens, np.uint64)
@@ -228,7 +242,49 @@ class RecordAreas:
             av[js] = sub.view(_WHOLE)
             self.dirty.setdefault(s, set()).update(np.unique(js // PER_BLOCK).tolist())
 
+    def confirm_later(self, conf: np.ndarray) -> None:
+        """Records sealed as confirmed (``confirmed_copy``; their data's fdatasync completed), placed
+        at the next use of the areas (a put, clear, confirm or write: for a put batch, while the
+        next batch's data lands), not on the acknowledging put's path. Until then only the flag
+        waits, and a record without it is merely checked against its data by a rebuild."""
+        self._confirms.append(conf)
+
+    def _place_confirms(self) -> None:
+        if self._confirms:
+            q, self._confirms = self._confirms, []
+            for conf in q:
+                self._confirm_sealed(conf)
+
+    def _confirm_sealed(self, conf: np.ndarray) -> None:
+        """Place confirmed records where their slot still holds the same generation unconfirmed;
+        written with the segment's next block write (or flush). A slot holding another generation
+        (cleared or reused since) is left alone."""
+        if not len(conf):
+            return
+        segs = conf["segment"].astype(np.int64)
+        idx = slot_index(conf["offset"], conf["length"])
+        whole = _whole(conf)
+        one = segs[0] == segs[-1] and (segs == segs[0]).all()  # the usual batch: one segment
+        for s in [int(segs[0])] if one else np.unique(segs).tolist():
+            self._ensure(s)
+            a = self.areas.get(s)
+            if a is None:
+                continue
+            m = slice(None) if one else segs == s
+            js, g, w = idx[m], conf["generation"][m], whole[m]
+            ok = js < len(a)
+            if not ok.all():
+                js, g, w = js[ok], g[ok], w[ok]
+            mine = (a["generation"][js] == g) & ((a["flags"][js] & (R_VALID | R_CONFIRMED)) == R_VALID)
+            if not mine.all():
+                js, w = js[mine], w[mine]
+            if not len(js):
+                continue
+            a.view(_WHOLE)[js] = w
+            self.dirty.setdefault(s, set()).update(np.unique(js // PER_BLOCK).tolist())
+
     def dirty_blocks(self) -> set[tuple[int, int]]:
+        self._place_confirms()
         return {(s, b) for s, bs in self.dirty.items() for b in bs}
 
     def _image(self, seg: int, blk: int, out: np.ndarray) -> None:
@@ -242,6 +298,7 @@ class RecordAreas:
     async def write(self, engine, fds: np.ndarray, blocks: set[tuple[int, int]], timeout_s: float) -> set[int]:
         """Write the blocks (and the dirty ones of the same segments) from memory; returns the
         segments whose blocks did not all land. Waits for earlier writes of the same blocks."""
+        self._place_confirms()
         segs = {s for s, _ in blocks}
         for s in segs:
             blocks |= {(s, b) for b in self.dirty.get(s, ())}
@@ -320,5 +377,6 @@ class RecordAreas:
 
     def load_all(self, segs) -> None:
         """Build the areas of these segments now (open paths that write every area)."""
+        self._place_confirms()
         for s in segs:
             self._ensure(int(s))
