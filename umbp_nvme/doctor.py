@@ -34,6 +34,7 @@ import time
 from .config import StoreConfig
 from .doctor_probe import PROBE_SECONDS, check_probe
 from .store.layout import segment_disk_bytes
+from .store.mounts import nearest_above
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,7 @@ def _finding(findings: list, item: str, level: str, message: str, fix: str = "")
 
 
 def _existing(path: str) -> str:
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    return p
+    return nearest_above(path, os.path.exists)
 
 
 def _read(path: str) -> str | None:

@@ -21,6 +21,7 @@ from umbp_nvme.config import load_config
 from umbp_nvme.store import PageStore, owed_deletes
 from umbp_nvme.store.drives import MultiDriveStore
 from umbp_nvme.store.placement import page_of
+from support.waits import until
 
 OBJ = 16 << 10
 H64 = "0123456789abcdef" * 4
@@ -219,14 +220,6 @@ async def test_a_root_that_cannot_open_is_a_degraded_drive_and_the_rest_open(tmp
         os.chmod(os.path.dirname(roots[1]), 0o755)
 
 
-async def _until(pred, timeout_s: float) -> bool:
-    for _ in range(int(timeout_s / 0.05)):
-        if pred():
-            return True
-        await asyncio.sleep(0.05)
-    return pred()
-
-
 async def test_a_drive_whose_directory_disappears_is_degraded_and_rejoins_when_it_is_back(tmp_path, caplog):
     roots = _roots(tmp_path, 2)
     st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
@@ -237,7 +230,7 @@ async def test_a_drive_whose_directory_disappears_is_degraded_and_rejoins_when_i
     parked = roots[1] + ".away"
     os.rename(roots[1], parked)  # as an unmount would: the directory is gone
     try:
-        assert await _until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
+        assert await until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
         assert "gone" in st.stats()["drives"][1]["reason"]
         res, wrong = await _get(st, keys)
         assert wrong == 0 and res == [d == 0 for d in where]
@@ -245,7 +238,7 @@ async def test_a_drive_whose_directory_disappears_is_degraded_and_rejoins_when_i
         assert await _put(st, fresh) == [True] * 20 and set(st.drive_of(fresh)) == {0}
     finally:
         os.rename(parked, roots[1])
-    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
     res, wrong = await _get(st, keys)
     assert res == [True] * 60 and wrong == 0
     assert sum("degraded" in r.getMessage() for r in caplog.records) == 1
@@ -327,7 +320,7 @@ async def test_a_hung_drive_holds_only_the_batch_that_touched_it(tmp_path):
 
     hooks.read = read
     first = asyncio.ensure_future(_get(st, keys))
-    assert await _until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
     assert "no completion within io_timeout_s" in st.stats()["drives"][1]["reason"]
     await asyncio.sleep(0.2)
     assert not first.done()  # still owned by the "kernel": the batch has not returned
@@ -338,7 +331,7 @@ async def test_a_hung_drive_holds_only_the_batch_that_touched_it(tmp_path):
     res, wrong = await asyncio.wait_for(first, 5)
     assert wrong == 0 and all(res[i] for i, d in enumerate(where) if d == 0)
     hooks.read = None
-    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
     res, wrong = await _get(st, keys)
     assert res == [True] * 80 and wrong == 0
     await st.close()
@@ -379,7 +372,7 @@ async def test_a_drive_missing_at_open_joins_once_its_store_is_back(tmp_path):
     await asyncio.sleep(0.3)
     assert not os.path.exists(roots[1])  # nothing is created where the drive should be
     os.rename(parked, os.path.dirname(roots[1]))  # mounted again
-    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
     res, wrong = await _get(st, keys)
     assert res == [True] * 60 and wrong == 0
     await st.close()

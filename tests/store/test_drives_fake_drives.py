@@ -16,6 +16,7 @@ import pytest
 
 from conftest import payload, small_config
 from umbp_nvme.store.drives import MultiDriveStore
+from support.waits import until
 
 FAKE_DRIVES = "/work/shared/tools/fake-drives"
 _ROOT = "/tmp/fake-drives-multi"  # a root of our own: other drives are left alone
@@ -47,15 +48,6 @@ async def _get(st, keys):
     return res, wrong
 
 
-async def _until(pred, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        await asyncio.sleep(0.05)
-    return pred()
-
-
 @pytest.mark.timeout(180)
 async def test_fake_drives_a_stalled_drive_is_skipped_then_rejoins_and_serves_its_pages():
     if os.geteuid() != 0 or not os.path.exists(FAKE_DRIVES) or shutil.which("losetup") is None:
@@ -84,7 +76,7 @@ async def test_fake_drives_a_stalled_drive_is_skipped_then_rejoins_and_serves_it
         resumed = False
         assert _fd("stall", "2").returncode == 0
         stuck = asyncio.ensure_future(_get(st, keys))  # touches the stalled drive
-        assert await _until(lambda: st.stats()["drives"][2]["state"] == "degraded", 5.0)
+        assert await until(lambda: st.stats()["drives"][2]["state"] == "degraded", 5.0)
         row = st.stats()["drives"][2]
         assert "io_timeout_s" in row["reason"]
         assert not stuck.done()  # the kernel still owns its reads: the batch has not returned
@@ -100,7 +92,7 @@ async def test_fake_drives_a_stalled_drive_is_skipped_then_rejoins_and_serves_it
         resumed = True
         res, wrong = await asyncio.wait_for(stuck, 60)
         assert wrong == 0  # its drive-2 objects are misses, never late bytes
-        assert await _until(lambda: st.stats()["drives"][2]["state"] == "healthy", 10.0)
+        assert await until(lambda: st.stats()["drives"][2]["state"] == "healthy", 10.0)
         res, wrong = await _get(st, keys + fresh)
         assert res == [True] * 80 and wrong == 0  # the drive's surviving pages are served again
     finally:

@@ -20,6 +20,7 @@ from umbp_nvme.errors import DriveNotMountedError
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.drives import MultiDriveStore
 from umbp_nvme.store.mounts import drive_dirs, mount_above, unmounted_reason
+from support.waits import until
 
 OBJ = 16 << 10
 
@@ -36,14 +37,6 @@ async def _get(st, keys) -> tuple[list[bool], int]:
     outs = [np.zeros(OBJ, np.uint8) for _ in keys]
     res = await st.get_many(keys, outs)
     return res, sum(1 for ok, k, o in zip(res, keys, outs) if ok and not np.array_equal(o, payload(k, OBJ)))
-
-
-async def _until(pred, timeout_s: float) -> bool:
-    for _ in range(int(timeout_s / 0.05)):
-        if pred():
-            return True
-        await asyncio.sleep(0.05)
-    return pred()
 
 
 @pytest.fixture
@@ -103,7 +96,7 @@ async def test_an_unmounted_drive_is_held_out_and_joins_once_mounted(tmp_path, m
     assert os.listdir(drives[1]) == [] and st.stats()["drives"][1]["objects"] == 0
 
     mounted.add(drives[1])  # the drive is mounted: the probe opens it, creating its store
-    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
     assert os.path.isfile(os.path.join(roots[1], "MANIFEST.json"))
     assert st.stats()["drives"][1]["capacity_bytes"] == 8 << 20  # its share of 16 MiB, sized once mounted
     fresh = _keys(40, "late")
@@ -140,7 +133,7 @@ async def test_a_drive_with_its_store_mounted_late_serves_its_pages_again(tmp_pa
     os.rmdir(drives[1])  # mounted again, with its store
     os.rename(parked, drives[1])
     mounted.add(drives[1])
-    assert await _until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
     res, wrong = await _get(st, keys)
     assert res == [True] * 120 and wrong == 0
     assert st.drive_of(keys) == where
@@ -166,7 +159,7 @@ async def test_require_mount_holds_out_every_root_not_on_a_mounted_drive(tmp_pat
     await asyncio.sleep(0.2)
     assert _files(drives[2]) == before  # not even its DRIVES.json was written
     mounted.add(drives[2])
-    assert await _until(lambda: st.stats()["drives"][2]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][2]["state"] == "healthy", 5)
     res, wrong = await _get(st, keys)
     assert res == [True] * 60 and wrong == 0
     await st.close()

@@ -14,6 +14,7 @@ import os
 
 from ..config import StoreConfig
 from .layout import read_manifest_or_none, recorded_capacity_bytes, segment_disk_bytes, write_json_atomic
+from .mounts import nearest_above
 
 log = logging.getLogger("umbp_nvme.store")
 
@@ -22,13 +23,7 @@ DRIVES_FILE = "DRIVES.json"
 
 def _free_bytes(root: str) -> int:
     """Free bytes (for an unprivileged writer) on the file system that holds ``root``."""
-    p = os.path.abspath(root)
-    while not os.path.exists(p):
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    vfs = os.statvfs(p)
+    vfs = os.statvfs(nearest_above(root, os.path.exists))
     return vfs.f_bavail * vfs.f_frsize
 
 

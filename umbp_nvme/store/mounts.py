@@ -25,15 +25,20 @@ from ..errors import DriveNotMountedError
 from .layout import MANIFEST_FILE
 
 
-def mount_above(path: str) -> str:
-    """The nearest mount point at or above ``path`` (``/`` when none below it is one)."""
+def nearest_above(path: str, pred) -> str:
+    """The nearest directory at or above ``path`` for which ``pred`` holds (``/`` when none does)."""
     p = os.path.abspath(path)
-    while not os.path.ismount(p):
+    while not pred(p):
         parent = os.path.dirname(p)
         if parent == p:
             break
         p = parent
     return p
+
+
+def mount_above(path: str) -> str:
+    """The nearest mount point at or above ``path`` (``/`` when none below it is one)."""
+    return nearest_above(path, lambda p: os.path.ismount(p))
 
 
 def drive_dirs(roots: list[str]) -> list[str]:
