@@ -57,3 +57,44 @@ def test_bench_mixed_sglang_path_reads_back_every_page(tmp_path):
         assert r["gets"] == 2 and r["runs"] == 3 and 0 < r["p50_ms"] <= r["p99_ms"]
         if r["op"] == "get_loaded":  # the backup's own GB/s, alone and beside the gets
             assert r["put_solo_gbps"] > 0 and (math.isnan(r["put_gbps"]) or r["put_gbps"] > 0)
+
+
+def test_bench_mixed_sglang_check_catches_wrong_and_unwritten_bytes(tmp_path):
+    """The in-place check (memset before, memcmp of K and V views after) fails a get that flips
+    one byte, and one that reports success without writing (stale bytes of an earlier get)."""
+    import pytest
+
+    pytest.importorskip("sglang")
+    from umbp_nvme.bench import mixed_sglang as ms
+    from umbp_nvme.bench.hicache import load_sglang
+
+    be = ms.Backend(load_sglang(), str(tmp_path / "s"), 1 << 20, 2, "on", 8 << 20)
+    try:
+        real = be.backend.batch_get_v1
+        assert be.get([3, 7]) > 0 and be.get([3, 7]) > 0  # real reads pass, twice into the same slots
+        dst = be.views[ms.READ_PAGES + ms.BACKUP_PAGES + 1][1]  # V object of the second destination page
+        assert bytes(dst.view(-1).view(torch_uint8()).numpy()[:64]) == bytes(
+            be.views[7][1].view(-1).view(torch_uint8()).numpy()[:64])
+
+        def flip(keys, slots):
+            ok = real(keys, slots)
+            flat = dst.view(-1).view(torch_uint8())
+            flat[flat.numel() - 1] ^= 1  # the last byte of the last object
+            return ok
+
+        be.backend.batch_get_v1 = flip
+        with pytest.raises(RuntimeError, match=r"page read-1048576-7 read back wrong bytes \(V object\)"):
+            be.get([3, 7])
+        be.backend.batch_get_v1 = lambda keys, slots: [True] * len(keys)  # claims success, writes nothing
+        with pytest.raises(RuntimeError, match="page read-1048576-3 read back wrong bytes"):
+            be.get([3, 7])
+        be.backend.batch_get_v1 = real
+        assert be.get([7, 3]) > 0
+    finally:
+        be.close()
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
