@@ -70,6 +70,23 @@ def run_without_memlock(code: str) -> subprocess.CompletedProcess:
     )
 
 
+def damage_object(store_dir, st, key: str, at: int, data: bytes) -> None:
+    """Overwrite ``data`` at byte ``at`` of ``key``'s extent on disk, durably, and drop the page
+    cache of its segment, so the next read comes from the damaged disk bytes."""
+    from umbp_nvme.store.segments import segment_name
+
+    seg, off = st.locate([key])[0][:2]
+    path = os.path.join(store_dir, segment_name(seg))
+    with open(path, "r+b") as f:
+        f.seek(off + at)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
 def payload(key: str, nbytes: int) -> np.ndarray:
     """Deterministic bytes per key, so any mix-up between keys shows."""
     seed = int.from_bytes(hashlib.blake2b(f"{key}/{nbytes}".encode(), digest_size=8).digest(), "little")

@@ -3,13 +3,11 @@ worker: either way every stored CRC is its object's and a damaged object fails a
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
-from conftest import KiB, MiB, payload, small_config
+from conftest import KiB, MiB, damage_object, payload, small_config
 from umbp_nvme.store import PageStore, get_path, put_path
-from umbp_nvme.store.segments import segment_name
 
 SMALL = [200 * KiB + 7 * i for i in range(40)]  # ~8 MiB: CRC inline in 4 MiB chunks, get parts ~2 MiB inline
 LARGE = [1 * MiB] * 20  # 20 MiB: CRC and get verification on a worker thread
@@ -21,18 +19,6 @@ def test_the_batches_cover_both_paths():
     large_parts = np.diff(get_path.part_bounds(len(LARGE), sum(LARGE)))
     assert len(small_parts) > 1 and max(small_parts) * max(SMALL) <= get_path.INLINE_VERIFY_BYTES
     assert min(large_parts) * min(LARGE) > get_path.INLINE_VERIFY_BYTES
-
-
-def _damage(store_dir, st, key) -> None:
-    seg, off = st.locate([key])[0][:2]
-    with open(os.path.join(store_dir, segment_name(seg)), "r+b") as f:
-        f.seek(off + 1000)
-        f.write(b"\x5a\xa5\x5a\xa5")
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(os.path.join(store_dir, segment_name(seg)), os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
 
 
 async def test_inline_and_worker_crcs_are_the_objects_and_catch_damage(store_dir):
@@ -50,8 +36,8 @@ async def test_inline_and_worker_crcs_are_the_objects_and_catch_damage(store_dir
         outs = [np.zeros(len(v), np.uint8) for v in vals]
         assert await st.get_many(keys, outs) == [True] * len(keys)
         assert all(np.array_equal(o, v) for o, v in zip(outs, vals))
-    _damage(store_dir, st, "s3")
-    _damage(store_dir, st, "l5")
+    damage_object(store_dir, st, "s3", 1000, b"\x5a\xa5\x5a\xa5")
+    damage_object(store_dir, st, "l5", 1000, b"\x5a\xa5\x5a\xa5")
     for tag, (keys, vals) in data.items():
         outs = [np.zeros(len(v), np.uint8) for v in vals]
         res = await st.get_many(keys, outs)

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import KiB, MiB, payload, small_config
+from conftest import KiB, MiB, damage_object, payload, small_config
 from support.faults import EngineHooks
 from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.errors import NamespaceMismatchError, ReadOnlyStoreError, StoreLockedError, UnsafeStorePathError
-from umbp_nvme.store.segments import segment_name
 from umbp_nvme.store import PageStore
 
 
@@ -171,15 +170,7 @@ async def test_crc_mismatch_is_a_miss_and_drops_the_entry(store_dir):
     data = payload("c", 8 * KiB)
     await st.put_many(["c", "ok"], [data, payload("ok", 8 * KiB)])
     await st.flush()
-    seg, off = st.locate(["c"])[0][:2]
-    with open(os.path.join(store_dir, segment_name(seg)), "r+b") as f:
-        f.seek(off + 100)
-        f.write(b"\x00\xff\x00\xff")
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(os.path.join(store_dir, segment_name(seg)), os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    damage_object(store_dir, st, "c", 100, b"\x00\xff\x00\xff")
     out = np.zeros(8 * KiB, np.uint8)
     assert await st.get_many(["c", "ok"], [out, np.zeros(8 * KiB, np.uint8)]) == [False, True]
     assert st.stats()["crc_errors"] == 1
