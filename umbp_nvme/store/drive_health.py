@@ -172,6 +172,7 @@ async def settle_deletes(st, h: DriveHealth) -> bool:
         return True
     keys = list(owed)
     await st.delete_many(keys)
-    left = {k for k, f in zip(keys, st.exists_many_nowait(keys)) if f}
+    # not exists: a delete whose commit outlived io_timeout_s hides the key but may not have landed
+    left = {k for k, f in zip(keys, st.delete_pending(keys)) if f}
     owed.difference_update(k for k in keys if k not in left)  # keys owed meanwhile stay owed
     return not owed

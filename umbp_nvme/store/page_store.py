@@ -61,6 +61,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
     _space_limit_segments = None  # segments with files when one could not be created (ENOSPC)
     _space_retry_at = 0.0
     _rows = None  # writers: the row table (rows.py)
+    _drop_doubt = None  # writers: row -> key of drops whose index commit outlived io_timeout_s (_drop_rows)
 
     @classmethod
     async def open(
@@ -270,23 +271,39 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
         if not rows:
             return True
         keys = [self._rows.key[r] for r in rows]
-        for k in keys:
-            del self._keys[k]  # invisible to new readers first: nothing new pins these rows
+        if self._drop_doubt is None:
+            self._drop_doubt = {}
+        doubt = self._drop_doubt
+        was_live, dels = [], {}
+        for r, k in zip(rows, keys):
+            if self._keys.get(k) == r:
+                del self._keys[k]  # invisible to new readers first: nothing new pins these rows
+                was_live.append((r, k))
+                dels[k] = None
+            elif k not in self._keys:  # a drop in doubt, retried (not put again since): delete it again
+                dels[k] = None
         self._rows.live[rows] = False
-        async with self._commit_lock:
-            try:
-                ok = await self._tombstone(rows) is not None
-                if ok:
-                    ok = await self._commit(deletes=[encode_key(k) for k in keys])  # decoded from bytes: always encodes
-            except asyncio.TimeoutError:
-                ok = None  # the commit may still land: keep the slots out of use
+        ok = None  # not known: a commit that outlived io_timeout_s (or a cancelled call) may still land
+        try:
+            async with self._commit_lock:
+                if await self._tombstone(rows) is None:
+                    ok = False
+                else:  # keys decoded from bytes: always encode
+                    ok = await self._commit(deletes=[encode_key(k) for k in dels])
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if ok is None:  # the slots stay out of use; the delete is not done until a retry commits it
+                doubt.update(zip(rows, keys))
         if ok:
+            for r in rows:
+                doubt.pop(r, None)
             self._rows.release(rows)
             self._counters["evictions" if evicted else "deletes"] += len(rows)
             return True
-        if ok is False:  # nothing committed: the entries stand, keep serving them
+        if ok is False:  # nothing committed: the entries stand, keep serving them (rows in doubt stay so)
             orphans = []
-            for r, k in zip(rows, keys):
+            for r, k in was_live:
                 if k not in self._keys:
                     self._keys[k] = r
                     self._rows.live[r] = True
@@ -310,10 +327,27 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
                 seen.add(r)
                 rows.append(r)
                 where.append(i)
+        if self._drop_doubt:  # drops whose commit outlived io_timeout_s: a delete of their key retries them
+            at: dict[str, int] = {}
+            for i, k in enumerate(keys):
+                if type(k) is str:
+                    at.setdefault(k, i)
+            for r, k in list(self._drop_doubt.items()):
+                if k in at and r not in seen:
+                    seen.add(r)
+                    rows.append(r)
+                    where.append(at[k])
         if rows and await self._drop_rows(rows, evicted=False):
             for i in where:
                 results[i] = True
         return results
+
+    def delete_pending(self, keys) -> list[bool]:
+        """Writers: per key, whether it is still stored or its delete is not known to be durable (a
+        commit that outlived io_timeout_s). A delete owed for such a key is not settled (drive_probe.py)."""
+        held = self.exists_many_nowait(keys)
+        doubt = set(self._drop_doubt.values()) if self._drop_doubt else ()
+        return [h or (type(k) is str and k in doubt) for h, k in zip(held, keys)]
 
     async def clear(self) -> None:
         """Drop every entry durably and free all space (slots being read are freed after the read)."""
