@@ -84,29 +84,41 @@ class DriveProbes:
                 except OSError as e:
                     log.warning("drive %s: could not rewrite %s: %s", r, owed_deletes.OWED_FILE, e)
 
-    async def _owe_clear(self, drives: list[int]) -> None:
-        """The store was cleared while ``drives`` were degraded: each clears itself before it serves."""
+    async def _owe_clear(self, drives: list[int]) -> bool:
+        """The store was cleared while ``drives`` were degraded: each clears itself before it serves.
+        False when no log recorded it (kept in memory only: a restart would serve their pages)."""
         for d in drives:
             self.health[d].clear_owed = True
             self.health[d].deletes_owed.clear()
-        if not await self._log([{"drive": self.roots[d], "clear": True} for d in drives]):
-            log.warning("the clear owed by drive(s) %s is recorded on no drive: kept in memory only",
-                        ", ".join(self.roots[d] for d in drives))  # fmt: skip
+            self.health[d].owed_unlogged.clear()
+        if await self._log([{"drive": self.roots[d], "clear": True} for d in drives]):
+            return True
+        log.warning("the clear owed by drive(s) %s is recorded on no drive: kept in memory only",
+                    ", ".join(self.roots[d] for d in drives))  # fmt: skip
+        return False
 
-    async def _owe(self, owed: dict[int, list[str]]) -> None:
+    async def _owe(self, owed: dict[int, list[str]]) -> bool:
         """Drive ``d`` owes the deletes of ``owed[d]``: kept in memory and, before this returns, in
-        the log on every healthy drive (so a restart still applies them)."""
+        the log on every healthy drive (so a restart still applies them). False when no drive
+        recorded them: the caller must not acknowledge them (a restart would serve the keys)."""
         for d, keys in owed.items():
             self.health[d].deletes_owed.update(keys)
-        n = await self._log([{"drive": self.roots[d], "keys": sorted(k)} for d, k in owed.items()])
-        if not n:
-            log.warning("owed deletes of drive(s) %s recorded on no drive (none healthy): kept in memory only",
-                        ", ".join(self.roots[d] for d in owed))  # fmt: skip
+        if await self._log([{"drive": self.roots[d], "keys": sorted(k)} for d, k in owed.items()]):
+            for d, keys in owed.items():
+                self.health[d].owed_unlogged.difference_update(keys)
+            return True
+        for d, keys in owed.items():
+            self.health[d].owed_unlogged.update(keys)
+        log.warning("owed deletes of drive(s) %s recorded on no drive: kept in memory only, not acknowledged",
+                    ", ".join(self.roots[d] for d in owed))  # fmt: skip
+        return False
 
-    async def _log(self, entries: list[dict]) -> int:
-        """Append ``entries`` to the owed-deletes log of every healthy drive; how many recorded them."""
+    async def _log(self, entries: list[dict], also: int | None = None) -> int:
+        """Append ``entries`` to the owed-deletes log of every healthy drive (and drive ``also``); how
+        many recorded them."""
         loop = asyncio.get_running_loop()
-        live = [d for d, (st, h) in enumerate(zip(self.stores, self.health)) if st is not None and h.healthy]
+        live = [d for d, (st, h) in enumerate(zip(self.stores, self.health))
+                if st is not None and (h.healthy or d == also)]  # fmt: skip
 
         async def one(d):
             try:
@@ -230,9 +242,11 @@ class DriveProbes:
             return
         if not await settle_deletes(st, h):
             return
-        await self._log([{"drive": self.roots[d], "settled": True}])
-        if h.deletes_owed:  # owed while the log was written: the settled line cancelled their record
-            await self._log([{"drive": self.roots[d], "keys": sorted(h.deletes_owed)}])
+        h.owed_unlogged.clear()  # all applied
+        # owes made while this append runs are appended after it (one log thread per drive, tasks in
+        # order), so the settled line cancels only what was applied
+        if not await self._log([{"drive": self.roots[d], "settled": True}], also=d):  # its own log too: none may be healthy
+            return  # recorded settled nowhere: not yet (a restart would apply the old owes over later puts)
+        if h.deletes_owed:  # owed meanwhile (recorded after the settled line): the next probe applies them
             return
         h.readmit()
-

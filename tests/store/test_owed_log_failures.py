@@ -1,0 +1,165 @@
+"""Owed deletes are acknowledged only once a log on disk records them (drive_probe._owe / _log).
+
+A degraded drive cannot delete: the delete is owed, and the owe must be durable (appended and
+fsynced to OWED_DELETES.jsonl on a healthy drive) before the call says True, or a restart would
+serve the key from that drive again. Here the append fails (OSError) or hangs past the store's
+wait (a patched ``owed_deletes.append``); every check reads real bytes after a reopen (a close
+keeps no in-memory owe, as a SIGKILL would not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import payload, small_config
+from support.faults import FaultPlan, FaultRule, on_files_under as _on
+from support.waits import until
+from umbp_nvme.store import owed_deletes
+from umbp_nvme.store.drives import MultiDriveStore
+
+OBJ = 16 << 10
+
+
+def _keys(pages: int, tag: str = "p") -> list[str]:
+    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
+
+
+async def _read(st, keys, tag: str = "") -> tuple[list[bool], int]:
+    """(hits, wrong): wrong counts hits whose bytes are not payload(key + tag)."""
+    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
+    res = await st.get_many(keys, outs)
+    return res, sum(1 for ok, k, o in zip(res, keys, outs) if ok and not np.array_equal(o, payload(k + tag, OBJ)))
+
+
+@pytest.fixture
+def log_fails(monkeypatch):
+    """``mode[0]``: None (the log works), "error" (append raises EIO) or "hang" (append blocks
+    until the test ends, then raises: it never lands)."""
+    mode = [None]
+    release = threading.Event()
+    real = owed_deletes.append
+
+    def append(root, entries):
+        if mode[0] == "error":
+            raise OSError(5, "injected EIO appending the owed-deletes log")
+        if mode[0] == "hang":
+            release.wait(30)
+            raise OSError(5, "injected: a hung append that never landed")
+        return real(root, entries)
+
+    monkeypatch.setattr(owed_deletes, "append", append)
+    yield mode
+    release.set()
+
+
+async def _degraded(tmp_path):
+    """A writer over 2 drives whose drive 1 answers EIO to reads (degraded, never re-admitted
+    here), with pages on both. Returns (roots, st, keys on drive 1)."""
+    roots = [str(tmp_path / f"drive{i}" / "store") for i in range(2)]
+    plan = FaultPlan()
+    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), probe_interval_s=60)
+    keys = _keys(40)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
+    on1 = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
+    await _read(st, on1[:1])
+    assert st.stats()["drives"][1]["state"] == "degraded"
+    return roots, st, on1
+
+
+async def test_a_delete_owed_durably_is_acknowledged_and_stays_deleted_after_a_restart(tmp_path, log_fails):
+    roots, st, on1 = await _degraded(tmp_path)
+    assert await st.delete_many(on1[:4] + ["never-stored_0_k"]) == [True] * 4 + [False]
+    assert owed_deletes.load(roots[:1]).keys == {roots[1]: set(on1[:4])}
+    await st.close()
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    res, wrong = await _read(st, on1)
+    assert wrong == 0 and res == [False] * 4 + [True] * (len(on1) - 4)
+    await st.close()
+
+
+@pytest.mark.parametrize("mode", ["error", "hang"])
+async def test_an_owed_delete_no_log_records_is_not_acknowledged_until_a_retry_records_it(tmp_path, log_fails, mode):
+    roots, st, on1 = await _degraded(tmp_path)
+    if mode == "hang":
+        st.timeout_s = 0.3  # the multi-drive store's wait for an append (io_timeout_s), shortened
+    log_fails[0] = mode
+    assert await st.delete_many(on1[:4]) == [False] * 4
+    assert st.exists_many_nowait(on1[:4]) == [False] * 4  # hidden here; owed in memory
+    assert owed_deletes.load(roots[:1]).keys == {}
+    log_fails[0] = None
+    if mode == "hang":  # the hung append holds drive 0's log thread until the test ends
+        await st.close()
+        return
+    assert await st.delete_many(on1[:4]) == [True] * 4  # owed again, now recorded
+    assert owed_deletes.load(roots[:1]).keys == {roots[1]: set(on1[:4])}
+    await st.close()
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    res, wrong = await _read(st, on1)
+    assert wrong == 0 and res == [False] * 4 + [True] * (len(on1) - 4)
+    await st.close()
+
+
+async def test_no_acknowledged_delete_or_re_put_comes_back_wrong_after_a_restart(tmp_path, log_fails):
+    """A re-put while the old copy sits on the degraded drive and no log records the owe: the old
+    version must never be served for a key whose later delete (or re-put) said True."""
+    roots, st, on1 = await _degraded(tmp_path)
+    reput = on1[:4]
+    log_fails[0] = "error"
+    put_ok = await st.put_many(reput, [payload(k + "v2", OBJ) for k in reput])
+    del_ok = await st.delete_many(reput[:2])
+    log_fails[0] = None
+    await st.close()
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    for k, p_ok, d_ok in zip(reput, put_ok, del_ok + [False, False]):
+        (hit,), wrong_v1 = await _read(st, [k])
+        (_,), wrong_v2 = await _read(st, [k], "v2")
+        if d_ok:
+            assert not hit, f"{k}: its delete was acknowledged, yet it is served after the restart"
+        elif p_ok:
+            assert hit and wrong_v2 == 0, f"{k}: its re-put was acknowledged, yet the old version is served"
+        else:
+            assert wrong_v1 == 0 or wrong_v2 == 0  # either version, never other bytes
+    await st.close()
+
+
+async def test_a_clear_no_log_records_for_a_degraded_drive_raises(tmp_path, log_fails):
+    roots, st, on1 = await _degraded(tmp_path)
+    log_fails[0] = "error"
+    with pytest.raises(OSError, match="recorded on no drive"):
+        await st.clear()
+    assert st.stats()["drives"][0]["objects"] == 0  # the healthy drive cleared
+    log_fails[0] = None
+    await st.clear()  # recorded now: returns
+    await st.close()
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    res, _ = await _read(st, on1)
+    assert res == [False] * len(on1)
+    await st.close()
+
+
+async def test_a_drive_rejoins_only_once_a_log_records_its_owes_settled(tmp_path, log_fails):
+    roots = [str(tmp_path / f"drive{i}" / "store") for i in range(2)]
+    plan = FaultPlan()
+    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), probe_interval_s=0.05)
+    keys = _keys(40)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
+    on1 = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
+    await _read(st, on1[:1])
+    assert await st.delete_many(on1[:4]) == [True] * 4
+    log_fails[0] = "error"
+    plan.set_rules([])  # drive 1 reads back: the probe applies the owes but cannot record them settled
+    await asyncio.sleep(0.6)
+    assert st.stats()["drives"][1]["state"] == "degraded"
+    assert st.stats()["drives"][1]["objects"] == len(on1) - 4  # applied on the drive
+    log_fails[0] = None
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    assert not owed_deletes.load(roots).owes(roots[1])
+    res, wrong = await _read(st, on1)
+    assert wrong == 0 and res == [False] * 4 + [True] * (len(on1) - 4)
+    await st.close()
