@@ -35,10 +35,16 @@ class DriveProbes:
         pool = concurrent.futures.ThreadPoolExecutor
         self._log_pools = [pool(1, thread_name_prefix="umbp-owed-log") for _ in range(n)]
         self._thread_calls: dict[int, asyncio.Future] = {}  # drive -> its probe thread's call
+        self._probes: set[asyncio.Task] = set()  # probes under way: close() cancels and awaits them
         self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
 
-    def _stop_background(self) -> None:
-        self._probe_task.cancel()
+    async def _stop_background(self) -> None:
+        """Cancel the probe loop and every probe, and wait for them: none outlives the store (a
+        probe's read ends only once the kernel let go of its buffer; a store it opened is closed)."""
+        tasks = [self._probe_task, *self._probes]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._probe_pool.shutdown(wait=False)
         for p in self._log_pools:
             p.shutdown(wait=False)
@@ -144,7 +150,9 @@ class DriveProbes:
             for d, h in enumerate(self.health):
                 if not h.probing and not self._closed and now >= h.probe_after:
                     h.probing = True
-                    asyncio.get_running_loop().create_task(self._probe(d))
+                    t = asyncio.get_running_loop().create_task(self._probe(d))
+                    self._probes.add(t)
+                    t.add_done_callback(self._probes.discard)
 
     def _record_set(self) -> None:
         """DRIVES.json on the healthy drives, written off the loop (it fsyncs)."""
@@ -204,13 +212,26 @@ class DriveProbes:
                     self._caps[d] = await self._in_thread(d, sized_share, root, share, int(cfg.ssd_segment_size_bytes))
             else:
                 await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
-            st = await self._open_drive(d)
+            st = await self._open_drive(d)  # a cancelled open releases what it took (opening.py)
         except Exception as e:  # noqa: BLE001 - still out; the next probe tries again
             log.debug("drive %d still cannot open: %r", d, e)
             return
-        if self._closed:
+        try:
+            ok = await self._join_opened(d, st)
+        except BaseException:  # cancelled by close(): the store (its lock) must not outlive us
+            await asyncio.shield(st.close())
+            raise
+        if not ok:
             await st.close()
             return
+        self.stores[d] = st
+        await self._settle_and_readmit(d)
+
+    async def _join_opened(self, d: int, st) -> bool:
+        """Ready a drive the probe opened to take its place; False: close it (store closed, or its
+        stale copies could not be dropped: the next probe tries again)."""
+        if self._closed:
+            return False
         for a, n in self._ranges:
             st.register_memory(a, n)
         # it missed the writes made while it was out: where another drive holds a key, its copy is older
@@ -222,13 +243,8 @@ class DriveProbes:
                 self.health[d].deletes_owed |= await owed_deletes.apply(st, set(), True, others)
             except Exception as e:  # noqa: BLE001 - not yet: closed (its lock freed) for the next probe
                 log.debug("drive %d: dropping its stale copies failed: %r", d, e)
-                await st.close()
-                return
-        if self._closed:  # closed while its stale copies were dropped
-            await st.close()
-            return
-        self.stores[d] = st
-        await self._settle_and_readmit(d)
+                return False
+        return not self._closed  # closed while its stale copies were dropped
 
     async def _settle_and_readmit(self, d: int) -> None:
         """Re-admit a degraded drive once an object reads back and its owed deletes are applied; the

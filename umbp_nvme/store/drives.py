@@ -399,7 +399,7 @@ class MultiDriveStore(DriveProbes):
         if self._closed:
             return
         self._closed = True
-        self._stop_background()
+        await self._stop_background()
         if not self.readonly:
             rows = self.stats()["drives"]
             write_drive_set(self.roots, self.stores, [h.healthy for h in self.health],
