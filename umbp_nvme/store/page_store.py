@@ -28,6 +28,7 @@ from ..config import StoreConfig, parse_roots
 from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key
 from .checks import begin_call
+from .deletes import DeleteSteps
 from .get_path import GetPath
 from .memory import Ranges
 from .opening import OpenSteps
@@ -53,7 +54,7 @@ COUNTERS = (
 )  # fmt: skip
 
 
-class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
+class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, DeleteSteps):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
     # Per-instance once set; class defaults so every open path has them.
@@ -61,7 +62,6 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
     _space_limit_segments = None  # segments with files when one could not be created (ENOSPC)
     _space_retry_at = 0.0
     _rows = None  # writers: the row table (rows.py)
-    _drop_doubt = None  # writers: row -> key of drops whose index commit outlived io_timeout_s (_drop_rows)
 
     @classmethod
     async def open(
@@ -267,22 +267,16 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
             return False
 
     async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
-        """Durably remove rows' keys from the index, then free their slots. Caller holds no lock."""
+        """Durably remove rows' keys from the index, then free their slots. Caller holds no lock.
+        Rows of a drop in doubt (deletes.py) come again through delete_many."""
         if not rows:
             return True
         keys = [self._rows.key[r] for r in rows]
-        if self._drop_doubt is None:
-            self._drop_doubt = {}
-        doubt = self._drop_doubt
-        was_live, dels = [], {}
-        for r, k in zip(rows, keys):
-            if self._keys.get(k) == r:
-                del self._keys[k]  # invisible to new readers first: nothing new pins these rows
-                was_live.append((r, k))
-                dels[k] = None
-            elif k not in self._keys:  # a drop in doubt, retried (not put again since): delete it again
-                dels[k] = None
+        was_live = [(r, k) for r, k in zip(rows, keys) if self._keys.get(k) == r]
+        for _, k in was_live:
+            del self._keys[k]  # invisible to new readers first: nothing new pins these rows
         self._rows.live[rows] = False
+        dels = dict.fromkeys(k for k in keys if k not in self._keys)  # a key put again since a drop in doubt stays
         ok = None  # not known: a commit that outlived io_timeout_s (or a cancelled call) may still land
         try:
             async with self._commit_lock:
@@ -293,11 +287,10 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
         except asyncio.TimeoutError:
             pass
         finally:
-            if ok is None:  # the slots stay out of use; the delete is not done until a retry commits it
-                doubt.update(zip(rows, keys))
+            if ok is None:  # in doubt: the slots stay out of use, not acknowledged, retried by a delete
+                self._doubt_now(rows, keys)
         if ok:
-            for r in rows:
-                doubt.pop(r, None)
+            self._doubt_settled(rows)
             self._rows.release(rows)
             self._counters["evictions" if evicted else "deletes"] += len(rows)
             return True
@@ -314,40 +307,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
 
     # ----------------------------------------------------------------------------- eviction
 
-    # ----------------------------------------------------------------------------- delete
-
-    async def delete_many(self, keys: list[str]) -> list[bool]:
-        results = begin_call(self, "delete_many", keys, writes=True)
-        if results is None:
-            return [False] * len(keys)
-        rows, where = [], []
-        seen = set()
-        for i, r in enumerate(self._writer_rows(keys)):
-            if r is not None and r not in seen:
-                seen.add(r)
-                rows.append(r)
-                where.append(i)
-        if self._drop_doubt:  # drops whose commit outlived io_timeout_s: a delete of their key retries them
-            at: dict[str, int] = {}
-            for i, k in enumerate(keys):
-                if type(k) is str:
-                    at.setdefault(k, i)
-            for r, k in list(self._drop_doubt.items()):
-                if k in at and r not in seen:
-                    seen.add(r)
-                    rows.append(r)
-                    where.append(at[k])
-        if rows and await self._drop_rows(rows, evicted=False):
-            for i in where:
-                results[i] = True
-        return results
-
-    def delete_pending(self, keys) -> list[bool]:
-        """Writers: per key, whether it is still stored or its delete is not known to be durable (a
-        commit that outlived io_timeout_s). A delete owed for such a key is not settled (drive_probe.py)."""
-        held = self.exists_many_nowait(keys)
-        doubt = set(self._drop_doubt.values()) if self._drop_doubt else ()
-        return [h or (type(k) is str and k in doubt) for h, k in zip(held, keys)]
+    # ----------------------------------------------------------------------------- delete (deletes.py)
 
     async def clear(self) -> None:
         """Drop every entry durably and free all space (slots being read are freed after the read)."""
