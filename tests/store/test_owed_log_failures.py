@@ -163,3 +163,68 @@ async def test_a_drive_rejoins_only_once_a_log_records_its_owes_settled(tmp_path
     res, wrong = await _read(st, on1)
     assert wrong == 0 and res == [False] * 4 + [True] * (len(on1) - 4)
     await st.close()
+
+
+_KILLED_CHILD = r"""
+import asyncio, json, os, signal, sys
+sys.path[:0] = [TESTS, os.path.join(TESTS, "store")]
+import numpy as np
+from conftest import payload, small_config
+from support.faults import FaultPlan, FaultRule, on_files_under
+from umbp_nvme.store import owed_deletes
+from umbp_nvme.store.drives import MultiDriveStore
+
+OBJ = 16 << 10
+
+def failing_append(root, entries):
+    raise OSError(5, "injected EIO appending the owed-deletes log")
+
+async def main(roots):
+    plan = FaultPlan()
+    st = await MultiDriveStore.open(roots, small_config(ssd_durability_mode="strict"),
+                                    engine_factory=plan.engine_factory(), probe_interval_s=60)
+    keys = [f"p{i:04d}_0_{c}" for i in range(40) for c in "kv"]
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
+    on1 = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=on_files_under(roots[1]))])
+    await st.get_many(on1[:1], [np.zeros(OBJ, np.uint8)])
+    assert st.stats()["drives"][1]["state"] == "degraded"
+    owed_deletes.append = failing_append  # no log takes an owe from here on
+    put_ok = await st.put_many(on1[:4], [payload(k + "v2", OBJ) for k in on1[:4]])
+    del_ok = await st.delete_many(on1[:2] + on1[4:8])
+    print(json.dumps([on1, put_ok, del_ok]), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close: only what is on disk survives
+
+asyncio.run(main(json.loads(sys.argv[1])))
+"""
+
+
+def test_after_a_sigkill_no_delete_acknowledged_without_a_log_comes_back(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    roots = [str(tmp_path / f"drive{i}" / "store") for i in range(2)]
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _KILLED_CHILD.replace("TESTS", repr(tests))
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(roots)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stderr[-2000:]
+    on1, put_ok, del_ok = json.loads(p.stdout)
+    deleted = dict(zip(on1[:2] + on1[4:8], del_ok))
+
+    async def check():
+        st = await MultiDriveStore.open(roots, small_config(ssd_durability_mode="strict"), probe_interval_s=60)
+        for i, k in enumerate(on1):
+            (hit,), wrong_v1 = await _read(st, [k])
+            (_,), wrong_v2 = await _read(st, [k], "v2")
+            if deleted.get(k):
+                assert not hit, f"{k}: its delete was acknowledged, yet it is served after the SIGKILL"
+            elif i < 4 and put_ok[i]:
+                assert hit and wrong_v2 == 0, f"{k}: its re-put was acknowledged, yet another version is served"
+            else:
+                assert hit and wrong_v1 == 0  # not acknowledged: the first version, whole
+        await st.close()
+
+    asyncio.run(check())
+    assert put_ok == [False] * 4 and del_ok == [False] * 6  # no owe could be made durable: none acknowledged
