@@ -137,7 +137,7 @@ async def test_the_probe_readmits_only_once_a_timed_out_owed_delete_is_committed
     assert st.health[1].deletes_owed == set(gone)
     assert owed_deletes.load(roots[:1]).keys == {roots[1]: set(gone)}  # no settled line
     stuck_deletes.clear()
-    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 10)
     await st.close()
     st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
     res, wrong = await _get(st, gone + kept)

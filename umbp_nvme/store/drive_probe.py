@@ -25,6 +25,13 @@ from .mounts import unmounted_reason
 log = logging.getLogger("umbp_nvme.store")
 
 
+def _retrieved(fut: asyncio.Future) -> asyncio.Future:
+    """``fut`` whose exception counts as seen: a thread call given up on at io_timeout_s that fails
+    later is no "Future exception was never retrieved" error (its caller already logged it)."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
 class DriveProbes:
     """Probing and owed deletes for MultiDriveStore (which sets the attributes used here)."""
 
@@ -128,7 +135,7 @@ class DriveProbes:
 
         async def one(d):
             try:
-                fut = loop.run_in_executor(self._log_pools[d], owed_deletes.append, self.roots[d], entries)
+                fut = _retrieved(loop.run_in_executor(self._log_pools[d], owed_deletes.append, self.roots[d], entries))
                 await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
                 return 1
             except Exception as e:  # noqa: BLE001 - OSError, a hung drive, or a close() under way: never raise
@@ -166,7 +173,8 @@ class DriveProbes:
         prev = self._thread_calls.get(d)
         if prev is not None and not prev.done():
             raise asyncio.TimeoutError
-        fut = self._thread_calls[d] = asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args)
+        fut = _retrieved(asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args))
+        self._thread_calls[d] = fut
         return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
 
     async def _probe(self, d: int) -> None:
