@@ -259,3 +259,12 @@ async def test_a_thread_call_given_up_on_that_fails_later_logs_no_unretrieved_ex
             seen.clear()
     finally:
         loop.set_exception_handler(old)
+
+
+async def test_deletes_of_keys_that_are_not_str_answer_false_per_key_beside_owed_and_healthy_ones(tmp_path):
+    roots, st, on1 = await _degraded(tmp_path)
+    on0 = [k for k, d in zip(_keys(40), st.drive_of(_keys(40))) if d == 0]
+    assert await st.delete_many([["x"], None, 3, "", on1[0], on0[0], "never_0_k"]) == [False] * 4 + [True, True, False]
+    res, wrong = await _read(st, [on1[0], on0[0], on1[1], on0[1]])
+    assert wrong == 0 and res == [False, False, False, True]  # on1[1]: its drive is degraded
+    await st.close()
