@@ -143,3 +143,35 @@ async def test_the_probe_readmits_only_once_a_timed_out_owed_delete_is_committed
     res, wrong = await _get(st, gone + kept)
     assert wrong == 0 and res == [False] * 4 + [True] * len(kept)
     await st.close()
+
+
+async def test_a_cancelled_delete_is_in_doubt_and_a_retry_finishes_it(tmp_path, monkeypatch):
+    """SyncPageStore cancels a call past its bound: a drop cancelled before its commit is in doubt too."""
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    keys = _keys(2)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 4
+    gate, entered = asyncio.Event(), asyncio.Event()
+    real = PageStore._tombstone
+
+    async def slow_tombstone(self, rows):
+        entered.set()
+        await gate.wait()
+        return await real(self, rows)
+
+    monkeypatch.setattr(PageStore, "_tombstone", slow_tombstone)
+    task = asyncio.ensure_future(st.delete_many(keys[:2]))
+    await asyncio.wait_for(entered.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert st.exists_many_nowait(keys) == [False, False, True, True]
+    assert st.delete_pending(keys) == [True] * 4
+    gate.set()
+    assert await st.delete_many(keys[:2]) == [True, True]
+    assert st.delete_pending(keys) == [False, False, True, True]
+    await st.close()
+    st = await PageStore.open(root, small_config())
+    res, wrong = await _get(st, keys)
+    assert wrong == 0 and res == [False, False, True, True]
+    await st.close()
