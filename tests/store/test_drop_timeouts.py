@@ -175,3 +175,27 @@ async def test_a_cancelled_delete_is_in_doubt_and_a_retry_finishes_it(tmp_path, 
     res, wrong = await _get(st, keys)
     assert wrong == 0 and res == [False, False, True, True]
     await st.close()
+
+
+async def test_an_eviction_retries_the_drops_in_doubt_and_their_slots_come_back(tmp_path, stuck_deletes):
+    root = str(tmp_path / "store")
+    cfg = small_config(ssd_capacity_bytes=4 << 20)
+    st = await PageStore.open(root, cfg)
+    first = _keys(8, "a")
+    assert await st.put_many(first, [payload(k, OBJ) for k in first]) == [True] * 16
+    stuck_deletes.add(st.path)
+    assert await st.delete_many(first[:4]) == [False] * 4
+    used = st.stats()["bytes_used"]
+    assert used == 16 * OBJ  # the slots in doubt stay out of use
+    stuck_deletes.clear()
+    n = 0
+    while st.stats()["evictions"] == 0 and n < 400:  # fill until the store evicts
+        more = _keys(8, f"b{n}_")
+        assert await st.put_many(more, [payload(k, OBJ) for k in more]) == [True] * 16
+        n += 1
+    assert st.stats()["evictions"] > 0
+    assert st.delete_pending(first[:4]) == [False] * 4  # retried with the eviction: committed
+    await st.close()
+    st = await PageStore.open(root, cfg)
+    assert st.exists_many_nowait(first[:4]) == [False] * 4
+    await st.close()

@@ -271,6 +271,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
         Rows of a drop in doubt (deletes.py) come again through delete_many."""
         if not rows:
             return True
+        if evicted and self._drop_doubt:  # an eviction retries the drops in doubt: their slots come back
+            have = set(rows)
+            rows = list(rows) + [r for r in self._drop_doubt if r not in have]
         keys = [self._rows.key[r] for r in rows]
         was_live = [(r, k) for r, k in zip(rows, keys) if self._keys.get(k) == r]
         for _, k in was_live:
