@@ -3,7 +3,7 @@
 A drop (page_store._drop_rows: a delete, an eviction, a bad CRC) whose index commit outlived
 io_timeout_s may land later, or never. Its keys are already hidden (no new reader pins their rows),
 so it is kept *in doubt*: its slots stay out of use, it is not acknowledged, a later delete of the
-key retries it (tombstone and commit again: both idempotent), and until one lands
+key or the next eviction retries it (tombstone and commit again: both idempotent), and until one lands
 ``delete_pending`` reports the key, so an owed delete (drive_probe.py, owed_deletes.py) is not
 settled on a drive that may still serve it after a restart.
 """
