@@ -271,9 +271,6 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
         Rows of a drop in doubt (deletes.py) come again through delete_many."""
         if not rows:
             return True
-        if evicted and self._drop_doubt:  # an eviction retries the drops in doubt: their slots come back
-            have = set(rows)
-            rows = list(rows) + [r for r in self._drop_doubt if r not in have]
         keys = [self._rows.key[r] for r in rows]
         was_live = [(r, k) for r, k in zip(rows, keys) if self._keys.get(k) == r]
         for _, k in was_live:
@@ -296,6 +293,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
             self._doubt_settled(rows)
             self._rows.release(rows)
             self._counters["evictions" if evicted else "deletes"] += len(rows)
+            if evicted and self._drop_doubt:  # then the drops in doubt, apart: their slots come back
+                await self._drop_rows(list(self._drop_doubt), evicted=False)
             return True
         if ok is False:  # nothing committed: the entries stand, keep serving them (rows in doubt stay so)
             orphans = []
