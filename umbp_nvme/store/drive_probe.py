@@ -268,8 +268,8 @@ class DriveProbes:
             return
         h.owed_unlogged.clear()  # all applied
         # owes made while this append runs are appended after it (one log thread per drive, tasks in
-        # order), so the settled line cancels only what was applied
-        # its own log too: no other drive may be healthy
+        # order), so the settled line cancels only what was applied; in its own log too (no other
+        # drive may be healthy)
         if not await self._log([{"drive": self.roots[d], "settled": True}], also=d):
             return  # recorded settled nowhere: not yet (a restart would apply the old owes over later puts)
         if h.deletes_owed:  # owed meanwhile (recorded after the settled line): the next probe applies them
