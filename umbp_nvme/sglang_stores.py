@@ -86,8 +86,10 @@ def open_main(be, *, raise_errors: bool):
     from .store.sync import SyncPageStore
 
     if be.is_mla_follower:
-        # Until the leader has created the store, a lookup costs one stat() and misses.
-        if not all(os.path.exists(os.path.join(d, MANIFEST)) for d in be.store_dirs):
+        # Until the leader has created the store, a lookup costs one stat() and misses. One drive
+        # with the leader's store is enough: a drive the leader holds out (unmounted, mounts.py)
+        # or has not created yet is a degraded drive here, opened by the probe once it has a store.
+        if not any(os.path.exists(os.path.join(d, MANIFEST)) for d in be.store_dirs):
             _log_leader_not_ready(be)
             return None
         now = time.monotonic()

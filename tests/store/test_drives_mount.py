@@ -242,3 +242,55 @@ def test_the_backend_on_one_unmounted_root_with_require_mount_refuses_clearly(tm
         assert os.listdir(tmp_path) == []  # not even the drive's directory
     finally:
         pool.close()
+
+
+def test_an_mla_follower_serves_the_open_drives_while_one_is_held_out_as_unmounted(tmp_path, mounted):
+    """The leader holds drive 1 out (unmounted: no store, no MANIFEST there); the follower opens
+    the drives that have the leader's store instead of missing everything, and drive 1 once the
+    leader has created its store there."""
+    from support.backends import make_backend
+    from support.host_pool import HostPool, page_key
+
+    drives, roots = _drives(tmp_path, 2)
+    mounted.add(drives[0])
+    lpool, fpool = HostPool(page_num=64, mla=True), HostPool(page_num=64, mla=True)
+    kw = dict(mla=True, tp_size=2, mode="relaxed", capacity=16 << 20)
+    leader = make_backend(roots, lpool, tp_rank=0, **kw)
+    follower = make_backend(roots, fpool, tp_rank=1, **kw)
+    try:
+        assert follower.is_mla_follower and leader.store_dirs == follower.store_dirs == roots
+        keys = [page_key(i, "f") for i in range(16)]
+        for p, k in enumerate(keys):
+            lpool.fill(p, k)
+        assert leader.batch_set_v1(keys, lpool.indices(0, 16)) == [True] * 16
+        assert [r["state"] for r in leader.store_stats()["store"]["drives"]] == ["healthy", "degraded"]
+        assert follower.batch_exists(keys) == 16
+        fpool.clear_pages(0, 16, 0xEE)
+        assert follower.batch_get_v1(keys, fpool.indices(0, 16)) == [True] * 16
+        assert all(fpool.holds(p, k) for p, k in enumerate(keys))
+        assert os.listdir(drives[1]) == []  # the follower created nothing there either
+        mounted.add(drives[1])  # mounted: the leader's probe creates drive 1's store, the follower's opens it
+        assert _wait(lambda: [r["state"] for r in follower.store_stats()["store"]["drives"]] == ["healthy"] * 2)
+        more = [page_key(i, "g") for i in range(32)]
+        for p, k in enumerate(more):
+            lpool.fill(16 + p, k)
+        assert _wait(lambda: [r["state"] for r in leader.store_stats()["store"]["drives"]] == ["healthy"] * 2)
+        assert leader.batch_set_v1(more, lpool.indices(16, 32)) == [True] * 32
+        assert leader.store_stats()["store"]["drives"][1]["objects"] > 0  # new pages went to drive 1 too
+        fpool.clear_pages(16, 32, 0xEE)
+        assert follower.batch_get_v1(more, fpool.indices(16, 32)) == [True] * 32
+        assert all(fpool.holds(16 + p, k) for p, k in enumerate(more))
+    finally:
+        follower.close()
+        leader.close()
+        lpool.close()
+        fpool.close()
+
+
+def _wait(pred, timeout_s: float = 10.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and not pred():
+        time.sleep(0.05)
+    return pred()

@@ -42,6 +42,7 @@ class DriveHealth:
         self.busy_s = {"get": 0.0, "put": 0.0}  # time with at least one such call in flight (for GB/s)
         self.deletes_owed: set[str] = set()  # deletes to apply before the drive serves again
         self.clear_owed = False  # the store was cleared while it was degraded: it clears before serving
+        self.owed_unlogged: set[str] = set()  # owed deletes no log recorded (kept in memory): logged again when owed again
         self.readmitted_at = -1e9
         self.backoff_s = 0.0  # a drive that fails again right after rejoining is probed less often
         self.probe_after = 0.0  # monotonic time of its next probe
@@ -172,6 +173,7 @@ async def settle_deletes(st, h: DriveHealth) -> bool:
         return True
     keys = list(owed)
     await st.delete_many(keys)
-    left = {k for k, f in zip(keys, st.exists_many_nowait(keys)) if f}
+    # not exists: a delete whose commit outlived io_timeout_s hides the key but may not have landed
+    left = {k for k, f in zip(keys, st.delete_pending(keys)) if f}
     owed.difference_update(k for k in keys if k not in left)  # keys owed meanwhile stay owed
     return not owed

@@ -25,6 +25,13 @@ from .mounts import unmounted_reason
 log = logging.getLogger("umbp_nvme.store")
 
 
+def _retrieved(fut: asyncio.Future) -> asyncio.Future:
+    """``fut`` whose exception counts as seen: a thread call given up on at io_timeout_s that fails
+    later is no "Future exception was never retrieved" error (its caller already logged it)."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
 class DriveProbes:
     """Probing and owed deletes for MultiDriveStore (which sets the attributes used here)."""
 
@@ -35,10 +42,16 @@ class DriveProbes:
         pool = concurrent.futures.ThreadPoolExecutor
         self._log_pools = [pool(1, thread_name_prefix="umbp-owed-log") for _ in range(n)]
         self._thread_calls: dict[int, asyncio.Future] = {}  # drive -> its probe thread's call
+        self._probes: set[asyncio.Task] = set()  # probes under way: close() cancels and awaits them
         self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
 
-    def _stop_background(self) -> None:
-        self._probe_task.cancel()
+    async def _stop_background(self) -> None:
+        """Cancel the probe loop and every probe, and wait for them: none outlives the store (a
+        probe's read ends only once the kernel let go of its buffer; a store it opened is closed)."""
+        tasks = [self._probe_task, *self._probes]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._probe_pool.shutdown(wait=False)
         for p in self._log_pools:
             p.shutdown(wait=False)
@@ -84,33 +97,45 @@ class DriveProbes:
                 except OSError as e:
                     log.warning("drive %s: could not rewrite %s: %s", r, owed_deletes.OWED_FILE, e)
 
-    async def _owe_clear(self, drives: list[int]) -> None:
-        """The store was cleared while ``drives`` were degraded: each clears itself before it serves."""
+    async def _owe_clear(self, drives: list[int]) -> bool:
+        """The store was cleared while ``drives`` were degraded: each clears itself before it serves.
+        False when no log recorded it (kept in memory only: a restart would serve their pages)."""
         for d in drives:
             self.health[d].clear_owed = True
             self.health[d].deletes_owed.clear()
-        if not await self._log([{"drive": self.roots[d], "clear": True} for d in drives]):
-            log.warning("the clear owed by drive(s) %s is recorded on no drive: kept in memory only",
-                        ", ".join(self.roots[d] for d in drives))  # fmt: skip
+            self.health[d].owed_unlogged.clear()
+        if await self._log([{"drive": self.roots[d], "clear": True} for d in drives]):
+            return True
+        log.warning("the clear owed by drive(s) %s is recorded on no drive: kept in memory only",
+                    ", ".join(self.roots[d] for d in drives))  # fmt: skip
+        return False
 
-    async def _owe(self, owed: dict[int, list[str]]) -> None:
+    async def _owe(self, owed: dict[int, list[str]]) -> bool:
         """Drive ``d`` owes the deletes of ``owed[d]``: kept in memory and, before this returns, in
-        the log on every healthy drive (so a restart still applies them)."""
+        the log on every healthy drive (so a restart still applies them). False when no drive
+        recorded them: the caller must not acknowledge them (a restart would serve the keys)."""
         for d, keys in owed.items():
             self.health[d].deletes_owed.update(keys)
-        n = await self._log([{"drive": self.roots[d], "keys": sorted(k)} for d, k in owed.items()])
-        if not n:
-            log.warning("owed deletes of drive(s) %s recorded on no drive (none healthy): kept in memory only",
-                        ", ".join(self.roots[d] for d in owed))  # fmt: skip
+        if await self._log([{"drive": self.roots[d], "keys": sorted(k)} for d, k in owed.items()]):
+            for d, keys in owed.items():
+                self.health[d].owed_unlogged.difference_update(keys)
+            return True
+        for d, keys in owed.items():
+            self.health[d].owed_unlogged.update(keys)
+        log.warning("owed deletes of drive(s) %s recorded on no drive: kept in memory only, not acknowledged",
+                    ", ".join(self.roots[d] for d in owed))  # fmt: skip
+        return False
 
-    async def _log(self, entries: list[dict]) -> int:
-        """Append ``entries`` to the owed-deletes log of every healthy drive; how many recorded them."""
+    async def _log(self, entries: list[dict], also: int | None = None) -> int:
+        """Append ``entries`` to the owed-deletes log of every healthy drive (and drive ``also``); how
+        many recorded them."""
         loop = asyncio.get_running_loop()
-        live = [d for d, (st, h) in enumerate(zip(self.stores, self.health)) if st is not None and h.healthy]
+        live = [d for d, (st, h) in enumerate(zip(self.stores, self.health))
+                if st is not None and (h.healthy or d == also)]  # fmt: skip
 
         async def one(d):
             try:
-                fut = loop.run_in_executor(self._log_pools[d], owed_deletes.append, self.roots[d], entries)
+                fut = _retrieved(loop.run_in_executor(self._log_pools[d], owed_deletes.append, self.roots[d], entries))
                 await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
                 return 1
             except Exception as e:  # noqa: BLE001 - OSError, a hung drive, or a close() under way: never raise
@@ -132,7 +157,9 @@ class DriveProbes:
             for d, h in enumerate(self.health):
                 if not h.probing and not self._closed and now >= h.probe_after:
                     h.probing = True
-                    asyncio.get_running_loop().create_task(self._probe(d))
+                    t = asyncio.get_running_loop().create_task(self._probe(d))
+                    self._probes.add(t)
+                    t.add_done_callback(self._probes.discard)
 
     def _record_set(self) -> None:
         """DRIVES.json on the healthy drives, written off the loop (it fsyncs)."""
@@ -146,7 +173,8 @@ class DriveProbes:
         prev = self._thread_calls.get(d)
         if prev is not None and not prev.done():
             raise asyncio.TimeoutError
-        fut = self._thread_calls[d] = asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args)
+        fut = _retrieved(asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args))
+        self._thread_calls[d] = fut
         return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
 
     async def _probe(self, d: int) -> None:
@@ -192,13 +220,26 @@ class DriveProbes:
                     self._caps[d] = await self._in_thread(d, sized_share, root, share, int(cfg.ssd_segment_size_bytes))
             else:
                 await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
-            st = await self._open_drive(d)
+            st = await self._open_drive(d)  # a cancelled open releases what it took (opening.py)
         except Exception as e:  # noqa: BLE001 - still out; the next probe tries again
             log.debug("drive %d still cannot open: %r", d, e)
             return
-        if self._closed:
+        try:
+            ok = await self._join_opened(d, st)
+        except BaseException:  # cancelled by close(): the store (its lock) must not outlive us
+            await asyncio.shield(st.close())
+            raise
+        if not ok:
             await st.close()
             return
+        self.stores[d] = st
+        await self._settle_and_readmit(d)
+
+    async def _join_opened(self, d: int, st) -> bool:
+        """Ready a drive the probe opened to take its place; False: close it (store closed, or its
+        stale copies could not be dropped: the next probe tries again)."""
+        if self._closed:
+            return False
         for a, n in self._ranges:
             st.register_memory(a, n)
         # it missed the writes made while it was out: where another drive holds a key, its copy is older
@@ -210,13 +251,8 @@ class DriveProbes:
                 self.health[d].deletes_owed |= await owed_deletes.apply(st, set(), True, others)
             except Exception as e:  # noqa: BLE001 - not yet: closed (its lock freed) for the next probe
                 log.debug("drive %d: dropping its stale copies failed: %r", d, e)
-                await st.close()
-                return
-        if self._closed:  # closed while its stale copies were dropped
-            await st.close()
-            return
-        self.stores[d] = st
-        await self._settle_and_readmit(d)
+                return False
+        return not self._closed  # closed while its stale copies were dropped
 
     async def _settle_and_readmit(self, d: int) -> None:
         """Re-admit a degraded drive once an object reads back and its owed deletes are applied; the
@@ -230,9 +266,12 @@ class DriveProbes:
             return
         if not await settle_deletes(st, h):
             return
-        await self._log([{"drive": self.roots[d], "settled": True}])
-        if h.deletes_owed:  # owed while the log was written: the settled line cancelled their record
-            await self._log([{"drive": self.roots[d], "keys": sorted(h.deletes_owed)}])
+        h.owed_unlogged.clear()  # all applied
+        # owes made while this append runs are appended after it (one log thread per drive, tasks in
+        # order), so the settled line cancels only what was applied; in its own log too (no other
+        # drive may be healthy)
+        if not await self._log([{"drive": self.roots[d], "settled": True}], also=d):
+            return  # recorded settled nowhere: not yet (a restart would apply the old owes over later puts)
+        if h.deletes_owed:  # owed meanwhile (recorded after the settled line): the next probe applies them
             return
         h.readmit()
-

@@ -195,8 +195,11 @@ class MultiDriveStore(DriveProbes):
             return results
         route = self._placed(keys, writable, self._holders(keys, writable))
         # An older copy on a drive that takes no writes would be served again (full drive) or after
-        # it rejoins (degraded): it goes before the new copy is written elsewhere.
-        await self._drop_elsewhere(keys, writable)
+        # it rejoins (degraded): it goes before the new copy is written elsewhere; where it could not
+        # go (durably), the key is not written (False) and the old copy stands.
+        _, kept = await self._drop_elsewhere(keys, writable)
+        if kept:
+            route = [-1 if type(k) is str and k in kept else d for k, d in zip(keys, route)]
 
         def call(st, idx):
             sub_depths = None if depths is None else [depths[j] for j in idx]
@@ -270,41 +273,52 @@ class MultiDriveStore(DriveProbes):
         return self.exists_prefix_nowait(keys)
 
     async def delete_many(self, keys: list[str]) -> list[bool]:
-        """Delete on every drive; a degraded drive owes the delete and applies it before it rejoins."""
+        """Delete on every drive; a degraded drive owes the delete and applies it before it rejoins.
+        True only when the delete is durable everywhere: deleted, or owed in a log on disk."""
         results = begin_call(self, "delete_many", keys, writes=True)
         if results is None:
             return [False] * len(keys)
         live = [st for st, h in zip(self.stores, self.health) if st is not None and h.healthy]
         healthy = [st is not None and h.healthy for st, h in zip(self.stores, self.health)]
-        dropped = await self._drop_elsewhere(keys, healthy, deleting=True)
-        results = [k in dropped for k in keys]
+        gone, kept = await self._drop_elsewhere(keys, healthy, deleting=True)
+        results = [type(k) is str and k in gone for k in keys]
         for out in await asyncio.gather(*(st.delete_many(keys) for st in live)):
             results = [a or bool(b) for a, b in zip(results, out)]
-        return results
+        for st in live:  # a copy left behind (a failed delete, or one in doubt) is not deleted
+            results = [a and not b for a, b in zip(results, st.delete_pending(keys))]
+        return [ok and not (type(k) is str and k in kept) for ok, k in zip(results, keys)]
 
-    async def _drop_elsewhere(self, keys: list[str], skip: list[bool], *, deleting: bool = False) -> set[str]:
+    async def _drop_elsewhere(self, keys: list[str], skip: list[bool], *, deleting: bool = False):
         """Delete ``keys`` on every drive not in ``skip``: at once where the drive still serves reads
         (full), else owed until it rejoins (recorded durably before this returns: drive_probe.py).
-        Returns the keys deleted at once."""
-        dropped: set[str] = set()
+        Returns (gone, kept): keys a drive held and no longer serves (deleted, or owed durably), and
+        keys a drive may still serve after a restart (a failed delete, an owe no log recorded)."""
+        gone: set[str] = set()
+        kept: set[str] = set()
         owed: dict[int, list[str]] = {}
+        held_owed: set[str] = set()
         for d, (st, h, sk) in enumerate(zip(self.stores, self.health, skip)):
             if sk:
                 continue
             if st is None:  # its index is not open: a deleted key may be there (a re-put one is stale anyway)
-                if deleting and any(type(k) is str and k not in h.deletes_owed for k in keys):
-                    owed[d] = [k for k in keys if type(k) is str and k not in h.deletes_owed]
+                if deleting and _unrecorded(h, keys):
+                    owed[d] = _unrecorded(h, keys)
                 continue
             held = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
             if not held:
                 continue
             if h.readable:
-                dropped.update(k for k, ok in zip(held, await st.delete_many(held)) if ok)
-            elif any(k not in h.deletes_owed for k in held):  # already owed: recorded once
-                owed[d] = [k for k in held if k not in h.deletes_owed]
-        if owed:
-            await self._owe(owed)
-        return dropped
+                for k, ok in zip(held, await st.delete_many(held)):
+                    (gone if ok else kept).add(k)
+                continue
+            held_owed.update(held)
+            if _unrecorded(h, held):
+                owed[d] = _unrecorded(h, held)
+        durable = await self._owe(owed) if owed else True
+        if not durable:
+            kept.update(k for ks in owed.values() for k in ks)
+        gone.update(held_owed - kept)
+        return gone, kept
 
     async def clear(self) -> None:
         if begin_call(self, "clear", (), writes=True) is None:
@@ -315,9 +329,11 @@ class MultiDriveStore(DriveProbes):
                 live.append(st.clear())
             else:
                 owed.append(d)
-        if owed:
-            await self._owe_clear(owed)
+        durable = await self._owe_clear(owed) if owed else True
         await asyncio.gather(*live)
+        if not durable:
+            raise OSError(f"clear: the clear owed by degraded drive(s) {', '.join(self.roots[d] for d in owed)} is "
+                          "recorded on no drive; their pages come back after a restart")  # fmt: skip
 
     async def flush(self) -> bool:
         """fdatasync every healthy drive (a degraded drive's pages are not served)."""
@@ -383,7 +399,7 @@ class MultiDriveStore(DriveProbes):
         if self._closed:
             return
         self._closed = True
-        self._stop_background()
+        await self._stop_background()
         if not self.readonly:
             rows = self.stats()["drives"]
             write_drive_set(self.roots, self.stores, [h.healthy for h in self.health],
@@ -395,6 +411,11 @@ class MultiDriveStore(DriveProbes):
 
     async def __aexit__(self, *exc):
         await self.close()
+
+
+def _unrecorded(h: DriveHealth, keys) -> list[str]:
+    """Keys whose delete ``h``'s drive does not owe yet, or owes without a log recording it."""
+    return [k for k in keys if type(k) is str and (k not in h.deletes_owed or k in h.owed_unlogged)]
 
 
 def merged_stats(per: list[dict], unrouted_gets: int) -> dict:

@@ -131,7 +131,7 @@ def stale_copies(st, others: list) -> list[str]:
 
 async def apply(st, owed_keys: set[str], out: bool, others: list, cleared: bool = False) -> set[str]:
     """Apply what a drive owes on its open store ``st``: a clear, the owed keys, and (``out``) its
-    stale copies. Returns the keys still held that should not be (a delete that failed)."""
+    stale copies. Returns the keys whose delete is not durable (it failed or is in doubt)."""
     if cleared:
         await st.clear()
     keys = set(owed_keys)
@@ -141,4 +141,5 @@ async def apply(st, owed_keys: set[str], out: bool, others: list, cleared: bool 
         return set()
     keys_l = list(keys)
     await st.delete_many(keys_l)
-    return {k for k, f in zip(keys_l, st.exists_many_nowait(keys_l)) if f}
+    # still held, or hidden by a delete whose commit outlived io_timeout_s (it may not have landed)
+    return {k for k, f in zip(keys_l, st.delete_pending(keys_l)) if f}

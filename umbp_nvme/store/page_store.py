@@ -28,6 +28,7 @@ from ..config import StoreConfig, parse_roots
 from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key
 from .checks import begin_call
+from .deletes import DeleteSteps
 from .get_path import GetPath
 from .memory import Ranges
 from .opening import OpenSteps
@@ -53,7 +54,7 @@ COUNTERS = (
 )  # fmt: skip
 
 
-class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
+class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, DeleteSteps):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
     # Per-instance once set; class defaults so every open path has them.
@@ -266,27 +267,38 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
             return False
 
     async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
-        """Durably remove rows' keys from the index, then free their slots. Caller holds no lock."""
+        """Durably remove rows' keys from the index, then free their slots. Caller holds no lock.
+        Rows of a drop in doubt (deletes.py) come again through delete_many."""
         if not rows:
             return True
         keys = [self._rows.key[r] for r in rows]
-        for k in keys:
+        was_live = [(r, k) for r, k in zip(rows, keys) if self._keys.get(k) == r]
+        for _, k in was_live:
             del self._keys[k]  # invisible to new readers first: nothing new pins these rows
         self._rows.live[rows] = False
-        async with self._commit_lock:
-            try:
-                ok = await self._tombstone(rows) is not None
-                if ok:
-                    ok = await self._commit(deletes=[encode_key(k) for k in keys])  # decoded from bytes: always encodes
-            except asyncio.TimeoutError:
-                ok = None  # the commit may still land: keep the slots out of use
+        dels = dict.fromkeys(k for k in keys if k not in self._keys)  # a key put again since a drop in doubt stays
+        ok = None  # not known: a commit that outlived io_timeout_s (or a cancelled call) may still land
+        try:
+            async with self._commit_lock:
+                if await self._tombstone(rows) is None:
+                    ok = False
+                else:  # keys decoded from bytes: always encode
+                    ok = await self._commit(deletes=[encode_key(k) for k in dels])
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if ok is None:  # in doubt: the slots stay out of use, not acknowledged, retried by a delete
+                self._doubt_now(rows, keys)
         if ok:
+            self._doubt_settled(rows)
             self._rows.release(rows)
             self._counters["evictions" if evicted else "deletes"] += len(rows)
+            if evicted and self._drop_doubt:  # then the drops in doubt, apart: their slots come back
+                await self._drop_rows(list(self._drop_doubt), evicted=False)
             return True
-        if ok is False:  # nothing committed: the entries stand, keep serving them
+        if ok is False:  # nothing committed: the entries stand, keep serving them (rows in doubt stay so)
             orphans = []
-            for r, k in zip(rows, keys):
+            for r, k in was_live:
                 if k not in self._keys:
                     self._keys[k] = r
                     self._rows.live[r] = True
@@ -297,23 +309,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits):
 
     # ----------------------------------------------------------------------------- eviction
 
-    # ----------------------------------------------------------------------------- delete
-
-    async def delete_many(self, keys: list[str]) -> list[bool]:
-        results = begin_call(self, "delete_many", keys, writes=True)
-        if results is None:
-            return [False] * len(keys)
-        rows, where = [], []
-        seen = set()
-        for i, r in enumerate(self._writer_rows(keys)):
-            if r is not None and r not in seen:
-                seen.add(r)
-                rows.append(r)
-                where.append(i)
-        if rows and await self._drop_rows(rows, evicted=False):
-            for i in where:
-                results[i] = True
-        return results
+    # ----------------------------------------------------------------------------- delete (deletes.py)
 
     async def clear(self) -> None:
         """Drop every entry durably and free all space (slots being read are freed after the read)."""

@@ -1,0 +1,201 @@
+"""A delete whose index commit outlives io_timeout_s is in doubt (page_store._drop_rows): it is
+never acknowledged, never settled as an owed delete (owed_deletes.apply at open, the probe's
+re-admission), and a later delete of the key retries it.
+
+The stall is a patched ``PageStore._commit`` that raises asyncio.TimeoutError for deletes on the
+chosen roots without committing (what a commit stuck on a hung drive past io_timeout_s looks like
+to its caller: it may land later, or never). Every check reads real bytes back after a reopen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from conftest import payload, small_config
+from support.faults import FaultPlan, FaultRule, on_files_under as _on
+from support.waits import until
+from umbp_nvme.store import PageStore, owed_deletes
+from umbp_nvme.store.drives import MultiDriveStore
+
+OBJ = 16 << 10
+
+
+def _keys(pages: int, tag: str = "p") -> list[str]:
+    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
+
+
+async def _get(st, keys) -> tuple[list[bool], int]:
+    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
+    res = await st.get_many(keys, outs)
+    wrong = sum(1 for ok, k, o in zip(res, keys, outs) if ok and not np.array_equal(o, payload(k, OBJ)))
+    return res, wrong
+
+
+@pytest.fixture
+def stuck_deletes(monkeypatch):
+    """Roots (store paths) whose delete commits time out without landing while listed."""
+    stuck: set[str] = set()
+    real = PageStore._commit
+
+    async def commit(self, puts=(), deletes=()):
+        if deletes and self.path in stuck:
+            raise asyncio.TimeoutError
+        return await real(self, puts, deletes)
+
+    monkeypatch.setattr(PageStore, "_commit", commit)
+    return stuck
+
+
+async def test_a_delete_whose_commit_times_out_is_not_acknowledged_and_a_retry_finishes_it(tmp_path, stuck_deletes):
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    keys = _keys(4)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 8
+    stuck_deletes.add(st.path)
+    assert await st.delete_many(keys[:2]) == [False, False]
+    assert st.exists_many_nowait(keys[:2]) == [False, False]  # hidden: the commit may still land
+    assert st.delete_pending(keys) == [True] * 8  # but the delete is not done
+    assert st.stats()["deletes"] == 0
+    stuck_deletes.clear()
+    assert await st.delete_many(keys[:2]) == [True, True]  # the retry commits it
+    assert st.delete_pending(keys) == [False, False] + [True] * 6
+    assert st.stats()["deletes"] == 2
+    await st.close()
+    st = await PageStore.open(root, small_config())
+    res, wrong = await _get(st, keys)
+    assert wrong == 0 and res == [False, False] + [True] * 6
+    await st.close()
+
+
+async def test_a_put_after_a_delete_in_doubt_keeps_the_new_copy_through_a_retried_delete(tmp_path, stuck_deletes):
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    k = _keys(1)
+    assert await st.put_many(k, [payload(x, OBJ) for x in k]) == [True, True]
+    stuck_deletes.add(st.path)
+    assert await st.delete_many(k) == [False, False]
+    stuck_deletes.clear()
+    assert await st.put_many(k, [payload(x, OBJ) for x in k]) == [True, True]  # written anew
+    res, wrong = await _get(st, k)
+    assert res == [True, True] and wrong == 0
+    assert await st.delete_many(k) == [True, True]  # both the new entry and the row in doubt go
+    assert st.delete_pending(k) == [False, False] and st.stats()["objects"] == 0
+    await st.close()
+    st = await PageStore.open(root, small_config())
+    assert st.exists_many_nowait(k) == [False, False] and st.stats()["objects"] == 0
+    await st.close()
+
+
+async def _owing_writer(tmp_path, probe_interval_s: float):
+    """A writer over 2 drives whose drive 1 answers EIO to reads (degraded; its probe cannot read
+    back until ``plan`` is cleared), owing the delete of ``gone`` (durably, in drive 0's log).
+    Returns (roots, st, plan, gone, kept)."""
+    roots = [str(tmp_path / f"drive{i}" / "store") for i in range(2)]
+    plan = FaultPlan()
+    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(),
+                                    probe_interval_s=probe_interval_s)  # fmt: skip
+    keys = _keys(40)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
+    on1 = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
+    await _get(st, on1[:1])
+    assert st.stats()["drives"][1]["state"] == "degraded"
+    gone, kept = on1[:4], on1[4:]
+    await st.delete_many(gone)  # owed, recorded on drive 0 before it returns
+    assert owed_deletes.load(roots[:1]).keys == {roots[1]: set(gone)}
+    return roots, st, plan, gone, kept
+
+
+async def test_owed_deletes_whose_commit_times_out_at_open_are_not_settled(tmp_path, stuck_deletes):
+    roots, st, _, gone, kept = await _owing_writer(tmp_path, 60)
+    await st.close()
+    stuck_deletes.add(roots[1])  # the open applies the owed deletes on drive 1: their commit times out
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    assert st.stats()["drives"][1]["state"] == "degraded"  # it owes deletes it could not apply
+    res, wrong = await _get(st, gone)
+    assert res == [False] * 4 and wrong == 0
+    await st.close()
+    assert owed_deletes.load(roots).keys.get(roots[1]) == set(gone)  # still owed
+    stuck_deletes.clear()
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    res, wrong = await _get(st, gone + kept)
+    assert wrong == 0 and res == [False] * 4 + [True] * len(kept)  # never served again
+    assert [r["state"] for r in st.stats()["drives"]] == ["healthy", "healthy"]
+    await st.close()
+    assert not owed_deletes.load(roots).owes(roots[1])
+
+
+async def test_the_probe_readmits_only_once_a_timed_out_owed_delete_is_committed(tmp_path, stuck_deletes):
+    roots, st, plan, gone, kept = await _owing_writer(tmp_path, 0.05)
+    stuck_deletes.add(roots[1])  # the probe's settle step: its delete commits time out
+    plan.set_rules([])  # drive 1 reads back again
+    await asyncio.sleep(0.6)  # about 10 probes, each retrying the owed deletes
+    assert st.stats()["drives"][1]["state"] == "degraded"
+    assert st.health[1].deletes_owed == set(gone)
+    assert owed_deletes.load(roots[:1]).keys == {roots[1]: set(gone)}  # no settled line
+    stuck_deletes.clear()
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 10)
+    await st.close()
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    res, wrong = await _get(st, gone + kept)
+    assert wrong == 0 and res == [False] * 4 + [True] * len(kept)
+    await st.close()
+
+
+async def test_a_cancelled_delete_is_in_doubt_and_a_retry_finishes_it(tmp_path, monkeypatch):
+    """SyncPageStore cancels a call past its bound: a drop cancelled before its commit is in doubt too."""
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    keys = _keys(2)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 4
+    gate, entered = asyncio.Event(), asyncio.Event()
+    real = PageStore._tombstone
+
+    async def slow_tombstone(self, rows):
+        entered.set()
+        await gate.wait()
+        return await real(self, rows)
+
+    monkeypatch.setattr(PageStore, "_tombstone", slow_tombstone)
+    task = asyncio.ensure_future(st.delete_many(keys[:2]))
+    await asyncio.wait_for(entered.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert st.exists_many_nowait(keys) == [False, False, True, True]
+    assert st.delete_pending(keys) == [True] * 4
+    gate.set()
+    assert await st.delete_many(keys[:2]) == [True, True]
+    assert st.delete_pending(keys) == [False, False, True, True]
+    await st.close()
+    st = await PageStore.open(root, small_config())
+    res, wrong = await _get(st, keys)
+    assert wrong == 0 and res == [False, False, True, True]
+    await st.close()
+
+
+async def test_an_eviction_retries_the_drops_in_doubt_and_their_slots_come_back(tmp_path, stuck_deletes):
+    root = str(tmp_path / "store")
+    cfg = small_config(ssd_capacity_bytes=4 << 20)
+    st = await PageStore.open(root, cfg)
+    first = _keys(8, "a")
+    assert await st.put_many(first, [payload(k, OBJ) for k in first]) == [True] * 16
+    stuck_deletes.add(st.path)
+    assert await st.delete_many(first[:4]) == [False] * 4
+    used = st.stats()["bytes_used"]
+    assert used == 16 * OBJ  # the slots in doubt stay out of use
+    stuck_deletes.clear()
+    n = 0
+    while st.stats()["evictions"] == 0 and n < 400:  # fill until the store evicts
+        more = _keys(8, f"b{n}_")
+        assert await st.put_many(more, [payload(k, OBJ) for k in more]) == [True] * 16
+        n += 1
+    assert st.stats()["evictions"] > 0
+    assert st.delete_pending(first[:4]) == [False] * 4  # retried with the eviction: committed
+    await st.close()
+    st = await PageStore.open(root, cfg)
+    assert st.exists_many_nowait(first[:4]) == [False] * 4
+    await st.close()

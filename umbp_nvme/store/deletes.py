@@ -1,0 +1,61 @@
+"""Deletes: ``delete_many``, and drops in doubt (a mixin of PageStore).
+
+A drop (page_store._drop_rows: a delete, an eviction, a bad CRC) whose index commit outlived
+io_timeout_s may land later, or never. Its keys are already hidden (no new reader pins their rows),
+so it is kept *in doubt*: its slots stay out of use, it is not acknowledged, a later delete of the
+key or the next eviction retries it (tombstone and commit again: both idempotent), and until one lands
+``delete_pending`` reports the key, so an owed delete (drive_probe.py, owed_deletes.py) is not
+settled on a drive that may still serve it after a restart.
+"""
+
+from __future__ import annotations
+
+from .checks import begin_call
+
+
+class DeleteSteps:
+    _drop_doubt: dict[int, str] | None = None  # row -> key of drops in doubt (set by _drop_rows)
+
+    def _doubt_now(self, rows: list[int], keys: list[str]) -> None:
+        if self._drop_doubt is None:
+            self._drop_doubt = {}
+        self._drop_doubt.update(zip(rows, keys))
+
+    def _doubt_settled(self, rows: list[int]) -> None:
+        if self._drop_doubt:
+            for r in rows:
+                self._drop_doubt.pop(r, None)
+
+    async def delete_many(self, keys: list[str]) -> list[bool]:
+        results = begin_call(self, "delete_many", keys, writes=True)
+        if results is None:
+            return [False] * len(keys)
+        rows, where = [], []
+        seen = set()
+        for i, r in enumerate(self._writer_rows(keys)):
+            if r is not None and r not in seen:
+                seen.add(r)
+                rows.append(r)
+                where.append(i)
+        if self._drop_doubt:  # a delete of a key in doubt retries its drop
+            at: dict[str, int] = {}
+            for i, k in enumerate(keys):
+                if type(k) is str:
+                    at.setdefault(k, i)
+            for r, k in list(self._drop_doubt.items()):
+                if k in at:
+                    rows.append(r)
+                    where.append(at[k])
+        if rows and await self._drop_rows(rows, evicted=False):
+            for i in where:
+                results[i] = True
+        return results
+
+    def delete_pending(self, keys) -> list[bool]:
+        """Writers: per key, whether it is still stored or its delete is in doubt: a delete owed for
+        such a key is not settled (drive_probe.py)."""
+        held = self.exists_many_nowait(keys)
+        if not self._drop_doubt:
+            return held
+        doubt = set(self._drop_doubt.values())
+        return [h or (type(k) is str and k in doubt) for h, k in zip(held, keys)]
