@@ -1,0 +1,146 @@
+"""Where a put batch's CRC32C runs, so that it never delays a get's completion handling.
+
+A get completes on the store's loop thread; on a small machine it also waits for a free core.
+So while reads are about (the arbiter says: a read batch in flight or one ended within
+``READ_QUIET_S``) a put's CRC runs on a dedicated worker thread at low CPU priority: the loop
+thread, the callers and the kernel's completions take a core first, and the CRC (which runs
+beside its own write and costs no wall time unless it outlasts it) gets what is left. With no
+reads about, the cheaper paths stay: a small batch on the loop thread (a hop to a thread and back
+costs ~200 us of CPU), a large one on the default executor at normal priority.
+
+The worker threads are per process, started on first use (and again in a forked child);
+``CRC_POLICY`` says how they lower their priority, chosen by measurement (docs/tuning.md):
+``idle`` = SCHED_IDLE, ``batch`` = SCHED_BATCH at nice ``CRC_NICE``, ``nice`` = nice ``CRC_NICE``,
+``normal`` = no change (a control for benchmarks). A thread id's policy is its own on Linux
+(``sched_setscheduler(0, ...)`` / ``setpriority(PRIO_PROCESS, tid, ...)`` from the thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+
+log = logging.getLogger("umbp_nvme.store")
+
+CRC_POLICIES = ("idle", "batch", "nice", "normal")
+CRC_POLICY = "nice"  # read when a worker thread starts (bench mixed --crc-policy sets it first)
+CRC_NICE = 19
+CRC_WORKERS = 2  # a multi-drive store's batches checksum side by side (~13 GB/s per thread)
+
+
+def lower_priority(policy: str, nice: int = CRC_NICE) -> str:
+    """Lower the calling thread's CPU priority as ``policy`` says; returns what was applied
+    ("normal" where the kernel refused: the CRC still runs, only without the lower priority)."""
+    if policy not in CRC_POLICIES:
+        raise ValueError(f"CRC policy must be one of {CRC_POLICIES}, got {policy!r}")
+    try:
+        if policy == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        elif policy == "batch":
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        elif policy == "nice":
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError) as e:  # not Linux, or a seccomp profile that refuses it
+        log.warning("CRC worker: could not apply CPU policy %s (%s); it runs at normal priority", policy, e)
+        return "normal"
+    return policy
+
+
+def thread_policy(tid: int) -> tuple[int, int]:
+    """(scheduling policy, nice) of a thread of this process, for tests and the bench's notes."""
+    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+class CrcWorkers:
+    """A few daemon threads at low CPU priority taking CRC jobs from one queue."""
+
+    def __init__(self, threads: int = CRC_WORKERS):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._want = threads
+        self.applied: str | None = None  # the policy the threads run under, once started
+        self.tids: list[int] = []
+        self.jobs = 0  # jobs taken (tests, bench notes)
+
+    def submit(self, fn, *args) -> asyncio.Future:
+        """``fn(*args)`` on a worker; the future is resolved on the caller's loop once ``fn`` has
+        returned (so once it no longer reads the caller's memory)."""
+        self._start()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.jobs += 1
+        self._jobs.put((loop, fut, fn, args))
+        return fut
+
+    def _start(self) -> None:
+        if len(self._threads) >= self._want:
+            return
+        with self._lock:
+            while len(self._threads) < self._want:
+                t = threading.Thread(target=self._run, name="umbp-crc", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _run(self) -> None:
+        self.applied = lower_priority(CRC_POLICY)
+        self.tids.append(threading.get_native_id())
+        while True:
+            loop, fut, fn, args = self._jobs.get()
+            try:
+                res, exc = fn(*args), None
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting put
+                res, exc = None, e
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, res, exc)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                pass
+            del loop, fut, fn, args  # no reference to the caller's memory while idle
+
+
+def _resolve(fut: asyncio.Future, res, exc) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(res)
+
+
+_workers: CrcWorkers | None = None
+_workers_lock = threading.Lock()
+
+
+def workers() -> CrcWorkers:
+    global _workers
+    if _workers is None:
+        with _workers_lock:
+            if _workers is None:
+                _workers = CrcWorkers()
+    return _workers
+
+
+def _forget_after_fork() -> None:  # a child has no worker threads: it starts its own
+    global _workers, _workers_lock
+    _workers, _workers_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def dispatch(arbiter, crc_many, src, nbytes, out, inline_max: int):
+    """Start a put batch's CRCs (``crc_many(src, nbytes, out)``) where they cannot hold up a get.
+
+    Returns the job's future, or None when the caller runs them on the loop thread (no reads
+    about and at most ``inline_max`` bytes). ``arbiter``: the store's (None when slicing is off:
+    then, as with ``ssd_read_priority=off``, reads are not tracked and today's split stays)."""
+    if arbiter is not None and arbiter.reads_about():
+        return workers().submit(crc_many, src, nbytes, out)
+    if int(nbytes.sum()) > inline_max:
+        return asyncio.get_running_loop().run_in_executor(None, crc_many, src, nbytes, out)
+    return None
