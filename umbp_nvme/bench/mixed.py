@@ -110,15 +110,10 @@ def arbiter_settings(cfg) -> dict:
     if cfg.crc_policy is not None:
         put_crc.CRC_POLICY = cfg.crc_policy
     if cfg.crc_off:
-        put_crc.dispatch = _old_crc_split
+        put_crc.CRC_WORKER = False
     return {"read_fraction": arbiter_mod.READ_SLICE_FRACTION, "read_floor": arbiter_mod.READ_SLICE_FLOOR,
             "quiet_ms": round(arbiter_mod.READ_QUIET_S * 1e3, 3),
-            "crc": "off-worker" if cfg.crc_off else put_crc.CRC_POLICY}  # fmt: skip
-
-
-def _old_crc_split(arbiter, crc_many, src, nbytes, out, inline_max):
-    """--crc-off: the split before the CRC worker (by batch size only), to measure against."""
-    return put_crc.dispatch(None, crc_many, src, nbytes, out, inline_max)
+            "crc": put_crc.CRC_POLICY if put_crc.CRC_WORKER else "no-worker"}  # fmt: skip
 
 
 def solo_window(marks: list, solo_s: float) -> tuple[float, float]:

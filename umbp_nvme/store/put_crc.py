@@ -28,6 +28,7 @@ log = logging.getLogger("umbp_nvme.store")
 CRC_POLICIES = ("idle", "batch", "nice", "normal")
 CRC_POLICY = "nice"  # read when a worker thread starts (bench mixed --crc-policy sets it first)
 CRC_NICE = 19
+CRC_WORKER = True  # False: the split by batch size alone, as before the worker (bench sweeps)
 CRC_WORKERS = 2  # a multi-drive store's batches checksum side by side (~13 GB/s per thread)
 
 
@@ -139,7 +140,7 @@ def dispatch(arbiter, crc_many, src, nbytes, out, inline_max: int):
     Returns the job's future, or None when the caller runs them on the loop thread (no reads
     about and at most ``inline_max`` bytes). ``arbiter``: the store's (None when slicing is off:
     then, as with ``ssd_read_priority=off``, reads are not tracked and today's split stays)."""
-    if arbiter is not None and arbiter.reads_about():
+    if CRC_WORKER and arbiter is not None and arbiter.reads_about():
         return workers().submit(crc_many, src, nbytes, out)
     if int(nbytes.sum()) > inline_max:
         return asyncio.get_running_loop().run_in_executor(None, crc_many, src, nbytes, out)
