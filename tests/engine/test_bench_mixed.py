@@ -4,7 +4,6 @@ latencies and throughputs positive, the put stream's failures reported, ratios c
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
