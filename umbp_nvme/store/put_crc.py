@@ -8,8 +8,8 @@ beside its own write and costs no wall time unless it outlasts it) gets what is 
 reads about, the cheaper paths stay: a small batch on the loop thread (a hop to a thread and back
 costs ~200 us of CPU), a large one on the default executor at normal priority.
 
-The worker threads are per process, started on first use (and again in a forked child);
-``CRC_POLICY`` says how they lower their priority, chosen by measurement (docs/tuning.md):
+Each job gets a thread of its own, which ends with the job; ``CRC_POLICY`` says how it lowers
+its priority, chosen by measurement (docs/tuning.md):
 ``idle`` = SCHED_IDLE, ``batch`` = SCHED_BATCH at nice ``CRC_NICE``, ``nice`` = nice ``CRC_NICE``,
 ``normal`` = no change (a control for benchmarks). A thread id's policy is its own on Linux
 (``sched_setscheduler(0, ...)`` / ``setpriority(PRIO_PROCESS, tid, ...)`` from the thread).
@@ -20,16 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import threading
 
 log = logging.getLogger("umbp_nvme.store")
 
 CRC_POLICIES = ("idle", "batch", "nice", "normal")
-CRC_POLICY = "nice"  # read when a worker thread starts (bench mixed --crc-policy sets it first)
+CRC_POLICY = "nice"  # read as each job's thread starts (bench mixed --crc-policy sets it first)
 CRC_NICE = 19
 CRC_WORKER = True  # False: the split by batch size alone, as before the worker (bench sweeps)
-CRC_WORKERS = 2  # a multi-drive store's batches checksum side by side (~13 GB/s per thread)
 
 
 def lower_priority(policy: str, nice: int = CRC_NICE) -> str:
@@ -46,7 +44,9 @@ def lower_priority(policy: str, nice: int = CRC_NICE) -> str:
         elif policy == "nice":
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (OSError, AttributeError) as e:  # not Linux, or a seccomp profile that refuses it
-        log.warning("CRC worker: could not apply CPU policy %s (%s); it runs at normal priority", policy, e)
+        if not _Count.warned:
+            _Count.warned = True
+            log.warning("CRC worker: could not apply CPU policy %s (%s); it runs at normal priority", policy, e)
         return "normal"
     return policy
 
@@ -56,51 +56,35 @@ def thread_policy(tid: int) -> tuple[int, int]:
     return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
 
 
-class CrcWorkers:
-    """A few daemon threads at low CPU priority taking CRC jobs from one queue."""
+class _Count:
+    jobs = 0  # jobs started (tests, bench notes)
+    applied: str | None = None  # the policy the last job ran under
+    warned = False
 
-    def __init__(self, threads: int = CRC_WORKERS):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._want = threads
-        self.applied: str | None = None  # the policy the threads run under, once started
-        self.tids: list[int] = []
-        self.jobs = 0  # jobs taken (tests, bench notes)
 
-    def submit(self, fn, *args) -> asyncio.Future:
-        """``fn(*args)`` on a worker; the future is resolved on the caller's loop once ``fn`` has
-        returned (so once it no longer reads the caller's memory)."""
-        self._start()
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self.jobs += 1
-        self._jobs.put((loop, fut, fn, args))
-        return fut
+def run_low(fn, *args) -> asyncio.Future:
+    """``fn(*args)`` on a thread of its own at low CPU priority; the future is resolved on the
+    caller's loop once ``fn`` has returned (so once it no longer reads the caller's memory).
 
-    def _start(self) -> None:
-        if len(self._threads) >= self._want:
-            return
-        with self._lock:
-            while len(self._threads) < self._want:
-                t = threading.Thread(target=self._run, name="umbp-crc", daemon=True)
-                t.start()
-                self._threads.append(t)
+    A thread per job (~0.1 ms to start, against ~4 ms of CRC for a 48 MiB batch) rather than a
+    pool: nothing outlives the put that started it, so a closed store leaves no thread behind."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    _Count.jobs += 1
+    threading.Thread(target=_job, args=(loop, fut, fn, args), name="umbp-crc", daemon=True).start()
+    return fut
 
-    def _run(self) -> None:
-        self.applied = lower_priority(CRC_POLICY)
-        self.tids.append(threading.get_native_id())
-        while True:
-            loop, fut, fn, args = self._jobs.get()
-            try:
-                res, exc = fn(*args), None
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting put
-                res, exc = None, e
-            try:
-                loop.call_soon_threadsafe(_resolve, fut, res, exc)
-            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-                pass
-            del loop, fut, fn, args  # no reference to the caller's memory while idle
+
+def _job(loop, fut, fn, args) -> None:
+    _Count.applied = lower_priority(CRC_POLICY)
+    try:
+        res, exc = fn(*args), None
+    except BaseException as e:  # noqa: BLE001 - handed to the awaiting put
+        res, exc = None, e
+    try:
+        loop.call_soon_threadsafe(_resolve, fut, res, exc)
+    except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+        pass
 
 
 def _resolve(fut: asyncio.Future, res, exc) -> None:
@@ -112,28 +96,6 @@ def _resolve(fut: asyncio.Future, res, exc) -> None:
         fut.set_result(res)
 
 
-_workers: CrcWorkers | None = None
-_workers_lock = threading.Lock()
-
-
-def workers() -> CrcWorkers:
-    global _workers
-    if _workers is None:
-        with _workers_lock:
-            if _workers is None:
-                _workers = CrcWorkers()
-    return _workers
-
-
-def _forget_after_fork() -> None:  # a child has no worker threads: it starts its own
-    global _workers, _workers_lock
-    _workers, _workers_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
-
-
 def dispatch(arbiter, crc_many, src, nbytes, out, inline_max: int):
     """Start a put batch's CRCs (``crc_many(src, nbytes, out)``) where they cannot hold up a get.
 
@@ -141,7 +103,7 @@ def dispatch(arbiter, crc_many, src, nbytes, out, inline_max: int):
     about and at most ``inline_max`` bytes). ``arbiter``: the store's (None when slicing is off:
     then, as with ``ssd_read_priority=off``, reads are not tracked and today's split stays)."""
     if CRC_WORKER and arbiter is not None and arbiter.reads_about():
-        return workers().submit(crc_many, src, nbytes, out)
+        return run_low(crc_many, src, nbytes, out)
     if int(nbytes.sum()) > inline_max:
         return asyncio.get_running_loop().run_in_executor(None, crc_many, src, nbytes, out)
     return None
