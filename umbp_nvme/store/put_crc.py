@@ -2,7 +2,7 @@
 
 A get completes on the store's loop thread; on a small machine it also waits for a free core.
 So while reads are about (the arbiter says: a read batch in flight or one ended within
-``READ_QUIET_S``) a put's CRC runs on a dedicated worker thread at low CPU priority: the loop
+``READ_QUIET_S``) a put's CRC runs on a thread of its own at low CPU priority: the loop
 thread, the callers and the kernel's completions take a core first, and the CRC (which runs
 beside its own write and costs no wall time unless it outlasts it) gets what is left. With no
 reads about, the cheaper paths stay: a small batch on the loop thread (a hop to a thread and back
