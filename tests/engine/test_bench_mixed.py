@@ -4,7 +4,6 @@ latencies and throughputs positive, the put stream's failures reported, ratios c
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -25,11 +24,14 @@ def test_bench_mixed_smoke_rows(tmp_path):
     cells = {(r["system"], r["op"], r["pattern"]) for r in rows if r["system"] != "fio"}
     want = {(s, op, p) for s in ("umbp_on", "umbp_off") for op in ("get_idle", "get_loaded") for p in ("b2b", "spaced")}
     assert cells == want
+    runs = {(r["system"], r["pattern"], r["op"]): r["runs"] for r in rows}
     for r in rows:
-        assert r["runs"] == 4 and 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]  # smoke: 4 calls per block
-        if r["op"] == "get_loaded":
+        # smoke: blocks of 4 calls, more while no backup batch ended beside them; idle as many
+        assert r["runs"] % 4 == 0 and 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]
+        assert runs[r["system"], r["pattern"], "get_idle"] == runs[r["system"], r["pattern"], "get_loaded"]
+        if r["op"] == "get_loaded":  # a backup batch ended inside both windows: never NaN
             assert r["vs_idle_p50"] > 0 and r["loop_p99_ms"] > 0
-            assert math.isnan(r["put_gbps"]) or r["put_gbps"] > 0
+            assert r["put_gbps"] > 0 and r["put_solo_gbps"] > 0 and r["put_vs_solo"] > 0
     assert "puts of the stream failed" not in proc.stdout
     assert "target: umbp_on" in proc.stdout and "target: umbp_off" in proc.stdout
 
@@ -54,9 +56,9 @@ def test_bench_mixed_sglang_path_reads_back_every_page(tmp_path):
         ("sglang_on", op, p) for op in ("get_idle", "get_loaded") for p in ("b2b", "spaced")
     }
     for r in rows:  # every get was checked byte for byte against the page it was backed up from
-        assert r["gets"] == 2 and r["runs"] == 3 and 0 < r["p50_ms"] <= r["p99_ms"]
-        if r["op"] == "get_loaded":  # the backup's own GB/s, alone and beside the gets
-            assert r["put_solo_gbps"] > 0 and (math.isnan(r["put_gbps"]) or r["put_gbps"] > 0)
+        assert r["gets"] == 2 and r["runs"] % 3 == 0 and 0 < r["p50_ms"] <= r["p99_ms"]
+        if r["op"] == "get_loaded":  # the backup's own GB/s, alone and beside the gets: never NaN
+            assert r["put_solo_gbps"] > 0 and r["put_gbps"] > 0 and r["put_vs_solo"] > 0
 
 
 def test_bench_mixed_sglang_check_catches_wrong_and_unwritten_bytes(tmp_path):

@@ -169,11 +169,20 @@ def test_bench_mixed_sweep_flags_set_the_arbiter_and_bad_ones_are_refused(monkey
 
     for name in ("READ_SLICE_FRACTION", "READ_SLICE_FLOOR", "READ_QUIET_S"):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
+    from umbp_nvme.store import put_crc
+
+    for name in ("CRC_POLICY", "CRC_WORKER"):
+        monkeypatch.setattr(put_crc, name, getattr(put_crc, name))
     cfg = mixed.parse_args(["--read-fraction", "0.25", "--read-floor", "1M", "--quiet-ms", "30"])
-    assert mixed.arbiter_settings(cfg) == {"read_fraction": 0.25, "read_floor": MiB, "quiet_ms": 30.0}
+    want = {"read_fraction": 0.25, "read_floor": MiB, "quiet_ms": 30.0, "crc": put_crc.CRC_POLICY}
+    assert mixed.arbiter_settings(cfg) == want
     assert Arbiter(8 * MiB).read_slice_bytes == 2 * MiB and Arbiter(8 * MiB).quiet_s == 0.03
     assert mixed.arbiter_settings(mixed.parse_args([]))["read_fraction"] == 0.25  # no flags: left as they are
-    for bad in (["--read-fraction", "0"], ["--read-fraction", "1.5"], ["--read-floor", "0"], ["--quiet-ms", "-1"]):
+    assert mixed.arbiter_settings(mixed.parse_args(["--crc-policy", "idle"]))["crc"] == "idle" == put_crc.CRC_POLICY
+    assert put_crc.CRC_WORKER and mixed.arbiter_settings(mixed.parse_args(["--crc-off"]))["crc"] == "no-worker"
+    assert not put_crc.CRC_WORKER
+    for bad in (["--read-fraction", "0"], ["--read-fraction", "1.5"], ["--read-floor", "0"], ["--quiet-ms", "-1"],
+                ["--crc-policy", "fast"]):
         with pytest.raises(SystemExit):
             mixed.parse_args(bad)
         assert bad[0] in capsys.readouterr().err

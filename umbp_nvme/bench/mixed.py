@@ -44,10 +44,12 @@ import numpy as np
 from ..buffers import AlignedBuffer
 from ..config import StoreConfig
 from ..engine import arbiter as arbiter_mod
+from ..store import put_crc
 from ..store.sync import SyncPageStore
 from .common import bench_dir, finish, parse_bytes
 
 PUT_BATCH = 48
+MAX_LOADED_S = 10.0  # a loaded phase runs more blocks of gets until a backup batch ends inside it
 SPACING_X = 4.0  # spaced gets: one call per 4x the idle back-to-back latency (~1/4 of read bandwidth)
 
 
@@ -66,6 +68,10 @@ def parse_args(argv):
     p.add_argument("--read-fraction", type=float, help="sweeps: the arbiter's READ_SLICE_FRACTION (default 0.25)")
     p.add_argument("--read-floor", help="sweeps: the arbiter's READ_SLICE_FLOOR in bytes (default 2M)")
     p.add_argument("--quiet-ms", type=float, help="sweeps: the arbiter's READ_QUIET_S in ms (default 100)")
+    p.add_argument("--crc-policy", choices=put_crc.CRC_POLICIES,
+                   help="sweeps: CPU policy of the put CRC worker while reads are about (default put_crc.CRC_POLICY)")
+    p.add_argument("--crc-off", action="store_true",
+                   help="sweeps: no CRC worker (the old split: loop thread / default executor by batch size)")
     p.add_argument("--fio", action="store_true", help="also run the fio anchor (needs fio)")
     p.add_argument("--sglang", action="store_true", help="also through the SGLang backend on real host pools (needs sglang)")
     p.add_argument("--json", help="write rows as JSON")
@@ -101,8 +107,35 @@ def arbiter_settings(cfg) -> dict:
         arbiter_mod.READ_SLICE_FLOOR = cfg.read_floor
     if cfg.quiet_ms is not None:
         arbiter_mod.READ_QUIET_S = cfg.quiet_ms / 1e3
+    if cfg.crc_policy is not None:
+        put_crc.CRC_POLICY = cfg.crc_policy
+    if cfg.crc_off:
+        put_crc.CRC_WORKER = False
     return {"read_fraction": arbiter_mod.READ_SLICE_FRACTION, "read_floor": arbiter_mod.READ_SLICE_FLOOR,
-            "quiet_ms": round(arbiter_mod.READ_QUIET_S * 1e3, 3)}  # fmt: skip
+            "quiet_ms": round(arbiter_mod.READ_QUIET_S * 1e3, 3),
+            "crc": put_crc.CRC_POLICY if put_crc.CRC_WORKER else "no-worker"}  # fmt: skip
+
+
+def solo_window(marks: list, solo_s: float) -> tuple[float, float]:
+    """[t0, t1] of at least ``solo_s`` with a backup batch ended before it and one inside it (up to
+    5x longer while none has), so the backup's solo GB/s is never NaN for want of a batch end."""
+    while not marks:
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    time.sleep(solo_s)
+    while marks[-1][0] < t0 and time.perf_counter() - t0 < 5 * solo_s:
+        time.sleep(0.02)
+    return t0, time.perf_counter()
+
+
+def loaded_gets(marks: list, t1: float, gets) -> list[float]:
+    """Blocks of ``gets()`` until a backup batch has ended since ``t1`` (blocks start for up to
+    MAX_LOADED_S), so the backup's GB/s beside the gets spans at least one batch end."""
+    lat: list[float] = []
+    while True:
+        lat += gets()
+        if (marks and marks[-1][0] >= t1) or time.perf_counter() - t1 > MAX_LOADED_S:
+            return lat
 
 
 def store_config(path: str, knob: str, slice_bytes: int, capacity: int) -> StoreConfig:
@@ -253,18 +286,16 @@ def cell(cfg, store, keys, dst, src, size: int, nget: int, pattern: str, interva
         ps = PutStream(store, size, src, f"{tag}-{r}")
         ps.start()
         time.sleep(cfg.warm_s)  # the stream reaches its steady rate
-        t0 = time.perf_counter()
-        time.sleep(cfg.solo_s)
-        t1 = time.perf_counter()
+        t0, t1 = solo_window(ps.marks, cfg.solo_s)
         with LoopProbe(store) as probe:
-            lat_l = run_gets(store, keys, dst, size, nget, cfg.calls, gap, rng)
+            lat_l = loaded_gets(ps.marks, t1, lambda: run_gets(store, keys, dst, size, nget, cfg.calls, gap, rng))
         t2 = time.perf_counter()
         ps.finish()
         if ps.failed:
             notes.append(f"{tag}: {ps.failed} puts of the stream failed")
         solo, gb = ps.gbps(t0, t1), ps.gbps(t1, t2)
         with LoopProbe(store) as probe_idle:
-            lat_i = run_gets(store, keys, dst, size, nget, cfg.calls, gap, rng)
+            lat_i = run_gets(store, keys, dst, size, nget, len(lat_l), gap, rng)
         idle += lat_i
         loaded += lat_l
         loop_idle += probe_idle.lat

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from ..keys import KeyScheme
-from .mixed import SPACING_X, pct, row
+from .mixed import SPACING_X, loaded_gets, pct, row, solo_window
 
 SHAPES = {1 << 20: dict(page_size=16, layers=32, heads=8, head_dim=128), 4 << 20: dict(page_size=64, layers=32, heads=8, head_dim=128)}
 BACKUP_PAGES = 24  # 48 K/V objects per batch_set_v1
@@ -154,16 +154,14 @@ def cell(cfg, be: Backend, size: int, pages: int, pattern: str, gap: float, tag:
         bk = Backup(be, 2 * size, f"{tag}-{r}")
         bk.thread.start()
         time.sleep(cfg.warm_s)
-        t0 = time.perf_counter()
-        time.sleep(cfg.solo_s)
-        t1 = time.perf_counter()
-        lat_l = gets(be, pages, cfg.calls, gap, rng)
+        t0, t1 = solo_window(bk.marks, cfg.solo_s)
+        lat_l = loaded_gets(bk.marks, t1, lambda: gets(be, pages, cfg.calls, gap, rng))
         t2 = time.perf_counter()
         bk.stop.set()
         bk.thread.join()
         if bk.failed:
             notes.append(f"{tag}: {bk.failed} backed-up pages failed")
-        lat_i = gets(be, pages, cfg.calls, gap, rng)
+        lat_i = gets(be, pages, len(lat_l), gap, rng)
         idle += lat_i
         loaded += lat_l
         solo = bk.gbps(t0, t1)

@@ -92,7 +92,8 @@ class Arbiter:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def _reads_about(self) -> bool:
+    def reads_about(self) -> bool:
+        """A read batch is in flight or one ended within quiet_s (and reads narrow the window)."""
         return self.hold_reads and bool(self._reads or time.monotonic() - self._read_end < self.quiet_s)
 
     def _may_go(self, reads_about: bool) -> bool:
@@ -112,7 +113,7 @@ class Arbiter:
     async def acquire(self) -> int:
         """Wait for a turn in the window; returns the bytes granted (charged until settle/release):
         the caller cuts its next slice to about that many and settles the difference."""
-        about = self._reads_about()
+        about = self.reads_about()
         if not self._waiting and self._may_go(about):
             return self._grant(about)
         fut = asyncio.get_running_loop().create_future()
@@ -143,7 +144,7 @@ class Arbiter:
         self._wake()
 
     def _wake(self) -> None:
-        about = self._reads_about()
+        about = self.reads_about()
         while self._waiting:
             fut = self._waiting[0]
             if fut.done():

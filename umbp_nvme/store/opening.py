@@ -49,6 +49,8 @@ def _crc32c_fn():
 class OpenSteps:
     """PageStore's open path (a mixin: these steps fill in the store's state)."""
 
+    _arbiter = None  # the engines' shared Arbiter once open (None: slicing off); put_crc asks it about reads
+
     async def _open(
         self, path, cfg: StoreConfig, readonly: bool, namespace: dict | None, capacity_from_manifest: bool = False,
         shrink: bool = False, engine_factory=None,
@@ -109,7 +111,7 @@ class OpenSteps:
             self._write_engine = await factory(self.config.ssd_io_backend, qd)
             self._engines.append(self._write_engine)
         cfg = self.config  # reads first: ioprio per direction, one write slice in flight while reads run
-        apply_io_policy(self._engines, read_priority=cfg.ssd_read_priority, write_slice_bytes=cfg.ssd_write_slice_bytes)
+        self._arbiter = apply_io_policy(self._engines, read_priority=cfg.ssd_read_priority, write_slice_bytes=cfg.ssd_write_slice_bytes)
 
     def _open_manifest(self, cfg: StoreConfig, namespace: dict | None, capacity_from_manifest: bool = False,
                        shrink: bool = False) -> None:  # fmt: skip

@@ -20,7 +20,7 @@ from .index import FLAG_CRC, REC_BYTES
 from .layout import SLOT_ALIGN_BYTES
 from .checks import Refusals, begin_call, plain_keys
 from .memory import int_arg
-from . import staging
+from . import put_crc, staging
 from .staging import settle, wait_out
 
 log = logging.getLogger("umbp_nvme.store")
@@ -244,12 +244,12 @@ class PutPath:
         loop = asyncio.get_running_loop()
         if b.route is None:
             # CRC over the caller's memory (GIL released) while the disk reads the same memory: it
-            # costs no wall time unless it outlasts the write. A large batch's on a worker thread;
-            # a small one's on the loop thread once the write is submitted (below), as the hand-off
-            # to a worker and back costs ~200 us of CPU.
+            # costs no wall time unless it outlasts the write. While reads are about, on a
+            # low-priority worker (never ahead of a get's completion); else a large batch's on the
+            # executor and a small one's on the loop once the write is submitted (below), as the
+            # hand-off to a thread and back costs ~200 us of CPU. See put_crc.py.
             b.crc_out = np.empty(m, np.uint32)
-            if int(b.nbytes.sum()) > INLINE_CRC_BYTES:
-                b.crc_job = loop.run_in_executor(None, self._crc32c_many, b.src, b.nbytes, b.crc_out)
+            b.crc_job = put_crc.dispatch(self._arbiter, self._crc32c_many, b.src, b.nbytes, b.crc_out, INLINE_CRC_BYTES)
         if plan.bounced:
             # the thread owns the bounce buffer until it returns, even if our caller gives up
             await wait_out(loop.run_in_executor(None, plan.copy_in))

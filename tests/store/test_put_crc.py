@@ -1,0 +1,127 @@
+"""A put's CRC32C never runs ahead of a get's completion handling: while reads are about it goes to
+low-priority worker threads; with none about, small batches stay on the loop thread and large ones
+on the default executor. Every stored CRC is still its object's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import KiB, MiB, damage_object, payload, small_config
+from umbp_nvme._uring import crc32c_many
+from umbp_nvme.engine.arbiter import Arbiter
+from umbp_nvme.store import PageStore, put_crc, put_path
+
+
+def _crcs(nbytes_each: list[int]):
+    bufs = [payload(f"k{i}", n) for i, n in enumerate(nbytes_each)]
+    src = np.array([b.ctypes.data for b in bufs], np.uint64)
+    nbytes = np.array(nbytes_each, np.int64)
+    return bufs, src, nbytes, np.zeros(len(bufs), np.uint32)
+
+
+def _me():
+    tid = threading.get_native_id()
+    return tid, put_crc.thread_policy(tid)
+
+
+@pytest.mark.parametrize("policy,sched", [("nice", os.SCHED_OTHER), ("batch", os.SCHED_BATCH), ("idle", os.SCHED_IDLE)])
+async def test_each_job_runs_on_its_own_thread_at_the_policy(monkeypatch, policy, sched):
+    monkeypatch.setattr(put_crc, "CRC_POLICY", policy)
+    before = threading.active_count()
+    got = [await put_crc.run_low(_me) for _ in range(3)]
+    assert len({tid for tid, _ in got}) == 3 and threading.get_native_id() not in {tid for tid, _ in got}
+    assert put_crc._Count.applied == policy  # this kernel accepted it (a thread may always lower itself)
+    for _, (got_sched, got_nice) in got:
+        assert got_sched == sched
+        if policy != "idle":
+            assert got_nice == put_crc.CRC_NICE
+    assert put_crc.thread_policy(threading.get_native_id()) == (os.SCHED_OTHER, os.getpriority(os.PRIO_PROCESS, 0))
+    for _ in range(100):  # each job's thread ends with it: nothing outlives the put
+        if threading.active_count() <= before:
+            break
+        await asyncio.sleep(0.01)
+    assert threading.active_count() <= before
+
+
+async def test_the_job_computes_the_crcs_and_hands_back_errors():
+    jobs = put_crc._Count.jobs
+    bufs, src, nbytes, out = _crcs([4096, 1 * MiB + 7, 300 * KiB])
+    await put_crc.run_low(crc32c_many, src, nbytes, out)
+    want = np.zeros_like(out)
+    crc32c_many(src, nbytes, want)  # on this thread
+    assert out.tolist() == want.tolist() and len(set(out.tolist())) == 3
+
+    def boom():
+        raise OSError(5, "bad")
+
+    with pytest.raises(OSError, match="bad"):
+        await put_crc.run_low(boom)
+    assert (await put_crc.run_low(lambda: 42)) == 42
+    assert put_crc._Count.jobs == jobs + 3
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="CRC policy must be one of"):
+        put_crc.lower_priority("fast")
+
+
+async def test_dispatch_by_reads_and_batch_size():
+    big = put_path.INLINE_CRC_BYTES + 1
+    bufs, src, nbytes, out = _crcs([64 * KiB])
+    arb, quiet = Arbiter(8 * MiB), Arbiter(8 * MiB, hold_reads=False)
+    jobs = put_crc._Count.jobs
+
+    assert put_crc.dispatch(arb, crc32c_many, src, nbytes, out, big) is None  # no reads: inline
+    assert put_crc._Count.jobs == jobs
+    large = put_crc.dispatch(arb, crc32c_many, src, nbytes, out, 1024)  # no reads, large: executor
+    assert isinstance(large, asyncio.Future) and put_crc._Count.jobs == jobs
+    await large
+
+    for a in (arb, quiet):
+        a.read_started()
+    try:  # a read in flight: the worker, whatever the size
+        out[:] = 0
+        await put_crc.dispatch(arb, crc32c_many, src, nbytes, out, big)
+        assert put_crc._Count.jobs == jobs + 1 and out[0] != 0
+        # ssd_read_priority=off (reads never narrow anything) and no arbiter: the size split
+        assert put_crc.dispatch(quiet, crc32c_many, src, nbytes, out, big) is None
+        assert put_crc.dispatch(None, crc32c_many, src, nbytes, out, big) is None
+    finally:
+        for a in (arb, quiet):
+            a.read_done()
+    assert arb.reads_about()  # within the quiet window after the read ended: still the worker
+    await put_crc.dispatch(arb, crc32c_many, src, nbytes, out, big)
+    assert put_crc._Count.jobs == jobs + 2
+
+
+async def test_puts_beside_a_read_checksum_on_the_worker_and_verify(store_dir):
+    cfg = small_config(ssd_capacity_bytes=96 * MiB, ssd_segment_size_bytes=8 * MiB, ssd_durability_mode="strict")
+    st = await PageStore.open(store_dir, cfg)
+    try:
+        assert st._arbiter is not None
+        sizes = {"s": [200 * KiB + 7 * i for i in range(10)], "l": [1 * MiB] * 20}  # inline-sized and large
+        data = {t: ([f"{t}{i}" for i in range(len(n))], [payload(f"{t}{i}", x) for i, x in enumerate(n)])
+                for t, n in sizes.items()}  # fmt: skip
+        jobs = put_crc._Count.jobs
+        st._arbiter.read_started()  # as a get in flight would
+        try:
+            for keys, vals in data.values():
+                assert await st.put_many(keys, vals) == [True] * len(keys)
+        finally:
+            st._arbiter.read_done()
+        assert put_crc._Count.jobs == jobs + 2
+        for keys, vals in data.values():  # every stored CRC is its object's: all verify
+            outs = [np.zeros(len(v), np.uint8) for v in vals]
+            assert await st.get_many(keys, outs) == [True] * len(keys)
+            assert all(np.array_equal(o, v) for o, v in zip(outs, vals))
+        damage_object(store_dir, st, "s4", 100, b"\xde\xad")
+        outs = [np.zeros(len(v), np.uint8) for v in data["s"][1]]
+        assert await st.get_many(data["s"][0], outs) == [i != 4 for i in range(10)]
+        assert st.stats()["crc_errors"] == 1
+    finally:
+        await st.close()

@@ -1,0 +1,109 @@
+"""Where a put batch's CRC32C runs, so that it never delays a get's completion handling.
+
+A get completes on the store's loop thread; on a small machine it also waits for a free core.
+So while reads are about (the arbiter says: a read batch in flight or one ended within
+``READ_QUIET_S``) a put's CRC runs on a thread of its own at low CPU priority: the loop
+thread, the callers and the kernel's completions take a core first, and the CRC (which runs
+beside its own write and costs no wall time unless it outlasts it) gets what is left. With no
+reads about, the cheaper paths stay: a small batch on the loop thread (a hop to a thread and back
+costs ~200 us of CPU), a large one on the default executor at normal priority.
+
+Each job gets a thread of its own, which ends with the job; ``CRC_POLICY`` says how it lowers
+its priority, chosen by measurement (docs/tuning.md):
+``idle`` = SCHED_IDLE, ``batch`` = SCHED_BATCH at nice ``CRC_NICE``, ``nice`` = nice ``CRC_NICE``,
+``normal`` = no change (a control for benchmarks). A thread id's policy is its own on Linux
+(``sched_setscheduler(0, ...)`` / ``setpriority(PRIO_PROCESS, tid, ...)`` from the thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+
+log = logging.getLogger("umbp_nvme.store")
+
+CRC_POLICIES = ("idle", "batch", "nice", "normal")
+CRC_POLICY = "nice"  # read as each job's thread starts (bench mixed --crc-policy sets it first)
+CRC_NICE = 19
+CRC_WORKER = True  # False: the split by batch size alone, as before the worker (bench sweeps)
+
+
+def lower_priority(policy: str, nice: int = CRC_NICE) -> str:
+    """Lower the calling thread's CPU priority as ``policy`` says; returns what was applied
+    ("normal" where the kernel refused: the CRC still runs, only without the lower priority)."""
+    if policy not in CRC_POLICIES:
+        raise ValueError(f"CRC policy must be one of {CRC_POLICIES}, got {policy!r}")
+    try:
+        if policy == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        elif policy == "batch":
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        elif policy == "nice":
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError) as e:  # not Linux, or a seccomp profile that refuses it
+        if not _Count.warned:
+            _Count.warned = True
+            log.warning("CRC worker: could not apply CPU policy %s (%s); it runs at normal priority", policy, e)
+        return "normal"
+    return policy
+
+
+def thread_policy(tid: int) -> tuple[int, int]:
+    """(scheduling policy, nice) of a thread of this process, for tests and the bench's notes."""
+    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+class _Count:
+    jobs = 0  # jobs started (tests, bench notes)
+    applied: str | None = None  # the policy the last job ran under
+    warned = False
+
+
+def run_low(fn, *args) -> asyncio.Future:
+    """``fn(*args)`` on a thread of its own at low CPU priority; the future is resolved on the
+    caller's loop once ``fn`` has returned (so once it no longer reads the caller's memory).
+
+    A thread per job (~0.1 ms to start, against ~4 ms of CRC for a 48 MiB batch) rather than a
+    pool: nothing outlives the put that started it, so a closed store leaves no thread behind."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    _Count.jobs += 1
+    threading.Thread(target=_job, args=(loop, fut, fn, args), name="umbp-crc", daemon=True).start()
+    return fut
+
+
+def _job(loop, fut, fn, args) -> None:
+    _Count.applied = lower_priority(CRC_POLICY)
+    try:
+        res, exc = fn(*args), None
+    except BaseException as e:  # noqa: BLE001 - handed to the awaiting put
+        res, exc = None, e
+    try:
+        loop.call_soon_threadsafe(_resolve, fut, res, exc)
+    except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+        pass
+
+
+def _resolve(fut: asyncio.Future, res, exc) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(res)
+
+
+def dispatch(arbiter, crc_many, src, nbytes, out, inline_max: int):
+    """Start a put batch's CRCs (``crc_many(src, nbytes, out)``) where they cannot hold up a get.
+
+    Returns the job's future, or None when the caller runs them on the loop thread (no reads
+    about and at most ``inline_max`` bytes). ``arbiter``: the store's (None when slicing is off:
+    then, as with ``ssd_read_priority=off``, reads are not tracked and today's split stays)."""
+    if CRC_WORKER and arbiter is not None and arbiter.reads_about():
+        return run_low(crc_many, src, nbytes, out)
+    if int(nbytes.sum()) > inline_max:
+        return asyncio.get_running_loop().run_in_executor(None, crc_many, src, nbytes, out)
+    return None
