@@ -74,6 +74,19 @@ def test_store_bench_smoke(tmp_path):
     assert "verify_crc on" in stdout
 
 
+def test_store_bench_prints_the_issue_targets_per_size():
+    from umbp_nvme.bench.store import targets
+
+    row = dict(system="umbp_store", buffers="4k", vs_umbp_uring=0.87)
+    lines = targets([dict(row, op="put", object_bytes=64 << 10), dict(row, op="put", object_bytes=1 << 20),
+                     dict(row, op="get", object_bytes=64 << 10)])  # fmt: skip
+    assert lines == [
+        "put 64 KiB 4k: store/raw = 0.870 (target >= 0.85) MET",
+        "put 1024 KiB 4k: store/raw = 0.870 (target >= 0.9) NOT MET",
+        "get 64 KiB 4k: store/raw = 0.870 (target >= 0.9) NOT MET",
+    ]
+
+
 def test_store_bench_no_verify_opens_stores_without_the_get_crc(tmp_path):
     rows, stdout = _run("store", tmp_path, "--ops", "put,get", "--buffers", "4k", "--no-verify")
     _check_common(rows, "store")

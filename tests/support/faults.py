@@ -378,7 +378,7 @@ class HookedEngine:
 
     async def sync(self, fd, datasync=True):
         h = self.hooks.sync
-        return await (self.inner.sync(fd, datasync) if h is None else h(self.inner.sync, fd, datasync))
+        return await (self.inner.sync(fd, datasync=datasync) if h is None else h(self.inner.sync, fd, datasync))
 
 
 def on_files_under(root: str):

@@ -323,7 +323,8 @@ class PutPath:
     async def _sync_written(self, b: WriteBatch) -> None:
         """fdatasync every segment the batch wrote; objects in a segment that failed are not durable."""
         segs = b.segs
-        touched = np.unique(segs[b.good]).tolist()
+        g = segs[b.good]
+        touched = [int(g[0])] if len(g) and (g == g[0]).all() else np.unique(g).tolist()  # one segment: the common batch
         sync = self._write_engine.sync
         fdl = self._files.fds
         if len(touched) == 1:
