@@ -1,5 +1,6 @@
-"""Small batches are checksummed (put) and verified (get) on the loop thread, large ones on a
-worker: either way every stored CRC is its object's and a damaged object fails alone."""
+"""Small batches are checksummed (put) and verified (get: the objects of the parts that completed
+together, up to 4 MiB) on the loop thread, large ones on a worker: either way every stored CRC is
+its object's and a damaged object fails alone."""
 
 from __future__ import annotations
 
@@ -9,16 +10,15 @@ import numpy as np
 from conftest import KiB, MiB, damage_object, payload, small_config
 from umbp_nvme.store import PageStore, get_path, put_path
 
-SMALL = [200 * KiB + 7 * i for i in range(40)]  # ~8 MiB: CRC inline in 4 MiB chunks, get parts ~2 MiB inline
-LARGE = [1 * MiB] * 20  # 20 MiB: CRC and get verification on a worker thread
+SMALL = [200 * KiB + 7 * i for i in range(40)]  # ~8 MiB: CRC inline in 4 MiB chunks, a get part (~1 MiB) inline
+LARGE = [1 * MiB] * 20  # 20 MiB: CRC on a worker thread; get parts completing together (> 4 MiB) too
 
 
 def test_the_batches_cover_both_paths():
     assert put_path.INLINE_CRC_CHUNK < sum(SMALL) <= put_path.INLINE_CRC_BYTES < sum(LARGE)
-    small_parts = np.diff(get_path.part_bounds(len(SMALL), sum(SMALL)))
-    large_parts = np.diff(get_path.part_bounds(len(LARGE), sum(LARGE)))
+    small_parts = np.diff(get_path.read_parts(np.asarray(SMALL, np.int64))[0])
     assert len(small_parts) > 1 and max(small_parts) * max(SMALL) <= get_path.INLINE_VERIFY_BYTES
-    assert min(large_parts) * min(LARGE) > get_path.INLINE_VERIFY_BYTES
+    assert sum(LARGE) > get_path.INLINE_VERIFY_BYTES
 
 
 async def test_inline_and_worker_crcs_are_the_objects_and_catch_damage(store_dir):

@@ -81,12 +81,12 @@ class StagePlan:
             if bl > nb:
                 ctypes.memset(dst + nb, 0, bl - nb)
 
-    def copy_out(self, lo: int, hi: int, ok: np.ndarray) -> None:
-        """Reads, on a worker thread: each bounced object of ops [lo, hi) that read whole into the caller's memory."""
+    def copy_out(self, sel: np.ndarray, ok: np.ndarray) -> None:
+        """Reads, on a worker thread: each bounced object among ops ``sel`` (``ok``: read whole) into the caller's memory."""
         if self.bounce is None:
             return
         dst, io_addr, lens = self.addrs, self.io_addr, self.lens
-        for j in (np.flatnonzero(self.mask[lo:hi] & ok) + lo).tolist():
+        for j in sel[self.mask[sel] & ok].tolist():
             _memmove(int(dst[j]), int(io_addr[j]), int(lens[j]))
 
     def release(self, pool: BouncePool) -> None:

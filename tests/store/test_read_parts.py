@@ -1,0 +1,99 @@
+"""A get reads its objects in parts: a small batch in ~1 MiB parts all in flight at once, a large
+one a few parts at a time; each part is verified as it completes, and the call never returns
+(not even cancelled) while a part's read may still write the caller's memory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from conftest import KiB, MiB, damage_object, payload, small_config
+from support.faults import EngineHooks
+from umbp_nvme.store import PageStore, get_path
+from umbp_nvme.store.get_path import read_parts
+
+
+@pytest.mark.parametrize("sizes", [[64 * KiB] * 256, [128 * KiB] * 256, [200 * KiB + 7 * i for i in range(40)],
+                                   [4096] * 3 + [3 * MiB] + [4096] * 50])  # fmt: skip
+def test_a_small_batch_is_about_1_mib_parts_all_in_flight(sizes):
+    lens = np.asarray(sizes, np.int64)
+    bounds, window = read_parts(lens)
+    assert bounds[0] == 0 and bounds[-1] == len(lens) and all(a < b for a, b in zip(bounds, bounds[1:]))
+    assert window == len(bounds) - 1  # every part in flight at once
+    parts = [int(lens[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
+    want = min(get_path.SMALL_PARTS_MAX, int(lens.sum()) // get_path.PART_BYTES)
+    assert len(parts) == want if len(set(sizes)) == 1 else 1 < len(parts) <= want  # one big op may take a cut's place
+    mean = lens.sum() / len(parts)
+    assert all(p <= mean + lens.max() for p in parts)  # equal bytes, an op never split
+
+
+def test_tiny_and_large_batches():
+    assert read_parts(np.zeros(0, np.int64)) == ([0], 1)
+    assert read_parts(np.full(10, 4096, np.int64)) == ([0, 10], 1)
+    big = np.full(256, 1 * MiB, np.int64)  # 256 MiB: the large-batch shape, a few parts at a time
+    bounds, window = read_parts(big)
+    assert bounds == get_path.part_bounds(256, int(big.sum())) and window == get_path.READ_PARTS_IN_FLIGHT
+
+
+async def test_parts_return_exact_bytes_and_a_damaged_object_fails_alone(store_dir):
+    cfg = small_config(ssd_capacity_bytes=96 * MiB, ssd_segment_size_bytes=8 * MiB)
+    st = await PageStore.open(store_dir, cfg)
+    keys = [f"p{i}" for i in range(96)]
+    vals = [payload(k, 96 * KiB + 512 * (i % 3)) for i, k in enumerate(keys)]  # ~9 MiB: 9 parts, some bounced
+    assert await st.put_many(keys, vals) == [True] * len(keys)
+    assert len(read_parts(np.asarray([len(v) for v in vals], np.int64))[0]) > 5
+    damage_object(store_dir, st, "p50", 100, b"\xde\xad")
+    outs = [np.zeros(len(v), np.uint8) for v in vals]
+    assert await st.get_many(keys, outs) == [k != "p50" for k in keys]
+    assert all(np.array_equal(o, v) for k, o, v in zip(keys, outs, vals) if k != "p50")
+    assert st.stats()["crc_errors"] == 1
+    await st.close()
+
+
+async def test_a_cancelled_get_waits_for_every_part_in_flight(store_dir):
+    hooks = EngineHooks()
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=64 * MiB, ssd_segment_size_bytes=8 * MiB),
+                              engine_factory=hooks.engine_factory())  # fmt: skip
+    keys = [f"c{i}" for i in range(64)]
+    vals = [payload(k, 128 * KiB) for k in keys]  # 8 MiB: 8 parts
+    assert await st.put_many(keys, vals) == [True] * len(keys)
+    release, started, in_flight = asyncio.Event(), [], [0]
+
+    async def hold_third(real, *a):
+        """The third part behaves like a read the kernel still owns: cancelling it waits for the release."""
+        started.append(len(a[3]))
+        in_flight[0] += 1
+        try:
+            if len(started) == 3:
+                try:
+                    await release.wait()
+                except asyncio.CancelledError:
+                    await release.wait()
+                    raise
+            return await real(*a)
+        finally:
+            in_flight[0] -= 1
+
+    hooks.read = hold_third
+    outs = [np.zeros(128 * KiB, np.uint8) for _ in keys]
+    task = asyncio.ensure_future(st.get_many(keys, outs))
+    for _ in range(200):
+        await asyncio.sleep(0.005)
+        if len(started) == 8 and in_flight[0] == 1:
+            break
+    assert len(started) == 8 and in_flight[0] == 1  # all parts submitted at once; one still held
+    task.cancel()
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+    assert not task.done()  # the held part may still write outs[16:24]
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert in_flight[0] == 0
+    hooks.read = None
+    outs = [np.zeros(128 * KiB, np.uint8) for _ in keys]
+    assert await st.get_many(keys, outs) == [True] * len(keys)  # nothing left pinned or broken
+    assert all(np.array_equal(o, v) for o, v in zip(outs, vals))
+    await st.close()
