@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import payload, small_config
+from support.drive_stores import degrade_by_eio, filled_writer
 from support.faults import FaultPlan, FaultRule, on_files_under as _on
 from umbp_nvme.config import load_config
 from umbp_nvme.store import PageStore, owed_deletes
@@ -381,13 +382,9 @@ async def test_a_drive_missing_at_open_joins_once_its_store_is_back(tmp_path):
 async def _degraded_by_eio(tmp_path, n: int = 2):
     """A writer over ``n`` drives whose drive 1 answers EIO to reads (degraded by one get), with
     pages on every drive; the probe never re-admits it in this process."""
-    roots = _roots(tmp_path, n)
-    plan = FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), probe_interval_s=60)
-    keys = _keys(60)
-    assert await _put(st, keys) == [True] * 120
+    roots, plan, st, keys = await filled_writer(tmp_path, 60, n=n)
     where = st.drive_of(keys)
-    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
+    await degrade_by_eio(plan, st, roots[1], keys)
     res, wrong = await _get(st, keys)
     assert wrong == 0 and st.stats()["drives"][1]["state"] == "degraded"
     return roots, st, keys, where

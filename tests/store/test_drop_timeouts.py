@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import payload, small_config
-from support.faults import FaultPlan, FaultRule, on_files_under as _on
+from support.drive_stores import degrade_by_eio, filled_writer
 from support.waits import until
 from umbp_nvme.store import PageStore, owed_deletes
 from umbp_nvme.store.drives import MultiDriveStore
@@ -93,15 +93,9 @@ async def _owing_writer(tmp_path, probe_interval_s: float):
     """A writer over 2 drives whose drive 1 answers EIO to reads (degraded; its probe cannot read
     back until ``plan`` is cleared), owing the delete of ``gone`` (durably, in drive 0's log).
     Returns (roots, st, plan, gone, kept)."""
-    roots = [str(tmp_path / f"drive{i}" / "store") for i in range(2)]
-    plan = FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(),
-                                    probe_interval_s=probe_interval_s)  # fmt: skip
-    keys = _keys(40)
-    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
+    roots, plan, st, keys = await filled_writer(tmp_path, 40, probe_interval_s=probe_interval_s)
     on1 = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
-    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
-    await _get(st, on1[:1])
+    await degrade_by_eio(plan, st, roots[1], on1)
     assert st.stats()["drives"][1]["state"] == "degraded"
     gone, kept = on1[:4], on1[4:]
     await st.delete_many(gone)  # owed, recorded on drive 0 before it returns

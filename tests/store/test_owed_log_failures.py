@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import payload, small_config
-from support.faults import FaultPlan, FaultRule, on_files_under as _on
+from support.drive_stores import degrade_by_eio, filled_writer
 from support.waits import until
 from umbp_nvme.store import owed_deletes
 from umbp_nvme.store.drives import MultiDriveStore
@@ -64,14 +64,9 @@ def log_fails(monkeypatch):
 async def _degraded(tmp_path):
     """A writer over 2 drives whose drive 1 answers EIO to reads (degraded, never re-admitted
     here), with pages on both. Returns (roots, st, keys on drive 1)."""
-    roots = [str(tmp_path / f"drive{i}" / "store") for i in range(2)]
-    plan = FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), probe_interval_s=60)
-    keys = _keys(40)
-    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
+    roots, plan, st, keys = await filled_writer(tmp_path, 40)
     on1 = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
-    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
-    await _read(st, on1[:1])
+    await degrade_by_eio(plan, st, roots[1], on1)
     assert st.stats()["drives"][1]["state"] == "degraded"
     return roots, st, on1
 
@@ -81,6 +76,10 @@ async def test_a_delete_owed_durably_is_acknowledged_and_stays_deleted_after_a_r
     assert await st.delete_many(on1[:4] + ["never-stored_0_k"]) == [True] * 4 + [False]
     assert owed_deletes.load(roots[:1]).keys == {roots[1]: set(on1[:4])}
     await st.close()
+    await _first_four_gone_after_a_restart(roots, on1)
+
+
+async def _first_four_gone_after_a_restart(roots, on1) -> None:
     st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
     res, wrong = await _read(st, on1)
     assert wrong == 0 and res == [False] * 4 + [True] * (len(on1) - 4)
@@ -105,10 +104,7 @@ async def test_an_owed_delete_no_log_records_is_not_acknowledged_until_a_retry_r
     assert await st.delete_many(on1[:4]) == [True] * 4  # owed again, now recorded
     assert owed_deletes.load(roots[:1]).keys == {roots[1]: set(on1[:4])}
     await st.close()
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
-    res, wrong = await _read(st, on1)
-    assert wrong == 0 and res == [False] * 4 + [True] * (len(on1) - 4)
-    await st.close()
+    await _first_four_gone_after_a_restart(roots, on1)
 
 
 async def test_no_acknowledged_delete_or_re_put_comes_back_wrong_after_a_restart(tmp_path, log_fails):
@@ -150,14 +146,9 @@ async def test_a_clear_no_log_records_for_a_degraded_drive_raises(tmp_path, log_
 
 
 async def test_a_drive_rejoins_only_once_a_log_records_its_owes_settled(tmp_path, log_fails):
-    roots = [str(tmp_path / f"drive{i}" / "store") for i in range(2)]
-    plan = FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), probe_interval_s=0.05)
-    keys = _keys(40)
-    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
+    roots, plan, st, keys = await filled_writer(tmp_path, 40, probe_interval_s=0.05)
     on1 = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
-    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
-    await _read(st, on1[:1])
+    await degrade_by_eio(plan, st, roots[1], on1)
     assert await st.delete_many(on1[:4]) == [True] * 4
     log_fails[0] = "error"
     plan.set_rules([])  # drive 1 reads back: the probe applies the owes but cannot record them settled

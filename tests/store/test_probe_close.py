@@ -11,7 +11,8 @@ import os
 import numpy as np
 
 from conftest import payload, small_config
-from support.faults import FaultPlan, FaultRule, on_files_under as _on
+from support.drive_stores import degrade_by_eio, filled_writer
+from support.faults import FaultRule, on_files_under as _on
 from support.waits import until
 from umbp_nvme.store import drive_probe, owed_deletes
 from umbp_nvme.store.drives import MultiDriveStore
@@ -29,11 +30,7 @@ def _others() -> list[asyncio.Task]:
 
 
 async def test_close_cancels_and_awaits_a_probe_under_way(tmp_path, monkeypatch):
-    roots = [str(tmp_path / f"drive{i}" / "store") for i in range(2)]
-    plan = FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), probe_interval_s=0.02)
-    keys = _keys(20)
-    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 40
+    roots, plan, st, keys = await filled_writer(tmp_path, 20, probe_interval_s=0.02)
     on1 = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
     entered, ended = asyncio.Event(), []
 
@@ -91,14 +88,9 @@ async def test_close_during_a_reopen_closes_the_store_the_probe_opened(tmp_path,
 
 
 async def test_a_probe_that_rejoins_a_drive_still_works_after_the_change(tmp_path):
-    roots = [str(tmp_path / f"drive{i}" / "store") for i in range(2)]
-    plan = FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), probe_interval_s=0.02)
-    keys = _keys(20)
-    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 40
+    roots, plan, st, keys = await filled_writer(tmp_path, 20, probe_interval_s=0.02)
     on1 = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
-    plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]), limit=1)])
-    await st.get_many(on1[:1], [np.zeros(OBJ, np.uint8)])
+    await degrade_by_eio(plan, st, roots[1], on1, limit=1)
     assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
     await st.close()
     assert _others() == []
