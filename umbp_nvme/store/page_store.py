@@ -307,10 +307,6 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
             self._rows.release(orphans)
         return False
 
-    # ----------------------------------------------------------------------------- eviction
-
-    # ----------------------------------------------------------------------------- delete (deletes.py)
-
     async def clear(self) -> None:
         """Drop every entry durably and free all space (slots being read are freed after the read)."""
         if begin_call(self, "clear", (), writes=True) is None:
