@@ -30,6 +30,8 @@ class DeleteSteps:
         results = begin_call(self, "delete_many", keys, writes=True)
         if results is None:
             return [False] * len(keys)
+        if self._put_doubt and not self.put_doubt_keys().isdisjoint(k for k in keys if type(k) is str):
+            await self._put_doubt_retry()  # settled first: a landed put is then deleted like any other
         rows, where = [], []
         seen = set()
         for i, r in enumerate(self._writer_rows(keys)):
@@ -52,10 +54,11 @@ class DeleteSteps:
         return results
 
     def delete_pending(self, keys) -> list[bool]:
-        """Writers: per key, whether it is still stored or its delete is in doubt: a delete owed for
-        such a key is not settled (drive_probe.py)."""
+        """Writers: per key, whether it is still stored, its delete is in doubt or a put of it is in
+        doubt (put_doubt.py): a delete owed for such a key is not settled (drive_probe.py)."""
         held = self.exists_many_nowait(keys)
-        if not self._drop_doubt:
+        if not self._drop_doubt and not self._put_doubt:
             return held
-        doubt = set(self._drop_doubt.values())
+        doubt = set(self._drop_doubt.values()) if self._drop_doubt else set()
+        doubt |= self.put_doubt_keys()  # a put in doubt may have landed
         return [h or (type(k) is str and k in doubt) for h, k in zip(held, keys)]

@@ -42,6 +42,7 @@ PROBE_INTERVAL_S = 1.0  # how often degraded drives are probed and healthy ones 
 _SUMMED = COUNTERS + (
     "objects", "bytes_used", "capacity_bytes", "usable_bytes", "disk_bytes", "index_bytes", "segments",
     "segments_free", "segment_files", "pinned_slots", "late_writes", "stalled_ops", "late_completions",
+    "puts_in_doubt_bytes",
     "effective_capacity_bytes",
 )  # fmt: skip
 

@@ -32,6 +32,7 @@ from .deletes import DeleteSteps
 from .get_path import GetPath
 from .memory import Ranges
 from .opening import OpenSteps
+from .put_doubt import PutDoubt
 from .put_path import PutPath
 from .record_steps import RecordSteps
 from .space import SpaceSteps
@@ -54,7 +55,7 @@ COUNTERS = (
 )  # fmt: skip
 
 
-class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, DeleteSteps):
+class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, IoWaits, DeleteSteps):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
     # Per-instance once set; class defaults so every open path has them.
@@ -137,6 +138,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
                 log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, self._inflight)
                 await self._idle.wait()
         if not self.readonly and self._index is not None:
+            if not await self._put_doubt_retry():
+                log.warning("%s: %d bytes of puts in doubt at close (the next open trusts the index)", self.path,
+                            self.put_doubt_bytes())  # fmt: skip
             if await self.flush_for_close():
                 try:
                     self._index.set_writer_state(b"clean")
@@ -284,6 +288,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
                     ok = False
                 else:  # keys decoded from bytes: always encode
                     ok = await self._commit(deletes=[encode_key(k) for k in dels])
+                    if ok and self._put_doubt:  # every earlier commit has landed or failed
+                        self._put_doubt_settle()
         except asyncio.TimeoutError:
             pass
         finally:
@@ -410,6 +416,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
                 size_classes=self._alloc.class_counts(),
                 pinned_slots=self._rows.pinned_count(),
                 late_writes=self._late_writes,
+                puts_in_doubt_bytes=self.put_doubt_bytes(),
                 effective_capacity_bytes=self._effective_capacity(),
             )
         else:
