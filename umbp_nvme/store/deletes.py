@@ -1,7 +1,9 @@
 """Deletes: ``delete_many``, and drops in doubt (a mixin of PageStore).
 
 A drop (page_store._drop_rows: a delete, an eviction, a bad CRC) whose index commit outlived
-io_timeout_s may land later, or never. Its keys are already hidden (no new reader pins their rows),
+io_timeout_s may land later, or never; one whose commit failed after its tombstones (the cleared
+records in the segments) landed is half done on disk: served again, it would answer from a record
+a rebuild no longer has. Both are treated alike. Its keys are already hidden (no new reader pins their rows),
 so it is kept *in doubt*: its slots stay out of use, it is not acknowledged, a later delete of the
 key or the next eviction retries it (tombstone and commit again: both idempotent), and until one lands
 ``delete_pending`` reports the key, so an owed delete (drive_probe.py, owed_deletes.py) is not
