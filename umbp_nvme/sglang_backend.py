@@ -181,6 +181,7 @@ class UMBPNvmeStore(HiCacheStorage):
 
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         try:
+            keys = _key_list(keys)
             store = self._main()
             if store is None or not keys:
                 return 0
@@ -204,8 +205,10 @@ class UMBPNvmeStore(HiCacheStorage):
     def _v1_batch(self, op: str, keys, host_indices, extra_info, *, is_set: bool) -> List[bool]:
         """batch_get_v1 / batch_set_v1: timed I/O recorded in the stats; any failure is a list
         of False (misses for a get, failures for a set), never an exception."""
-        n = len(keys) if keys is not None else 0
+        n = 0
         try:
+            keys = _key_list(keys)
+            n = len(keys)
             if is_set and self.is_mla_follower:
                 return [True] * (len(host_indices) // self.page_size if host_indices is not None else n)
             if self.kv_anchor_is_logical:
@@ -373,6 +376,17 @@ class UMBPNvmeStore(HiCacheStorage):
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _key_list(keys) -> list:
+    """The keys of a call as a sized sequence: a list or tuple as given, any other iterable read
+    once (a generator); None is no keys. Raises TypeError for a non-iterable (the caller's
+    never-raise wrapper answers no pages)."""
+    if keys is None:
+        return []
+    if isinstance(keys, (list, tuple)):
+        return keys
+    return list(keys)
 
 
 def _truthy(value) -> bool:
