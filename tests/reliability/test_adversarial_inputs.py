@@ -170,3 +170,43 @@ async def test_a_get_into_overlapping_buffers_never_drops_a_stored_entry(tmp_pat
     res = await st.get_many(keys, outs)
     await st.close()
     assert res == [True, True]  # ... but nothing stored may be lost for it
+
+
+# ---------------------------------------------------------------- warm-up arguments
+
+
+@pytest.fixture
+def small_source(tmp_path):
+    import asyncio
+
+    from conftest import payload, small_config
+    from umbp_nvme.store import PageStore
+
+    async def fill():
+        st = await PageStore.open(str(tmp_path / "src"), small_config())
+        keys = [f"p{i}_0_k" for i in range(8)]
+        assert await st.put_many(keys, [payload(k, 16 << 10) for k in keys]) == [True] * 8
+        await st.close()
+
+    asyncio.run(fill())
+    return str(tmp_path / "src")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--batch-size", "99999999999999999999999t"], "--batch-size"),  # was an OverflowError traceback
+    (["--batch-size", "100t"], "--batch-size"),  # was a bare "[Errno 12] Cannot allocate memory"
+    (["--namespace", '"x"'], "--namespace"),  # was a TypeError traceback from the store's open
+    (["--namespace", "[1]"], "--namespace"),
+])  # fmt: skip
+def test_warmup_arguments_out_of_range_are_errors_naming_them(tmp_path, small_source, args, says):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "umbp_nvme.cli", "warmup", "--store", str(tmp_path / "dst"), small_source,
+                        *args], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert p.returncode == 2, p.stderr[-800:]
+    assert "Traceback" not in p.stderr and says in p.stderr, p.stderr[-800:]
+    assert not os.path.exists(tmp_path / "dst" / "MANIFEST.json")  # refused before a store was made
