@@ -476,6 +476,8 @@ def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | No
 
     for key, value in extra.items():
         label = f"extra_config[{key!r}]"
+        if not isinstance(key, str):
+            raise ValueError(f"{label}: extra_config keys must be strings, got {type(key).__name__} {key!r:.60}")
         if key in LOADER_KEYS:
             continue
         if _is_remote_key(key):

@@ -210,3 +210,38 @@ def test_warmup_arguments_out_of_range_are_errors_naming_them(tmp_path, small_so
     assert p.returncode == 2, p.stderr[-800:]
     assert "Traceback" not in p.stderr and says in p.stderr, p.stderr[-800:]
     assert not os.path.exists(tmp_path / "dst" / "MANIFEST.json")  # refused before a store was made
+
+
+# ---------------------------------------------------------------- extra_config's shape and the backend's own switches
+
+
+@pytest.mark.parametrize("extra", ["x", 5, [("interface_v1", 1)], {1: 2}, {None: 1}])
+def test_an_extra_config_that_is_not_an_object_of_named_keys_is_a_value_error(tmp_path, extra):
+    """Were: ValueError 'dictionary update sequence ...', TypeError, AttributeError."""
+    from support.backends import storage_config
+    from umbp_nvme.sglang_backend import UMBPNvmeStore
+
+    cfg = storage_config({})
+    cfg.extra_config = extra
+    with pytest.raises(ValueError, match="extra_config"):
+        UMBPNvmeStore(cfg, {})
+
+
+@pytest.mark.parametrize("key", ["interface_v1", "prometheus", "doctor_at_start"])
+@pytest.mark.parametrize("value", ["maybe", [1], "2", 2.5])
+def test_the_backends_own_switches_take_booleans_only(tmp_path, key, value):
+    """Were read with bool(): [1] turned interface_v1 on, "maybe" turned it off, silently."""
+    from support.backends import backend_extra, storage_config
+    from umbp_nvme.sglang_backend import UMBPNvmeStore
+
+    with pytest.raises(ValueError, match=key):
+        UMBPNvmeStore(storage_config(backend_extra(str(tmp_path / "s"), **{key: value})), {})
+
+
+@pytest.mark.parametrize("value, on", [(1, True), ("true", True), (" On ", True), (0, False), ("false", False), (False, False)])
+def test_the_backends_switches_keep_their_boolean_spellings(tmp_path, value, on):
+    from support.backends import backend_extra, storage_config
+    from umbp_nvme.sglang_backend import UMBPNvmeStore
+
+    be = UMBPNvmeStore(storage_config(backend_extra(str(tmp_path / "s"), interface_v1=value)), {})
+    assert be.interface_v1 is on
