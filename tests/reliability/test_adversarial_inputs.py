@@ -245,3 +245,54 @@ def test_the_backends_switches_keep_their_boolean_spellings(tmp_path, value, on)
 
     be = UMBPNvmeStore(storage_config(backend_extra(str(tmp_path / "s"), interface_v1=value)), {})
     assert be.interface_v1 is on
+
+
+# ---------------------------------------------------------------- registered memory the process cannot use
+
+_PROTECTED_CHILD = r"""
+import asyncio, ctypes, mmap, sys
+import numpy as np
+sys.path[:0] = [TESTS]
+from conftest import payload, small_config
+from umbp_nvme.store import PageStore
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+async def main(root, prot, n):
+    st = await PageStore.open(root, small_config())
+    assert await st.put_many(["k"], [payload("k", n)]) == [True]
+    mm = mmap.mmap(-1, 1 << 20)
+    base = int(np.frombuffer(mm, np.uint8).ctypes.data)
+    if prot == "unmapped":
+        base = 1 << 40
+    else:
+        assert libc.mprotect(ctypes.c_void_p(base), ctypes.c_size_t(1 << 20), {"none": 0, "ro": 1}[prot]) == 0
+    try:
+        st.register_memory(base, 1 << 20)
+        print("registered", flush=True)
+    except ValueError as e:
+        print("refused:", e, flush=True)
+    print("get", await st.get_many(["k"], [(base, n)]), flush=True)  # was SIGSEGV (copy into it)
+    print("put", await st.put_many(["k2"], [(base, n)]), flush=True)  # was SIGSEGV (CRC over it)
+    out = np.zeros(n, np.uint8)
+    print("still", await st.get_many(["k"], [out]), bool((out == payload("k", n)).all()), flush=True)
+    await st.close()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+@pytest.mark.parametrize("prot", ["none", "ro", "unmapped"])
+def test_registering_memory_the_process_cannot_read_and_write_is_refused_not_a_crash_later(tmp_path, prot):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = _PROTECTED_CHILD.replace("TESTS", repr(os.path.join(ROOT, "tests")))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s"), prot, str(10000)], capture_output=True,
+                       text=True, env=env, timeout=120)  # fmt: skip
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr[-1500:])
+    assert "refused: register_memory" in p.stdout
+    assert "get [False]" in p.stdout and "put [False]" in p.stdout and "still [True] True" in p.stdout

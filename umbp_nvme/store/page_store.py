@@ -30,6 +30,7 @@ from ..keybytes import encode_key
 from .checks import begin_call
 from .deletes import DeleteSteps
 from .get_path import GetPath
+from .mapped import check_registrable
 from .memory import Ranges
 from .opening import OpenSteps
 from .put_doubt import PutDoubt
@@ -202,7 +203,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     # ----------------------------------------------------------------------------- memory
 
     def register_memory(self, address: int, nbytes: int) -> bool:
-        """Allow (address, nbytes) buffers inside this range; offer it to the engines as fixed buffers."""
+        """Allow (address, nbytes) buffers inside this range; offer it to the engines as fixed buffers.
+        ValueError for a range not mapped readable and writable here (mapped.py)."""
+        check_registrable(address, nbytes)
         ranges = self._memory.add(address, nbytes)
         fixed = False
         for e in self._engines:
