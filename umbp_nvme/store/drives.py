@@ -33,7 +33,7 @@ from .checks import begin_call
 from .drive_health import FULL, UNMOUNTED, DriveHealth
 from .drive_probe import DriveProbes
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
-from .mapped import check_registrable
+from .mapped import unusable_range
 from .mounts import unmounted_reason
 from .page_store import COUNTERS, PageStore
 
@@ -350,7 +350,10 @@ class MultiDriveStore(DriveProbes):
     # ----------------------------------------------------------------------------- management
 
     def register_memory(self, address: int, nbytes: int) -> bool:
-        check_registrable(address, nbytes)  # before it is kept for a drive that opens later
+        why = unusable_range(address, nbytes)
+        if why is not None:  # not kept for a drive that opens later either (mapped.py)
+            log.error("%s: %s; not registered: buffers inside it are refused", self.path, why)
+            return False
         self._ranges.append((address, nbytes))  # also for a drive that opens later
         fixed = False
         for st in self.stores:

@@ -2,8 +2,11 @@
 
 A registered range is trusted from then on: puts checksum it and copy from it, gets copy into it,
 in native code. A range that is not mapped, or not readable or writable, would kill the process
-with SIGSEGV at the first put or get inside it, so ``register_memory`` refuses it up front (read
-once per registration, never on the data path). Memory unmapped or protected after it was
+with SIGSEGV at the first put or get inside it, so ``register_memory`` does not take it (one
+ERROR line, False; buffers inside it are then refused per key like any unregistered memory). It
+does not raise: SGLang registers every tensor a pool exposes, and one it never hands us as
+(address, nbytes) must not stop the server. /proc/self/maps is read once per registration, never
+on the data path. Memory unmapped or protected after it was
 registered is the caller's use-after-free and is not caught here.
 """
 
@@ -43,14 +46,13 @@ def range_problem(address: int, nbytes: int, maps_path: str = "/proc/self/maps")
     return f"bytes from {at:#x} to {end:#x} are not mapped in this process"
 
 
-def check_registrable(address, nbytes) -> None:
-    """Raise ValueError naming the range when it is ints but not usable memory (register_memory;
-    other argument errors are left to memory.Ranges.add)."""
-    from .memory import int_arg
+def unusable_range(address, nbytes) -> str | None:
+    """Why register_memory must not take the range (ints, but not memory this process may read and
+    write), or None; other argument errors are left to memory.Ranges.add."""
+    from .memory import ADDR_END, int_arg
 
     a, n = int_arg(address), int_arg(nbytes)
-    if a is None or n is None or a <= 0 or n <= 0:
-        return
+    if a is None or n is None or not (0 < a < ADDR_END and 0 < n < ADDR_END and a + n < ADDR_END):
+        return None  # Ranges.add raises for these
     why = range_problem(a, n)
-    if why is not None:
-        raise ValueError(f"register_memory({a:#x}, {n}): {why}; register memory the process owns and may write")
+    return None if why is None else f"register_memory({a:#x}, {n}): {why}"

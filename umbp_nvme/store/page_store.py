@@ -30,7 +30,7 @@ from ..keybytes import encode_key
 from .checks import begin_call
 from .deletes import DeleteSteps
 from .get_path import GetPath
-from .mapped import check_registrable
+from .mapped import unusable_range
 from .memory import Ranges
 from .opening import OpenSteps
 from .put_doubt import PutDoubt
@@ -204,8 +204,11 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
 
     def register_memory(self, address: int, nbytes: int) -> bool:
         """Allow (address, nbytes) buffers inside this range; offer it to the engines as fixed buffers.
-        ValueError for a range not mapped readable and writable here (mapped.py)."""
-        check_registrable(address, nbytes)
+        A range not mapped readable and writable here is not taken (mapped.py): False, one ERROR line."""
+        why = unusable_range(address, nbytes)
+        if why is not None:
+            log.error("%s: %s; not registered: buffers inside it are refused", self.path, why)
+            return False
         ranges = self._memory.add(address, nbytes)
         fixed = False
         for e in self._engines:
