@@ -155,8 +155,9 @@ def test_close_while_threads_are_inside_batch_calls_never_raises_or_serves_wrong
 # ---------------------------------------------------------------- overlapping destinations of one get
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="open: get_path._account drops an entry on any CRC mismatch, also one "
-                   "the caller caused (two objects read into one buffer); the fix belongs to get_path.py's owner")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="open: get_path._account drops an entry on any CRC mismatch, also one the caller caused "
+                   "(two objects read into one buffer); the fix belongs to get_path.py's owner")
 async def test_a_get_into_overlapping_buffers_never_drops_a_stored_entry(tmp_path):
     from conftest import payload, small_config
     from umbp_nvme.store import PageStore
@@ -238,7 +239,8 @@ def test_the_backends_own_switches_take_booleans_only(tmp_path, key, value):
         UMBPNvmeStore(storage_config(backend_extra(str(tmp_path / "s"), **{key: value})), {})
 
 
-@pytest.mark.parametrize("value, on", [(1, True), ("true", True), (" On ", True), (0, False), ("false", False), (False, False)])
+@pytest.mark.parametrize("value, on", [(1, True), ("true", True), (" On ", True), (0, False), ("false", False),
+                                       (False, False)])
 def test_the_backends_switches_keep_their_boolean_spellings(tmp_path, value, on):
     from support.backends import backend_extra, storage_config
     from umbp_nvme.sglang_backend import UMBPNvmeStore

@@ -139,11 +139,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
                 log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, self._inflight)
                 await self._idle.wait()
         if not self.readonly and self._index is not None:
-            if self._drop_doubt:  # finish the drops in doubt: the index then agrees with the records
-                await self._drop_rows(list(self._drop_doubt), evicted=False)
-            if not await self._put_doubt_retry():
-                log.warning("%s: %d bytes of puts in doubt at close (the next open trusts the index)", self.path,
-                            self.put_doubt_bytes())  # fmt: skip
+            await self._settle_doubts()
             if await self.flush_for_close():
                 try:
                     self._index.set_writer_state(b"clean")
