@@ -39,6 +39,10 @@ EVICTION_POLICIES = ("lru", "prefix_aware")
 READ_PRIORITY_CHOICES = ("on", "off")  # reads before writes: ioprio, one write slice in flight while reads run
 WRITE_SLICE_BYTES_MIN = 256 << 10  # ssd_write_slice_bytes: 0 (off) or in [MIN, MAX]
 WRITE_SLICE_BYTES_MAX = 1 << 30
+QUEUE_DEPTH_MAX = 32768  # the most SQ entries a ring takes (native/: IORING_MAX_ENTRIES)
+# segments per store: the index records name a segment in 32 bits, and the open keeps a few per-segment
+# arrays (2**24 segments: 16 TiB in 1 MiB segments, 4 EiB in the default 256 MiB ones)
+SEGMENTS_MAX = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,16 @@ class StoreConfig:
             raise ValueError(
                 f"ssd_segment_size_bytes must be a multiple of {DIO_ALIGN_BYTES} "
                 f"(O_DIRECT alignment), got {self.ssd_segment_size_bytes}"
+            )
+        if self.ssd_queue_depth > QUEUE_DEPTH_MAX:
+            raise ValueError(
+                f"ssd_queue_depth must be at most {QUEUE_DEPTH_MAX} (the ring's limit), got {self.ssd_queue_depth}"
+            )
+        if self.ssd_capacity_bytes // self.ssd_segment_size_bytes > SEGMENTS_MAX:
+            raise ValueError(
+                f"ssd_capacity_bytes ({self.ssd_capacity_bytes}) holds more than {SEGMENTS_MAX} segments of "
+                f"ssd_segment_size_bytes ({self.ssd_segment_size_bytes}); raise ssd_segment_size_bytes or lower "
+                "ssd_capacity_bytes"
             )
         if self.ssd_capacity_bytes < self.ssd_segment_size_bytes:
             raise ValueError(
@@ -173,7 +187,10 @@ def _int_parser(minimum: int) -> Callable[[Any, str], int]:
         elif isinstance(value, float) and value.is_integer():
             parsed = int(value)
         elif isinstance(value, str) and _INT_RE.match(value.strip()):
-            parsed = int(value.strip())
+            try:
+                parsed = int(value.strip())
+            except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+                parsed = None
         if parsed is None:
             raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
         if parsed < minimum:
@@ -459,6 +476,8 @@ def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | No
 
     for key, value in extra.items():
         label = f"extra_config[{key!r}]"
+        if not isinstance(key, str):
+            raise ValueError(f"{label}: extra_config keys must be strings, got {type(key).__name__} {key!r:.60}")
         if key in LOADER_KEYS:
             continue
         if _is_remote_key(key):

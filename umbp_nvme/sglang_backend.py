@@ -37,9 +37,10 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import List, Optional
 
-from .config import StoreConfig, load_config
+from .config import StoreConfig, load_config, parse_bool
 from .hits import v2_hits
 from . import sglang_stores, sglang_transfers
 from .keys import KeyScheme, PoolRegistry, is_mla_follower, rank_subdir
@@ -92,18 +93,22 @@ class UMBPNvmeStore(HiCacheStorage):
         # The dynamic loader passes its kwargs dict as the second positional argument; only a
         # real host pool (something with a layout) is registered here, as UMBP's own form does.
         self.storage_config = storage_config
-        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        extra = getattr(storage_config, "extra_config", None) or {}
+        if not isinstance(extra, Mapping):
+            raise ValueError(f"extra_config must be a JSON object (a dict of settings), got {type(extra).__name__}: "
+                             f"{extra!r:.80}")  # fmt: skip
+        extra = dict(extra)
         # our own switches (not StoreConfig fields): Prometheus export and a doctor report at open
         prometheus = extra.pop("prometheus", None)
-        self._doctor_at_start = _truthy(extra.pop("doctor_at_start", False))
+        self._doctor_at_start = _switch(extra.pop("doctor_at_start", False), "doctor_at_start")
         self.config: StoreConfig = load_config(extra)
-        self.interface_v1 = _truthy(extra.get("interface_v1", 0))
+        self.interface_v1 = _switch(extra.get("interface_v1", 0), "interface_v1")
         self.scheme = KeyScheme.from_storage_config(storage_config)
         self.is_mla = self.scheme.is_mla
         self.is_mla_follower = is_mla_follower(storage_config)
         self.enable_storage_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self.model_name = getattr(storage_config, "model_name", None) or ""
-        self._prometheus = self.enable_storage_metrics if prometheus is None else _truthy(prometheus)
+        self._prometheus = self.enable_storage_metrics if prometheus is None else _switch(prometheus, "prometheus")
         # several roots (one per drive): every root holds this rank's directory (drives.py)
         self.root_dirs = [os.path.abspath(r) for r in self.config.storage_roots]
         self.root_dir = self.root_dirs[0]
@@ -181,6 +186,7 @@ class UMBPNvmeStore(HiCacheStorage):
 
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         try:
+            keys = _key_list(keys)
             store = self._main()
             if store is None or not keys:
                 return 0
@@ -204,8 +210,10 @@ class UMBPNvmeStore(HiCacheStorage):
     def _v1_batch(self, op: str, keys, host_indices, extra_info, *, is_set: bool) -> List[bool]:
         """batch_get_v1 / batch_set_v1: timed I/O recorded in the stats; any failure is a list
         of False (misses for a get, failures for a set), never an exception."""
-        n = len(keys) if keys is not None else 0
+        n = 0
         try:
+            keys = _key_list(keys)
+            n = len(keys)
             if is_set and self.is_mla_follower:
                 return [True] * (len(host_indices) // self.page_size if host_indices is not None else n)
             if self.kv_anchor_is_logical:
@@ -375,10 +383,20 @@ class UMBPNvmeStore(HiCacheStorage):
 # ---------------------------------------------------------------------------------------------
 
 
-def _truthy(value) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+def _key_list(keys) -> list:
+    """The keys of a call as a sized sequence: a list or tuple as given, any other iterable read
+    once (a generator); None is no keys. Raises TypeError for a non-iterable (the caller's
+    never-raise wrapper answers no pages)."""
+    if keys is None:
+        return []
+    if isinstance(keys, (list, tuple)):
+        return keys
+    return list(keys)
+
+
+def _switch(value, key: str) -> bool:
+    """One of the backend's own boolean settings, parsed like every other (config.parse_bool)."""
+    return parse_bool(value, f"extra_config[{key!r}]")
 
 
 def _storage_metrics():

@@ -46,6 +46,7 @@ from .sources import SourceError, Unit, archive_units, detect_source, store_unit
 log = logging.getLogger(__name__)
 
 BATCH_BYTES = 32 << 20
+BATCH_BYTES_MAX = 4 << 30  # the staging buffer is this big (and faulted in at once); objects are < 4 GiB
 BATCH_OBJECTS = 256
 
 
@@ -393,6 +394,12 @@ async def import_sources(
     from .config import parse_roots
     from .store import PageStore
 
+    # checked before anything is opened or allocated: a clear error, not a traceback from deep inside
+    if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or not 1 <= batch_bytes <= BATCH_BYTES_MAX:
+        raise ValueError(f"batch bytes (--batch-size) must be 1..{BATCH_BYTES_MAX} bytes (4g), got {batch_bytes!r}")
+    if namespace is not None and not isinstance(namespace, dict):
+        raise ValueError(f"the namespace (--namespace) must be a JSON object, got {type(namespace).__name__}: "
+                         f"{namespace!r:.80}")  # fmt: skip
     sources = [r for src in sources for r in (parse_roots(src) if src != "-" and not os.path.exists(src)
                                               and "," in src else [src])]  # fmt: skip
     summary = Summary()

@@ -294,8 +294,9 @@ async def test_register_memory_refuses_ranges_that_wrap(store_dir):
     for a, n in [(True, 4096), (4096, 1.5), ("4096", 4096), (4096, None)]:
         with pytest.raises(TypeError):
             st.register_memory(a, n)
-    st.register_memory(np.uint64(1 << 40), np.int64(4096))  # numpy ints are ints
-    assert st.registered_memory() == [(1 << 40, 4096)]
+    mem = np.zeros(4096, np.uint8)  # (a range must be mapped readable and writable: store/mapped.py)
+    st.register_memory(np.uint64(mem.ctypes.data), np.int64(4096))  # numpy ints are ints
+    assert st.registered_memory() == [(mem.ctypes.data, 4096)]
     await st.close()
 
 

@@ -193,3 +193,73 @@ async def test_an_eviction_retries_the_drops_in_doubt_and_their_slots_come_back(
     st = await PageStore.open(root, cfg)
     assert st.exists_many_nowait(first[:4]) == [False] * 4
     await st.close()
+
+
+# ---------------------------------------------------------------- a tombstone that landed, a commit that failed
+
+
+@pytest.fixture
+def failing_deletes(monkeypatch):
+    """Roots whose delete commits fail (an LMDB error: nothing committed) after the tombstones
+    (the cleared records in the segments) landed."""
+    failing: set[str] = set()
+    real = PageStore._commit
+
+    async def commit(self, puts=(), deletes=()):
+        if deletes and self.path in failing:
+            return False
+        return await real(self, puts, deletes)
+
+    monkeypatch.setattr(PageStore, "_commit", commit)
+    return failing
+
+
+def _drop_index(root: str) -> None:
+    import os
+
+    from umbp_nvme.store.index import INDEX_FILE
+
+    os.unlink(os.path.join(root, INDEX_FILE))  # the next open rebuilds it from the segments' records
+
+
+@pytest.mark.parametrize("durability", ["relaxed", "strict"])
+async def test_a_failed_delete_whose_tombstone_landed_is_never_served_again(tmp_path, failing_deletes, durability):
+    """The answer False and what is served must agree before and after a restart with a rebuild:
+    the page is no longer served once its record on disk is cleared (the drop is finished later)."""
+    root = str(tmp_path / "store")
+    cfg = small_config(ssd_durability_mode=durability)
+    st = await PageStore.open(root, cfg)
+    keys = _keys(4)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 8
+    failing_deletes.add(st.path)
+    assert await st.delete_many(keys[:2]) == [False, False]
+    res, wrong = await _get(st, keys)
+    assert wrong == 0 and res == [False, False] + [True] * 6  # not served here ...
+    assert st.exists_many_nowait(keys[:2]) == [False, False]
+    assert st.delete_pending(keys[:2]) == [True, True]  # ... and not settled
+    assert st.stats()["bytes_used"] == 8 * OBJ  # its slots stay out of use until the drop lands
+    await st.close()  # the retry at close fails too
+    _drop_index(root)
+    st = await PageStore.open(root, cfg)
+    res, wrong = await _get(st, keys)
+    assert wrong == 0 and res == [False, False] + [True] * 6  # ... nor after a rebuild
+    await st.close()
+
+
+async def test_a_failed_delete_is_finished_by_a_retry_or_at_close(tmp_path, failing_deletes):
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    keys = _keys(4)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 8
+    failing_deletes.add(st.path)
+    assert await st.delete_many(keys[:4]) == [False] * 4
+    failing_deletes.clear()
+    assert await st.delete_many(keys[:2]) == [True, True]  # retried: the drop lands
+    assert st.delete_pending(keys[:4]) == [False, False, True, True]
+    assert st.stats()["bytes_used"] == 6 * OBJ
+    await st.close()  # finishes the other drop in doubt
+    st = await PageStore.open(root, small_config())  # the index is kept (clean close): no rebuild
+    res, wrong = await _get(st, keys)
+    assert wrong == 0 and res == [False] * 4 + [True] * 4
+    assert st.stats()["bytes_used"] == 4 * OBJ
+    await st.close()

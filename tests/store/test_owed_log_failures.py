@@ -259,3 +259,60 @@ async def test_deletes_of_keys_that_are_not_str_answer_false_per_key_beside_owed
     res, wrong = await _read(st, [on1[0], on0[0], on1[1], on0[1]])
     assert wrong == 0 and res == [False, False, False, True]  # on1[1]: its drive is degraded
     await st.close()
+
+
+async def test_a_hung_append_does_not_hold_the_later_owed_deletes_of_its_drive(tmp_path, monkeypatch):
+    """One append to drive 0's log hangs (a stalled fsync): the owed deletes after it are still
+    recorded there and acknowledged (the hung one is given up at io_timeout_s, never acknowledged)."""
+    roots, st, on1 = await _degraded(tmp_path)
+    st.timeout_s = 0.3  # the multi-drive store's wait for an append (io_timeout_s), shortened
+    release, calls = threading.Event(), []
+    real = owed_deletes.append
+
+    def append(root, entries):
+        calls.append(root)
+        if len(calls) == 1:
+            release.wait(30)
+            raise OSError(5, "injected: a hung append that never landed")
+        return real(root, entries)
+
+    monkeypatch.setattr(owed_deletes, "append", append)
+    try:
+        assert await st.delete_many(on1[:2]) == [False, False]  # its append hangs: not acknowledged
+        assert await st.delete_many(on1[2:4]) == [True, True]  # recorded beside the hung one
+        assert await st.delete_many(on1[4:6]) == [True, True]
+        assert owed_deletes.load(roots[:1]).keys == {roots[1]: set(on1[2:6])}
+    finally:
+        release.set()
+    await st.close()
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    res, wrong = await _read(st, on1[2:])
+    assert wrong == 0 and res == [False] * 4 + [True] * (len(on1) - 6)
+    await st.close()
+
+
+async def test_appends_that_keep_hanging_take_a_bounded_number_of_threads(tmp_path, monkeypatch):
+    roots, st, on1 = await _degraded(tmp_path)
+    st.timeout_s = 0.2
+    release = threading.Event()
+
+    def append(root, entries):
+        release.wait(30)
+        raise OSError(5, "injected: a hung append that never landed")
+
+    monkeypatch.setattr(owed_deletes, "append", append)
+    before = {t.ident for t in threading.enumerate()}
+    try:
+        for i in range(12):
+            assert await st.delete_many(on1[i : i + 1]) == [False]
+        grown = [t for t in threading.enumerate() if t.ident not in before]
+        assert len(grown) <= 4, [t.name for t in grown]
+    finally:
+        release.set()
+    monkeypatch.setattr(owed_deletes, "append", _real_append)
+    assert await until(lambda: not any(st._log_busy), 10)  # the hung appends returned (failing)
+    assert await st.delete_many(on1[:2]) == [True, True]  # their threads serve again: recorded
+    await st.close()
+
+
+_real_append = owed_deletes.append

@@ -1,7 +1,9 @@
 """Deletes: ``delete_many``, and drops in doubt (a mixin of PageStore).
 
 A drop (page_store._drop_rows: a delete, an eviction, a bad CRC) whose index commit outlived
-io_timeout_s may land later, or never. Its keys are already hidden (no new reader pins their rows),
+io_timeout_s may land later, or never; one whose commit failed after its tombstones (the cleared
+records in the segments) landed is half done on disk: served again, it would answer from a record
+a rebuild no longer has. Both are treated alike. Its keys are already hidden (no new reader pins their rows),
 so it is kept *in doubt*: its slots stay out of use, it is not acknowledged, a later delete of the
 key or the next eviction retries it (tombstone and commit again: both idempotent), and until one lands
 ``delete_pending`` reports the key, so an owed delete (drive_probe.py, owed_deletes.py) is not
@@ -10,7 +12,11 @@ settled on a drive that may still serve it after a restart.
 
 from __future__ import annotations
 
+import logging
+
 from .checks import begin_call
+
+log = logging.getLogger("umbp_nvme.store")
 
 
 class DeleteSteps:
@@ -26,10 +32,21 @@ class DeleteSteps:
             for r in rows:
                 self._drop_doubt.pop(r, None)
 
+    async def _settle_doubts(self) -> None:
+        """At close: finish the drops in doubt and settle the puts in doubt (put_doubt.py), so the
+        index the next open trusts agrees with the records."""
+        if self._drop_doubt:
+            await self._drop_rows(list(self._drop_doubt), evicted=False)
+        if not await self._put_doubt_retry():
+            log.warning("%s: %d bytes of puts in doubt at close (the next open trusts the index)", self.path,
+                        self.put_doubt_bytes())  # fmt: skip
+
     async def delete_many(self, keys: list[str]) -> list[bool]:
         results = begin_call(self, "delete_many", keys, writes=True)
         if results is None:
             return [False] * len(keys)
+        if self._put_doubt and not self.put_doubt_keys().isdisjoint(k for k in keys if type(k) is str):
+            await self._put_doubt_retry()  # settled first: a landed put is then deleted like any other
         rows, where = [], []
         seen = set()
         for i, r in enumerate(self._writer_rows(keys)):
@@ -52,10 +69,11 @@ class DeleteSteps:
         return results
 
     def delete_pending(self, keys) -> list[bool]:
-        """Writers: per key, whether it is still stored or its delete is in doubt: a delete owed for
-        such a key is not settled (drive_probe.py)."""
+        """Writers: per key, whether it is still stored, its delete is in doubt or a put of it is in
+        doubt (put_doubt.py): a delete owed for such a key is not settled (drive_probe.py)."""
         held = self.exists_many_nowait(keys)
-        if not self._drop_doubt:
+        if not self._drop_doubt and not self._put_doubt:
             return held
-        doubt = set(self._drop_doubt.values())
+        doubt = set(self._drop_doubt.values()) if self._drop_doubt else set()
+        doubt |= self.put_doubt_keys()  # a put in doubt may have landed
         return [h or (type(k) is str and k in doubt) for h, k in zip(held, keys)]

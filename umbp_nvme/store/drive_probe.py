@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import time
@@ -23,6 +24,8 @@ from .layout import MANIFEST_FILE
 from .mounts import unmounted_reason
 
 log = logging.getLogger("umbp_nvme.store")
+
+LOG_THREADS = 4  # per drive: owed-log appends that may hang at once before its log refuses at once
 
 
 def _retrieved(fut: asyncio.Future) -> asyncio.Future:
@@ -38,9 +41,12 @@ class DriveProbes:
     def _start_background(self) -> None:
         n = len(self.roots)
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="umbp-drive-probe")
-        # one thread per drive for the owed-deletes log: appends to one drive stay in order
+        # LOG_THREADS per drive for the owed-deletes log: an append that hangs (a stalled fsync) holds
+        # one of them, not the later owes; its lines are ordered by the ``at`` stamped here at submission
         pool = concurrent.futures.ThreadPoolExecutor
-        self._log_pools = [pool(1, thread_name_prefix="umbp-owed-log") for _ in range(n)]
+        self._log_pools = [pool(LOG_THREADS, thread_name_prefix="umbp-owed-log") for _ in range(n)]
+        self._log_busy = [0] * n  # appends not returned yet per drive (never more than its threads)
+        self._log_at = 0
         self._thread_calls: dict[int, asyncio.Future] = {}  # drive -> its probe thread's call
         self._probes: set[asyncio.Task] = set()  # probes under way: close() cancels and awaits them
         self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
@@ -128,14 +134,33 @@ class DriveProbes:
 
     async def _log(self, entries: list[dict], also: int | None = None) -> int:
         """Append ``entries`` to the owed-deletes log of every healthy drive (and drive ``also``); how
-        many recorded them."""
+        many recorded them (fsynced within io_timeout_s). An append that outlives it is given up (its
+        thread is left to it; it is not counted) and later appends use the drive's other threads; with
+        all LOG_THREADS hung the drive's log answers "not recorded" at once until one returns."""
         loop = asyncio.get_running_loop()
         live = [d for d, (st, h) in enumerate(zip(self.stores, self.health))
                 if st is not None and (h.healthy or d == also)]  # fmt: skip
+        # stamped here, in call order: lines appended by several threads still merge in that order
+        # (a settled line cancels only the owes made before it)
+        self._log_at = at = max(time.time_ns(), self._log_at + 1)
+        entries = [dict(e, at=at) for e in entries]
+
+        def done(d, _f):
+            self._log_busy[d] -= 1
 
         async def one(d):
+            if self._log_busy[d] >= LOG_THREADS:
+                log.warning("drive %s: could not record owed deletes: %d appends to its log hang", self.roots[d],
+                            self._log_busy[d])  # fmt: skip
+                return 0
             try:
                 fut = _retrieved(loop.run_in_executor(self._log_pools[d], owed_deletes.append, self.roots[d], entries))
+            except RuntimeError as e:  # the pool is shut down: close() is under way
+                log.warning("drive %s: could not record owed deletes: %r", self.roots[d], e)
+                return 0
+            self._log_busy[d] += 1
+            fut.add_done_callback(functools.partial(done, d))
+            try:
                 await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
                 return 1
             except Exception as e:  # noqa: BLE001 - OSError, a hung drive, or a close() under way: never raise

@@ -33,6 +33,7 @@ from .checks import begin_call
 from .drive_health import FULL, UNMOUNTED, DriveHealth
 from .drive_probe import DriveProbes
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
+from .mapped import unusable_range
 from .mounts import unmounted_reason
 from .page_store import COUNTERS, PageStore
 
@@ -42,6 +43,7 @@ PROBE_INTERVAL_S = 1.0  # how often degraded drives are probed and healthy ones 
 _SUMMED = COUNTERS + (
     "objects", "bytes_used", "capacity_bytes", "usable_bytes", "disk_bytes", "index_bytes", "segments",
     "segments_free", "segment_files", "pinned_slots", "late_writes", "stalled_ops", "late_completions",
+    "puts_in_doubt_bytes",
     "effective_capacity_bytes",
 )  # fmt: skip
 
@@ -348,6 +350,10 @@ class MultiDriveStore(DriveProbes):
     # ----------------------------------------------------------------------------- management
 
     def register_memory(self, address: int, nbytes: int) -> bool:
+        why = unusable_range(address, nbytes)
+        if why is not None:  # not kept for a drive that opens later either (mapped.py)
+            log.error("%s: %s; not registered: buffers inside it are refused", self.path, why)
+            return False
         self._ranges.append((address, nbytes))  # also for a drive that opens later
         fixed = False
         for st in self.stores:

@@ -22,6 +22,7 @@ recorded had not returned.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -88,18 +89,22 @@ def load(roots: list[str]) -> Owed:
 
 
 def append(root: str, entries: list[dict]) -> None:
-    """Append ``entries`` to the log on ``root`` and fsync (blocking: run it off the loop)."""
+    """Append ``entries`` to the log on ``root`` and fsync (blocking: run it off the loop). An entry's
+    ``at`` is kept when given (the caller orders appends that run on several threads), else now.
+
+    Appends may run concurrently (drive_probe: one may hang while later ones proceed): each is one
+    O_APPEND write that starts with a newline, so it is never glued to a torn line or to a
+    fragment of another append; a short write raises (not recorded) rather than finishing the
+    line with a second write another append could split."""
     now = time.time_ns()
-    data = "".join(json.dumps(dict(e, at=now), sort_keys=True) + "\n" for e in entries).encode()
+    data = ("\n" + "".join(json.dumps(dict(e, at=e.get("at", now)), sort_keys=True) + "\n" for e in entries)).encode()
     path = os.path.join(root, OWED_FILE)
     new = not os.path.exists(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            data = b"\n" + data  # after a torn line (a crash mid-append): never glued to it
-        while data:
-            data = data[os.write(fd, data) :]
+        n = os.write(fd, data)
+        if n != len(data):
+            raise OSError(errno.EIO, f"short write appending {OWED_FILE} ({n} of {len(data)} bytes)")
         os.fsync(fd)
     finally:
         os.close(fd)

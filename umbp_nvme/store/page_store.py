@@ -30,8 +30,10 @@ from ..keybytes import encode_key
 from .checks import begin_call
 from .deletes import DeleteSteps
 from .get_path import GetPath
+from .mapped import unusable_range
 from .memory import Ranges
 from .opening import OpenSteps
+from .put_doubt import PutDoubt
 from .put_path import PutPath
 from .record_steps import RecordSteps
 from .space import SpaceSteps
@@ -54,7 +56,7 @@ COUNTERS = (
 )  # fmt: skip
 
 
-class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, DeleteSteps):
+class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, IoWaits, DeleteSteps):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
     # Per-instance once set; class defaults so every open path has them.
@@ -137,6 +139,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
                 log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, self._inflight)
                 await self._idle.wait()
         if not self.readonly and self._index is not None:
+            await self._settle_doubts()
             if await self.flush_for_close():
                 try:
                     self._index.set_writer_state(b"clean")
@@ -196,7 +199,12 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
     # ----------------------------------------------------------------------------- memory
 
     def register_memory(self, address: int, nbytes: int) -> bool:
-        """Allow (address, nbytes) buffers inside this range; offer it to the engines as fixed buffers."""
+        """Allow (address, nbytes) buffers inside this range; offer it to the engines as fixed buffers.
+        A range not mapped readable and writable here is not taken (mapped.py): False, one ERROR line."""
+        why = unusable_range(address, nbytes)
+        if why is not None:
+            log.error("%s: %s; not registered: buffers inside it are refused", self.path, why)
+            return False
         ranges = self._memory.add(address, nbytes)
         fixed = False
         for e in self._engines:
@@ -268,7 +276,10 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
 
     async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
         """Durably remove rows' keys from the index, then free their slots. Caller holds no lock.
-        Rows of a drop in doubt (deletes.py) come again through delete_many."""
+        True: dropped; False: nothing dropped (no tombstone landed), the rows serve again; else the
+        drop is in doubt (deletes.py: the commit outlived io_timeout_s, was cancelled, or failed
+        after the tombstones landed): hidden, not acknowledged, retried by delete_many, an eviction
+        or close()."""
         if not rows:
             return True
         keys = [self._rows.key[r] for r in rows]
@@ -284,6 +295,12 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
                     ok = False
                 else:  # keys decoded from bytes: always encode
                     ok = await self._commit(deletes=[encode_key(k) for k in dels])
+                    if ok and self._put_doubt:  # every earlier commit has landed or failed
+                        self._put_doubt_settle()
+                    # the tombstones landed but the index still holds the keys: serving them again
+                    # would answer from a record a rebuild no longer has (the page is gone after a
+                    # restart): the drop stays hidden and in doubt, and a retry finishes it
+                    ok = ok or None
         except asyncio.TimeoutError:
             pass
         finally:
@@ -410,6 +427,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, RecordSteps, GetPath, IoWaits, D
                 size_classes=self._alloc.class_counts(),
                 pinned_slots=self._rows.pinned_count(),
                 late_writes=self._late_writes,
+                puts_in_doubt_bytes=self.put_doubt_bytes(),
                 effective_capacity_bytes=self._effective_capacity(),
             )
         else:

@@ -357,35 +357,49 @@ class PutPath:
                 b.plan.release(self._bounce)
 
     async def _publish(self, b: WriteBatch, results, refused) -> None:
-        """One index commit for the batch's good objects not published meanwhile; the rest's slots freed."""
+        """One index commit for the batch's good objects not published meanwhile; the rest's slots freed.
+        A commit that outlives io_timeout_s (or is cancelled) leaves the batch in doubt (put_doubt.py)."""
         m = len(b.todo)
         gen = b.gen
-        committed = False
-        async with self._commit_lock:
-            pj = np.flatnonzero(b.good)
-            # todo is increasing: every key of the call written means todo[pj] is 0..n-1
-            full = len(pj) == m == len(b.keys)
-            pub_idx = range(m) if full else b.todo[pj].tolist()
-            pub_keys = b.keys if full else [b.keys[i] for i in pub_idx]
-            kd = self._keys
-            if any(map(kd.__contains__, pub_keys)):
-                keep = [t for t, k in enumerate(pub_keys) if k not in kd]
-                pj = pj[keep]
-                pub_idx = [pub_idx[t] for t in keep]
-                pub_keys = [pub_keys[t] for t in keep]
-                full = False
-            if full and b.puts is not None:  # the common batch: records and puts made during the write
-                recs, puts = b.pre[0], b.puts
-            else:
-                recs, enc = self._records(b, pj, pub_idx, pub_keys, gen)
-                blob = recs.tobytes()
-                puts = list(zip(enc, [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
-            try:
-                committed = await self._commit(puts) if puts else True
-            except asyncio.TimeoutError:
-                return  # may still land: keep the slots out of use
-            if committed and len(pj):
-                self._add_rows(b, pj, pub_keys, recs, gen)
+        committed = begun = False
+        try:
+            async with self._commit_lock:
+                pj = np.flatnonzero(b.good)
+                # todo is increasing: every key of the call written means todo[pj] is 0..n-1
+                full = len(pj) == m == len(b.keys)
+                pub_idx = range(m) if full else b.todo[pj].tolist()
+                pub_keys = b.keys if full else [b.keys[i] for i in pub_idx]
+                kd = self._keys
+                if any(map(kd.__contains__, pub_keys)):
+                    keep = [t for t, k in enumerate(pub_keys) if k not in kd]
+                    pj = pj[keep]
+                    pub_idx = [pub_idx[t] for t in keep]
+                    pub_keys = [pub_keys[t] for t in keep]
+                    full = False
+                if full and b.puts is not None:  # the common batch: records and puts made during the write
+                    recs, puts = b.pre[0], b.puts
+                else:
+                    recs, enc = self._records(b, pj, pub_idx, pub_keys, gen)
+                    blob = recs.tobytes()
+                    puts = list(zip(enc, [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
+                begun = True
+                try:
+                    committed = await self._commit(puts) if puts else True
+                except (asyncio.TimeoutError, asyncio.CancelledError):
+                    self._put_doubt_hold(b, pj, pub_keys, recs, puts, results)  # may still land
+                    for i in pub_idx:
+                        refused.add(b.keys[i], "index commit outlived io_timeout_s (in doubt)")
+                    raise
+                if committed and len(pj):
+                    self._add_rows(b, pj, pub_keys, recs, gen)
+                if committed and puts and self._put_doubt:  # every earlier commit has landed or failed
+                    self._put_doubt_settle()
+        except asyncio.TimeoutError:
+            return
+        except asyncio.CancelledError:
+            if not begun:  # cancelled before its commit began: nothing of it can land
+                self._put_give_back(b, np.arange(m))
+            raise
         published = np.zeros(m, bool)
         if committed:
             published[pj] = True

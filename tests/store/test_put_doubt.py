@@ -1,0 +1,202 @@
+"""A put batch whose index commit outlives io_timeout_s (or whose call is cancelled during it) is in
+doubt (put_doubt.py): answered False, its slots kept out of use until a later commit settles it:
+adopted (served, its right bytes) when the commit landed, freed when it did not. Before this its
+slots stayed out of use until a restart.
+
+The stall is a patched ``PageStore._commit`` that raises asyncio.TimeoutError for puts, either
+before committing ("lost": it never lands) or after ("landed": it landed late). Every check
+reads real bytes back, also after a reopen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from conftest import payload, small_config
+from umbp_nvme.store import PageStore
+
+OBJ = 16 << 10
+
+
+def _keys(pages: int, tag: str = "p") -> list[str]:
+    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
+
+
+async def _get(st, keys) -> tuple[list[bool], int]:
+    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
+    res = await st.get_many(keys, outs)
+    wrong = sum(1 for ok, k, o in zip(res, keys, outs) if ok and not np.array_equal(o, payload(k, OBJ)))
+    return res, wrong
+
+
+async def _put(st, keys):
+    return await st.put_many(keys, [payload(k, OBJ) for k in keys])
+
+
+@pytest.fixture
+def stuck_puts(monkeypatch):
+    """``mode[0]``: None (commits work), "lost" (a put's commit times out without landing) or
+    "landed" (it lands, then times out)."""
+    mode = [None]
+    real = PageStore._commit
+
+    async def commit(self, puts=(), deletes=()):
+        if puts and mode[0] == "lost":
+            raise asyncio.TimeoutError
+        if puts and mode[0] == "landed":
+            await real(self, puts, deletes)
+            raise asyncio.TimeoutError
+        return await real(self, puts, deletes)
+
+    monkeypatch.setattr(PageStore, "_commit", commit)
+    return mode
+
+
+@pytest.mark.parametrize("durability", ["relaxed", "strict"])
+async def test_a_put_whose_commit_timed_out_without_landing_gives_its_slots_back(tmp_path, stuck_puts, durability):
+    root = str(tmp_path / "store")
+    cfg = small_config(ssd_durability_mode=durability)
+    st = await PageStore.open(root, cfg)
+    a, b, c = _keys(2, "a"), _keys(2, "b"), _keys(2, "c")
+    assert await _put(st, a) == [True] * 4
+    stuck_puts[0] = "lost"
+    assert await _put(st, b) == [False] * 4
+    assert st.exists_many_nowait(b) == [False] * 4
+    assert st.delete_pending(b) == [True] * 4  # it may still land: not settled
+    assert st.stats()["bytes_used"] == 8 * OBJ  # its slots are out of use, not free
+    stuck_puts[0] = None
+    assert await _put(st, c) == [True] * 4  # a commit after it settles it: not landed, slots back
+    assert st.stats()["bytes_used"] == 8 * OBJ
+    assert st.delete_pending(b) == [False] * 4
+    res, wrong = await _get(st, a + b + c)
+    assert wrong == 0 and res == [True] * 4 + [False] * 4 + [True] * 4
+    assert await _put(st, b) == [True] * 4  # put again: written anew
+    await st.close()
+    st = await PageStore.open(root, cfg)
+    res, wrong = await _get(st, a + b + c)
+    assert wrong == 0 and res == [True] * 12
+    assert st.stats()["bytes_used"] == 12 * OBJ
+    await st.close()
+
+
+async def test_a_put_whose_commit_landed_late_is_adopted_with_its_bytes(tmp_path, stuck_puts):
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    a, b = _keys(2, "a"), _keys(2, "b")
+    stuck_puts[0] = "landed"
+    assert await _put(st, a) == [False] * 4
+    assert st.exists_many_nowait(a) == [False] * 4  # not known yet
+    stuck_puts[0] = None
+    assert await _put(st, b) == [True] * 4  # settles it: landed, so its objects are served
+    res, wrong = await _get(st, a + b)
+    assert wrong == 0 and res == [True] * 8
+    assert st.stats()["bytes_used"] == 8 * OBJ and st.stats()["objects"] == 8
+    assert st.delete_pending(a) == [True] * 4  # stored
+    assert await st.delete_many(a[:2]) == [True, True]
+    assert st.stats()["bytes_used"] == 6 * OBJ
+    await st.close()
+    st = await PageStore.open(root, small_config())
+    res, wrong = await _get(st, a + b)
+    assert wrong == 0 and res == [False, False] + [True] * 6
+    await st.close()
+
+
+async def test_a_delete_of_a_key_whose_put_is_in_doubt_settles_it(tmp_path, stuck_puts):
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    a = _keys(2, "a")
+    stuck_puts[0] = "landed"
+    assert await _put(st, a) == [False] * 4
+    stuck_puts[0] = None
+    assert await st.delete_many(a) == [True] * 4  # settled (landed, adopted), then deleted
+    assert st.delete_pending(a) == [False] * 4
+    assert st.stats()["bytes_used"] == 0
+    await st.close()
+    st = await PageStore.open(root, small_config())
+    assert st.exists_many_nowait(a) == [False] * 4
+    await st.close()
+
+
+async def test_a_re_put_while_in_doubt_keeps_the_new_copy(tmp_path, stuck_puts):
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    a = _keys(2, "a")
+    stuck_puts[0] = "landed"
+    assert await _put(st, a) == [False] * 4
+    stuck_puts[0] = None
+    assert await _put(st, a) == [True] * 4  # written anew; its commit overwrote the one in doubt
+    assert st.stats()["bytes_used"] == 4 * OBJ  # the doubtful slots came back
+    res, wrong = await _get(st, a)
+    assert wrong == 0 and res == [True] * 4
+    await st.close()
+    st = await PageStore.open(root, small_config())
+    res, wrong = await _get(st, a)
+    assert wrong == 0 and res == [True] * 4 and st.stats()["bytes_used"] == 4 * OBJ
+    await st.close()
+
+
+async def test_a_put_cancelled_during_its_commit_is_in_doubt_and_settles(tmp_path, monkeypatch):
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    a, b = _keys(2, "a"), _keys(2, "b")
+    entered, gate = asyncio.Event(), asyncio.Event()
+    real = PageStore._commit
+
+    async def commit(self, puts=(), deletes=()):
+        if puts and not gate.is_set():
+            entered.set()
+            await gate.wait()
+        return await real(self, puts, deletes)
+
+    monkeypatch.setattr(PageStore, "_commit", commit)
+    task = asyncio.ensure_future(_put(st, a))
+    await asyncio.wait_for(entered.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert st.stats()["bytes_used"] == 4 * OBJ and st.delete_pending(a) == [True] * 4
+    gate.set()
+    assert await _put(st, b) == [True] * 4
+    assert st.stats()["bytes_used"] == 4 * OBJ and st.delete_pending(a) == [False] * 4
+    res, wrong = await _get(st, a + b)
+    assert wrong == 0 and res == [False] * 4 + [True] * 4
+    await st.close()
+
+
+async def test_a_put_cancelled_waiting_for_the_commit_lock_frees_its_slots_at_once(tmp_path):
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    a = _keys(2, "a")
+    async with st._commit_lock:  # another commit holds the lock: this put never reaches its commit
+        task = asyncio.ensure_future(_put(st, a))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if st._commit_lock._waiters:
+                break
+        assert st._commit_lock._waiters, "the put never waited for the commit lock"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert st.stats()["bytes_used"] == 0  # nothing was committed: nothing in doubt
+    assert st.delete_pending(a) == [False] * 4
+    assert await _put(st, a) == [True] * 4
+    res, wrong = await _get(st, a)
+    assert wrong == 0 and res == [True] * 4
+    await st.close()
+
+
+async def test_close_settles_a_put_in_doubt(tmp_path, stuck_puts):
+    root = str(tmp_path / "store")
+    st = await PageStore.open(root, small_config())
+    a = _keys(2, "a")
+    stuck_puts[0] = "lost"
+    assert await _put(st, a) == [False] * 4
+    stuck_puts[0] = None
+    await st.close()
+    st = await PageStore.open(root, small_config())
+    res, wrong = await _get(st, a)
+    assert wrong == 0 and st.stats()["bytes_used"] == OBJ * sum(res)
+    await st.close()
