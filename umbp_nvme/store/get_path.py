@@ -13,6 +13,7 @@ import logging
 
 import numpy as np
 
+from ..buffers import AlignedBuffer
 from ..keybytes import encode_key, key_error
 from . import staging
 from .checks import Refusals, begin_call, plain_keys
@@ -436,6 +437,8 @@ class GetPath:
             self._counters["bytes_read"] += int(lens[verified].sum())
         bad_crc = np.flatnonzero(good & ~verified).tolist()
         writer = not self.readonly
+        if bad_crc and writer:
+            bad_crc = await self._confirm_bad(b, bad_crc, keys, refused)
         if bad_crc:
             self._counters["crc_errors"] += len(bad_crc)
             for j in bad_crc[:1]:
@@ -452,6 +455,28 @@ class GetPath:
             if len(hit_rows):
                 t.tick[hit_rows] = self._tick()
         refused.log(len(keys))
+
+    async def _confirm_bad(self, b: ReadBatch, bad: list[int], keys, refused) -> list[int]:
+        """The ops of ``bad`` whose stored copy is really damaged: each is read again into memory of
+        our own and checked. A copy that verifies there stays stored (answered False all the same):
+        the caller's buffers overlapped or were written during the get, which must not cost a page."""
+        sel = np.asarray(bad, np.int64)
+        sub = ReadBatch(*(a[sel] for a in (b.idx, b.segs, b.offs, b.lens, b.crcs, b.flags, b.gens, b.rows)))
+        blen = -(-sub.lens // 4096) * 4096
+        buf = AlignedBuffer(int(blen.sum()))
+        try:
+            sub.dst = np.uint64(buf.address) + np.concatenate([[0], np.cumsum(blen)[:-1]]).astype(np.uint64)
+            outcome = await self._read(sub, len(sub), None)  # returns only once no read is in flight
+        finally:
+            buf.close()
+        if outcome is None:
+            return bad  # the device timed out: it cannot vouch for the copy
+        intact = outcome[0] & outcome[1]
+        if intact.any():
+            refused.add(keys[int(sub.idx[np.flatnonzero(intact)[0]])],
+                        "checksum mismatch in the caller's buffer; the stored copy verified (overlapping "
+                        "destination buffers, or memory written during the get?)")  # fmt: skip
+        return sel[~intact].tolist()
 
     async def _read_device(self, route: str, fds, offs, addrs, lens, crcs, flags) -> tuple[np.ndarray, np.ndarray]:
         """(complete, verified) per op for a read into CUDA memory."""
