@@ -65,7 +65,7 @@ FAMILIES = (
     ("umbp_nvme_misses", "counter", "misses", "Objects get_many did not return (absent, I/O error, CRC error, timeout)."),
     ("umbp_nvme_evictions", "counter", "evictions", "Objects evicted to stay under the high watermark."),
     ("umbp_nvme_deletes", "counter", "deletes", "Objects deleted or dropped (a CRC error drops its entry)."),
-    ("umbp_nvme_crc_errors", "counter", "crc_errors", "Objects read whose CRC32C did not match (served as misses, dropped)."),
+    ("umbp_nvme_crc_errors", "counter", "crc_errors", "Objects whose stored copy failed its CRC32C, also on a second read (served as misses, dropped)."),
     ("umbp_nvme_timeouts", "counter", "timeouts", "Engine batches that outlived io_timeout_s."),
     ("umbp_nvme_stalled_ops", "counter", "stalled_ops", "Ops in batches that outlived io_timeout_s."),
     ("umbp_nvme_late_completions", "counter", "late_completions", "Ops the kernel completed after their batch had timed out."),

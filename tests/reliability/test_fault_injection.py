@@ -183,13 +183,18 @@ async def test_read_faults_are_misses_and_never_wrong_bytes(store_dir, kind):
     assert all(await _put(st, keys))
     plan.set_rules([FaultRule(kind, ops=("read",), probability=0.5)])
     res = await _get_check(st, keys)
-    assert res.count(False) == plan.total_injected > 0
     plan.clear()
     res2 = await _get_check(st, keys)
     if kind == "bitflip":
-        # a checksum failure drops the entry (the store cannot tell memory from media): a miss
-        assert res2 == res
+        # a checksum failure is read again into the store's own memory (flipped again with p=0.5):
+        # the entry is dropped only when that fails too; either way a miss, never a wrong byte
+        bad = res.count(False)
+        assert 0 < bad <= plan.total_injected <= 2 * bad
+        dropped = plan.total_injected - bad  # each second read flipped again
+        assert res2.count(False) == dropped == st.stats()["crc_errors"]
+        assert all(b for a, b in zip(res, res2) if a)  # nothing that verified is lost
     else:
+        assert res.count(False) == plan.total_injected > 0
         assert all(res2)  # transient read errors do not lose data
     await st.close()
 
