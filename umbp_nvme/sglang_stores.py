@@ -200,6 +200,8 @@ def pool_ranges(pool) -> list[tuple[int, int]]:
             for x in b:
                 walk(x)
             return
+        if getattr(b, "is_cuda", False):
+            return  # device memory: read through GDS, never registered as host memory
         if hasattr(b, "data_ptr") and hasattr(b, "numel"):  # torch tensor (views included)
             addr, nbytes = int(b.data_ptr()), int(b.numel()) * int(b.element_size())
         else:

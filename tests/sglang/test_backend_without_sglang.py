@@ -113,3 +113,30 @@ def test_layout_check_without_sglang(mod, tmp_path):
     with pytest.raises(ValueError, match="only supports page_first, page_first_direct, or page_head"):
         backend.register_mem_pool_host(FakeMHAPool(layout="layer_first"))
     backend.close()
+
+
+def test_pool_ranges_skip_device_tensors():
+    """A pool exposing a CUDA tensor next to host ones: only host memory is registered (device
+    memory goes through GDS; registered as host memory a put would checksum it on the CPU)."""
+    import numpy as np
+
+    from umbp_nvme.sglang_stores import pool_ranges
+
+    class DeviceTensor:
+        is_cuda = True
+
+        def data_ptr(self):
+            return 1 << 44
+
+        def numel(self):
+            return 1024
+
+        def element_size(self):
+            return 2
+
+    host = np.zeros(4096, np.uint8)
+
+    class Pool:
+        kv_buffer = [DeviceTensor(), host]
+
+    assert pool_ranges(Pool()) == [(host.ctypes.data, 4096)]
