@@ -134,6 +134,27 @@ async def test_a_never_ending_read_stream_still_lets_the_backup_move():
         arb.read_done()
 
 
+@pytest.mark.parametrize("op_mib", [1, 4])
+async def test_beside_reads_the_read_window_keeps_that_many_cut_slices_in_flight(op_mib):
+    """read_window_slices=2: the next cut slice is queued behind the running one (the device never
+    waits for the loop between slices), never a third; an op larger than the cut is one slice."""
+    dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, read_window_slices=2)
+    assert arb.read_slice_bytes == 2 * MiB
+    arb.read_started()
+    try:
+        n = 32 // op_mib
+        res = await write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, op_mib * MiB))
+    finally:
+        arb.read_done()
+    assert res.tolist() == [op_mib * MiB - 1] * n
+    starts = [inflight for ev, _, inflight in dev.log if ev == "start"]
+    assert max(starts) == 2 * max(2, op_mib) * MiB  # two slices side by side, not three
+    assert set(dev.sizes) == {max(2, op_mib) * MiB}  # every slice cut to the read slice (or one op)
+    assert arb._wslices == 0 and arb._wbytes == 0  # every grant handed back
+    with pytest.raises(ValueError, match="read_window_slices"):
+        Arbiter(8 * MiB, read_window_slices=0)
+
+
 def test_the_slice_beside_reads_is_a_fraction_of_the_full_one_with_a_floor():
     assert Arbiter(8 * MiB).read_slice_bytes == 2 * MiB  # the default: a quarter (docs/tuning.md's sweep)
     assert Arbiter(8 * MiB, read_slice_fraction=0.5).read_slice_bytes == 4 * MiB
@@ -167,22 +188,23 @@ def test_bench_mixed_sweep_flags_set_the_arbiter_and_bad_ones_are_refused(monkey
     from umbp_nvme.bench import mixed
     from umbp_nvme.engine import arbiter as mod
 
-    for name in ("READ_SLICE_FRACTION", "READ_SLICE_FLOOR", "READ_QUIET_S"):
+    for name in ("READ_SLICE_FRACTION", "READ_SLICE_FLOOR", "READ_QUIET_S", "READ_WINDOW_SLICES"):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
     from umbp_nvme.store import put_crc
 
     for name in ("CRC_POLICY", "CRC_WORKER"):
         monkeypatch.setattr(put_crc, name, getattr(put_crc, name))
-    cfg = mixed.parse_args(["--read-fraction", "0.25", "--read-floor", "1M", "--quiet-ms", "30"])
-    want = {"read_fraction": 0.25, "read_floor": MiB, "quiet_ms": 30.0, "crc": put_crc.CRC_POLICY}
+    cfg = mixed.parse_args(["--read-fraction", "0.25", "--read-floor", "1M", "--quiet-ms", "30", "--read-window", "3"])
+    want = {"read_fraction": 0.25, "read_floor": MiB, "read_window": 3, "quiet_ms": 30.0, "crc": put_crc.CRC_POLICY}
     assert mixed.arbiter_settings(cfg) == want
     assert Arbiter(8 * MiB).read_slice_bytes == 2 * MiB and Arbiter(8 * MiB).quiet_s == 0.03
+    assert Arbiter(8 * MiB).read_window_slices == 3
     assert mixed.arbiter_settings(mixed.parse_args([]))["read_fraction"] == 0.25  # no flags: left as they are
     assert mixed.arbiter_settings(mixed.parse_args(["--crc-policy", "idle"]))["crc"] == "idle" == put_crc.CRC_POLICY
     assert put_crc.CRC_WORKER and mixed.arbiter_settings(mixed.parse_args(["--crc-off"]))["crc"] == "no-worker"
     assert not put_crc.CRC_WORKER
     for bad in (["--read-fraction", "0"], ["--read-fraction", "1.5"], ["--read-floor", "0"], ["--quiet-ms", "-1"],
-                ["--crc-policy", "fast"]):
+                ["--crc-policy", "fast"], ["--read-window", "0"]):
         with pytest.raises(SystemExit):
             mixed.parse_args(bad)
         assert bad[0] in capsys.readouterr().err

@@ -67,6 +67,7 @@ def parse_args(argv):
     p.add_argument("--slice", default=None, help="ssd_write_slice_bytes for 'on' (default: the config default)")
     p.add_argument("--read-fraction", type=float, help="sweeps: the arbiter's READ_SLICE_FRACTION (default 0.25)")
     p.add_argument("--read-floor", help="sweeps: the arbiter's READ_SLICE_FLOOR in bytes (default 2M)")
+    p.add_argument("--read-window", type=int, help="sweeps: the arbiter's READ_WINDOW_SLICES (slices in flight beside reads)")
     p.add_argument("--quiet-ms", type=float, help="sweeps: the arbiter's READ_QUIET_S in ms (default 100)")
     p.add_argument("--crc-policy", choices=put_crc.CRC_POLICIES,
                    help="sweeps: CPU policy of the put CRC worker while reads are about (default put_crc.CRC_POLICY)")
@@ -93,6 +94,8 @@ def parse_args(argv):
     cfg.read_floor = parse_bytes(cfg.read_floor) if cfg.read_floor else None
     if cfg.read_floor is not None and cfg.read_floor <= 0:
         p.error("--read-floor must be > 0")
+    if cfg.read_window is not None and cfg.read_window < 1:
+        p.error("--read-window must be >= 1")
     if cfg.quiet_ms is not None and cfg.quiet_ms < 0:
         p.error("--quiet-ms must be >= 0")
     return cfg
@@ -105,6 +108,8 @@ def arbiter_settings(cfg) -> dict:
         arbiter_mod.READ_SLICE_FRACTION = cfg.read_fraction
     if cfg.read_floor is not None:
         arbiter_mod.READ_SLICE_FLOOR = cfg.read_floor
+    if cfg.read_window is not None:
+        arbiter_mod.READ_WINDOW_SLICES = cfg.read_window
     if cfg.quiet_ms is not None:
         arbiter_mod.READ_QUIET_S = cfg.quiet_ms / 1e3
     if cfg.crc_policy is not None:
@@ -112,7 +117,7 @@ def arbiter_settings(cfg) -> dict:
     if cfg.crc_off:
         put_crc.CRC_WORKER = False
     return {"read_fraction": arbiter_mod.READ_SLICE_FRACTION, "read_floor": arbiter_mod.READ_SLICE_FLOOR,
-            "quiet_ms": round(arbiter_mod.READ_QUIET_S * 1e3, 3),
+            "read_window": arbiter_mod.READ_WINDOW_SLICES, "quiet_ms": round(arbiter_mod.READ_QUIET_S * 1e3, 3),
             "crc": put_crc.CRC_POLICY if put_crc.CRC_WORKER else "no-worker"}  # fmt: skip
 
 
@@ -436,7 +441,7 @@ def main(argv=None) -> int:
     for r in rows:
         if r["system"] != "fio":
             r.update(settings)
-    notes.append("arbiter: read slice fraction {read_fraction}, floor {read_floor} B, quiet {quiet_ms} ms"
+    notes.append("arbiter: read slice fraction {read_fraction}, floor {read_floor} B, {read_window} in flight, quiet {quiet_ms} ms"
                  .format(**settings))  # fmt: skip
     print_rows(rows)
     finish(cfg, rows, notes, targets=targets(rows))

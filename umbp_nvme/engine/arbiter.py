@@ -37,6 +37,7 @@ WINDOW_SLICES = 2  # slices in flight with no reads about: one at the device, th
 READ_QUIET_S = 0.100  # after a read ends, this long before the window widens again (spaced prefetches)
 READ_SLICE_FRACTION = 0.25  # slice size while reads are about, as a fraction of slice_bytes
 READ_SLICE_FLOOR = 2 << 20  # ... but never below this (or slice_bytes, if that is smaller)
+READ_WINDOW_SLICES = 1  # write slices in flight while reads are about (2: the next queued behind the one at the device)
 
 
 def check_slice_bytes(v) -> int:
@@ -55,7 +56,7 @@ class Arbiter:
 
     def __init__(self, slice_bytes: int = DEFAULT_SLICE_BYTES, *, hold_reads: bool = True,
                  quiet_s: float | None = None, window_slices: int | None = None,
-                 read_slice_fraction: float | None = None):  # fmt: skip
+                 read_slice_fraction: float | None = None, read_window_slices: int | None = None):  # fmt: skip
         # None: the module's value at construction (bench mixed's sweep flags set those)
         self.slice_bytes = check_slice_bytes(slice_bytes)
         frac = READ_SLICE_FRACTION if read_slice_fraction is None else read_slice_fraction
@@ -68,8 +69,12 @@ class Arbiter:
         self.window_slices = WINDOW_SLICES if window_slices is None else int(window_slices)
         if self.window_slices < 1:
             raise ValueError(f"window_slices must be >= 1, got {window_slices!r}")
+        self.read_window_slices = READ_WINDOW_SLICES if read_window_slices is None else int(read_window_slices)
+        if self.read_window_slices < 1:
+            raise ValueError(f"read_window_slices must be >= 1, got {read_window_slices!r}")
         self._limit = self.slice_bytes * self.window_slices
         self._wbytes = 0  # write bytes submitted, not complete
+        self._wslices = 0  # write slices submitted, not complete
         self._waiting: deque = deque()  # futures of write slices waiting for a grant, FIFO
         self._reads = 0  # read batches in flight
         self._read_end = -1e9  # monotonic time the last read batch ended
@@ -97,15 +102,19 @@ class Arbiter:
         return self.hold_reads and bool(self._reads or time.monotonic() - self._read_end < self.quiet_s)
 
     def _may_go(self, reads_about: bool) -> bool:
-        """A slice goes when nothing is in flight, else when one more full slice fits the window,
-        and never beside another while reads run or ran within quiet_s. A held one goes at a release."""
+        """A slice goes when nothing is in flight, else when one more full slice fits the window;
+        while reads run or ran within quiet_s, only while fewer than read_window_slices (cut short)
+        are in flight. A held one goes at a release."""
         if not self._wbytes:
             return True
-        return not reads_about and self._wbytes + self.slice_bytes <= self._limit
+        if reads_about:
+            return self._wslices < self.read_window_slices
+        return self._wbytes + self.slice_bytes <= self._limit
 
     def _grant(self, reads_about: bool) -> int:
         nbytes = self.read_slice_bytes if reads_about else self.slice_bytes
         self._wbytes += nbytes
+        self._wslices += 1
         self.stats["write_slices"] += 1
         self.stats["write_slices_cut"] += nbytes < self.slice_bytes
         return nbytes
@@ -136,6 +145,7 @@ class Arbiter:
 
     def release(self, nbytes: int) -> None:
         self._wbytes -= nbytes
+        self._wslices -= 1
         self._wake()
 
     def _drop(self, fut) -> None:
