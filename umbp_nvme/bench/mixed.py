@@ -23,7 +23,11 @@ over rounds reported, so drift of a shared disk hits both sides alike; latencies
 alone, then beside a 4 MiB write job at QD 32, without and with ``prioclass=1`` on the reader.
 Rows: bench "mixed", system ("umbp_on" | "umbp_off" | "fio"), op, object_bytes, gets, pattern,
 p50_ms/p90_ms/p99_ms, vs_idle_p50/p99, put_gbps, put_vs_solo, loop_p99_ms (p99 of a no-op hop onto
-the store's loop thread during the phase: what other work on the loop could add to a get).
+the store's loop thread during the phase: what other work on the loop could add to a get),
+src_segs / dst_segs (mean physically contiguous runs per object of the backup's source and the
+gets' destination, from /proc/self/pagemap, root only: this disk takes 254 segments per request,
+so an object on scattered 4 KiB pages costs the device more requests than one on long runs, and
+the solo rates of runs and of the two paths differ with it; see bench/engine.py).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ..engine import arbiter as arbiter_mod
 from ..store import put_crc
 from ..store.sync import SyncPageStore
 from .common import bench_dir, finish, parse_bytes
+from .engine import phys_runs
 
 PUT_BATCH = 48
 MAX_LOADED_S = 10.0  # a loaded phase runs more blocks of gets until a backup batch ends inside it
@@ -149,6 +154,12 @@ def store_config(path: str, knob: str, slice_bytes: int, capacity: int) -> Store
         ssd_durability_mode="strict", ssd_io_backend="io_uring",
         ssd_read_priority=knob, ssd_write_slice_bytes=slice_bytes if knob == "on" else 0,
     )  # fmt: skip
+
+
+def mean_runs(addr: int, nbytes: int, size: int) -> float | None:
+    """Mean physically contiguous runs per ``size``-byte object of [addr, addr+nbytes) (None: not root)."""
+    r = phys_runs("self", addr, nbytes, size)
+    return None if r is None else round(r, 1)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -333,7 +344,9 @@ def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
     try:
         for size in cfg.sizes:
             keys = prefill(store, size, cfg.read_set, src)
+            segs = {"src_segs": mean_runs(src.address, PUT_BATCH * size, size)}
             for nget in cfg.gets:
+                segs["dst_segs"] = mean_runs(dst.address, nget * size, size)
                 # spacing from this size's idle back-to-back latency (one untimed calibration block)
                 calib = run_gets(store, keys, dst, size, nget, cfg.calls, 0.0, random.Random(1))
                 interval = SPACING_X * statistics.median(calib) / 1e3
@@ -341,13 +354,13 @@ def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
                     c = cell(cfg, store, keys, dst, src, size, nget, pattern, interval, f"{knob}-{size}-{nget}-{pattern}",
                              notes)  # fmt: skip
                     rows.append(row(system, "get_idle", size, nget, pattern, c["idle"],
-                                    loop_p99_ms=round(pct(c["loop_idle"], 99), 2)))  # fmt: skip
+                                    loop_p99_ms=round(pct(c["loop_idle"], 99), 2), **segs))  # fmt: skip
                     rows.append(row(
                         system, "get_loaded", size, nget, pattern, c["loaded"],
                         vs_idle_p50=c["vs_idle_p50"], vs_idle_p99=c["vs_idle_p99"], put_gbps=c["put_gbps"],
                         put_solo_gbps=c["put_solo_gbps"], put_vs_solo=c["put_vs_solo"],
                         interval_ms=round(interval * 1e3, 1) if pattern == "spaced" else 0.0,
-                        loop_p99_ms=round(pct(c["loop_loaded"], 99), 2),
+                        loop_p99_ms=round(pct(c["loop_loaded"], 99), 2), **segs,
                     ))  # fmt: skip
     finally:
         store.close()
@@ -397,7 +410,7 @@ def fio_anchor(directory: str, quick: bool, notes: list[str]) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     cols = ("system", "op", "object_bytes", "gets", "pattern", "p50_ms", "p90_ms", "p99_ms", "vs_idle_p50",
-            "vs_idle_p99", "put_solo_gbps", "put_gbps", "put_vs_solo", "loop_p99_ms")  # fmt: skip
+            "vs_idle_p99", "put_solo_gbps", "put_gbps", "put_vs_solo", "loop_p99_ms", "src_segs", "dst_segs")  # fmt: skip
     print(" ".join(f"{c:>12}" for c in cols))
     for r in rows:
         print(" ".join(f"{'' if r.get(c) is None else r.get(c):>12}" for c in cols))
