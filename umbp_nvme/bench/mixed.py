@@ -78,6 +78,8 @@ def parse_args(argv):
                    help="sweeps: CPU policy of the put CRC worker while reads are about (default put_crc.CRC_POLICY)")
     p.add_argument("--crc-off", action="store_true",
                    help="sweeps: no CRC worker (the old split: loop thread / default executor by batch size)")
+    p.add_argument("--memory", choices=("4k", "thp"), default="4k",
+                   help="store path's buffers: 4k = plain mmap (default), thp = madvise(MADV_HUGEPAGE) (2 MiB runs)")
     p.add_argument("--fio", action="store_true", help="also run the fio anchor (needs fio)")
     p.add_argument("--sglang", action="store_true", help="also through the SGLang backend on real host pools (needs sglang)")
     p.add_argument("--json", help="write rows as JSON")
@@ -146,6 +148,32 @@ def loaded_gets(marks: list, t1: float, gets) -> list[float]:
         lat += gets()
         if (marks and marks[-1][0] >= t1) or time.perf_counter() - t1 > MAX_LOADED_S:
             return lat
+
+
+class ThpBuffer:
+    """Like AlignedBuffer, but madvise(MADV_HUGEPAGE) before the first touch, so the kernel backs it
+    with 2 MiB transparent huge pages where it can (THP "madvise" or "always"): objects on a few
+    long physical runs, as a host pool often is, rather than one device segment per 4 KiB page."""
+
+    def __init__(self, nbytes: int):
+        import mmap
+
+        self.nbytes = nbytes
+        self._mmap = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = np.frombuffer(self._mmap, dtype=np.uint8)
+        off = (-base.ctypes.data) % (2 << 20)
+        self.array = base[off : off + nbytes]
+        self.address = int(self.array.ctypes.data)
+        if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._mmap.madvise(mmap.MADV_HUGEPAGE)
+        self.array[:] = 0  # fault in now, off the timed path
+
+    def close(self) -> None:
+        self.array = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass
 
 
 def store_config(path: str, knob: str, slice_bytes: int, capacity: int) -> StoreConfig:
@@ -336,15 +364,16 @@ def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
     capacity = max(4 << 30, (cfg.read_set * sum(cfg.sizes) + 8 * PUT_BATCH * biggest) * 2)
     capacity = -(-capacity // (256 << 20)) * (256 << 20)
     rows: list[dict] = []
-    src = AlignedBuffer(PUT_BATCH * biggest)
-    dst = AlignedBuffer(max(cfg.gets) * biggest)
+    make = ThpBuffer if cfg.memory == "thp" else AlignedBuffer
+    src = make(PUT_BATCH * biggest)
+    dst = make(max(cfg.gets) * biggest)
     src.array[:] = 0xA5
     store = SyncPageStore(path, store_config(path, knob, cfg.slice, capacity))
     system = f"umbp_{knob}"
     try:
         for size in cfg.sizes:
             keys = prefill(store, size, cfg.read_set, src)
-            segs = {"src_segs": mean_runs(src.address, PUT_BATCH * size, size)}
+            segs = {"memory": cfg.memory, "src_segs": mean_runs(src.address, PUT_BATCH * size, size)}
             for nget in cfg.gets:
                 segs["dst_segs"] = mean_runs(dst.address, nget * size, size)
                 # spacing from this size's idle back-to-back latency (one untimed calibration block)
