@@ -32,6 +32,9 @@ def test_bench_mixed_smoke_rows(tmp_path):
         if r["op"] == "get_loaded":  # a backup batch ended inside both windows: never NaN
             assert r["vs_idle_p50"] > 0 and r["loop_p99_ms"] > 0
             assert r["put_gbps"] > 0 and r["put_solo_gbps"] > 0 and r["put_vs_solo"] > 0
+        if r["system"] != "fio":  # physical runs per object of the backup's source / the gets' destination
+            segs = (r["src_segs"], r["dst_segs"])
+            assert all(1 <= v <= r["object_bytes"] // 4096 for v in segs) if os.geteuid() == 0 else segs == (None, None)
     assert "puts of the stream failed" not in proc.stdout
     assert "target: umbp_on" in proc.stdout and "target: umbp_off" in proc.stdout
 
@@ -59,6 +62,8 @@ def test_bench_mixed_sglang_path_reads_back_every_page(tmp_path):
         assert r["gets"] == 2 and r["runs"] % 3 == 0 and 0 < r["p50_ms"] <= r["p99_ms"]
         if r["op"] == "get_loaded":  # the backup's own GB/s, alone and beside the gets: never NaN
             assert r["put_solo_gbps"] > 0 and r["put_gbps"] > 0 and r["put_vs_solo"] > 0
+        segs = (r["src_segs"], r["dst_segs"])  # physical runs per K/V object (pagemap: root only)
+        assert all(1 <= v <= 256 for v in segs) if os.geteuid() == 0 else segs == (None, None)
 
 
 def test_bench_mixed_sglang_check_catches_wrong_and_unwritten_bytes(tmp_path):
@@ -100,3 +105,19 @@ def torch_uint8():
     import torch
 
     return torch.uint8
+
+
+def test_bench_mixed_thp_buffer_is_aligned_writable_and_parsed():
+    """--memory thp: the store path's buffers madvised for 2 MiB pages (bench mixed, docs/tuning.md)."""
+    from umbp_nvme.bench import mixed
+
+    assert mixed.parse_args([]).memory == "4k" and mixed.parse_args(["--memory", "thp"]).memory == "thp"
+    b = mixed.ThpBuffer(3 << 20)
+    try:
+        assert b.address % (2 << 20) == 0 and b.array.nbytes == 3 << 20
+        b.array[:] = 7
+        assert int(b.array.sum()) == 7 * (3 << 20)
+        runs = mixed.mean_runs(b.address, 2 << 20, 2 << 20)
+        assert runs is None or 1 <= runs <= 512  # None: not root (pagemap hides PFNs)
+    finally:
+        b.close()

@@ -85,7 +85,8 @@ async def test_without_slicing_the_whole_batch_goes_at_once():
 
 
 async def test_a_read_behind_a_queued_write_batch_finishes_before_its_last_slice():
-    dev, arb = FakeDevice(per_mib_s=0.004), Arbiter(2 * MiB, quiet_s=1.0, window_slices=2)
+    # one cut slice beside reads (read_window_slices=1), so the narrowing is visible against the full window
+    dev, arb = FakeDevice(per_mib_s=0.004), Arbiter(2 * MiB, quiet_s=1.0, window_slices=2, read_window_slices=1)
     n = 32  # 32 MiB in 16 slices of 2 MiB, ~8 ms each
     write = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB)))
     await asyncio.sleep(0.012)  # the batch is at the device and most of it queued in the window
@@ -106,7 +107,8 @@ async def test_a_read_behind_a_queued_write_batch_finishes_before_its_last_slice
 
 @pytest.mark.parametrize("hold_reads", [True, False])
 async def test_the_window_widens_again_once_reads_are_quiet(hold_reads):
-    dev, arb = FakeDevice(per_mib_s=0.004), Arbiter(MiB, quiet_s=0.03, window_slices=2, hold_reads=hold_reads)
+    dev, arb = FakeDevice(per_mib_s=0.004), Arbiter(MiB, quiet_s=0.03, window_slices=2, hold_reads=hold_reads,
+                                                     read_window_slices=1)  # fmt: skip
     arb.read_started()
     arb.read_done()  # a read just ended: one slice at a time for 30 ms (unless reads never narrow it)
     n = 40  # 40 slices of ~4 ms (the fake device runs the two of a full window side by side)
@@ -129,9 +131,31 @@ async def test_a_never_ending_read_stream_still_lets_the_backup_move():
         )
         assert res.tolist() == [MiB - 1] * 8
         assert time.monotonic() - t0 < 2.0
-        assert dev.max_inflight == MiB  # one slice at a time, every slice moved
+        assert arb.read_window_slices == 2  # the default: two cut slices, every slice moved
+        assert dev.max_inflight == 2 * MiB
     finally:
         arb.read_done()
+
+
+@pytest.mark.parametrize("op_mib", [1, 4])
+async def test_beside_reads_the_read_window_keeps_that_many_cut_slices_in_flight(op_mib):
+    """read_window_slices=2: the next cut slice is queued behind the running one (the device never
+    waits for the loop between slices), never a third; an op larger than the cut is one slice."""
+    dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, read_window_slices=2)
+    assert arb.read_slice_bytes == 2 * MiB
+    arb.read_started()
+    try:
+        n = 32 // op_mib
+        res = await write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, op_mib * MiB))
+    finally:
+        arb.read_done()
+    assert res.tolist() == [op_mib * MiB - 1] * n
+    starts = [inflight for ev, _, inflight in dev.log if ev == "start"]
+    assert max(starts) == 2 * max(2, op_mib) * MiB  # two slices side by side, not three
+    assert set(dev.sizes) == {max(2, op_mib) * MiB}  # every slice cut to the read slice (or one op)
+    assert arb._wslices == 0 and arb._wbytes == 0  # every grant handed back
+    with pytest.raises(ValueError, match="read_window_slices"):
+        Arbiter(8 * MiB, read_window_slices=0)
 
 
 def test_the_slice_beside_reads_is_a_fraction_of_the_full_one_with_a_floor():
@@ -167,22 +191,23 @@ def test_bench_mixed_sweep_flags_set_the_arbiter_and_bad_ones_are_refused(monkey
     from umbp_nvme.bench import mixed
     from umbp_nvme.engine import arbiter as mod
 
-    for name in ("READ_SLICE_FRACTION", "READ_SLICE_FLOOR", "READ_QUIET_S"):
+    for name in ("READ_SLICE_FRACTION", "READ_SLICE_FLOOR", "READ_QUIET_S", "READ_WINDOW_SLICES"):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
     from umbp_nvme.store import put_crc
 
     for name in ("CRC_POLICY", "CRC_WORKER"):
         monkeypatch.setattr(put_crc, name, getattr(put_crc, name))
-    cfg = mixed.parse_args(["--read-fraction", "0.25", "--read-floor", "1M", "--quiet-ms", "30"])
-    want = {"read_fraction": 0.25, "read_floor": MiB, "quiet_ms": 30.0, "crc": put_crc.CRC_POLICY}
+    cfg = mixed.parse_args(["--read-fraction", "0.25", "--read-floor", "1M", "--quiet-ms", "30", "--read-window", "3"])
+    want = {"read_fraction": 0.25, "read_floor": MiB, "read_window": 3, "quiet_ms": 30.0, "crc": put_crc.CRC_POLICY}
     assert mixed.arbiter_settings(cfg) == want
     assert Arbiter(8 * MiB).read_slice_bytes == 2 * MiB and Arbiter(8 * MiB).quiet_s == 0.03
+    assert Arbiter(8 * MiB).read_window_slices == 3
     assert mixed.arbiter_settings(mixed.parse_args([]))["read_fraction"] == 0.25  # no flags: left as they are
     assert mixed.arbiter_settings(mixed.parse_args(["--crc-policy", "idle"]))["crc"] == "idle" == put_crc.CRC_POLICY
     assert put_crc.CRC_WORKER and mixed.arbiter_settings(mixed.parse_args(["--crc-off"]))["crc"] == "no-worker"
     assert not put_crc.CRC_WORKER
     for bad in (["--read-fraction", "0"], ["--read-fraction", "1.5"], ["--read-floor", "0"], ["--quiet-ms", "-1"],
-                ["--crc-policy", "fast"]):
+                ["--crc-policy", "fast"], ["--read-window", "0"]):
         with pytest.raises(SystemExit):
             mixed.parse_args(bad)
         assert bad[0] in capsys.readouterr().err
@@ -203,7 +228,7 @@ def test_bench_mixed_module_runs_as_a_script():
 
 async def test_slices_are_cut_while_reads_are_about_and_full_when_idle():
     dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, quiet_s=0.0)  # full again once the read ends
-    n = 96  # 96 MiB of 1 MiB ops, submitted while idle: 8 MiB slices, two in flight
+    n = 160  # 160 MiB of 1 MiB ops, submitted while idle: 8 MiB slices, two in flight
     write = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB)))
     await asyncio.sleep(0.020)
     idle = list(dev.sizes)
@@ -224,7 +249,7 @@ async def test_slices_are_cut_while_reads_are_about_and_full_when_idle():
 
 
 async def test_beside_reads_one_cut_slice_at_a_time_and_small_batches_go_whole():
-    dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(8 * MiB, read_slice_fraction=0.5)  # cut to 4 MiB
+    dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(8 * MiB, read_slice_fraction=0.5, read_window_slices=1)  # 4 MiB
     arb.read_started()
     try:
         res = await write_sliced(dev.run, arb, 3, np.zeros(20), np.ones(20, np.uint64), np.full(20, MiB))

@@ -23,7 +23,11 @@ over rounds reported, so drift of a shared disk hits both sides alike; latencies
 alone, then beside a 4 MiB write job at QD 32, without and with ``prioclass=1`` on the reader.
 Rows: bench "mixed", system ("umbp_on" | "umbp_off" | "fio"), op, object_bytes, gets, pattern,
 p50_ms/p90_ms/p99_ms, vs_idle_p50/p99, put_gbps, put_vs_solo, loop_p99_ms (p99 of a no-op hop onto
-the store's loop thread during the phase: what other work on the loop could add to a get).
+the store's loop thread during the phase: what other work on the loop could add to a get),
+src_segs / dst_segs (mean physically contiguous runs per object of the backup's source and the
+gets' destination, from /proc/self/pagemap, root only: this disk takes 254 segments per request,
+so an object on scattered 4 KiB pages costs the device more requests than one on long runs, and
+the solo rates of runs and of the two paths differ with it; see bench/engine.py).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ..engine import arbiter as arbiter_mod
 from ..store import put_crc
 from ..store.sync import SyncPageStore
 from .common import bench_dir, finish, parse_bytes
+from .engine import phys_runs
 
 PUT_BATCH = 48
 MAX_LOADED_S = 10.0  # a loaded phase runs more blocks of gets until a backup batch ends inside it
@@ -67,11 +72,14 @@ def parse_args(argv):
     p.add_argument("--slice", default=None, help="ssd_write_slice_bytes for 'on' (default: the config default)")
     p.add_argument("--read-fraction", type=float, help="sweeps: the arbiter's READ_SLICE_FRACTION (default 0.25)")
     p.add_argument("--read-floor", help="sweeps: the arbiter's READ_SLICE_FLOOR in bytes (default 2M)")
+    p.add_argument("--read-window", type=int, help="sweeps: the arbiter's READ_WINDOW_SLICES (slices in flight beside reads)")
     p.add_argument("--quiet-ms", type=float, help="sweeps: the arbiter's READ_QUIET_S in ms (default 100)")
     p.add_argument("--crc-policy", choices=put_crc.CRC_POLICIES,
                    help="sweeps: CPU policy of the put CRC worker while reads are about (default put_crc.CRC_POLICY)")
     p.add_argument("--crc-off", action="store_true",
                    help="sweeps: no CRC worker (the old split: loop thread / default executor by batch size)")
+    p.add_argument("--memory", choices=("4k", "thp"), default="4k",
+                   help="store path's buffers: 4k = plain mmap (default), thp = madvise(MADV_HUGEPAGE) (2 MiB runs)")
     p.add_argument("--fio", action="store_true", help="also run the fio anchor (needs fio)")
     p.add_argument("--sglang", action="store_true", help="also through the SGLang backend on real host pools (needs sglang)")
     p.add_argument("--json", help="write rows as JSON")
@@ -93,6 +101,8 @@ def parse_args(argv):
     cfg.read_floor = parse_bytes(cfg.read_floor) if cfg.read_floor else None
     if cfg.read_floor is not None and cfg.read_floor <= 0:
         p.error("--read-floor must be > 0")
+    if cfg.read_window is not None and cfg.read_window < 1:
+        p.error("--read-window must be >= 1")
     if cfg.quiet_ms is not None and cfg.quiet_ms < 0:
         p.error("--quiet-ms must be >= 0")
     return cfg
@@ -105,6 +115,8 @@ def arbiter_settings(cfg) -> dict:
         arbiter_mod.READ_SLICE_FRACTION = cfg.read_fraction
     if cfg.read_floor is not None:
         arbiter_mod.READ_SLICE_FLOOR = cfg.read_floor
+    if cfg.read_window is not None:
+        arbiter_mod.READ_WINDOW_SLICES = cfg.read_window
     if cfg.quiet_ms is not None:
         arbiter_mod.READ_QUIET_S = cfg.quiet_ms / 1e3
     if cfg.crc_policy is not None:
@@ -112,7 +124,7 @@ def arbiter_settings(cfg) -> dict:
     if cfg.crc_off:
         put_crc.CRC_WORKER = False
     return {"read_fraction": arbiter_mod.READ_SLICE_FRACTION, "read_floor": arbiter_mod.READ_SLICE_FLOOR,
-            "quiet_ms": round(arbiter_mod.READ_QUIET_S * 1e3, 3),
+            "read_window": arbiter_mod.READ_WINDOW_SLICES, "quiet_ms": round(arbiter_mod.READ_QUIET_S * 1e3, 3),
             "crc": put_crc.CRC_POLICY if put_crc.CRC_WORKER else "no-worker"}  # fmt: skip
 
 
@@ -138,12 +150,44 @@ def loaded_gets(marks: list, t1: float, gets) -> list[float]:
             return lat
 
 
+class ThpBuffer:
+    """Like AlignedBuffer, but madvise(MADV_HUGEPAGE) before the first touch, so the kernel backs it
+    with 2 MiB transparent huge pages where it can (THP "madvise" or "always"): objects on a few
+    long physical runs, as a host pool often is, rather than one device segment per 4 KiB page."""
+
+    def __init__(self, nbytes: int):
+        import mmap
+
+        self.nbytes = nbytes
+        self._mmap = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = np.frombuffer(self._mmap, dtype=np.uint8)
+        off = (-base.ctypes.data) % (2 << 20)
+        self.array = base[off : off + nbytes]
+        self.address = int(self.array.ctypes.data)
+        if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._mmap.madvise(mmap.MADV_HUGEPAGE)
+        self.array[:] = 0  # fault in now, off the timed path
+
+    def close(self) -> None:
+        self.array = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass
+
+
 def store_config(path: str, knob: str, slice_bytes: int, capacity: int) -> StoreConfig:
     return StoreConfig(
         ssd_storage_dir=path, ssd_capacity_bytes=capacity, ssd_segment_size_bytes=256 << 20,
         ssd_durability_mode="strict", ssd_io_backend="io_uring",
         ssd_read_priority=knob, ssd_write_slice_bytes=slice_bytes if knob == "on" else 0,
     )  # fmt: skip
+
+
+def mean_runs(addr: int, nbytes: int, size: int) -> float | None:
+    """Mean physically contiguous runs per ``size``-byte object of [addr, addr+nbytes) (None: not root)."""
+    r = phys_runs("self", addr, nbytes, size)
+    return None if r is None else round(r, 1)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -320,15 +364,18 @@ def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
     capacity = max(4 << 30, (cfg.read_set * sum(cfg.sizes) + 8 * PUT_BATCH * biggest) * 2)
     capacity = -(-capacity // (256 << 20)) * (256 << 20)
     rows: list[dict] = []
-    src = AlignedBuffer(PUT_BATCH * biggest)
-    dst = AlignedBuffer(max(cfg.gets) * biggest)
+    make = ThpBuffer if cfg.memory == "thp" else AlignedBuffer
+    src = make(PUT_BATCH * biggest)
+    dst = make(max(cfg.gets) * biggest)
     src.array[:] = 0xA5
     store = SyncPageStore(path, store_config(path, knob, cfg.slice, capacity))
     system = f"umbp_{knob}"
     try:
         for size in cfg.sizes:
             keys = prefill(store, size, cfg.read_set, src)
+            segs = {"memory": cfg.memory, "src_segs": mean_runs(src.address, PUT_BATCH * size, size)}
             for nget in cfg.gets:
+                segs["dst_segs"] = mean_runs(dst.address, nget * size, size)
                 # spacing from this size's idle back-to-back latency (one untimed calibration block)
                 calib = run_gets(store, keys, dst, size, nget, cfg.calls, 0.0, random.Random(1))
                 interval = SPACING_X * statistics.median(calib) / 1e3
@@ -336,13 +383,13 @@ def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
                     c = cell(cfg, store, keys, dst, src, size, nget, pattern, interval, f"{knob}-{size}-{nget}-{pattern}",
                              notes)  # fmt: skip
                     rows.append(row(system, "get_idle", size, nget, pattern, c["idle"],
-                                    loop_p99_ms=round(pct(c["loop_idle"], 99), 2)))  # fmt: skip
+                                    loop_p99_ms=round(pct(c["loop_idle"], 99), 2), **segs))  # fmt: skip
                     rows.append(row(
                         system, "get_loaded", size, nget, pattern, c["loaded"],
                         vs_idle_p50=c["vs_idle_p50"], vs_idle_p99=c["vs_idle_p99"], put_gbps=c["put_gbps"],
                         put_solo_gbps=c["put_solo_gbps"], put_vs_solo=c["put_vs_solo"],
                         interval_ms=round(interval * 1e3, 1) if pattern == "spaced" else 0.0,
-                        loop_p99_ms=round(pct(c["loop_loaded"], 99), 2),
+                        loop_p99_ms=round(pct(c["loop_loaded"], 99), 2), **segs,
                     ))  # fmt: skip
     finally:
         store.close()
@@ -392,7 +439,7 @@ def fio_anchor(directory: str, quick: bool, notes: list[str]) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     cols = ("system", "op", "object_bytes", "gets", "pattern", "p50_ms", "p90_ms", "p99_ms", "vs_idle_p50",
-            "vs_idle_p99", "put_solo_gbps", "put_gbps", "put_vs_solo", "loop_p99_ms")  # fmt: skip
+            "vs_idle_p99", "put_solo_gbps", "put_gbps", "put_vs_solo", "loop_p99_ms", "src_segs", "dst_segs")  # fmt: skip
     print(" ".join(f"{c:>12}" for c in cols))
     for r in rows:
         print(" ".join(f"{'' if r.get(c) is None else r.get(c):>12}" for c in cols))
@@ -436,7 +483,7 @@ def main(argv=None) -> int:
     for r in rows:
         if r["system"] != "fio":
             r.update(settings)
-    notes.append("arbiter: read slice fraction {read_fraction}, floor {read_floor} B, quiet {quiet_ms} ms"
+    notes.append("arbiter: read slice fraction {read_fraction}, floor {read_floor} B, {read_window} in flight, quiet {quiet_ms} ms"
                  .format(**settings))  # fmt: skip
     print_rows(rows)
     finish(cfg, rows, notes, targets=targets(rows))

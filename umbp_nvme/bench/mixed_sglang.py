@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from ..keys import KeyScheme
+from .engine import phys_runs
 from .mixed import SPACING_X, loaded_gets, pct, row, solo_window
 
 SHAPES = {1 << 20: dict(page_size=16, layers=32, heads=8, head_dim=128), 4 << 20: dict(page_size=64, layers=32, heads=8, head_dim=128)}
@@ -68,6 +69,12 @@ class Backend:
         views = kv[0, first : first + self.tokens], kv[1, first : first + self.tokens]
         assert all(v.is_contiguous() for v in views)
         return views
+
+    def segs(self, first_page: int, pages: int) -> float | None:
+        """Mean physically contiguous runs per K/V object of these pages (None: not root)."""
+        runs = [phys_runs("self", v.data_ptr(), v.numel() * v.element_size(), v.numel() * v.element_size())
+                for p in range(first_page, first_page + pages) for v in self.views[p]]  # fmt: skip
+        return None if not runs or None in runs else round(float(np.mean(runs)), 1)
 
     def slots(self, first_page: int, pages: int):
         return self.pool.indices[first_page * self.tokens : (first_page + pages) * self.tokens]
@@ -201,11 +208,13 @@ def bench_sglang(cfg, directory: str, notes: list[str]) -> list[dict]:
                         c = cell(cfg, be, size, pages, pattern, gap if pattern == "spaced" else 0.0,
                                  f"sg-{knob}-{size}-{pages}-{pattern}", notes)  # fmt: skip
                         system = f"sglang_{knob}"
-                        rows.append(row(system, "get_idle", size, 2 * pages, pattern, c["idle"]))
+                        segs = {"src_segs": be.segs(READ_PAGES, BACKUP_PAGES),
+                                "dst_segs": be.segs(READ_PAGES + BACKUP_PAGES, pages)}  # fmt: skip
+                        rows.append(row(system, "get_idle", size, 2 * pages, pattern, c["idle"], **segs))
                         rows.append(row(system, "get_loaded", size, 2 * pages, pattern, c["loaded"],
                                         vs_idle_p50=c["vs_idle_p50"], vs_idle_p99=c["vs_idle_p99"],
                                         put_vs_solo=c["put_vs_solo"], put_solo_gbps=c["put_solo_gbps"],
-                                        put_gbps=c["put_gbps"]))  # fmt: skip
+                                        put_gbps=c["put_gbps"], **segs))  # fmt: skip
             finally:
                 be.close()
                 shutil.rmtree(os.path.join(directory, f"sglang-{knob}"), ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Reads first: write bytes in flight are bounded, and narrowed to one slice while reads run.
+"""Reads first: write bytes in flight are bounded, and narrowed to two short slices while reads run.
 
 A backup batch (48 x 4 MiB = 192 MiB) handed to the device at once sits in front of every read
 that arrives after it: the device and the block layer serve whichever came first. So a store's
@@ -7,16 +7,18 @@ read and write engines share one ``Arbiter`` (one event loop, no locks):
 * a write batch goes to the device in slices of about ``slice_bytes``; with no reads about, up to
   ``WINDOW_SLICES`` slices are in flight (the next one queued while the current one runs, so the
   device never idles between slices), across every write batch of the store;
-* while a read batch is in flight, and for ``READ_QUIET_S`` after the last one ended, only one
-  write slice is in flight, cut to ``read_slice_fraction`` of ``slice_bytes`` (floor
-  ``READ_SLICE_FLOOR``): a prefetch that arrives competes with at most one short slice, and a
-  stream of back-to-back reads still lets the backup move one slice at a time (never starved).
+* while a read batch is in flight, and for ``READ_QUIET_S`` after the last one ended, at most
+  ``read_window_slices`` (2) write slices are in flight, each cut to ``read_slice_fraction`` of
+  ``slice_bytes`` (floor ``READ_SLICE_FLOOR``): a prefetch that arrives competes with at most two
+  short slices, and a stream of back-to-back reads still lets the backup move (never starved).
 
 A batch is cut into slices lazily, each when the window grants it, so the cut follows whether
-reads are about at that moment. Why one slice beside reads, 8 MiB slices, and a quarter of that
-(2 MiB) beside reads: the sweeps in docs/tuning.md (a ~3.5 ms 1 MiB read waited behind a whole 8 MiB
-slice; 4 MiB slices all the time cost 4 MiB-object backups their share; 1 MiB slices beside reads
-cost 1 MiB-object backups theirs and did not shorten the read tail).
+reads are about at that moment. Why 8 MiB slices, a quarter of that (2 MiB) beside reads, and two
+of those: the sweeps in docs/tuning.md (a ~3.5 ms 1 MiB read waited behind a whole 8 MiB slice;
+4 MiB slices all the time cost 4 MiB-object backups their share; what a backup moves beside reads
+follows the write bytes in flight, not gaps between slices: two 1 MiB slices moved what one 2 MiB
+slice did, two 2 MiB slices 1.1-1.3x that, with the 1 MiB read tail unchanged within noise;
+three or four cost the reads their p50 / p99 targets).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ WINDOW_SLICES = 2  # slices in flight with no reads about: one at the device, th
 READ_QUIET_S = 0.100  # after a read ends, this long before the window widens again (spaced prefetches)
 READ_SLICE_FRACTION = 0.25  # slice size while reads are about, as a fraction of slice_bytes
 READ_SLICE_FLOOR = 2 << 20  # ... but never below this (or slice_bytes, if that is smaller)
+READ_WINDOW_SLICES = 2  # cut write slices in flight while reads are about: one at the device, the next queued
 
 
 def check_slice_bytes(v) -> int:
@@ -55,7 +58,7 @@ class Arbiter:
 
     def __init__(self, slice_bytes: int = DEFAULT_SLICE_BYTES, *, hold_reads: bool = True,
                  quiet_s: float | None = None, window_slices: int | None = None,
-                 read_slice_fraction: float | None = None):  # fmt: skip
+                 read_slice_fraction: float | None = None, read_window_slices: int | None = None):  # fmt: skip
         # None: the module's value at construction (bench mixed's sweep flags set those)
         self.slice_bytes = check_slice_bytes(slice_bytes)
         frac = READ_SLICE_FRACTION if read_slice_fraction is None else read_slice_fraction
@@ -68,8 +71,12 @@ class Arbiter:
         self.window_slices = WINDOW_SLICES if window_slices is None else int(window_slices)
         if self.window_slices < 1:
             raise ValueError(f"window_slices must be >= 1, got {window_slices!r}")
+        self.read_window_slices = READ_WINDOW_SLICES if read_window_slices is None else int(read_window_slices)
+        if self.read_window_slices < 1:
+            raise ValueError(f"read_window_slices must be >= 1, got {read_window_slices!r}")
         self._limit = self.slice_bytes * self.window_slices
         self._wbytes = 0  # write bytes submitted, not complete
+        self._wslices = 0  # write slices submitted, not complete
         self._waiting: deque = deque()  # futures of write slices waiting for a grant, FIFO
         self._reads = 0  # read batches in flight
         self._read_end = -1e9  # monotonic time the last read batch ended
@@ -97,15 +104,19 @@ class Arbiter:
         return self.hold_reads and bool(self._reads or time.monotonic() - self._read_end < self.quiet_s)
 
     def _may_go(self, reads_about: bool) -> bool:
-        """A slice goes when nothing is in flight, else when one more full slice fits the window,
-        and never beside another while reads run or ran within quiet_s. A held one goes at a release."""
+        """A slice goes when nothing is in flight, else when one more full slice fits the window;
+        while reads run or ran within quiet_s, only while fewer than read_window_slices (cut short)
+        are in flight. A held one goes at a release."""
         if not self._wbytes:
             return True
-        return not reads_about and self._wbytes + self.slice_bytes <= self._limit
+        if reads_about:
+            return self._wslices < self.read_window_slices
+        return self._wbytes + self.slice_bytes <= self._limit
 
     def _grant(self, reads_about: bool) -> int:
         nbytes = self.read_slice_bytes if reads_about else self.slice_bytes
         self._wbytes += nbytes
+        self._wslices += 1
         self.stats["write_slices"] += 1
         self.stats["write_slices_cut"] += nbytes < self.slice_bytes
         return nbytes
@@ -136,6 +147,7 @@ class Arbiter:
 
     def release(self, nbytes: int) -> None:
         self._wbytes -= nbytes
+        self._wslices -= 1
         self._wake()
 
     def _drop(self, fut) -> None:
