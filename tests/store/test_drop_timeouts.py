@@ -11,27 +11,18 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from conftest import payload, small_config
 from support.drive_stores import degrade_by_eio, filled_writer
 from support.waits import until
+from support.paged import OBJ, get_checked, page_keys
 from umbp_nvme.store import PageStore, owed_deletes
 from umbp_nvme.store.drives import MultiDriveStore
 
-OBJ = 16 << 10
 
 
-def _keys(pages: int, tag: str = "p") -> list[str]:
-    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
-
-
-async def _get(st, keys) -> tuple[list[bool], int]:
-    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
-    res = await st.get_many(keys, outs)
-    wrong = sum(1 for ok, k, o in zip(res, keys, outs) if ok and not np.array_equal(o, payload(k, OBJ)))
-    return res, wrong
+_keys, _get = page_keys, get_checked
 
 
 @pytest.fixture

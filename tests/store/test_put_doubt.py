@@ -12,28 +12,28 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from conftest import payload, small_config
+from support.paged import OBJ, get_checked, page_keys
 from umbp_nvme.store import PageStore
 
-OBJ = 16 << 10
 
 
-def _keys(pages: int, tag: str = "p") -> list[str]:
-    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
-
-
-async def _get(st, keys) -> tuple[list[bool], int]:
-    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
-    res = await st.get_many(keys, outs)
-    wrong = sum(1 for ok, k, o in zip(res, keys, outs) if ok and not np.array_equal(o, payload(k, OBJ)))
-    return res, wrong
+_keys, _get = page_keys, get_checked
 
 
 async def _put(st, keys):
     return await st.put_many(keys, [payload(k, OBJ) for k in keys])
+
+
+async def _open_with_doubt(root, stuck_puts, keys):
+    """A store whose put of ``keys`` landed in the index but is in doubt (answered False)."""
+    st = await PageStore.open(root, small_config())
+    stuck_puts[0] = "landed"
+    assert await _put(st, keys) == [False] * len(keys)
+    stuck_puts[0] = None
+    return st
 
 
 @pytest.fixture
@@ -106,11 +106,8 @@ async def test_a_put_whose_commit_landed_late_is_adopted_with_its_bytes(tmp_path
 
 async def test_a_delete_of_a_key_whose_put_is_in_doubt_settles_it(tmp_path, stuck_puts):
     root = str(tmp_path / "store")
-    st = await PageStore.open(root, small_config())
     a = _keys(2, "a")
-    stuck_puts[0] = "landed"
-    assert await _put(st, a) == [False] * 4
-    stuck_puts[0] = None
+    st = await _open_with_doubt(root, stuck_puts, a)
     assert await st.delete_many(a) == [True] * 4  # settled (landed, adopted), then deleted
     assert st.delete_pending(a) == [False] * 4
     assert st.stats()["bytes_used"] == 0
@@ -122,11 +119,8 @@ async def test_a_delete_of_a_key_whose_put_is_in_doubt_settles_it(tmp_path, stuc
 
 async def test_a_re_put_while_in_doubt_keeps_the_new_copy(tmp_path, stuck_puts):
     root = str(tmp_path / "store")
-    st = await PageStore.open(root, small_config())
     a = _keys(2, "a")
-    stuck_puts[0] = "landed"
-    assert await _put(st, a) == [False] * 4
-    stuck_puts[0] = None
+    st = await _open_with_doubt(root, stuck_puts, a)
     assert await _put(st, a) == [True] * 4  # written anew; its commit overwrote the one in doubt
     assert st.stats()["bytes_used"] == 4 * OBJ  # the doubtful slots came back
     res, wrong = await _get(st, a)
