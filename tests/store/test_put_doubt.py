@@ -194,3 +194,26 @@ async def test_close_settles_a_put_in_doubt(tmp_path, stuck_puts):
     res, wrong = await _get(st, a)
     assert wrong == 0 and st.stats()["bytes_used"] == OBJ * sum(res)
     await st.close()
+
+
+@pytest.mark.parametrize("mode", ["lost", "landed"])
+async def test_a_store_filled_with_puts_in_doubt_settles_them_to_make_room(tmp_path, stuck_puts, mode):
+    """Slots in doubt are not rows eviction can take: a put that finds no room settles them first
+    (before, such a store refused every put until a delete or close)."""
+    st = await PageStore.open(str(tmp_path / "store"), small_config(ssd_capacity_bytes=2 << 20))
+    stuck_puts[0] = mode
+    for i in range(12):  # 12 x 256 KiB: more than the store holds, every slot in doubt
+        assert await _put(st, _keys(8, f"d{i}_")) == [False] * 16
+    if mode == "lost":
+        assert st.stats()["puts_in_doubt_bytes"] > (1 << 20) and st.stats()["objects"] == 0
+    else:  # settled while filling: what landed became rows (served with its own bytes), then evicted
+        old = [k for i in range(12) for k in _keys(8, f"d{i}_")]
+        res, wrong = await _get(st, old)
+        assert wrong == 0 and 0 < sum(res) < len(old)
+    stuck_puts[0] = None
+    fresh = _keys(4, "fresh")
+    assert await _put(st, fresh) == [True] * 8  # room made by settling the doubts
+    res, wrong = await _get(st, fresh)
+    assert wrong == 0 and res == [True] * 8
+    assert st.stats()["puts_in_doubt_bytes"] == 0
+    await st.close()

@@ -79,6 +79,13 @@ class SpaceSteps:
             return False
         return await self._drop_rows(rows, evicted=True)
 
+    async def _settle_for_room(self) -> None:
+        """Slots held by drops or puts in doubt (deletes.py, put_doubt.py) are not evictable rows:
+        one more commit settles them, freeing what did not land and making rows of what did."""
+        if self._drop_doubt:
+            await self._drop_rows(list(self._drop_doubt), evicted=False)
+        await self._put_doubt_retry()
+
     async def _reserve(self, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
         """(segment, offset) per object (-1 where there is no room), and whether a segment file
         could not be created. Evicts first when the batch would cross the high watermark."""
@@ -115,12 +122,15 @@ class SpaceSteps:
                 js = np.flatnonzero(classes == c)
                 segs[js], offs[js] = alloc.alloc_array(c, len(js), ensure)
         self._note_space(failed_create, may_grow)
-        rounds = 0
+        rounds, settled = 0, False
         while (segs < 0).any() and rounds < RECLAIM_ROUNDS_MAX:
             # every segment is taken and this size class has no free slot: empty a whole segment
             rounds += 1
             if not await self._reclaim_segment():
-                break
+                if settled or not (self._put_doubt or self._drop_doubt):
+                    break
+                settled = True
+                await self._settle_for_room()
             for j in np.flatnonzero(segs < 0).tolist():
                 slot = alloc.alloc(int(classes[j]), ensure)
                 if slot is not None:
