@@ -81,6 +81,7 @@ FAMILIES = (
     ("umbp_nvme_index_bytes", "gauge", "index_bytes", "Size of index.lmdb."),
     ("umbp_nvme_segments_free", "gauge", "segments_free", "Segments holding no object."),
     ("umbp_nvme_pinned_slots", "gauge", "pinned_slots", "Slots pinned by reads in flight."),
+    ("umbp_nvme_puts_in_doubt_bytes", "gauge", "puts_in_doubt_bytes", "Bytes of put batches whose index commit outlived io_timeout_s, held until a later commit settles them."),
     ("umbp_nvme_high_watermark_ratio", "gauge", "high_watermark", "Fill at which eviction starts."),
     ("umbp_nvme_fs_free_bytes", "gauge", None, "Free bytes on the store's file system (statvfs, for unprivileged users)."),
     ("umbp_nvme_fallback", "gauge", None, "1 when the store runs on less than it was asked for (what=engine: posix instead of io_uring; what=o_direct: buffered I/O)."),

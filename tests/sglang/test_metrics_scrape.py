@@ -91,6 +91,7 @@ def test_a_scrape_counts_puts_gets_evictions_a_crc_error_and_an_io_error_exactly
         assert value(s, "umbp_nvme_objects", **lab) == sum(present)
         assert value(s, "umbp_nvme_bytes_used", **lab) == sum(present) * OBJ
         assert value(s, "umbp_nvme_capacity_bytes", **lab) == 4 * MiB
+        assert value(s, "umbp_nvme_puts_in_doubt_bytes", **lab) == 0
         assert value(s, "umbp_nvme_fs_free_bytes", **lab) > 0
         # latency: one observation per batch call
         assert value(s, "umbp_nvme_batch_seconds_count", op="put", **lab) == 4
