@@ -326,3 +326,25 @@ def test_memory_the_process_cannot_read_and_write_is_not_registered_not_a_crash_
     assert p.returncode == 0, (p.returncode, p.stdout, p.stderr[-1500:])
     assert "registered False []" in p.stdout and "register_memory(" in p.stderr and "not registered" in p.stderr
     assert "get [False]" in p.stdout and "put [False]" in p.stdout and "still [True] True" in p.stdout
+
+
+async def test_without_memory_for_the_second_read_a_mismatch_is_a_miss_and_a_drop(tmp_path, monkeypatch):
+    """No memory for the re-read: the get still answers (never raises), the unconfirmed copy is
+    dropped as before the re-read existed, and nothing wrong is served."""
+    from conftest import payload, small_config
+    from umbp_nvme.store import PageStore, get_path
+
+    def no_memory(nbytes):
+        raise OSError(12, "Cannot allocate memory")
+
+    st = await PageStore.open(str(tmp_path / "store"), small_config())
+    keys = ["a_0_k", "b_0_k"]
+    assert await st.put_many(keys, [payload(k, 16 << 10) for k in keys]) == [True, True]
+    monkeypatch.setattr(get_path, "AlignedBuffer", no_memory)
+    shared = np.zeros(16 << 10, np.uint8)
+    res = await st.get_many(keys, [shared, shared])
+    monkeypatch.undo()
+    dropped = res.count(False)
+    assert dropped >= 1 and st.stats()["crc_errors"] == dropped
+    assert (await st.exists_many(keys)).count(False) == dropped
+    await st.close()

@@ -463,7 +463,11 @@ class GetPath:
         sel = np.asarray(bad, np.int64)
         sub = ReadBatch(*(a[sel] for a in (b.idx, b.segs, b.offs, b.lens, b.crcs, b.flags, b.gens, b.rows)))
         blen = -(-sub.lens // 4096) * 4096
-        buf = AlignedBuffer(int(blen.sum()))
+        try:
+            buf = AlignedBuffer(int(blen.sum()))
+        except (OSError, MemoryError) as e:  # no memory for a second look: the copy cannot be vouched for
+            log.error("%s: cannot re-read %d objects that failed their CRC: %s", self.path, len(sel), e)
+            return bad
         try:
             sub.dst = np.uint64(buf.address) + np.concatenate([[0], np.cumsum(blen)[:-1]]).astype(np.uint64)
             outcome = await self._read(sub, len(sub), None)  # returns only once no read is in flight
