@@ -32,12 +32,13 @@ class DeleteSteps:
             for r in rows:
                 self._drop_doubt.pop(r, None)
 
-    async def _settle_doubts(self) -> None:
-        """At close: finish the drops in doubt and settle the puts in doubt (put_doubt.py), so the
-        index the next open trusts agrees with the records."""
+    async def _settle_doubts(self, *, closing: bool = True) -> None:
+        """Finish the drops in doubt and settle the puts in doubt (put_doubt.py): at close, so the
+        index the next open trusts agrees with the records, and when a put finds no room (their
+        slots are not rows eviction can take)."""
         if self._drop_doubt:
             await self._drop_rows(list(self._drop_doubt), evicted=False)
-        if not await self._put_doubt_retry():
+        if not await self._put_doubt_retry() and closing:
             log.warning("%s: %d bytes of puts in doubt at close (the next open trusts the index)", self.path,
                         self.put_doubt_bytes())  # fmt: skip
 

@@ -79,13 +79,6 @@ class SpaceSteps:
             return False
         return await self._drop_rows(rows, evicted=True)
 
-    async def _settle_for_room(self) -> None:
-        """Slots held by drops or puts in doubt (deletes.py, put_doubt.py) are not evictable rows:
-        one more commit settles them, freeing what did not land and making rows of what did."""
-        if self._drop_doubt:
-            await self._drop_rows(list(self._drop_doubt), evicted=False)
-        await self._put_doubt_retry()
-
     async def _reserve(self, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
         """(segment, offset) per object (-1 where there is no room), and whether a segment file
         could not be created. Evicts first when the batch would cross the high watermark."""
@@ -129,8 +122,8 @@ class SpaceSteps:
             if not await self._reclaim_segment():
                 if settled or not (self._put_doubt or self._drop_doubt):
                     break
-                settled = True
-                await self._settle_for_room()
+                settled = True  # slots of drops and puts in doubt are not rows: settle them (deletes.py)
+                await self._settle_doubts(closing=False)
             for j in np.flatnonzero(segs < 0).tolist():
                 slot = alloc.alloc(int(classes[j]), ensure)
                 if slot is not None:
