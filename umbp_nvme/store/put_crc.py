@@ -8,8 +8,11 @@ beside its own write and costs no wall time unless it outlasts it) gets what is 
 reads about, the cheaper paths stay: a small batch on the loop thread (a hop to a thread and back
 costs ~200 us of CPU), a large one on the default executor at normal priority.
 
-Each job gets a thread of its own, which ends with the job; ``CRC_POLICY`` says how it lowers
-its priority, chosen by measurement (docs/tuning.md):
+Jobs go to one long-lived worker thread per policy, which ends after ``IDLE_EXIT_S`` without a
+job (so a closed store leaves no thread behind for long). A thread per job cost the loop 2-4 ms
+per put batch on a busy 2-core machine: ``Thread.start`` waits until the new thread has run, and
+that stall sat in front of every get arriving meanwhile (docs/tuning.md, "the loop's stalls").
+``CRC_POLICY`` says how the worker lowers its priority, chosen by measurement (docs/tuning.md):
 ``idle`` = SCHED_IDLE, ``batch`` = SCHED_BATCH at nice ``CRC_NICE``, ``nice`` = nice ``CRC_NICE``,
 ``normal`` = no change (a control for benchmarks). A thread id's policy is its own on Linux
 (``sched_setscheduler(0, ...)`` / ``setpriority(PRIO_PROCESS, tid, ...)`` from the thread).
@@ -17,9 +20,11 @@ its priority, chosen by measurement (docs/tuning.md):
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import logging
 import os
+import queue
 import threading
 
 log = logging.getLogger("umbp_nvme.store")
@@ -28,6 +33,7 @@ CRC_POLICIES = ("idle", "batch", "nice", "normal")
 CRC_POLICY = "nice"  # read as each job's thread starts (bench mixed --crc-policy sets it first)
 CRC_NICE = 19
 CRC_WORKER = True  # False: the split by batch size alone, as before the worker (bench sweeps)
+IDLE_EXIT_S = 2.0  # a worker with no job for this long ends
 
 
 def lower_priority(policy: str, nice: int = CRC_NICE) -> str:
@@ -62,21 +68,58 @@ class _Count:
     warned = False
 
 
-def run_low(fn, *args) -> asyncio.Future:
-    """``fn(*args)`` on a thread of its own at low CPU priority; the future is resolved on the
-    caller's loop once ``fn`` has returned (so once it no longer reads the caller's memory).
+class _Worker:
+    """One thread at one CPU policy running jobs in order; started (without waiting for it to
+    run) by the first job after it ended, ends after IDLE_EXIT_S idle."""
 
-    A thread per job (~0.1 ms to start, against ~4 ms of CRC for a 48 MiB batch) rather than a
-    pool: nothing outlives the put that started it, so a closed store leaves no thread behind."""
+    def __init__(self, policy: str):
+        self.policy = policy
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.alive = False
+        self.tid: int | None = None  # the running thread's native id (tests)
+
+    def submit(self, job) -> None:
+        with self.lock:
+            if not self.alive:  # a thread that cannot start raises here, with nothing queued
+                _thread.start_new_thread(self._run, ())  # unlike Thread.start, never waits for it
+                self.alive = True
+            self.jobs.put(job)
+
+    def _run(self) -> None:
+        self.tid = threading.get_native_id()
+        applied = lower_priority(self.policy)
+        while True:
+            try:
+                job = self.jobs.get(timeout=IDLE_EXIT_S)
+            except queue.Empty:
+                with self.lock:  # a job submitted meanwhile finds this thread still alive
+                    if self.jobs.empty():
+                        self.alive = False
+                        self.tid = None
+                        return
+                continue
+            _Count.applied = applied
+            _job(*job)
+
+
+_workers: dict[str, _Worker] = {}
+_workers_lock = threading.Lock()
+
+
+def run_low(fn, *args) -> asyncio.Future:
+    """``fn(*args)`` on the low-priority worker; the future is resolved on the caller's loop once
+    ``fn`` has returned (so once it no longer reads the caller's memory)."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
     _Count.jobs += 1
-    threading.Thread(target=_job, args=(loop, fut, fn, args), name="umbp-crc", daemon=True).start()
+    with _workers_lock:
+        worker = _workers.get(CRC_POLICY) or _workers.setdefault(CRC_POLICY, _Worker(CRC_POLICY))
+    worker.submit((loop, fut, fn, args))
     return fut
 
 
 def _job(loop, fut, fn, args) -> None:
-    _Count.applied = lower_priority(CRC_POLICY)
     try:
         res, exc = fn(*args), None
     except BaseException as e:  # noqa: BLE001 - handed to the awaiting put
