@@ -62,6 +62,7 @@ def test_bench_mixed_sglang_path_reads_back_every_page(tmp_path):
         assert r["gets"] == 2 and r["runs"] % 3 == 0 and 0 < r["p50_ms"] <= r["p99_ms"]
         if r["op"] == "get_loaded":  # the backup's own GB/s, alone and beside the gets: never NaN
             assert r["put_solo_gbps"] > 0 and r["put_gbps"] > 0 and r["put_vs_solo"] > 0
+            assert r["loop_p99_ms"] > 0  # the no-op hop onto the backend's store loop was timed
         segs = (r["src_segs"], r["dst_segs"])  # physical runs per K/V object (pagemap: root only)
         assert all(1 <= v <= 256 for v in segs) if os.geteuid() == 0 else segs == (None, None)
 

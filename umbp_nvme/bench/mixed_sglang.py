@@ -24,7 +24,7 @@ import numpy as np
 
 from ..keys import KeyScheme
 from .engine import phys_runs
-from .mixed import SPACING_X, loaded_gets, pct, row, solo_window
+from .mixed import SPACING_X, LoopProbe, loaded_gets, pct, row, solo_window
 
 SHAPES = {1 << 20: dict(page_size=16, layers=32, heads=8, head_dim=128), 4 << 20: dict(page_size=64, layers=32, heads=8, head_dim=128)}
 BACKUP_PAGES = 24  # 48 K/V objects per batch_set_v1
@@ -155,20 +155,24 @@ def gets(be: Backend, pages: int, calls: int, gap: float, rng: random.Random) ->
 
 
 def cell(cfg, be: Backend, size: int, pages: int, pattern: str, gap: float, tag: str, notes: list) -> dict:
-    idle, loaded, r50, r99, rput, solos, puts = [], [], [], [], [], [], []
+    idle, loaded, r50, r99, rput, solos, puts, loop_idle, loop_loaded = [], [], [], [], [], [], [], [], []
     rng = random.Random(size + pages)
     for r in range(cfg.rounds):
         bk = Backup(be, 2 * size, f"{tag}-{r}")
         bk.thread.start()
         time.sleep(cfg.warm_s)
         t0, t1 = solo_window(bk.marks, cfg.solo_s)
-        lat_l = loaded_gets(bk.marks, t1, lambda: gets(be, pages, cfg.calls, gap, rng))
+        with LoopProbe(be.backend.store) as probe:  # the store's loop, as the store-path rows
+            lat_l = loaded_gets(bk.marks, t1, lambda: gets(be, pages, cfg.calls, gap, rng))
         t2 = time.perf_counter()
         bk.stop.set()
         bk.thread.join()
         if bk.failed:
             notes.append(f"{tag}: {bk.failed} backed-up pages failed")
-        lat_i = gets(be, pages, len(lat_l), gap, rng)
+        with LoopProbe(be.backend.store) as probe_idle:
+            lat_i = gets(be, pages, len(lat_l), gap, rng)
+        loop_idle += probe_idle.lat
+        loop_loaded += probe.lat
         idle += lat_i
         loaded += lat_l
         solo = bk.gbps(t0, t1)
@@ -178,7 +182,8 @@ def cell(cfg, be: Backend, size: int, pages: int, pattern: str, gap: float, tag:
         r99.append(pct(lat_l, 99) / pct(lat_i, 99))
         rput.append(puts[-1] / solo if solo > 0 else float("nan"))
     med = lambda v: round(float(np.nanmedian(v)), 2)  # noqa: E731
-    return dict(idle=idle, loaded=loaded, vs_idle_p50=med(r50), vs_idle_p99=med(r99), put_vs_solo=med(rput),
+    return dict(idle=idle, loaded=loaded, loop_idle=loop_idle, loop_loaded=loop_loaded,
+                vs_idle_p50=med(r50), vs_idle_p99=med(r99), put_vs_solo=med(rput),
                 put_solo_gbps=round(float(np.nanmedian(solos)), 3), put_gbps=round(float(np.nanmedian(puts)), 3))
 
 
@@ -210,11 +215,13 @@ def bench_sglang(cfg, directory: str, notes: list[str]) -> list[dict]:
                         system = f"sglang_{knob}"
                         segs = {"src_segs": be.segs(READ_PAGES, BACKUP_PAGES),
                                 "dst_segs": be.segs(READ_PAGES + BACKUP_PAGES, pages)}  # fmt: skip
-                        rows.append(row(system, "get_idle", size, 2 * pages, pattern, c["idle"], **segs))
+                        rows.append(row(system, "get_idle", size, 2 * pages, pattern, c["idle"],
+                                        loop_p99_ms=round(pct(c["loop_idle"], 99), 2), **segs))  # fmt: skip
                         rows.append(row(system, "get_loaded", size, 2 * pages, pattern, c["loaded"],
                                         vs_idle_p50=c["vs_idle_p50"], vs_idle_p99=c["vs_idle_p99"],
                                         put_vs_solo=c["put_vs_solo"], put_solo_gbps=c["put_solo_gbps"],
-                                        put_gbps=c["put_gbps"], **segs))  # fmt: skip
+                                        put_gbps=c["put_gbps"], loop_p99_ms=round(pct(c["loop_loaded"], 99), 2),
+                                        **segs))  # fmt: skip
             finally:
                 be.close()
                 shutil.rmtree(os.path.join(directory, f"sglang-{knob}"), ignore_errors=True)
