@@ -56,6 +56,24 @@ async def test_jobs_run_on_one_worker_at_the_policy_which_ends_when_idle(monkeyp
     assert again != tid and _alive(again)
 
 
+def test_a_forked_child_starts_its_own_worker():
+    # the parent's worker thread does not exist in a child: its jobs must not queue for it forever
+    async def job(v):
+        return await asyncio.wait_for(put_crc.run_low(lambda: v), 5.0)
+
+    assert asyncio.run(job(5)) == 5  # the parent's worker is alive now
+    pid = os.fork()
+    if pid == 0:  # the child: one job, bounded wait; exit code says how it went
+        code = 1
+        try:
+            got = asyncio.run(job(7))
+            code = 0 if got == 7 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 async def test_the_job_computes_the_crcs_and_hands_back_errors():
     jobs = put_crc._Count.jobs
     bufs, src, nbytes, out = _crcs([4096, 1 * MiB + 7, 300 * KiB])

@@ -107,6 +107,16 @@ _workers: dict[str, _Worker] = {}
 _workers_lock = threading.Lock()
 
 
+def _forget_workers() -> None:
+    """In a forked child: the parent's workers are not running here (fork copies one thread)."""
+    global _workers_lock
+    _workers.clear()
+    _workers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_workers)
+
+
 def run_low(fn, *args) -> asyncio.Future:
     """``fn(*args)`` on the low-priority worker; the future is resolved on the caller's loop once
     ``fn`` has returned (so once it no longer reads the caller's memory)."""
