@@ -91,9 +91,12 @@ async def test_the_job_computes_the_crcs_and_hands_back_errors():
     assert put_crc._Count.jobs == jobs + 3
 
 
-def test_unknown_policy_is_refused():
+async def test_unknown_policy_is_refused_and_its_jobs_still_run(monkeypatch):
     with pytest.raises(ValueError, match="CRC policy must be one of"):
         put_crc.lower_priority("fast")
+    monkeypatch.setattr(put_crc, "CRC_POLICY", "fast")  # a worker that cannot apply it must not strand the put
+    assert await asyncio.wait_for(put_crc.run_low(lambda: 3), 5.0) == 3
+    assert put_crc._Count.applied == "normal"
 
 
 async def test_dispatch_by_reads_and_batch_size():

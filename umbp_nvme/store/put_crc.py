@@ -88,7 +88,11 @@ class _Worker:
 
     def _run(self) -> None:
         self.tid = threading.get_native_id()
-        applied = lower_priority(self.policy)
+        try:
+            applied = lower_priority(self.policy)
+        except Exception:  # noqa: BLE001 - an unknown policy: run the queued jobs anyway, never strand them
+            log.exception("CRC worker: policy %r not applied; it runs at normal priority", self.policy)
+            applied = "normal"
         while True:
             try:
                 job = self.jobs.get(timeout=IDLE_EXIT_S)
