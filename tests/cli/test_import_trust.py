@@ -1,0 +1,79 @@
+"""What the CLI's import and replay paths take from the operator and the sources is checked before
+it is used: absurd throttles and timeouts are clear rc-2 errors, not a run that never ends or a
+traceback (umbp_nvme/warmup.py, replay.py, cli.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT
+from support.cli_stores import CAP, items, make_store, read_store, run_cli
+
+from umbp_nvme.warmup import TokenBucket
+
+
+def _cli(*args: str, timeout: float = 60, stdin=None) -> subprocess.CompletedProcess:
+    """The command in a child: code that hangs fails the test by its timeout instead of hanging it."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "umbp_nvme.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=stdin)
+
+
+# --- --max-gbps ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", ["1e-300", "5e-324", "0.000999", "1e7", "inf"])
+def test_max_gbps_outside_its_range_is_a_clear_rc2_error(tmp_path, rate):
+    a = str(tmp_path / "a")
+    make_store(a, items(2, 4096))
+    b = str(tmp_path / "b")
+    t0 = time.monotonic()
+    r = _cli("warmup", "--store", b, *CAP, "--max-gbps", rate, a)  # the old code slept ~1e290 s on 1e-300
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "--max-gbps must be between 0.001 GB/s (1 MB/s) and 1e+06 GB/s" in r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - t0 < 30
+    assert not os.path.exists(os.path.join(b, "MANIFEST.json"))  # refused before anything was opened
+
+
+def test_max_gbps_at_the_floor_is_taken(tmp_path, capsys):
+    a = str(tmp_path / "a")
+    data = items(1, 4096)  # 2 objects, 8 KiB: inside the 0.25 s burst at 1 MB/s
+    make_store(a, data)
+    b = str(tmp_path / "b")
+    rc, out, err = run_cli(capsys, "warmup", "--store", b, *CAP, "--max-gbps", "0.001", "--json", a)
+    assert rc == 0, err
+    assert json.loads(out)["imported"] == 2 and read_store(b, list(data)) == data
+
+
+def test_one_wait_is_never_longer_than_its_bytes_take_at_the_rate():
+    t = [0.0]
+    b = TokenBucket(1000.0, burst_s=0.5, clock=lambda: t[0])
+    assert b.delay_for(10_000) == pytest.approx(9.5)  # past the burst
+    # that wait was cut short (Ctrl-C, a cancelled task): the old bucket charged its whole debt again
+    # (9.6 s for 100 bytes); 100 bytes at 1000 B/s take 0.1 s
+    assert b.delay_for(100) <= 0.1 + 1e-12
+    t[0] += 0.1
+    assert b.delay_for(100) <= 0.1 + 1e-12
+    t[0] += 1000.0  # idle: the balance refills only up to the burst
+    assert b.delay_for(500) == 0.0 and b.delay_for(1000) == pytest.approx(1.0)
+
+
+def test_a_throttle_wait_ends_soon_after_stop():
+    b = TokenBucket(1000.0)
+    stop = threading.Event()
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.1, stop.set)
+        t0 = time.monotonic()
+        await b.take(1_000_000, stop)  # a 1000 s wait
+        return time.monotonic() - t0
+
+    assert asyncio.run(run()) < 1.0
