@@ -135,11 +135,12 @@ def cmd_warmup(args) -> int:
             raise CliError("--replay needs --server URL (the SGLang server whose cache to warm, e.g. http://127.0.0.1:30000)")
         if args.sources or args.store:
             raise CliError("--replay sends prompts to a server; it takes no --store or SOURCE arguments")
-        s = replay(args.replay, args.server, concurrency=args.concurrency, timeout_s=args.timeout, progress=args.progress)
+        try:  # --concurrency and --timeout are checked there (a library caller gets the same ValueError)
+            s = replay(args.replay, args.server, concurrency=args.concurrency, timeout_s=args.timeout, progress=args.progress)
+        except ValueError as e:
+            raise CliError(str(e)) from None
         _emit(args, s.as_dict(), s.table())
-        if s.interrupted:
-            return EXIT_INTERRUPTED
-        return EXIT_OK if s.failed == 0 else EXIT_PROBLEMS
+        return EXIT_INTERRUPTED if s.interrupted else EXIT_OK if s.failed == 0 else EXIT_PROBLEMS
     if not args.store:
         raise CliError("warmup needs --store DIR (the store to fill) and at least one SOURCE")
     if not args.sources:
@@ -175,9 +176,7 @@ def cmd_warmup(args) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     _emit(args, s.as_dict(), s.table())
-    if s.interrupted:
-        return EXIT_INTERRUPTED
-    return EXIT_OK if s.ok else EXIT_PROBLEMS
+    return EXIT_INTERRUPTED if s.interrupted else EXIT_OK if s.ok else EXIT_PROBLEMS
 
 
 def cmd_export(args) -> int:

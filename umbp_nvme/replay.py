@@ -89,6 +89,10 @@ def load_prompts(path: str) -> list[dict]:
 
 
 MAX_REPLY_BYTES = 16 << 20  # a /generate reply with max_new_tokens=1 is a few KiB
+# --timeout: below 0.1 s no prefill answers in time; above a day the socket timeout overflows time_t
+# (1e300 or inf was an OverflowError traceback from every worker)
+TIMEOUT_S_MIN, TIMEOUT_S_MAX = 0.1, 86400.0
+CONCURRENCY_MAX = 1024  # one thread per request in flight
 
 
 class BadReply(ValueError):
@@ -147,8 +151,10 @@ def parse_reply(raw: bytes) -> tuple[int, int]:
 def replay(prompts_path: str, server: str, *, concurrency: int = 8, timeout_s: float = 600.0,
            progress: bool | None = None) -> ReplaySummary:
     """POST every prompt to {server}/generate with max_new_tokens=1, ``concurrency`` in flight."""
-    if concurrency < 1:
-        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= CONCURRENCY_MAX:
+        raise ValueError(f"--concurrency must be 1..{CONCURRENCY_MAX}, got {concurrency!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not TIMEOUT_S_MIN <= timeout_s <= TIMEOUT_S_MAX:
+        raise ValueError(f"--timeout must be between {TIMEOUT_S_MIN:g} and {TIMEOUT_S_MAX:g} seconds, got {timeout_s!r}")
     bodies = load_prompts(prompts_path)
     base = server.rstrip("/")
     if not base.startswith(("http://", "https://")):

@@ -77,3 +77,21 @@ def test_a_throttle_wait_ends_soon_after_stop():
         return time.monotonic() - t0
 
     assert asyncio.run(run()) < 1.0
+
+
+# --- warmup --replay ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--timeout", "1e300"], "--timeout must be between 0.1 and 86400 seconds, got 1e+300"),  # was OverflowError
+    (["--timeout", "inf"], "--timeout must be between 0.1 and 86400 seconds, got inf"),  # was OverflowError
+    (["--timeout", "1e-300"], "--timeout must be between 0.1 and 86400 seconds, got 1e-300"),
+    (["--concurrency", "0"], "--concurrency must be 1..1024, got 0"),  # was a ValueError traceback
+    (["--concurrency", "100000"], "--concurrency must be 1..1024, got 100000"),
+])
+def test_replay_refuses_absurd_timeouts_and_concurrency_with_rc2(tmp_path, args, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"hello"\n')
+    r = _cli("warmup", "--replay", str(prompts), "--server", "http://127.0.0.1:9", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip() == f"umbp-nvme warmup: error: {message}"
