@@ -17,6 +17,7 @@ import os
 import stat
 
 from ..buffers import DIO_ALIGN_BYTES
+from ..engine.files import open_regular
 from ..errors import (
     CapacityShrinkError,
     ManifestDamagedError,
@@ -341,7 +342,7 @@ def lock_holder(path) -> int | None:
     """
     p = os.path.join(os.fspath(path), LOCK_FILE)
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = open_regular(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)  # a FIFO there: no writer, never a hang
     except OSError:
         return None
     try:
