@@ -95,3 +95,42 @@ def test_replay_refuses_absurd_timeouts_and_concurrency_with_rc2(tmp_path, args,
     r = _cli("warmup", "--replay", str(prompts), "--server", "http://127.0.0.1:9", *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.strip() == f"umbp-nvme warmup: error: {message}"
+
+
+# --- HiCacheFile pages written while read ------------------------------------------------------
+
+
+def test_a_hicachefile_page_rewritten_while_read_is_not_imported_torn(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "hicache"
+    src.mkdir()
+    page = src / f"{'ab' * 32}_m_0_1.bin"
+    old, new = b"o" * 16384, b"n" * 16384
+    page.write_bytes(old)
+    real_readv = os.readv
+    calls = []
+
+    def readv_while_rewritten(fd, bufs):
+        # the first read gets half the page, then HiCacheFile rewrites it in place (same size), and the
+        # next read gets the rest from the new bytes: old K half, new V half
+        calls.append(fd)
+        if len(calls) > 1:
+            return real_readv(fd, bufs)
+        n = real_readv(fd, [bufs[0][: len(bufs[0]) // 2]])
+        time.sleep(0.05)  # past the file system's timestamp tick
+        with open(page, "r+b") as f:
+            f.write(new)
+        return n
+
+    monkeypatch.setattr(os, "readv", readv_while_rewritten)
+    store = str(tmp_path / "store")
+    rc, out, err = run_cli(capsys, "warmup", "--store", store, "--model", "m", *CAP, "--json", str(src))
+    monkeypatch.setattr(os, "readv", real_readv)
+    s = json.loads(out)
+    assert len(calls) == 2 and rc == 1, (out, err)
+    assert (s["imported"], s["failed"]) == (0, 2)
+    assert any("was written while being imported" in e for e in s["errors"])
+    keys = [f"{'ab' * 32}_0_k", f"{'ab' * 32}_0_v"]
+    assert read_store(store, keys) == {k: None for k in keys}  # the old code stored 'o' * 8192 and 'n' * 8192
+    rc, out, err = run_cli(capsys, "warmup", "--store", store, "--model", "m", *CAP, "--json", str(src))
+    assert rc == 0 and json.loads(out)["imported"] == 2  # run again: the page as it is now
+    assert read_store(store, keys) == {keys[0]: new[:8192], keys[1]: new[8192:]}
