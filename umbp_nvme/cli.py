@@ -250,12 +250,10 @@ def cmd_doctor(args) -> int:
 
 def _live_counters(store: str) -> dict | None:
     """Counters a running store published next to its data (STATS.json), if it does."""
-    p = os.path.join(store, "STATS.json")
-    try:
-        with open(p, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    from .store.layout import read_json_or_none
+
+    c = read_json_or_none(os.path.join(store, "STATS.json"))  # never blocks on a FIFO; a non-object is none
+    return c if isinstance(c, dict) else None
 
 
 def cmd_rebuild_index(args) -> int:

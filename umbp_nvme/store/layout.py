@@ -196,6 +196,27 @@ def take_lock(path: str) -> int:
     return fd
 
 
+def read_json_or_none(path: str, max_bytes: int = 16 << 20):
+    """The JSON value in a small side file of ours (DRIVES.json, STATS.json), or None when it is
+    missing, not a regular file (never followed, never blocking on a FIFO), larger than
+    ``max_bytes`` or not JSON (nested too deep included: a RecursionError, not a ValueError)."""
+    try:
+        fd = open_regular(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError:
+            return None
+    if len(data) > max_bytes:
+        return None
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
 def write_json_atomic(path: str, obj) -> None:
     write_file_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
