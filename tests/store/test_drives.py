@@ -246,6 +246,36 @@ async def test_a_drive_whose_directory_disappears_is_degraded_and_rejoins_when_i
     await st.close()
 
 
+async def test_a_drive_whose_directory_is_replaced_by_a_file_is_degraded_as_gone(tmp_path):
+    # the old probe took ENOTDIR (stat of FILE/MANIFEST.json) for a passing error: the drive stayed
+    # healthy and took new pages into the files of a directory no longer at its root
+    roots = _roots(tmp_path, 2)
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
+    keys = _keys(30)
+    assert await _put(st, keys) == [True] * 60
+    where = st.drive_of(keys)
+    parked = roots[1] + ".away"
+    os.rename(roots[1], parked)
+    with open(roots[1], "wb") as f:
+        f.write(b"not a directory")
+    try:
+        assert await until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
+        assert "is gone" in st.stats()["drives"][1]["reason"]
+        res, wrong = await _get(st, keys)
+        assert wrong == 0 and res == [d == 0 for d in where]
+        fresh = _keys(10, "f")
+        assert await _put(st, fresh) == [True] * 20 and set(st.drive_of(fresh)) == {0}
+    finally:
+        os.unlink(roots[1])
+        os.rename(parked, roots[1])
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 60 and wrong == 0
+    with open(roots[1] + "/MANIFEST.json", "rb"):
+        pass  # nothing was created in place of the file
+    await st.close()
+
+
 async def test_a_full_drive_stops_taking_writes_but_keeps_serving_its_pages(tmp_path):
     from conftest import mount_tmpfs
 

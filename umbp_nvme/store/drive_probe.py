@@ -212,7 +212,7 @@ class DriveProbes:
                 return
             try:
                 await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # removed, or replaced by a file
                 h.degrade("gone", f"its directory {self.roots[d]} is gone (no {MANIFEST_FILE})")
                 return
             except (OSError, asyncio.TimeoutError):
