@@ -73,8 +73,8 @@ def _load_config(args):
                 with open(raw, encoding="utf-8") as f:
                     raw = f.read()
             extra = json.loads(raw)
-        except (OSError, ValueError) as e:
-            raise CliError(f"--config {args.config!r} is neither a JSON object nor a JSON file ({e})") from None
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            raise CliError(f"--config {args.config!r:.200} is neither a JSON object nor a JSON file ({e})") from None
         if not isinstance(extra, dict):
             raise CliError(f"--config must be a JSON object of extra_config keys, got {type(extra).__name__}")
     if getattr(args, "capacity", None):
@@ -158,8 +158,8 @@ def cmd_warmup(args) -> int:
                 with open(raw, encoding="utf-8") as f:
                     raw = f.read()
             namespace = json.loads(raw)
-        except (OSError, ValueError) as e:
-            raise CliError(f"--namespace {args.namespace!r} is neither a JSON object nor a JSON file ({e})") from None
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            raise CliError(f"--namespace {args.namespace!r:.200} is neither a JSON object nor a JSON file ({e})") from None
     if args.keys == "-" and "-" in args.sources:
         raise CliError("--keys - and the SOURCE - would both read stdin; give the keys as a file")
     if args.sources.count("-") > 1:

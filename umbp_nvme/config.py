@@ -284,8 +284,8 @@ def parse_roots(value) -> list[str]:
         if s.startswith("["):
             try:
                 roots = json.loads(s)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"ssd_storage_dir looks like a JSON list but is not one ({e}): {text!r}") from None
+            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+                raise ValueError(f"ssd_storage_dir looks like a JSON list but is not one ({e}): {text[:200]!r}") from None
             if not isinstance(roots, list):
                 raise ValueError(f"ssd_storage_dir JSON must be a list of paths, got {text!r}")
         elif "," in s and not os.path.isdir(text):  # an existing directory with a comma is one root

@@ -134,3 +134,21 @@ def test_a_hicachefile_page_rewritten_while_read_is_not_imported_torn(tmp_path, 
     rc, out, err = run_cli(capsys, "warmup", "--store", store, "--model", "m", *CAP, "--json", str(src))
     assert rc == 0 and json.loads(out)["imported"] == 2  # run again: the page as it is now
     assert read_store(store, keys) == {keys[0]: new[:8192], keys[1]: new[8192:]}
+
+
+# --- JSON the operator passes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--config", "--namespace", "--store"])
+def test_json_nested_too_deep_is_a_clear_rc2_error(tmp_path, flag):
+    deep = "[" * 100_000  # json raises RecursionError, which the old code let out as a traceback
+    a = str(tmp_path / "a")
+    make_store(a, items(1, 4096))
+    args = {"--config": ["--store", str(tmp_path / "b"), "--config", deep, a],
+            "--namespace": ["--store", str(tmp_path / "b"), "--namespace", deep, a],
+            "--store": ["--store", deep, a]}[flag]
+    r = _cli("warmup", *args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "umbp-nvme warmup: error: " in r.stderr
+    assert ("nor a JSON file" in r.stderr or "not one" in r.stderr) and len(r.stderr) < 1000
+    assert not os.path.exists(tmp_path / "b")
