@@ -5,8 +5,11 @@ traceback (umbp_nvme/warmup.py, replay.py, cli.py)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
+import select
+import stat
 import subprocess
 import sys
 import threading
@@ -16,6 +19,8 @@ import pytest
 from conftest import ROOT
 from support.cli_stores import CAP, items, make_store, read_store, run_cli
 
+from umbp_nvme import cli
+from umbp_nvme.archive import ArchiveReader
 from umbp_nvme.warmup import TokenBucket
 
 
@@ -152,3 +157,55 @@ def test_json_nested_too_deep_is_a_clear_rc2_error(tmp_path, flag):
     assert "Traceback" not in r.stderr and "umbp-nvme warmup: error: " in r.stderr
     assert ("nor a JSON file" in r.stderr or "not one" in r.stderr) and len(r.stderr) < 1000
     assert not os.path.exists(tmp_path / "b")
+
+
+# --- export onto a pipe or a device ----------------------------------------------------------------
+
+
+def test_export_onto_a_fifo_writes_into_it_and_leaves_the_fifo(tmp_path):
+
+    a = str(tmp_path / "a")
+    data = items(40, 4096)  # 80 objects, 320 KiB: more than a pipe holds, so the reader must drain it
+    make_store(a, data)
+    fifo = str(tmp_path / "out.fifo")
+    os.mkfifo(fifo)
+    rd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader is there: the export's open never waits
+    rcs = []
+    t = threading.Thread(target=lambda: rcs.append(cli.main(["export", "--store", a, "--out", fifo])))
+    t.start()
+    got = bytearray()
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            select.select([rd], [], [], 0.2)
+            try:
+                chunk = os.read(rd, 1 << 20)
+            except BlockingIOError:
+                continue
+            if not chunk and not t.is_alive():
+                break  # the writer closed (the old code renamed a file over the FIFO and never opened it)
+            got += chunk
+    finally:
+        os.close(rd)
+        t.join(60)
+    assert rcs == [0]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced by a regular file"
+    r = ArchiveReader(io.BytesIO(bytes(got)))
+    assert {k: v for k, v, ok in r if ok} == data and r.complete
+
+
+def test_export_onto_a_device_node_writes_into_it_and_never_replaces_it(tmp_path):
+
+    a = str(tmp_path / "a")
+    make_store(a, items(2, 4096))
+    null = str(tmp_path / "null")  # a private /dev/null: the old code renamed a regular file over it
+    try:
+        os.mknod(null, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        with open(null, "wb") as f:
+            f.write(b"x")
+    except OSError as e:
+        pytest.skip(f"cannot make a character device here: {e}")
+    assert cli.main(["export", "--store", a, "--out", null]) == 0
+    st = os.lstat(null)
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
+    assert [n for n in os.listdir(tmp_path) if ".partial." in n] == []
