@@ -428,8 +428,11 @@ async def import_sources(
     plan: list[tuple[str, str, object]] = []
     ns = namespace
     try:
+        targets = {os.path.realpath(r) for r in parse_roots(store_path)}
         for src in sources:
             kind = detect_source(src)
+            if kind == "store" and os.path.realpath(src) in targets:  # the writer could not open beside our reader
+                raise SourceError(f"SOURCE {src} is the store being filled (--store); it holds every key already")
             if kind == "store":
                 r = StoreReader(src)
                 opened.append(r)

@@ -209,3 +209,18 @@ def test_export_onto_a_device_node_writes_into_it_and_never_replaces_it(tmp_path
     st = os.lstat(null)
     assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
     assert [n for n in os.listdir(tmp_path) if ".partial." in n] == []
+
+
+@pytest.mark.parametrize("spelling", ["same", "slash", "dotdot", "symlink"])
+def test_a_store_imported_into_itself_is_refused_clearly_and_left_as_it_was(tmp_path, spelling):
+    a = str(tmp_path / "a")
+    data = items(2, 4096)
+    make_store(a, data)
+    os.symlink(a, tmp_path / "link")
+    src = {"same": a, "slash": a + "/", "dotdot": str(tmp_path / "a" / ".." / "a"), "symlink": str(tmp_path / "link")}[spelling]
+    r = _cli("warmup", "--store", a, *CAP, src)
+    assert r.returncode == 2, r.stderr
+    # the old message: "index.lmdb is open read-only in this process; close those handles ..."
+    assert r.stderr.strip() == (f"umbp-nvme warmup: error: SOURCE {src} is the store being filled (--store); "
+                                "it holds every key already")
+    assert read_store(a, list(data)) == data
