@@ -38,7 +38,7 @@ def parse_size(text: str) -> int:
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
-    except ValueError:
+    except ValueError:  # not a number: refused below like 0
         v = -1
     if not v > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
@@ -54,7 +54,12 @@ def _read_keys(path: str) -> list[str]:
     except OSError as e:
         raise CliError(f"cannot read the keys file {path}: {e.strerror or e}") from None
     with f:
-        keys = [decode_key(ln.strip()) for ln in f if ln.strip() and not ln.lstrip().startswith(b"#")]
+        keys = []
+        for ln in iter(lambda: f.readline(1 << 16), b""):  # bounded: a device (/dev/zero) is no keys file
+            if len(ln) >= 1 << 16:
+                raise CliError(f"the keys file {path} has a line of 64 KiB or more; it must list one key per line")
+            if ln.strip() and not ln.lstrip().startswith(b"#"):
+                keys.append(decode_key(ln.strip()))
     if not keys:
         raise CliError(f"the keys file {path} lists no keys (one key per line)")
     return keys
@@ -98,10 +103,7 @@ def _capacity_given(args) -> bool:
 
 
 def _emit(args, data: dict, text: str) -> None:
-    if getattr(args, "json", False):
-        print(json.dumps(data, indent=2, sort_keys=True, default=str))
-    else:
-        print(text)
+    print(json.dumps(data, indent=2, sort_keys=True, default=str) if getattr(args, "json", False) else text)
 
 
 def _refuse_if_locked(store: str, what: str) -> None:

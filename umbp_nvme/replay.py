@@ -55,21 +55,27 @@ class ReplaySummary:
         return "\n".join(lines)
 
 
+MAX_PROMPT_LINE_BYTES = 64 << 20  # a prompt of a million tokens is a few MiB of JSON
+
+
 def load_prompts(path: str) -> list[dict]:
     """PROMPTS.jsonl: one JSON value per line: a string, or an object with "text" (or "prompt") or
     "input_ids"; an object's "sampling_params" are kept (max_new_tokens is forced to 1)."""
     out = []
     try:
-        f = sys.stdin if path == "-" else open(path, encoding="utf-8")
+        f = sys.stdin.buffer if path == "-" else open(path, "rb")
     except OSError as e:
         raise SourceError(f"cannot read prompts file {path}: {e.strerror or e}") from None
     with f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
+        # bounded lines: a device (/dev/zero) or a damaged file is an error, not all of memory
+        for n, raw in enumerate(iter(lambda: f.readline(MAX_PROMPT_LINE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_PROMPT_LINE_BYTES:
+                raise SourceError(f"{path}:{n}: a line over {MAX_PROMPT_LINE_BYTES >> 20} MiB; each line must be one prompt")
+            line = raw.strip()
             if not line:
                 continue
             try:
-                v = json.loads(line)
+                v = json.loads(line.decode("utf-8"))  # a UnicodeDecodeError is a ValueError
             except (ValueError, RecursionError) as e:
                 raise SourceError(f"{path}:{n}: not valid JSON ({e}); each line must be one JSON value") from None
             if isinstance(v, str):

@@ -224,3 +224,34 @@ def test_a_store_imported_into_itself_is_refused_clearly_and_left_as_it_was(tmp_
     assert r.stderr.strip() == (f"umbp-nvme warmup: error: SOURCE {src} is the store being filled (--store); "
                                 "it holds every key already")
     assert read_store(a, list(data)) == data
+
+
+# --- list files the operator names -----------------------------------------------------------------
+
+
+def test_a_keys_file_without_line_ends_is_refused_not_read_into_memory(tmp_path):
+    a = str(tmp_path / "a")
+    make_store(a, items(1, 4096))
+    # /dev/zero: one endless line (the old code read it until MemoryError or the OOM killer)
+    r = subprocess.run(f"ulimit -v 4000000; exec {sys.executable} -m umbp_nvme.cli warmup --store {tmp_path / 'b'} "
+                       f"--keys /dev/zero {a}", shell=True, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip() == ("umbp-nvme warmup: error: the keys file /dev/zero has a line of 64 KiB or more; "
+                                "it must list one key per line")
+
+
+def test_a_prompts_file_with_bytes_that_are_not_utf8_names_the_line(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'"ok"\n"\xff\xfe"\n')
+    r = _cli("warmup", "--replay", str(prompts), "--server", "http://127.0.0.1:9")
+    assert r.returncode == 2, r.stderr  # the old message named neither the file nor the line
+    assert r.stderr.startswith(f"umbp-nvme warmup: error: {prompts}:2: not valid JSON (")
+
+
+def test_a_prompts_file_without_line_ends_is_refused_not_read_into_memory(tmp_path):
+    r = subprocess.run(f"ulimit -v 4000000; exec {sys.executable} -m umbp_nvme.cli warmup --replay /dev/zero "
+                       "--server http://127.0.0.1:9", shell=True, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip() == "umbp-nvme warmup: error: /dev/zero:1: a line over 64 MiB; each line must be one prompt"
