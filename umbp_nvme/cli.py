@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+from fractions import Fraction
 
 from .keybytes import printable_key
 
@@ -31,7 +32,7 @@ def parse_size(text: str) -> int:
     m = _SIZE_RE.match(str(text))
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or a number with k/m/g/t (e.g. 64g)")
-    n, unit = float(m.group(1)), m.group(2).lower()
+    n, unit = Fraction(m.group(1)), m.group(2).lower()  # exact: a float overflowed past 308 digits
     return int(n * (1 << (10 * " kmgtp".index(unit or " "))))
 
 
