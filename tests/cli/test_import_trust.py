@@ -270,3 +270,28 @@ def test_a_size_with_hundreds_of_digits_is_a_clear_rc2_error(tmp_path, digits):
     else:  # past Python's int digit limit: argparse's own error
         assert "argument --capacity: invalid parse_size value" in r.stderr
     assert cli.parse_size("9" * 30 + "k") == int("9" * 30) * 1024  # exact, not rounded through a float
+
+
+def test_a_source_that_is_a_socket_or_block_device_is_named_for_what_it_is(tmp_path):
+    import socket
+
+    sock_path = str(tmp_path / "s.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(sock_path)
+    try:
+        r = _cli("warmup", "--store", str(tmp_path / "b"), *CAP, sock_path, str(tmp_path / "missing"))
+    finally:
+        s.close()
+    assert r.returncode == 2  # the old message said the socket "does not exist"
+    assert r.stderr.strip() == (f"umbp-nvme warmup: error: warm-up source {sock_path} is a socket; give a "
+                                "HiCacheFile directory, a store directory or an archive")
+    blk = str(tmp_path / "blk")
+    try:
+        os.mknod(blk, stat.S_IFBLK | 0o600, os.makedev(7, 200))  # a loop device node: never opened
+    except OSError as e:
+        pytest.skip(f"cannot make a block device node here: {e}")
+    r = _cli("warmup", "--store", str(tmp_path / "b"), *CAP, blk)
+    assert r.returncode == 2 and f"warm-up source {blk} is a block device;" in r.stderr, r.stderr
+    r = _cli("warmup", "--store", str(tmp_path / "b"), *CAP, str(tmp_path / "missing"))
+    assert r.returncode == 2 and f"warm-up source {tmp_path / 'missing'} does not exist;" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "b")
