@@ -9,18 +9,20 @@ import io
 import json
 import os
 import select
+import socket
 import stat
 import subprocess
 import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from conftest import ROOT
 from support.cli_stores import CAP, items, make_store, read_store, run_cli
 
 from umbp_nvme import cli
-from umbp_nvme.archive import ArchiveReader
+from umbp_nvme.archive import ArchiveReader, ArchiveWriter
 from umbp_nvme.warmup import TokenBucket
 
 
@@ -273,8 +275,6 @@ def test_a_size_with_hundreds_of_digits_is_a_clear_rc2_error(tmp_path, digits):
 
 
 def test_a_source_that_is_a_socket_or_block_device_is_named_for_what_it_is(tmp_path):
-    import socket
-
     sock_path = str(tmp_path / "s.sock")
     s = socket.socket(socket.AF_UNIX)
     s.bind(sock_path)
@@ -295,3 +295,21 @@ def test_a_source_that_is_a_socket_or_block_device_is_named_for_what_it_is(tmp_p
     r = _cli("warmup", "--store", str(tmp_path / "b"), *CAP, str(tmp_path / "missing"))
     assert r.returncode == 2 and f"warm-up source {tmp_path / 'missing'} does not exist;" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "b")
+
+
+def test_an_archive_namespace_too_large_for_a_manifest_is_refused_before_the_store_is_made(tmp_path):
+    arc = str(tmp_path / "x.umbparc")
+    with open(arc, "wb") as f, ArchiveWriter(f, {"model": "m", "pad": "x" * (2 << 20)}) as w:
+        w.add("k1", np.ones(4096, np.uint8))
+    b = str(tmp_path / "b")
+    r = _cli("warmup", "--store", b, *CAP, arc)
+    # the old import succeeded and wrote a 2 MiB MANIFEST.json that stats and every reader refused as damaged
+    assert r.returncode == 2, r.stdout
+    assert "namespace of 2097" in r.stderr and "is over the 65536 a store manifest records" in r.stderr
+    assert not os.path.exists(os.path.join(b, "MANIFEST.json"))
+    small = str(tmp_path / "small.umbparc")
+    with open(small, "wb") as f, ArchiveWriter(f, {"model": "m", "pad": "x" * 60_000}) as w:
+        w.add("k1", np.ones(4096, np.uint8))
+    r = _cli("warmup", "--store", b, *CAP, small)
+    assert r.returncode == 0, r.stderr
+    assert _cli("stats", "--store", b).returncode == 0

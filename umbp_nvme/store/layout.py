@@ -385,6 +385,24 @@ def segment_files_extent(path: str) -> int:
     return max(segment_files(path), default=-1) + 1
 
 
+NAMESPACE_MAX_BYTES = 64 << 10  # as JSON; well inside what a manifest may be (_MANIFEST_MAX_BYTES)
+
+
+def check_namespace_fits(namespace: dict | None) -> None:
+    """A namespace the manifest can hold: JSON values, at most NAMESPACE_MAX_BYTES as JSON. A larger
+    one (an imported archive's header may carry 16 MiB) made a manifest that every later open
+    refused as damaged."""
+    if namespace is None:
+        return
+    try:
+        n = len(json.dumps(namespace).encode())
+    except (TypeError, ValueError, RecursionError) as e:
+        raise TypeError(f"namespace must be a dict of JSON values ({e})") from None
+    if n > NAMESPACE_MAX_BYTES:
+        raise StoreError(f"namespace of {n} bytes (as JSON) is over the {NAMESPACE_MAX_BYTES} a store manifest "
+                         "records; a namespace names a model, dtype and layout in a few hundred bytes")
+
+
 def check_namespace(path: str, stored: dict, requested: dict | None) -> None:
     if requested is None or not stored:
         return
