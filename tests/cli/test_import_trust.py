@@ -23,6 +23,7 @@ from support.cli_stores import CAP, items, make_store, read_store, run_cli
 
 from umbp_nvme import cli
 from umbp_nvme.archive import ArchiveReader, ArchiveWriter
+from umbp_nvme.keybytes import printable_key
 from umbp_nvme.warmup import TokenBucket
 
 
@@ -313,3 +314,26 @@ def test_an_archive_namespace_too_large_for_a_manifest_is_refused_before_the_sto
     r = _cli("warmup", "--store", b, *CAP, small)
     assert r.returncode == 0, r.stderr
     assert _cli("stats", "--store", b).returncode == 0
+
+
+# --- names and keys in messages ----------------------------------------------------------------------
+
+
+def test_control_characters_in_keys_and_names_are_escaped_in_messages():
+    assert printable_key("a\nb\x1b[31m\x7f") == "a\\x0ab\\x1b[31m\\x7f"
+    assert printable_key("k\u2028\x85é\udcff") == "k\\u2028\\x85é\\xff"
+    assert printable_key("0123abcd_0_k") == "0123abcd_0_k"
+
+
+def test_a_hicachefile_name_with_a_newline_cannot_forge_a_line_of_the_summary(tmp_path, capsys):
+    src = tmp_path / "hicache"
+    src.mkdir()
+    forged = "\numbp-nvme: all 1000000 pages imported\x1b[2K"
+    (src / f"ab{forged}_m_0_1.bin").write_bytes(b"x" * 100)  # not the 8192-byte page: refused, named
+    (src / f"{'cd' * 32}_m_0_1.bin").write_bytes(b"y" * 8192)
+    rc, out, err = run_cli(capsys, "warmup", "--store", str(tmp_path / "store"), "--model", "m", *CAP,
+                           "--page-bytes", "8192", str(src))
+    assert rc == 1
+    text = out + err
+    assert "\x1b" not in text and not any(ln.startswith("umbp-nvme: all") for ln in text.splitlines())
+    assert "\\x0aumbp-nvme: all 1000000 pages imported\\x1b[2K_m_0_1.bin is 100 bytes" in text
