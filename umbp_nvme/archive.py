@@ -491,7 +491,7 @@ def open_for_write(path: str):
         import sys
 
         return sys.stdout.buffer, None
-    if _written_into(path):
+    if is_pipe_or_device(path):
         return open(path, "wb", buffering=1 << 20), None
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(16):
@@ -504,7 +504,7 @@ def open_for_write(path: str):
     raise FileExistsError(f"cannot create a temporary file beside {path}: 16 random names were taken")
 
 
-def _written_into(path: str) -> bool:
+def is_pipe_or_device(path: str) -> bool:
     """Whether ``path`` names an existing pipe or device (followed: /dev/stdout links to /proc)."""
     try:
         mode = os.stat(path).st_mode

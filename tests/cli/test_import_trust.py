@@ -337,3 +337,18 @@ def test_a_hicachefile_name_with_a_newline_cannot_forge_a_line_of_the_summary(tm
     text = out + err
     assert "\x1b" not in text and not any(ln.startswith("umbp-nvme: all") for ln in text.splitlines())
     assert "\\x0aumbp-nvme: all 1000000 pages imported\\x1b[2K_m_0_1.bin is 100 bytes" in text
+
+
+def test_export_of_several_drives_onto_a_device_is_refused_not_written_beside_it(tmp_path):
+    d0, d1 = str(tmp_path / "d0"), str(tmp_path / "d1")
+    make_store(d0, items(1, 4096))
+    make_store(d1, items(1, 4096, tag="q"))
+    null = str(tmp_path / "null")
+    try:
+        os.mknod(null, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    except OSError as e:
+        pytest.skip(f"cannot make a character device here: {e}")
+    r = _cli("export", "--store", f"{d0},{d1}", "--out", null)
+    assert r.returncode == 2, (r.stdout, r.stderr)  # the old code wrote null.d0 and null.d1 beside the device
+    assert f"give --out PATH of a new or regular file, not {null} (a pipe or device)" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["d0", "d1", "null"]
