@@ -483,12 +483,16 @@ def open_for_write(path: str):
 
     Returns (file, temp path or None). The temp name has a random part and is created with
     O_EXCL|O_NOFOLLOW, mode 0600 like the store's files: nobody can pre-plant it or a symlink
-    in its place, and the caller renames it onto ``path`` when complete.
+    in its place, and the caller renames it onto ``path`` when complete. A ``path`` that is a pipe
+    or a device (a FIFO, /dev/null, /dev/stdout) is written into like stdout, never replaced: the
+    rename would put a regular file in place of the device node (as root, /dev/null itself).
     """
     if path == "-":
         import sys
 
         return sys.stdout.buffer, None
+    if is_pipe_or_device(path):
+        return open(path, "wb", buffering=1 << 20), None
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(16):
         tmp = tmp_path_for(path)
@@ -498,6 +502,15 @@ def open_for_write(path: str):
             continue
         return os.fdopen(fd, "wb", buffering=1 << 20), tmp
     raise FileExistsError(f"cannot create a temporary file beside {path}: 16 random names were taken")
+
+
+def is_pipe_or_device(path: str) -> bool:
+    """Whether ``path`` names an existing pipe or device (followed: /dev/stdout links to /proc)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not stat.S_ISDIR(mode) and (not stat.S_ISREG(mode) or os.path.realpath(path).startswith("/proc/"))
 
 
 def tmp_path_for(path: str) -> str:
@@ -555,8 +568,9 @@ def export_store(store_path: str, out: str, *, keys: list[str] | None = None, pr
                 os.fsync(f.fileno())
             ok = True
         finally:
+            if out != "-":
+                f.close()  # the temp file, or a pipe or device written into (open_for_write)
             if tmp is not None:
-                f.close()
                 try:
                     if ok:
                         os.replace(tmp, out)  # replaces a symlink at out, never writes through it

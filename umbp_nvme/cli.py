@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+from fractions import Fraction
 
 from .keybytes import printable_key
 
@@ -31,14 +32,14 @@ def parse_size(text: str) -> int:
     m = _SIZE_RE.match(str(text))
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or a number with k/m/g/t (e.g. 64g)")
-    n, unit = float(m.group(1)), m.group(2).lower()
+    n, unit = Fraction(m.group(1)), m.group(2).lower()  # exact: a float overflowed past 308 digits
     return int(n * (1 << (10 * " kmgtp".index(unit or " "))))
 
 
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
-    except ValueError:
+    except ValueError:  # not a number: refused below like 0
         v = -1
     if not v > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
@@ -54,7 +55,12 @@ def _read_keys(path: str) -> list[str]:
     except OSError as e:
         raise CliError(f"cannot read the keys file {path}: {e.strerror or e}") from None
     with f:
-        keys = [decode_key(ln.strip()) for ln in f if ln.strip() and not ln.lstrip().startswith(b"#")]
+        keys = []
+        for ln in iter(lambda: f.readline(1 << 16), b""):  # bounded: a device (/dev/zero) is no keys file
+            if len(ln) >= 1 << 16:
+                raise CliError(f"the keys file {path} has a line of 64 KiB or more; it must list one key per line")
+            if ln.strip() and not ln.lstrip().startswith(b"#"):
+                keys.append(decode_key(ln.strip()))
     if not keys:
         raise CliError(f"the keys file {path} lists no keys (one key per line)")
     return keys
@@ -73,8 +79,8 @@ def _load_config(args):
                 with open(raw, encoding="utf-8") as f:
                     raw = f.read()
             extra = json.loads(raw)
-        except (OSError, ValueError) as e:
-            raise CliError(f"--config {args.config!r} is neither a JSON object nor a JSON file ({e})") from None
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            raise CliError(f"--config {args.config!r:.200} is neither a JSON object nor a JSON file ({e})") from None
         if not isinstance(extra, dict):
             raise CliError(f"--config must be a JSON object of extra_config keys, got {type(extra).__name__}")
     if getattr(args, "capacity", None):
@@ -98,10 +104,7 @@ def _capacity_given(args) -> bool:
 
 
 def _emit(args, data: dict, text: str) -> None:
-    if getattr(args, "json", False):
-        print(json.dumps(data, indent=2, sort_keys=True, default=str))
-    else:
-        print(text)
+    print(json.dumps(data, indent=2, sort_keys=True, default=str) if getattr(args, "json", False) else text)
 
 
 def _refuse_if_locked(store: str, what: str) -> None:
@@ -135,11 +138,12 @@ def cmd_warmup(args) -> int:
             raise CliError("--replay needs --server URL (the SGLang server whose cache to warm, e.g. http://127.0.0.1:30000)")
         if args.sources or args.store:
             raise CliError("--replay sends prompts to a server; it takes no --store or SOURCE arguments")
-        s = replay(args.replay, args.server, concurrency=args.concurrency, timeout_s=args.timeout, progress=args.progress)
+        try:  # --concurrency and --timeout are checked there (a library caller gets the same ValueError)
+            s = replay(args.replay, args.server, concurrency=args.concurrency, timeout_s=args.timeout, progress=args.progress)
+        except ValueError as e:
+            raise CliError(str(e)) from None
         _emit(args, s.as_dict(), s.table())
-        if s.interrupted:
-            return EXIT_INTERRUPTED
-        return EXIT_OK if s.failed == 0 else EXIT_PROBLEMS
+        return EXIT_INTERRUPTED if s.interrupted else EXIT_OK if s.failed == 0 else EXIT_PROBLEMS
     if not args.store:
         raise CliError("warmup needs --store DIR (the store to fill) and at least one SOURCE")
     if not args.sources:
@@ -157,8 +161,8 @@ def cmd_warmup(args) -> int:
                 with open(raw, encoding="utf-8") as f:
                     raw = f.read()
             namespace = json.loads(raw)
-        except (OSError, ValueError) as e:
-            raise CliError(f"--namespace {args.namespace!r} is neither a JSON object nor a JSON file ({e})") from None
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            raise CliError(f"--namespace {args.namespace!r:.200} is neither a JSON object nor a JSON file ({e})") from None
     if args.keys == "-" and "-" in args.sources:
         raise CliError("--keys - and the SOURCE - would both read stdin; give the keys as a file")
     if args.sources.count("-") > 1:
@@ -175,9 +179,7 @@ def cmd_warmup(args) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     _emit(args, s.as_dict(), s.table())
-    if s.interrupted:
-        return EXIT_INTERRUPTED
-    return EXIT_OK if s.ok else EXIT_PROBLEMS
+    return EXIT_INTERRUPTED if s.interrupted else EXIT_OK if s.ok else EXIT_PROBLEMS
 
 
 def cmd_export(args) -> int:
@@ -251,12 +253,10 @@ def cmd_doctor(args) -> int:
 
 def _live_counters(store: str) -> dict | None:
     """Counters a running store published next to its data (STATS.json), if it does."""
-    p = os.path.join(store, "STATS.json")
-    try:
-        with open(p, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    from .store.layout import read_json_or_none
+
+    c = read_json_or_none(os.path.join(store, "STATS.json"))  # never blocks on a FIFO; a non-object is none
+    return c if isinstance(c, dict) else None
 
 
 def cmd_rebuild_index(args) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 import re
 from collections.abc import Mapping
@@ -43,6 +44,11 @@ QUEUE_DEPTH_MAX = 32768  # the most SQ entries a ring takes (native/: IORING_MAX
 # segments per store: the index records name a segment in 32 bits, and the open keeps a few per-segment
 # arrays (2**24 segments: 16 TiB in 1 MiB segments, 4 EiB in the default 256 MiB ones)
 SEGMENTS_MAX = 1 << 24
+# io_timeout_s bounds: below 0.1 s a healthy drive's fdatasync under load, or one large batch, already
+# outlives the bound and every operation fails; above a day the sync front's waits (4x + slack) pass
+# threading.TIMEOUT_MAX and the store cannot even open. Neither is a wait for a stuck disk anyone wants.
+IO_TIMEOUT_S_MIN = 0.1
+IO_TIMEOUT_S_MAX = 86400.0
 
 
 @dataclass(frozen=True)
@@ -141,13 +147,26 @@ class StoreConfig:
                 f"eviction_policy must be one of: {', '.join(EVICTION_POLICIES)}; got {self.eviction_policy!r}"
             )
         low, high = self.ssd_low_watermark, self.ssd_high_watermark
-        if not (0.0 < low < high <= 1.0):
+        if not (_is_real(low) and _is_real(high) and 0.0 < low < high <= 1.0):
             raise ValueError(
                 f"SSD watermarks must satisfy 0 < ssd_low_watermark < ssd_high_watermark <= 1, "
                 f"got ssd_low_watermark={low!r}, ssd_high_watermark={high!r}"
             )
-        if not (isinstance(self.io_timeout_s, (int, float)) and math.isfinite(self.io_timeout_s) and self.io_timeout_s > 0):
-            raise ValueError(f"io_timeout_s must be a positive number of seconds, got {self.io_timeout_s!r}")
+        t = self.io_timeout_s
+        if not (_is_real(t) and math.isfinite(t) and t > 0):
+            raise ValueError(f"io_timeout_s must be a positive number of seconds, got {t!r}")
+        if not IO_TIMEOUT_S_MIN <= t <= IO_TIMEOUT_S_MAX:
+            raise ValueError(_io_timeout_range("io_timeout_s", t))
+
+
+def _is_real(value: Any) -> bool:
+    """An int or float, not a bool (True would pass as 1) nor a string (a TypeError in comparisons)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _io_timeout_range(label: str, value: Any) -> str:
+    return (f"{label} must be between {IO_TIMEOUT_S_MIN:g} and {IO_TIMEOUT_S_MAX:g} seconds, got {value!r}: "
+            "shorter fails healthy operations, longer overflows the waits built on it")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,6 +242,13 @@ def _parse_positive_float(value: Any, label: str) -> float:
     return parsed
 
 
+def _parse_io_timeout(value: Any, label: str) -> float:
+    parsed = _parse_positive_float(value, label)
+    if not IO_TIMEOUT_S_MIN <= parsed <= IO_TIMEOUT_S_MAX:
+        raise ValueError(_io_timeout_range(label, value))
+    return parsed
+
+
 def _parse_dir(value: Any, label: str) -> str:
     """One root, or several (a list, a JSON list, a comma-separated string; see parse_roots).
 
@@ -258,8 +284,8 @@ def parse_roots(value) -> list[str]:
         if s.startswith("["):
             try:
                 roots = json.loads(s)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"ssd_storage_dir looks like a JSON list but is not one ({e}): {text!r}") from None
+            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+                raise ValueError(f"ssd_storage_dir looks like a JSON list but is not one ({e}): {text[:200]!r}") from None
             if not isinstance(roots, list):
                 raise ValueError(f"ssd_storage_dir JSON must be a list of paths, got {text!r}")
         elif "," in s and not os.path.isdir(text):  # an existing directory with a comma is one root
@@ -346,7 +372,7 @@ _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
     "ssd_low_watermark": ("ssd_low_watermark", _parse_float),
     "eviction_policy": ("eviction_policy", _parse_eviction_policy),
     "verify_crc": ("verify_crc", parse_bool),
-    "io_timeout_s": ("io_timeout_s", _parse_positive_float),
+    "io_timeout_s": ("io_timeout_s", _parse_io_timeout),
     "o_direct": ("o_direct", parse_bool),
     "gds_staging": ("gds_staging", parse_bool),
     "ssd_require_mount": ("ssd_require_mount", parse_bool),

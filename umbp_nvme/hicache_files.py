@@ -168,7 +168,8 @@ def _file_read(path: str):
 
     O_NOFOLLOW: a symlink swapped in after the listing is refused, not followed; O_NONBLOCK: a
     FIFO swapped in never blocks the open; fstat then proves it is still a regular file of the
-    size that was checked before the staging memory was sized."""
+    size that was checked before the staging memory was sized, and again after the read that
+    nobody wrote it meanwhile (HiCacheFile rewrites a page in place: torn bytes have no CRC to fail)."""
 
     def read(mv: memoryview) -> str | None:
         shown = printable_key(path)
@@ -190,6 +191,9 @@ def _file_read(path: str):
                 if not n:
                     return f"{shown}: short read ({got} of {mv.nbytes} bytes); it changed while being imported"
                 got += n
+            after = os.fstat(fd)
+            if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                return f"{shown} was written while being imported; not imported (run the import again)"
         except OSError as e:
             return f"{shown}: {e.strerror or e}"
         finally:

@@ -60,8 +60,18 @@ def decode_keys(keys: list[bytes]) -> list[str]:
 
 
 def printable_key(key: str) -> str:
-    """A key for logs and CLI text: escaped bytes shown as ``\\xNN``, never a lone surrogate."""
-    return key if key.isascii() else encode_key_lenient(key).decode(_CODEC, "backslashreplace")
+    """A key (or a name from a source) for logs and CLI text: escaped bytes shown as ``\\xNN``, never
+    a lone surrogate, and no control or separator character (a newline or ESC in a key or file name
+    would forge a line of the summary or drive the terminal) but as ``\\xNN`` / ``\\uNNNN``."""
+    if key.isascii() and key.isprintable():
+        return key
+    shown = key if key.isascii() else encode_key_lenient(key).decode(_CODEC, "backslashreplace")
+    return shown if shown.isprintable() else "".join(c if c.isprintable() else _escape(c) for c in shown)
+
+
+def _escape(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 def encode_key_lenient(key: str) -> bytes:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .engine.files import open_regular
 from .errors import NotAStoreError
 from .keybytes import KeyEncodingError, encode_key
 from .store.index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
@@ -158,7 +159,7 @@ class StoreReader:
     def _fd(self, seg: int) -> int:
         fd = self._fds.get(seg)
         if fd is None:
-            fd = os.open(os.path.join(self.path, segment_name(seg)), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = open_regular(os.path.join(self.path, segment_name(seg)), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             self._fds[seg] = fd
         return fd
 

@@ -55,21 +55,27 @@ class ReplaySummary:
         return "\n".join(lines)
 
 
+MAX_PROMPT_LINE_BYTES = 64 << 20  # a prompt of a million tokens is a few MiB of JSON
+
+
 def load_prompts(path: str) -> list[dict]:
     """PROMPTS.jsonl: one JSON value per line: a string, or an object with "text" (or "prompt") or
     "input_ids"; an object's "sampling_params" are kept (max_new_tokens is forced to 1)."""
     out = []
     try:
-        f = sys.stdin if path == "-" else open(path, encoding="utf-8")
+        f = sys.stdin.buffer if path == "-" else open(path, "rb")
     except OSError as e:
         raise SourceError(f"cannot read prompts file {path}: {e.strerror or e}") from None
     with f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
+        # bounded lines: a device (/dev/zero) or a damaged file is an error, not all of memory
+        for n, raw in enumerate(iter(lambda: f.readline(MAX_PROMPT_LINE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_PROMPT_LINE_BYTES:
+                raise SourceError(f"{path}:{n}: a line over {MAX_PROMPT_LINE_BYTES >> 20} MiB; each line must be one prompt")
+            line = raw.strip()
             if not line:
                 continue
             try:
-                v = json.loads(line)
+                v = json.loads(line.decode("utf-8"))  # a UnicodeDecodeError is a ValueError
             except (ValueError, RecursionError) as e:
                 raise SourceError(f"{path}:{n}: not valid JSON ({e}); each line must be one JSON value") from None
             if isinstance(v, str):
@@ -89,6 +95,10 @@ def load_prompts(path: str) -> list[dict]:
 
 
 MAX_REPLY_BYTES = 16 << 20  # a /generate reply with max_new_tokens=1 is a few KiB
+# --timeout: below 0.1 s no prefill answers in time; above a day the socket timeout overflows time_t
+# (1e300 or inf was an OverflowError traceback from every worker)
+TIMEOUT_S_MIN, TIMEOUT_S_MAX = 0.1, 86400.0
+CONCURRENCY_MAX = 1024  # one thread per request in flight
 
 
 class BadReply(ValueError):
@@ -147,8 +157,10 @@ def parse_reply(raw: bytes) -> tuple[int, int]:
 def replay(prompts_path: str, server: str, *, concurrency: int = 8, timeout_s: float = 600.0,
            progress: bool | None = None) -> ReplaySummary:
     """POST every prompt to {server}/generate with max_new_tokens=1, ``concurrency`` in flight."""
-    if concurrency < 1:
-        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= CONCURRENCY_MAX:
+        raise ValueError(f"--concurrency must be 1..{CONCURRENCY_MAX}, got {concurrency!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not TIMEOUT_S_MIN <= timeout_s <= TIMEOUT_S_MAX:
+        raise ValueError(f"--timeout must be between {TIMEOUT_S_MIN:g} and {TIMEOUT_S_MAX:g} seconds, got {timeout_s!r}")
     bodies = load_prompts(prompts_path)
     base = server.rstrip("/")
     if not base.startswith(("http://", "https://")):

@@ -8,6 +8,7 @@ apart by what they are on disk.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -113,8 +114,10 @@ def detect_source(path: str) -> str:
         return "store" if os.path.exists(os.path.join(path, MANIFEST_FILE)) else "files"
     try:
         mode = os.stat(path).st_mode
-    except OSError:
-        mode = 0
+    except OSError as e:
+        mode, why = 0, "does not exist" if e.errno == errno.ENOENT else f"cannot be examined ({e.strerror or e})"
     if stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):  # a file, a pipe, <(...)
         return "archive"
-    raise SourceError(f"warm-up source {path} does not exist; give a HiCacheFile directory, a store directory or an archive")
+    if mode:  # a block device (a raw drive is no archive) or a socket
+        why = f"is a {'block device' if stat.S_ISBLK(mode) else 'socket' if stat.S_ISSOCK(mode) else 'special file'}"
+    raise SourceError(f"warm-up source {path} {why}; give a HiCacheFile directory, a store directory or an archive")

@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 32 << 20
 BATCH_BYTES_MAX = 4 << 30  # the staging buffer is this big (and faulted in at once); objects are < 4 GiB
 BATCH_OBJECTS = 256
+# --max-gbps bounds. At the floor (1 MB/s) the largest batch (--batch-size 4g) waits about 72 min and
+# a 1 GB cache takes 17 min; below it a throttle is a typo (1e-300 GB/s made the import never end).
+# Above the cap the rate is not finite in bytes/s arithmetic; no drive is near it.
+MIN_GBPS = 1e-3
+MAX_GBPS = 1e6
 
 
 def _align_up(n: int, a: int = DIO_ALIGN_BYTES) -> int:
@@ -68,19 +73,23 @@ class TokenBucket:
         self._last = clock()
 
     def delay_for(self, nbytes: int) -> float:
-        """Take nbytes (the balance may go negative) and return how long to wait before using them."""
+        """Take nbytes (the balance may go negative) and return how long to wait before using them:
+        never longer than nbytes take at the rate (the debt a wait cut short leaves is capped there)."""
         if self.rate is None:
             return 0.0
         now = self._clock()
-        self.tokens = min(self.capacity, self.tokens + (now - self._last) * self.rate)
+        self.tokens = min(self.capacity, self.tokens + max(0.0, now - self._last) * self.rate)
         self._last = now
-        self.tokens -= nbytes
+        self.tokens = max(self.tokens - nbytes, -float(nbytes))
         return max(0.0, -self.tokens / self.rate)
 
-    async def take(self, nbytes: int) -> None:
+    async def take(self, nbytes: int, stop: threading.Event | None = None) -> None:
+        """Wait until nbytes may be used; a set ``stop`` (Ctrl-C) ends the wait within 0.2 s."""
         d = self.delay_for(nbytes)
-        if d > 0:
-            await asyncio.sleep(d)
+        end = time.monotonic() + d
+        while d > 0 and not (stop is not None and stop.is_set()):
+            await asyncio.sleep(min(d, 0.2) if stop is not None else d)
+            d = end - time.monotonic()
 
 
 class Progress:
@@ -189,6 +198,15 @@ class Summary:
 # --- the importer ----------------------------------------------------------------------------
 
 
+def check_max_gbps(max_gbps) -> None:
+    """None (unthrottled) or a rate in [MIN_GBPS, MAX_GBPS] GB/s; else ValueError naming --max-gbps."""
+    if max_gbps is None:
+        return
+    if isinstance(max_gbps, bool) or not isinstance(max_gbps, (int, float)) or not MIN_GBPS <= max_gbps <= MAX_GBPS:
+        raise ValueError(f"--max-gbps must be between {MIN_GBPS:g} GB/s (1 MB/s) and {MAX_GBPS:g} GB/s, got "
+                         f"{max_gbps!r}; omit it for an unthrottled import")
+
+
 def max_object_bytes(store) -> int:
     """The largest object ``store`` takes: one segment, and under 4 GiB (the index's u32 length)."""
     return min(int(store.segment_bytes), (1 << 32) - 1)
@@ -219,6 +237,7 @@ class Importer:
                  batch_bytes: int = BATCH_BYTES, batch_objects: int = BATCH_OBJECTS, crc32c=None):
         self.store = store
         self.summary = summary
+        check_max_gbps(max_gbps)
         self.bucket = TokenBucket(max_gbps * 1e9 if max_gbps else None)
         self.progress = progress or Progress(None, enabled=False)
         self.batch_bytes = batch_bytes
@@ -307,7 +326,7 @@ class Importer:
     async def _put(self, stg: _Staging) -> None:
         if not stg.keys:
             return
-        await self.bucket.take(sum(stg.lengths))
+        await self.bucket.take(sum(stg.lengths), self.stop)
         res = await self.store.put_many(stg.keys, stg.views)
         s = self.summary
         imported = nbytes = 0
@@ -397,6 +416,7 @@ async def import_sources(
     # checked before anything is opened or allocated: a clear error, not a traceback from deep inside
     if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or not 1 <= batch_bytes <= BATCH_BYTES_MAX:
         raise ValueError(f"batch bytes (--batch-size) must be 1..{BATCH_BYTES_MAX} bytes (4g), got {batch_bytes!r}")
+    check_max_gbps(max_gbps)
     if namespace is not None and not isinstance(namespace, dict):
         raise ValueError(f"the namespace (--namespace) must be a JSON object, got {type(namespace).__name__}: "
                          f"{namespace!r:.80}")  # fmt: skip
@@ -408,8 +428,11 @@ async def import_sources(
     plan: list[tuple[str, str, object]] = []
     ns = namespace
     try:
+        targets = {os.path.realpath(r) for r in parse_roots(store_path)}
         for src in sources:
             kind = detect_source(src)
+            if kind == "store" and os.path.realpath(src) in targets:  # the writer could not open beside our reader
+                raise SourceError(f"SOURCE {src} is the store being filled (--store); it holds every key already")
             if kind == "store":
                 r = StoreReader(src)
                 opened.append(r)

@@ -92,9 +92,29 @@ def test_segment_and_capacity_boundaries():
         )
 
 
-@pytest.mark.parametrize("value", [0.5, "0.5", 1e-3, 1, "30", 86400.0])
-def test_any_positive_io_timeout_is_accepted(value):
+@pytest.mark.parametrize("value", [0.1, "0.1", 0.3, 0.5, "0.5", 1, "30", 86400.0, "86400"])
+def test_io_timeout_in_range_is_accepted(value):
     assert load({"io_timeout_s": value}).io_timeout_s == float(value)
+
+
+@pytest.mark.parametrize("value", [1e-300, "1e-300", 5e-324, 1e-3, 0.099, 86400.5, 1e10, "1e300", 1.7e308])
+def test_io_timeout_out_of_range_is_refused_naming_the_key(value):
+    # 1e-300 failed every operation; 1e10 made SyncPageStore's open raise OverflowError (threading.TIMEOUT_MAX)
+    assert error_of({"io_timeout_s": value}) == (
+        f"extra_config['io_timeout_s'] must be between 0.1 and 86400 seconds, got {value!r}: "
+        "shorter fails healthy operations, longer overflows the waits built on it")
+    assert error_of(env={"UMBP_IO_TIMEOUT_S": str(value)}).startswith(
+        "UMBP_IO_TIMEOUT_S must be between 0.1 and 86400 seconds, got ")
+    with pytest.raises(ValueError, match=r"^io_timeout_s must be between 0.1 and 86400 seconds, got "):
+        StoreConfig(io_timeout_s=float(value))
+
+
+@pytest.mark.parametrize("field,value", [("ssd_low_watermark", "0.5"), ("ssd_high_watermark", "0.95"),
+                                         ("ssd_high_watermark", True), ("ssd_low_watermark", None)])
+def test_watermark_of_the_wrong_type_set_by_hand_is_a_value_error(field, value):
+    # a str was a TypeError from the comparison; True passed as 1.0
+    with pytest.raises(ValueError, match=r"^SSD watermarks must satisfy 0 < ssd_low_watermark < ssd_high_watermark"):
+        StoreConfig(**{field: value})
 
 
 @pytest.mark.parametrize("value", [0, 0.0, "-0.5", -1e-9])
@@ -110,7 +130,7 @@ def test_non_finite_io_timeout_is_refused(value):
 @pytest.mark.parametrize(
     "field,value",
     [("io_timeout_s", 0), ("io_timeout_s", -1.0), ("io_timeout_s", float("nan")), ("io_timeout_s", float("inf")),
-     ("io_timeout_s", "5"), ("io_timeout_s", None)],
+     ("io_timeout_s", "5"), ("io_timeout_s", None), ("io_timeout_s", True)],
 )
 def test_validate_refuses_a_bad_timeout_set_by_hand(field, value):
     # the config is checked once, when it is made: no StoreConfig with a bad value exists

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -243,6 +244,68 @@ async def test_a_drive_whose_directory_disappears_is_degraded_and_rejoins_when_i
     res, wrong = await _get(st, keys)
     assert res == [True] * 60 and wrong == 0
     assert sum("degraded" in r.getMessage() for r in caplog.records) == 1
+    await st.close()
+
+
+async def test_a_drive_whose_directory_is_replaced_by_a_file_is_degraded_as_gone(tmp_path):
+    # the old probe took ENOTDIR (stat of FILE/MANIFEST.json) for a passing error: the drive stayed
+    # healthy and took new pages into the files of a directory no longer at its root
+    roots = _roots(tmp_path, 2)
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
+    keys = _keys(30)
+    assert await _put(st, keys) == [True] * 60
+    where = st.drive_of(keys)
+    parked = roots[1] + ".away"
+    os.rename(roots[1], parked)
+    with open(roots[1], "wb") as f:
+        f.write(b"not a directory")
+    try:
+        assert await until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
+        assert "is gone" in st.stats()["drives"][1]["reason"]
+        res, wrong = await _get(st, keys)
+        assert wrong == 0 and res == [d == 0 for d in where]
+        fresh = _keys(10, "f")
+        assert await _put(st, fresh) == [True] * 20 and set(st.drive_of(fresh)) == {0}
+    finally:
+        os.unlink(roots[1])
+        os.rename(parked, roots[1])
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 60 and wrong == 0
+    with open(roots[1] + "/MANIFEST.json", "rb"):
+        pass  # nothing was created in place of the file
+    await st.close()
+
+
+async def test_a_drive_whose_directory_is_replaced_by_another_store_directory_is_degraded(tmp_path):
+    # a directory with a MANIFEST.json at the root, but not the one whose files this writer holds open
+    # (another drive mounted there, a copy): the old probe saw the manifest and kept writing new pages
+    # into the moved-away files, lost at the next open
+    roots = _roots(tmp_path, 2)
+    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
+    keys = _keys(30)
+    assert await _put(st, keys) == [True] * 60
+    where = st.drive_of(keys)
+    parked = roots[1] + ".away"
+    os.rename(roots[1], parked)
+    os.mkdir(roots[1], 0o700)
+    for name in ("MANIFEST.json", "LOCK"):
+        shutil.copy(os.path.join(parked, name), os.path.join(roots[1], name))
+    try:
+        assert await until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
+        assert "was replaced" in st.stats()["drives"][1]["reason"]
+        await asyncio.sleep(0.3)  # probes keep finding it replaced: no re-admission through the old files
+        assert st.stats()["drives"][1]["state"] == "degraded"
+        res, wrong = await _get(st, keys)
+        assert wrong == 0 and res == [d == 0 for d in where]
+        fresh = _keys(10, "r")
+        assert await _put(st, fresh) == [True] * 20 and set(st.drive_of(fresh)) == {0}
+    finally:
+        shutil.rmtree(roots[1])
+        os.rename(parked, roots[1])
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    res, wrong = await _get(st, keys)
+    assert res == [True] * 60 and wrong == 0
     await st.close()
 
 

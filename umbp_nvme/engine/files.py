@@ -108,6 +108,32 @@ class DataFile:
         self.close()
 
 
+def open_regular(path: str, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` of a file we expect to be regular, that never blocks on a FIFO planted in its place.
+
+    O_NONBLOCK covers the open itself (a read-only open of a FIFO waits for a writer forever), fstat
+    then proves a regular file (else OSError EINVAL naming the path, the fd closed) and the flag is
+    cleared again (io_uring answers EAGAIN for an O_NONBLOCK file instead of waiting for the disk)."""
+    fd = os.open(path, flags | os.O_NONBLOCK, mode)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if not flags & os.O_NONBLOCK:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return True  # gone meanwhile: the plain open below reports it
+
+
 def _parent_dev(path: str) -> int | None:
     try:
         return os.stat(os.path.dirname(os.path.abspath(path)) or ".").st_dev
@@ -130,7 +156,8 @@ def open_data_file(
         raise ValueError(f"size must be >= 0 bytes, got {size}")
     if readonly and (create or size):
         raise ValueError(f"{path}: readonly open cannot create or preallocate")
-    flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
+    # O_NONBLOCK until fstat proved a regular file: a FIFO planted as a segment never blocks the open
+    flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     if create:
         flags |= os.O_CREAT
     dev = _parent_dev(path)
@@ -145,6 +172,8 @@ def open_data_file(
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
+                if not _is_regular(path):  # a FIFO refuses O_DIRECT too: not the file system's verdict
+                    raise OSError(errno.EINVAL, f"{path} is not a regular file") from None
                 with _lock:
                     first = dev not in _no_direct_devices
                     if dev is not None:
@@ -165,6 +194,7 @@ def open_data_file(
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        os.set_blocking(fd, True)  # io_uring answers EAGAIN for an O_NONBLOCK file instead of waiting
         if check_owner and st.st_uid != os.geteuid():
             raise OSError(errno.EPERM, f"{path} is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()})")
         if size is not None and st.st_size < size:

@@ -20,7 +20,7 @@ import time
 from . import owed_deletes
 from .drive_health import FULL, UNMOUNTED, reads_back, settle_deletes
 from .drive_set import capacity_share, sized_share, write_drive_set
-from .layout import MANIFEST_FILE
+from .layout import LOCK_FILE, MANIFEST_FILE
 from .mounts import unmounted_reason
 
 log = logging.getLogger("umbp_nvme.store")
@@ -33,6 +33,15 @@ def _retrieved(fut: asyncio.Future) -> asyncio.Future:
     later is no "Future exception was never retrieved" error (its caller already logged it)."""
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
     return fut
+
+
+def _holds_lock_at(root: str, lock_fd: int) -> bool:
+    """Whether the LOCK at ``root`` is the file a writer's ``lock_fd`` holds (True for a reader: -1).
+    FileNotFoundError when it is gone."""
+    if lock_fd < 0:
+        return True
+    a, b = os.stat(os.path.join(root, LOCK_FILE)), os.fstat(lock_fd)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 class DriveProbes:
@@ -212,10 +221,14 @@ class DriveProbes:
                 return
             try:
                 await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
-            except FileNotFoundError:
+                same = await self._in_thread(d, _holds_lock_at, self.roots[d], st._lock_fd)
+            except (FileNotFoundError, NotADirectoryError):  # removed, or replaced by a file
                 h.degrade("gone", f"its directory {self.roots[d]} is gone (no {MANIFEST_FILE})")
                 return
             except (OSError, asyncio.TimeoutError):
+                return
+            if not same:  # our files now lie elsewhere: new pages written there would be lost at restart
+                h.degrade("gone", f"its directory {self.roots[d]} was replaced (its {LOCK_FILE} is not the one held)")
                 return
             if h.healthy:
                 return

@@ -8,12 +8,11 @@ remaining drives open as usual (removing a drive never refuses the rest).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
 from ..config import StoreConfig
-from .layout import read_manifest_or_none, recorded_capacity_bytes, segment_disk_bytes, write_json_atomic
+from .layout import read_json_or_none, read_manifest_or_none, recorded_capacity_bytes, segment_disk_bytes, write_json_atomic
 from .mounts import nearest_above
 
 log = logging.getLogger("umbp_nvme.store")
@@ -63,12 +62,8 @@ def sized_share(root: str, share: int, seg: int) -> int:
 
 
 def _read_set(root: str) -> dict:
-    try:
-        with open(os.path.join(root, DRIVES_FILE), encoding="utf-8") as f:
-            d = json.load(f)
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    d = read_json_or_none(os.path.join(root, DRIVES_FILE))  # a FIFO or deep nesting there: no record
+    return d if isinstance(d, dict) else {}
 
 
 def note_drive_set(roots: list[str], stores: list, readonly: bool) -> list[dict]:

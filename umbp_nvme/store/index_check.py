@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..engine.files import open_regular
 from ..errors import StoreError, UnsafeStorePathError
 
 # LMDB's file format (mdb.c, 0.9.x, 64-bit): pages 0 and 1 are meta pages. Page header: pgno u64,
@@ -320,7 +321,7 @@ def _check_free_list(pg: _Pages, n: _Nodes, data: np.ndarray) -> None:
 def _writer_alive(index_path: str) -> bool:
     """Whether a writer holds the store's LOCK (the file beside the index); never takes it."""
     try:
-        fd = os.open(os.path.join(os.path.dirname(index_path), "LOCK"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(os.path.join(os.path.dirname(index_path), "LOCK"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
     try:

@@ -17,6 +17,7 @@ import os
 import stat
 
 from ..buffers import DIO_ALIGN_BYTES
+from ..engine.files import open_regular
 from ..errors import (
     CapacityShrinkError,
     ManifestDamagedError,
@@ -195,6 +196,27 @@ def take_lock(path: str) -> int:
     return fd
 
 
+def read_json_or_none(path: str, max_bytes: int = 16 << 20):
+    """The JSON value in a small side file of ours (DRIVES.json, STATS.json), or None when it is
+    missing, not a regular file (never followed, never blocking on a FIFO), larger than
+    ``max_bytes`` or not JSON (nested too deep included: a RecursionError, not a ValueError)."""
+    try:
+        fd = open_regular(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError:
+            return None
+    if len(data) > max_bytes:
+        return None
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
 def write_json_atomic(path: str, obj) -> None:
     write_file_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
@@ -341,7 +363,7 @@ def lock_holder(path) -> int | None:
     """
     p = os.path.join(os.fspath(path), LOCK_FILE)
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = open_regular(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)  # a FIFO there: no writer, never a hang
     except OSError:
         return None
     try:
@@ -361,6 +383,24 @@ def lock_holder(path) -> int | None:
 def segment_files_extent(path: str) -> int:
     """1 + the highest segment index with a file in ``path`` (0 when none)."""
     return max(segment_files(path), default=-1) + 1
+
+
+NAMESPACE_MAX_BYTES = 64 << 10  # as JSON; well inside what a manifest may be (_MANIFEST_MAX_BYTES)
+
+
+def check_namespace_fits(namespace: dict | None) -> None:
+    """A namespace the manifest can hold: JSON values, at most NAMESPACE_MAX_BYTES as JSON. A larger
+    one (an imported archive's header may carry 16 MiB) made a manifest that every later open
+    refused as damaged."""
+    if namespace is None:
+        return
+    try:
+        n = len(json.dumps(namespace).encode())
+    except (TypeError, ValueError, RecursionError) as e:
+        raise TypeError(f"namespace must be a dict of JSON values ({e})") from None
+    if n > NAMESPACE_MAX_BYTES:
+        raise StoreError(f"namespace of {n} bytes (as JSON) is over the {NAMESPACE_MAX_BYTES} a store manifest "
+                         "records; a namespace names a model, dtype and layout in a few hundred bytes")
 
 
 def check_namespace(path: str, stored: dict, requested: dict | None) -> None:

@@ -117,6 +117,7 @@ class OpenSteps:
                        shrink: bool = False) -> None:  # fmt: skip
         if namespace is not None and not isinstance(namespace, dict):
             raise TypeError(f"namespace must be a dict of JSON values, got {type(namespace).__name__}")
+        layout.check_namespace_fits(namespace)
         self._shrink_from = None  # (old capacity, old segment count) while a permitted shrink runs
         self._manifest_created = False  # this open wrote a new manifest (no index records to trust yet)
         mpath = os.path.join(self.path, MANIFEST_FILE)

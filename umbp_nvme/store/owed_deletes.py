@@ -28,6 +28,7 @@ import logging
 import os
 import time
 
+from ..engine.files import open_regular
 from .layout import fsync_dir, write_file_atomic
 
 log = logging.getLogger("umbp_nvme.store")
@@ -53,8 +54,9 @@ class Owed:
 
 
 def _lines(root: str) -> list[dict]:
-    try:
-        with open(os.path.join(root, OWED_FILE), encoding="utf-8") as f:
+    try:  # a FIFO planted there is no log (and never blocks the open)
+        with os.fdopen(open_regular(os.path.join(root, OWED_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC),
+                       encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError:
         return []
@@ -62,8 +64,8 @@ def _lines(root: str) -> list[dict]:
     for line in text.splitlines():
         try:
             e = json.loads(line)
-        except ValueError:
-            continue  # a torn append
+        except (ValueError, RecursionError):
+            continue  # a torn append, or damage nested too deep to parse
         if isinstance(e, dict) and isinstance(e.get("drive"), str) and isinstance(e.get("at"), int):
             out.append(e)
     return out
@@ -100,7 +102,7 @@ def append(root: str, entries: list[dict]) -> None:
     data = ("\n" + "".join(json.dumps(dict(e, at=e.get("at", now)), sort_keys=True) + "\n" for e in entries)).encode()
     path = os.path.join(root, OWED_FILE)
     new = not os.path.exists(path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)  # not a FIFO
     try:
         n = os.write(fd, data)
         if n != len(data):

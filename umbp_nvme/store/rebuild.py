@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from ..engine.files import open_regular
 from ..keybytes import decode_keys
 from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, key_crcs
 from .layout import GENERATION_MAX, SLOT_ALIGN_BYTES, record_slots, segment_files
@@ -57,7 +58,7 @@ def read_area(path: str, segment_bytes: int) -> tuple[np.ndarray, int]:
     """One segment's record area as RECORD_DTYPE (index = slot index) and its class. Block 0 tells the segment's
     class and so the area's size; when it holds no record, the largest area is read and the most
     common class among its sound records decides."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = open_regular(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         if os.fstat(fd).st_size < segment_bytes:
             return np.zeros(0, RECORD_DTYPE), 0
@@ -109,7 +110,7 @@ def _data_ok(path: str, r: np.ndarray, crc32c) -> np.ndarray:
     ok = np.zeros(len(r), bool)
     if not len(r):
         return ok
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = open_regular(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         for i, (off, n, c) in enumerate(zip(r["offset"].tolist(), r["length"].tolist(), r["crc"].tolist())):
             try:
