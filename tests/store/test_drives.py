@@ -222,7 +222,24 @@ async def test_a_root_that_cannot_open_is_a_degraded_drive_and_the_rest_open(tmp
         os.chmod(os.path.dirname(roots[1]), 0o755)
 
 
-async def test_a_drive_whose_directory_disappears_is_degraded_and_rejoins_when_it_is_back(tmp_path, caplog):
+def _plant(root: str, parked: str, what: str) -> None:
+    """What is at a drive's root once its directory has moved to ``parked``."""
+    if what == "file":
+        with open(root, "wb") as f:
+            f.write(b"not a directory")
+    elif what == "store_dir":  # a MANIFEST.json at the root, but not the files this writer holds open
+        os.mkdir(root, 0o700)  # (another drive mounted there, a copy)
+        for name in ("MANIFEST.json", "LOCK"):
+            shutil.copy(os.path.join(parked, name), os.path.join(root, name))
+
+
+@pytest.mark.parametrize("what,reason", [("nothing", "is gone"), ("file", "is gone"), ("store_dir", "was replaced")])
+async def test_a_drive_whose_directory_is_gone_or_replaced_is_degraded_and_rejoins_when_it_is_back(
+    tmp_path, caplog, what, reason
+):
+    # nothing: as an unmount would. file: the old probe took ENOTDIR (stat of FILE/MANIFEST.json) for a
+    # passing error. store_dir: the old probe saw a manifest. Both kept the drive healthy, taking new
+    # pages into the files of a directory no longer at its root (lost at the next open).
     roots = _roots(tmp_path, 2)
     st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
     keys = _keys(30)
@@ -230,82 +247,27 @@ async def test_a_drive_whose_directory_disappears_is_degraded_and_rejoins_when_i
     where = st.drive_of(keys)
     caplog.set_level(logging.WARNING, "umbp_nvme.store")
     parked = roots[1] + ".away"
-    os.rename(roots[1], parked)  # as an unmount would: the directory is gone
+    os.rename(roots[1], parked)
+    _plant(roots[1], parked, what)
     try:
         assert await until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
-        assert "gone" in st.stats()["drives"][1]["reason"]
+        assert reason in st.stats()["drives"][1]["reason"]
+        await asyncio.sleep(0.3)  # later probes keep finding it so: no re-admission through the old files
+        assert st.stats()["drives"][1]["state"] == "degraded"
         res, wrong = await _get(st, keys)
         assert wrong == 0 and res == [d == 0 for d in where]
         fresh = _keys(10, "g")
         assert await _put(st, fresh) == [True] * 20 and set(st.drive_of(fresh)) == {0}
     finally:
+        if os.path.isdir(roots[1]):
+            shutil.rmtree(roots[1])
+        elif os.path.lexists(roots[1]):
+            os.unlink(roots[1])
         os.rename(parked, roots[1])
     assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
     res, wrong = await _get(st, keys)
     assert res == [True] * 60 and wrong == 0
     assert sum("degraded" in r.getMessage() for r in caplog.records) == 1
-    await st.close()
-
-
-async def test_a_drive_whose_directory_is_replaced_by_a_file_is_degraded_as_gone(tmp_path):
-    # the old probe took ENOTDIR (stat of FILE/MANIFEST.json) for a passing error: the drive stayed
-    # healthy and took new pages into the files of a directory no longer at its root
-    roots = _roots(tmp_path, 2)
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
-    keys = _keys(30)
-    assert await _put(st, keys) == [True] * 60
-    where = st.drive_of(keys)
-    parked = roots[1] + ".away"
-    os.rename(roots[1], parked)
-    with open(roots[1], "wb") as f:
-        f.write(b"not a directory")
-    try:
-        assert await until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
-        assert "is gone" in st.stats()["drives"][1]["reason"]
-        res, wrong = await _get(st, keys)
-        assert wrong == 0 and res == [d == 0 for d in where]
-        fresh = _keys(10, "f")
-        assert await _put(st, fresh) == [True] * 20 and set(st.drive_of(fresh)) == {0}
-    finally:
-        os.unlink(roots[1])
-        os.rename(parked, roots[1])
-    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
-    res, wrong = await _get(st, keys)
-    assert res == [True] * 60 and wrong == 0
-    with open(roots[1] + "/MANIFEST.json", "rb"):
-        pass  # nothing was created in place of the file
-    await st.close()
-
-
-async def test_a_drive_whose_directory_is_replaced_by_another_store_directory_is_degraded(tmp_path):
-    # a directory with a MANIFEST.json at the root, but not the one whose files this writer holds open
-    # (another drive mounted there, a copy): the old probe saw the manifest and kept writing new pages
-    # into the moved-away files, lost at the next open
-    roots = _roots(tmp_path, 2)
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
-    keys = _keys(30)
-    assert await _put(st, keys) == [True] * 60
-    where = st.drive_of(keys)
-    parked = roots[1] + ".away"
-    os.rename(roots[1], parked)
-    os.mkdir(roots[1], 0o700)
-    for name in ("MANIFEST.json", "LOCK"):
-        shutil.copy(os.path.join(parked, name), os.path.join(roots[1], name))
-    try:
-        assert await until(lambda: st.stats()["drives"][1]["state"] == "degraded", 5)
-        assert "was replaced" in st.stats()["drives"][1]["reason"]
-        await asyncio.sleep(0.3)  # probes keep finding it replaced: no re-admission through the old files
-        assert st.stats()["drives"][1]["state"] == "degraded"
-        res, wrong = await _get(st, keys)
-        assert wrong == 0 and res == [d == 0 for d in where]
-        fresh = _keys(10, "r")
-        assert await _put(st, fresh) == [True] * 20 and set(st.drive_of(fresh)) == {0}
-    finally:
-        shutil.rmtree(roots[1])
-        os.rename(parked, roots[1])
-    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
-    res, wrong = await _get(st, keys)
-    assert res == [True] * 60 and wrong == 0
     await st.close()
 
 
