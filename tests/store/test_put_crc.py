@@ -56,6 +56,22 @@ async def test_jobs_run_on_one_worker_at_the_policy_which_ends_when_idle(monkeyp
     assert again != tid and _alive(again)
 
 
+async def test_overlapping_jobs_run_side_by_side_up_to_the_cap(monkeypatch):
+    # several drives' puts in one process: one worker thread would checksum them one after another
+    monkeypatch.setattr(put_crc, "CRC_WORKERS_MAX", 2)
+    both = threading.Barrier(2, timeout=5.0)  # each job waits for the other: only side by side do they end
+
+    def meet():
+        both.wait()
+        return threading.get_native_id()
+
+    a, b = await asyncio.wait_for(asyncio.gather(put_crc.run_low(meet), put_crc.run_low(meet)), 10.0)
+    assert a != b
+    monkeypatch.setattr(put_crc, "CRC_WORKERS_MAX", 1)  # the cap holds: queued jobs wait, none is lost
+    got = await asyncio.wait_for(asyncio.gather(*(put_crc.run_low(lambda i=i: i) for i in range(20))), 10.0)
+    assert got == list(range(20))
+
+
 def test_a_forked_child_starts_its_own_worker():
     # the parent's worker thread does not exist in a child: its jobs must not queue for it forever
     async def job(v):

@@ -8,8 +8,9 @@ beside its own write and costs no wall time unless it outlasts it) gets what is 
 reads about, the cheaper paths stay: a small batch on the loop thread (a hop to a thread and back
 costs ~200 us of CPU), a large one on the default executor at normal priority.
 
-Jobs go to one long-lived worker thread per policy, which ends after ``IDLE_EXIT_S`` without a
-job (so a closed store leaves no thread behind for long). A thread per job cost the loop 2-4 ms
+Jobs go to long-lived worker threads, one per policy while jobs come one at a time (up to
+``CRC_WORKERS_MAX`` when they overlap), each ending after ``IDLE_EXIT_S`` without a job (so a
+closed store leaves no thread behind for long). A thread per job cost the loop 2-4 ms
 per put batch on a busy 2-core machine: ``Thread.start`` waits until the new thread has run, and
 that stall sat in front of every get arriving meanwhile (docs/tuning.md, "the loop's stalls").
 ``CRC_POLICY`` says how the worker lowers its priority, chosen by measurement (docs/tuning.md):
@@ -34,6 +35,7 @@ CRC_POLICY = "nice"  # read as each job's thread starts (bench mixed --crc-polic
 CRC_NICE = 19
 CRC_WORKER = True  # False: the split by batch size alone, as before the worker (bench sweeps)
 IDLE_EXIT_S = 2.0  # a worker with no job for this long ends
+CRC_WORKERS_MAX = min(8, os.cpu_count() or 1)  # worker threads per policy at most
 
 
 def lower_priority(policy: str, nice: int = CRC_NICE) -> str:
@@ -68,26 +70,32 @@ class _Count:
     warned = False
 
 
-class _Worker:
-    """One thread at one CPU policy running jobs in order; started (without waiting for it to
-    run) by the first job after it ended, ends after IDLE_EXIT_S idle."""
+class _Workers:
+    """Threads at one CPU policy taking jobs from one queue: a new one is started (without waiting
+    for it to run) when a job would otherwise wait, up to CRC_WORKERS_MAX (several drives' puts in
+    one process checksum side by side); each ends after IDLE_EXIT_S without a job."""
 
     def __init__(self, policy: str):
         self.policy = policy
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
-        self.alive = False
-        self.tid: int | None = None  # the running thread's native id (tests)
+        self.threads = 0
+        self.idle = 0  # threads not running a job
 
     def submit(self, job) -> None:
         with self.lock:
-            if not self.alive:  # a thread that cannot start raises here, with nothing queued
-                _thread.start_new_thread(self._run, ())  # unlike Thread.start, never waits for it
-                self.alive = True
+            if not self.threads or (self.jobs.qsize() >= self.idle and self.threads < CRC_WORKERS_MAX):
+                try:
+                    _thread.start_new_thread(self._run, ())  # unlike Thread.start, never waits for it
+                except RuntimeError:
+                    if not self.threads:  # nobody would take the job: the put fails instead
+                        raise
+                else:
+                    self.threads += 1
+                    self.idle += 1
             self.jobs.put(job)
 
     def _run(self) -> None:
-        self.tid = threading.get_native_id()
         try:
             applied = lower_priority(self.policy)
         except Exception:  # noqa: BLE001 - an unknown policy: run the queued jobs anyway, never strand them
@@ -97,17 +105,29 @@ class _Worker:
             try:
                 job = self.jobs.get(timeout=IDLE_EXIT_S)
             except queue.Empty:
-                with self.lock:  # a job submitted meanwhile finds this thread still alive
+                with self.lock:  # a job submitted meanwhile finds this thread still counted
                     if self.jobs.empty():
-                        self.alive = False
-                        self.tid = None
+                        self.threads -= 1
+                        self.idle -= 1
                         return
                 continue
+            with self.lock:
+                self.idle -= 1
             _Count.applied = applied
-            _job(*job)
+            loop, fut, fn, args = job
+            try:
+                res, exc = fn(*args), None
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting put
+                res, exc = None, e
+            with self.lock:  # idle again before the put hears of it: its next job needs no new thread
+                self.idle += 1
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, res, exc)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                pass
 
 
-_workers: dict[str, _Worker] = {}
+_workers: dict[str, _Workers] = {}
 _workers_lock = threading.Lock()
 
 
@@ -128,20 +148,9 @@ def run_low(fn, *args) -> asyncio.Future:
     fut = loop.create_future()
     _Count.jobs += 1
     with _workers_lock:
-        worker = _workers.get(CRC_POLICY) or _workers.setdefault(CRC_POLICY, _Worker(CRC_POLICY))
+        worker = _workers.get(CRC_POLICY) or _workers.setdefault(CRC_POLICY, _Workers(CRC_POLICY))
     worker.submit((loop, fut, fn, args))
     return fut
-
-
-def _job(loop, fut, fn, args) -> None:
-    try:
-        res, exc = fn(*args), None
-    except BaseException as e:  # noqa: BLE001 - handed to the awaiting put
-        res, exc = None, e
-    try:
-        loop.call_soon_threadsafe(_resolve, fut, res, exc)
-    except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-        pass
 
 
 def _resolve(fut: asyncio.Future, res, exc) -> None:
