@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=None, help="soak length in minutes (default 1, quick 0.2)")
     ap.add_argument("--kills", type=int, default=None, help="kills per durability mode (default 56, quick 8)")
     ap.add_argument("--json", metavar="PATH", help="write the figures here")
-    ap.add_argument("--dir", help="work directory (default: a temporary one, removed afterwards)")
+    ap.add_argument("--dir", help="keep each run's work directory in here (default: a temporary one, removed afterwards)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fuzz-only", action="store_true", help="run only the fuzzers (development)")
     ap.add_argument("--workers", type=int, default=None, help="fuzzer child processes at a time (default min(2, cores))")
@@ -68,8 +68,9 @@ def main(argv=None) -> int:
     soak_s = 60.0 * (a.minutes if a.minutes is not None else (0.2 if a.quick else 1.0))
     fuzz_cases = 150 if a.quick else 1200
     fault_rounds = 20 if a.quick else 120
-    work = a.dir or tempfile.mkdtemp(prefix="umbp-chaos-")
-    os.makedirs(work, exist_ok=True)
+    if a.dir:  # a fresh run directory inside it, kept: a second run into the same --dir must not collide
+        os.makedirs(a.dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="umbp-chaos-", dir=a.dir or None)
     say = (lambda s: print(s, flush=True)) if a.verbose else (lambda s: None)
     t0 = time.monotonic()
     report: dict = {}
