@@ -40,11 +40,17 @@ def stuck_deletes(monkeypatch):
     return stuck
 
 
-async def test_a_delete_whose_commit_times_out_is_not_acknowledged_and_a_retry_finishes_it(tmp_path, stuck_deletes):
+async def _stored(tmp_path, pages: int):
+    """(root, an open store, the keys of ``pages`` pages put into it: two objects each)."""
     root = str(tmp_path / "store")
     st = await PageStore.open(root, small_config())
-    keys = _keys(4)
-    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 8
+    keys = _keys(pages)
+    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 2 * pages
+    return root, st, keys
+
+
+async def test_a_delete_whose_commit_times_out_is_not_acknowledged_and_a_retry_finishes_it(tmp_path, stuck_deletes):
+    root, st, keys = await _stored(tmp_path, 4)
     stuck_deletes.add(st.path)
     assert await st.delete_many(keys[:2]) == [False, False]
     assert st.exists_many_nowait(keys[:2]) == [False, False]  # hidden: the commit may still land
@@ -62,10 +68,7 @@ async def test_a_delete_whose_commit_times_out_is_not_acknowledged_and_a_retry_f
 
 
 async def test_a_put_after_a_delete_in_doubt_keeps_the_new_copy_through_a_retried_delete(tmp_path, stuck_deletes):
-    root = str(tmp_path / "store")
-    st = await PageStore.open(root, small_config())
-    k = _keys(1)
-    assert await st.put_many(k, [payload(x, OBJ) for x in k]) == [True, True]
+    root, st, k = await _stored(tmp_path, 1)
     stuck_deletes.add(st.path)
     assert await st.delete_many(k) == [False, False]
     stuck_deletes.clear()
@@ -132,10 +135,7 @@ async def test_the_probe_readmits_only_once_a_timed_out_owed_delete_is_committed
 
 async def test_a_cancelled_delete_is_in_doubt_and_a_retry_finishes_it(tmp_path, monkeypatch):
     """SyncPageStore cancels a call past its bound: a drop cancelled before its commit is in doubt too."""
-    root = str(tmp_path / "store")
-    st = await PageStore.open(root, small_config())
-    keys = _keys(2)
-    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 4
+    root, st, keys = await _stored(tmp_path, 2)
     gate, entered = asyncio.Event(), asyncio.Event()
     real = PageStore._tombstone
 
@@ -238,10 +238,7 @@ async def test_a_failed_delete_whose_tombstone_landed_is_never_served_again(tmp_
 
 
 async def test_a_failed_delete_is_finished_by_a_retry_or_at_close(tmp_path, failing_deletes):
-    root = str(tmp_path / "store")
-    st = await PageStore.open(root, small_config())
-    keys = _keys(4)
-    assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 8
+    root, st, keys = await _stored(tmp_path, 4)
     failing_deletes.add(st.path)
     assert await st.delete_many(keys[:4]) == [False] * 4
     failing_deletes.clear()
