@@ -73,3 +73,32 @@ def test_a_segment_being_opened_on_a_worker_is_not_answered_open_before_its_fd_i
     t.join()
     assert seen == (False, -1), seen  # not published while its fd is unset
     assert (1 in sf.files, int(sf.fds[1])) == (True, 99)
+
+
+def test_disk_bytes_while_a_worker_installs_a_segment(tmp_path):
+    """stats() sums disk_bytes() on the loop while precreate() may install the next segment on a
+    worker: iterating `files` then raised 'dictionary changed size during iteration' out of stats.
+    The stand-in file's fd read is where the worker's install lands."""
+    import os
+
+    from umbp_nvme.store.segments import SegmentFiles
+
+    sf = SegmentFiles(str(tmp_path), 1 << 20, readonly=False, o_direct=False, n_segments=4)
+    assert sf.ensure(0)
+    real = sf.files[0]
+
+    class Installing:
+        direct, align = False, 4096
+
+        @property
+        def fd(self):
+            if 1 not in sf.files:
+                sf._install(1, real)  # as precreate(1) would, from its worker thread
+            return real.fd
+
+    sf.files[0] = Installing()
+    assert sf.disk_bytes() == os.fstat(real.fd).st_blocks * 512
+    assert 1 in sf.files
+    sf.files.pop(1)
+    sf.files[0] = real
+    sf.close()

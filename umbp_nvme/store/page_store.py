@@ -168,7 +168,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         gate, self._gds_gate = getattr(self, "_gds_gate", None), None
         if gate is not None:
             if gate.engine is not None and self._files is not None:
-                for f in self._files.files.values():
+                for f in list(self._files.files.values()):  # a precreate() may still be installing one
                     gate.engine.forget_fd(f.fd)
             gate.close()
         if self._files is not None:

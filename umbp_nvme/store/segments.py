@@ -385,9 +385,9 @@ class SegmentFiles:
 
     def disk_bytes(self) -> int:
         total = 0
-        for i in self.files:
+        for f in list(self.files.values()):  # precreate() may install a segment on a worker meanwhile
             try:
-                total += os.fstat(self.files[i].fd).st_blocks * 512
+                total += os.fstat(f.fd).st_blocks * 512
             except OSError:
                 pass
         return total
