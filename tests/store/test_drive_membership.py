@@ -17,8 +17,10 @@ import textwrap
 import numpy as np
 
 from conftest import ROOT, payload, small_config
-from umbp_nvme.store.drives import MultiDriveStore
+from support.faults import FaultPlan, FaultRule, on_files_under
 from support.waits import until
+from umbp_nvme.store.drive_set import read_set
+from umbp_nvme.store.drives import MultiDriveStore
 
 OBJ = 16 << 10
 VERSIONS = ("v1", "v2")
@@ -141,6 +143,31 @@ async def test_a_drive_back_without_the_drive_that_holds_the_new_copy_does_not_s
     st = await MultiDriveStore.open([roots[0], roots[2]], _cfg(roots[1:]))
     assert set(await _versions(st, on_b)) == {None}  # main: v1 from A
     await st.close()
+
+
+async def test_a_drive_whose_clear_fails_stays_out_until_a_probe_has_cleared_it(tmp_path):
+    roots = _roots(tmp_path, 3)
+    keys = _keys(30)
+    where = await _run_one(roots, keys)
+    on_a = [k for k in keys if where[k] == 0]
+    st = await MultiDriveStore.open(roots[1:], _cfg(roots[1:]))
+    assert await _put(st, on_a[:4], "v2") == [True] * 4
+    await st.close()
+    plan = FaultPlan()
+    plan.set_rules([FaultRule("eio", ops=("write",), predicate=on_files_under(roots[0]))])  # its clear fails
+    st = await MultiDriveStore.open(roots, _cfg(roots), engine_factory=plan.engine_factory(), probe_interval_s=0.05)
+    assert st.stats()["drives"][0]["state"] == "degraded"
+    want = ["v2"] * 4 + [None] * (len(on_a) - 4)
+    assert await _versions(st, on_a) == want
+    await asyncio.sleep(0.2)
+    assert st.stats()["drives"][0]["state"] == "degraded"  # not re-admitted while it cannot clear
+    plan.clear()
+    assert await until(lambda: st.stats()["drives"][0]["state"] == "healthy", 10)
+    assert await _versions(st, on_a) == want
+    assert st.stats()["drives"][0]["objects"] == 0
+    await st.close()
+    sessions = {read_set(r)["session"] for r in roots}
+    assert len(sessions) == 1  # recorded on A once cleared: the next open keeps what it holds now
 
 
 # ------------------------------------------------------------------ a drive that could not open

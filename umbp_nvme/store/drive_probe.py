@@ -346,6 +346,7 @@ class DriveProbes:
             return  # recorded settled nowhere: not yet (a restart would apply the old owes over later puts)
         if h.deletes_owed:  # owed meanwhile (recorded after the settled line): the next probe applies them
             return
+        self._joined[d] = True  # everything it owed is applied (a drive that missed a session: its clear)
         h.readmit()
 
 
