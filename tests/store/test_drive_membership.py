@@ -9,6 +9,7 @@ came back (``_versions``), so a stale page shows as the old version, not as a pl
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -126,6 +127,27 @@ async def test_a_clear_while_a_drive_was_removed_clears_it_once_it_is_back(tmp_p
     assert await _versions(st, keys) == [None] * len(keys)  # main served every page of A again
     assert await _versions(st, fresh) == ["v2"] * 20
     assert st.stats()["drives"][0]["objects"] == 0
+    await st.close()
+
+
+async def test_drives_recorded_before_sessions_still_name_the_removed_drive(tmp_path):
+    # a store whose runs 1 and 2 were written before DRIVES.json kept sessions: only the roots remain
+    roots = _roots(tmp_path, 3)
+    keys = _keys(30)
+    where = await _run_one(roots, keys)
+    on_a = [k for k in keys if where[k] == 0][:4]
+    st = await MultiDriveStore.open(roots[1:], _cfg(roots[1:]))
+    assert await _put(st, on_a, "v2") == [True] * 4
+    await st.close()
+    for r in roots:
+        path = os.path.join(r, "DRIVES.json")
+        with open(path) as f:
+            rec = json.load(f)
+        with open(path, "w") as f:
+            json.dump({k: v for k, v in rec.items() if k not in ("session", "members", "wrote")}, f)
+    st = await MultiDriveStore.open(roots, _cfg(roots))
+    assert await _versions(st, on_a) == ["v2"] * 4
+    assert st.stats()["drives"][0]["objects"] == 0  # cleared, not only outranked by the newer copies
     await st.close()
 
 
