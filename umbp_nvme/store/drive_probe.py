@@ -114,7 +114,7 @@ class DriveProbes:
 
     async def _drop_elsewhere(self, keys: list[str], skip: list[bool], *, deleting: bool = False):
         """Delete ``keys`` on every drive not in ``skip``: at once where the drive still serves reads
-        (full), else owed until it rejoins (recorded durably before this returns: drive_probe.py).
+        (full), else owed until it rejoins (recorded durably before this returns: _owe).
         Returns (gone, kept): keys a drive held and no longer serves (deleted, or owed durably), and
         keys a drive may still serve after a restart (a failed delete, an owe no log recorded)."""
         gone: set[str] = set()

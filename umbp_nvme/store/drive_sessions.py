@@ -27,7 +27,6 @@ What it cannot see: a session run only on drives that are all absent or unreadab
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -126,24 +125,28 @@ class SessionSteps:
     async def _clear_behind(self, d: int, st) -> bool:
         """Clear drive ``d`` (open, missed a session); False: it could not, so it is degraded and
         owes the clear (the probe applies it before re-admitting it)."""
-        n = st._object_count()
         try:
-            await st.clear()
+            await self._clear_missed(d, st)
         except Exception as e:  # noqa: BLE001 - the drive stays out, the others serve
             h = self.health[d]
             h.clear_owed = True
             h.degrade("io_error", f"it missed a writer session and clearing it failed: {e!r}")
             return False
-        if n > 0:
-            log.warning("drive %s missed a writer session (removed from the roots or not open): its %d objects "
-                        "may be replaced or deleted pages, so it was cleared", self.roots[d], n)  # fmt: skip
         return True
+
+    async def _clear_missed(self, d: int, st) -> None:
+        n = st._object_count()
+        await st.clear()
+        if n > 0:
+            log.warning("drive %s missed a writer session (removed from the roots or not open) or writes made "
+                        "since this one opened: its %d objects may be replaced or deleted pages, so it was "
+                        "cleared", self.roots[d], n)  # fmt: skip
 
     async def _reconcile_joiner(self, d: int, st) -> None:
         """A writer's drive the probe opened after the open: it missed every put, delete and clear
         made since, and any session its record says it missed: cleared then; else only the copies
         another drive holds go (owed_deletes.apply). Raises when that fails (the probe tries again)."""
-        rec = await asyncio.to_thread(read_set, self.roots[d])
+        rec = await self._in_thread(d, read_set, self.roots[d])
         last = max(_session(rec) or 0, self._sessions.last[d])
         writes = self._writes
         if last >= self._sessions.wrote and not writes:
@@ -152,7 +155,7 @@ class SessionSteps:
             if self._writes == writes:  # none came in while its copies were looked at
                 self._joined[d] = True
                 return
-        await st.clear()  # raises: not joined, the probe closes it and tries again
+        await self._clear_missed(d, st)  # raises: not joined, the probe closes it and tries again
         self._joined[d] = True
 
     async def _caught_up(self, d: int) -> bool:

@@ -128,7 +128,7 @@ class MultiDriveStore(DriveProbes, SessionSteps):
             await self._reconcile_at_open()  # before any drive serves, and before the owed logs
             await self._settle_owed_at_open()
             if not readonly:  # before the first write: a drive absent now is seen to have missed it
-                write_drive_set(self.roots, self.stores, self._recordable(), session=self.session_record())
+                write_drive_set(self.roots, self.stores, list(self._joined), session=self.session_record())
         except BaseException:
             await self.close()
             raise
