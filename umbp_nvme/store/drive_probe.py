@@ -319,7 +319,6 @@ class DriveProbes:
                 self.health[d].behind = True  # not served until a writer has cleared it
         else:
             try:
-                self._set_clock.attach(st)
                 await self._reconcile_joiner(d, st)
             except Exception as e:  # noqa: BLE001 - not yet: closed (its lock freed) for the next probe
                 log.debug("drive %d: reconciling it failed: %r", d, e)

@@ -32,7 +32,8 @@ from ..errors import (
 )  # fmt: skip
 from . import placement
 from .checks import begin_call
-from .drive_clock import SetClock, newest
+from .clock import GenerationClock
+from .drive_clock import newest
 from .drive_health import FULL, UNMOUNTED, DriveHealth
 from .drive_probe import DriveProbes
 from .drive_sessions import SessionSteps
@@ -93,7 +94,8 @@ class MultiDriveStore(DriveProbes, SessionSteps):
         self._sized = not (readonly or capacity_from_manifest)
         caps = drive_capacities(self.roots, config, sized=self._sized, skip=self._unmounted)
         self._open_kw = dict(readonly=readonly, namespace=namespace, capacity_from_manifest=capacity_from_manifest,
-                             shrink=shrink, engine_factory=engine_factory)  # fmt: skip
+                             shrink=shrink, engine_factory=engine_factory,
+                             clock=None if readonly else GenerationClock())  # one clock: generations compare across drives
         self._caps, self._ranges = caps, []
         opened = await asyncio.gather(*(self._first_open(i) for i in range(len(self.roots))), return_exceptions=True)
         self.stores: list[PageStore | None] = []
@@ -118,10 +120,6 @@ class MultiDriveStore(DriveProbes, SessionSteps):
         self.path = ",".join(self.roots)
         self._sessions_at_open()
         self.removed_drives = note_drive_set(self.roots, self._recs)
-        self._set_clock = SetClock()
-        for st in self.stores:
-            if st is not None:
-                self._set_clock.attach(st)
         self._order = list(range(len(self.roots)))  # lookup order (a reader looks at a stale drive last)
         self._start_background()
         try:
