@@ -27,7 +27,10 @@ class GenerationClock:
         records a bound in that store's index (durably) before values up to it are used."""
         self.now = max(self.now, int(floor))
         self._sinks.append(persist)
-        self._extend()
+        if self.now < self.bound:  # the others' bound covers it: only the newcomer writes (a stalled
+            persist(self.bound)  # drive of the set must not hold up a drive that joins)
+        else:
+            self._extend()
 
     def leave(self, persist) -> None:
         if persist in self._sinks:
