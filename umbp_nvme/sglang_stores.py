@@ -137,16 +137,17 @@ def start_events(be, store) -> None:
     if cfg is None or be._publisher is not None or not publishes_events(be.storage_config):
         return
     from .kv_events import Publisher
-    from .kv_residency import Residency, attach
+    from .kv_residency import Residency, attach, detach
 
     prefix, sfx = ("", be._v1_sfx) if be.interface_v1 else ("flat_", (be._flat_sfx,))
     rz = Residency(None, sfx, prefix=prefix)
+    attach(store, rz)  # first: the publisher's first job is the snapshot of what the store holds
     try:
         rz.pub = Publisher(cfg, be.page_size, snapshot=rz.snapshot)
     except Exception as e:  # noqa: BLE001 - a port in use costs the events, not the cache
+        detach(store)
         log.error("umbp_nvme: KV events not published on %s: %r", cfg.endpoint, e)
         return
-    attach(store, rz)
     be._publisher, be._residency = rz.pub, rz
     log.info("umbp_nvme: publishing DISK KV events on %s (replay %s, topic %r)", rz.pub.endpoint,
              rz.pub.replay_endpoint, cfg.topic)  # fmt: skip
