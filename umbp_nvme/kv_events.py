@@ -41,6 +41,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's end marker
 QUEUE_MAX_DEFAULT = 10_000  # items (one store call's pages each) waiting for the thread
 BUFFER_STEPS_DEFAULT = 10_000  # batches kept for replay (sglang's default)
 BATCH_PAGES_MAX = 4096  # pages in one published batch (live or re-announced)
+TOKENS_GRACE_S = 1.0  # relay mode: how long a stored page waits for the engine's event with its tokens
 _IDLE_POLL_S = 0.05
 
 # extra_config keys this module reads (the backend pops them before load_config)
@@ -171,7 +172,7 @@ class Encoder:
         self.dp_rank = dp_rank
 
     def events(self, items) -> list:
-        """``items``: ``("stored", [(page, parent page | None, token ids | None), ...])`` and
+        """``items``: ``("stored", [(page, parent page or its hash | None, token ids | None), ...])`` and
         ``("removed", [page, ...])``, in order. A run of stored pages that chain (each one's parent is
         the page before it) is one BlockStored, as the scheduler's recorder coalesces them."""
         out: list = []
@@ -187,7 +188,7 @@ class Encoder:
                 continue
             for page, parent, tokens in pages:
                 bh = h(page)
-                ph = None if parent is None else h(parent)
+                ph = parent if parent is None or isinstance(parent, int) else h(parent)
                 tail = out[-1] if out else None
                 toks = list(tokens) if tokens else []
                 if (isinstance(tail, self.stored_cls) and ph is not None and tail.block_hashes
@@ -230,9 +231,10 @@ class Publisher:
         self._snapshot = snapshot
         self._pending: deque = deque()  # re-announced pages still to send
         self._resync = bool(cfg.reannounce and snapshot is not None)
-        self.relay = None
+        self.relay = None  # kv_relay.EngineRelay: the engine's stream, forwarded, and its token ids
+        self._waiting: deque = deque()  # relay mode: (deadline, page, parent) until its tokens are known
         self.stats = dict.fromkeys(("batches", "stored_pages", "removed_pages", "dropped", "dropped_pages",
-                                    "replays", "reannounced_pages", "errors"), 0)  # fmt: skip
+                                    "replays", "reannounced_pages", "skipped_no_tokens", "errors"), 0)  # fmt: skip
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -248,6 +250,10 @@ class Publisher:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.bind(self.replay_endpoint)
+            if cfg.engine_endpoint:
+                from .kv_relay import EngineRelay
+
+                self.relay = EngineRelay(self._ctx, offset_endpoint_port(cfg.engine_endpoint, cfg.dp_rank))
         except Exception:
             self._close_sockets()
             raise
@@ -288,8 +294,12 @@ class Publisher:
                 if self._replay is not None and dict(poller.poll(0)).get(self._replay):
                     self._serve_replay()
                 if self.relay is not None:
-                    self.relay.poll()
+                    for payload in self.relay.poll():
+                        self._send_payload(payload)
+                    self._send(self.encoder.events(self._ripe()))
                 items = self._take()
+                if items and self.relay is not None:
+                    items = self._with_tokens(items)
                 if items:
                     self._send(self.encoder.events(items))
                 elif self._resync and self._q.empty():
@@ -297,14 +307,16 @@ class Publisher:
                 elif self._pending:
                     chunk = [self._pending.popleft() for _ in range(min(BATCH_PAGES_MAX, len(self._pending)))]
                     self.stats["reannounced_pages"] += len(chunk)
-                    self._send(self.encoder.events([("stored", chunk)]))
+                    items = [("stored", chunk)]
+                    self._send(self.encoder.events(self._with_tokens(items, wait=False) if self.relay else items))
             except Exception as e:  # noqa: BLE001 - the thread outlives any one bad batch
                 self.stats["errors"] += 1
                 log.error("umbp_nvme: KV event publisher: %r", e, exc_info=self.stats["errors"] == 1)
                 time.sleep(_IDLE_POLL_S)
 
     def _take(self) -> list:
-        wait = 0 if (self._pending or self._resync) else _IDLE_POLL_S
+        # relay mode: the engine's socket is polled once per turn, so turns are short
+        wait = 0 if (self._pending or self._resync) else (_IDLE_POLL_S if self.relay is None else 0.005)
         try:
             first = self._q.get(timeout=wait) if wait else self._q.get_nowait()
         except queue.Empty:
@@ -321,6 +333,45 @@ class Publisher:
             self.stats["stored_pages" if kind == "stored" else "removed_pages"] += len(p)
         return items
 
+    def _with_tokens(self, items: list, wait: bool = True) -> list:
+        """Relay mode: stored pages with the engine's tokens; the others wait (or are skipped)."""
+        out, now = [], time.monotonic()
+        for kind, pages in items:
+            if kind == "removed":
+                if self._waiting:  # never announce a page after its removal
+                    gone = set(pages)
+                    self._waiting = deque(w for w in self._waiting if w[1] not in gone)
+                out.append((kind, pages))
+                continue
+            ready = []
+            for page, parent, _ in pages:
+                got = self.relay.lookup(hash_str_to_int64(page))
+                if got is not None:
+                    ready.append((page, parent if parent is not None else got[1], got[0]))
+                elif wait:
+                    self._waiting.append((now + TOKENS_GRACE_S, page, parent))
+                else:
+                    self.stats["skipped_no_tokens"] += 1
+            if ready:
+                out.append(("stored", ready))
+        return out
+
+    def _ripe(self) -> list:
+        """Waiting pages whose tokens arrived; those past their grace are skipped (counted)."""
+        if not self._waiting:
+            return []
+        now, ready, keep = time.monotonic(), [], deque()
+        for deadline, page, parent in self._waiting:
+            got = self.relay.lookup(hash_str_to_int64(page))
+            if got is not None:
+                ready.append((page, parent if parent is not None else got[1], got[0]))
+            elif now >= deadline:
+                self.stats["skipped_no_tokens"] += 1
+            else:
+                keep.append((deadline, page, parent))
+        self._waiting = keep
+        return [("stored", ready)] if ready else []
+
     def _start_reannounce(self) -> None:
         self._resync = False
         if self._snapshot is None:
@@ -330,9 +381,10 @@ class Publisher:
         log.info("umbp_nvme: announcing the %d pages the store holds (medium DISK) on %s", len(pages), self.endpoint)
 
     def _send(self, events: list) -> None:
-        if not events:
-            return
-        payload = self.encoder.encode(events)
+        if events:
+            self._send_payload(self.encoder.encode(events))
+
+    def _send_payload(self, payload: bytes) -> None:
         seq = next(self._seq)
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
@@ -358,7 +410,7 @@ class Publisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued (and re-announced) has been sent (tests, close)."""
         deadline = time.monotonic() + timeout_s
-        while (not self._q.empty() or self._pending or self._resync) and self._thread.is_alive():
+        while (not self._q.empty() or self._pending or self._resync or self._waiting) and self._thread.is_alive():
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)

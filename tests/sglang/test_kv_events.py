@@ -336,3 +336,42 @@ def test_a_malformed_events_setting_is_refused_naming_the_key(tmp_path, key, val
     cfg.extra_config.update({"kv_events_endpoint": "tcp://*:5557", key: value})
     with pytest.raises(ValueError, match=rf"extra_config\['{key}'\] {match}"):
         UMBPNvmeStore(cfg, {})
+
+
+def test_the_engines_stream_is_relayed_and_gives_disk_pages_their_token_ids(tmp_path):
+    """kv_events_engine_endpoint: the scheduler's own publisher (sglang's ZmqEventPublisher) feeds
+    us; a router on our endpoint sees its GPU events forwarded and our DISK pages with the tokens
+    the engine announced for the same hashes. A page the engine never announced (a namespaced
+    hash) is not announced on DISK."""
+    W = pytest.importorskip("sglang.srt.disaggregation.kv_events")
+    engine = W.ZmqEventPublisher(attn_dp_rank=0, endpoint=f"ipc://{tmp_path}/engine")
+    be = open_backend(tmp_path, kv_events_engine_endpoint=f"ipc://{tmp_path}/engine")
+    sub = Sub(f"ipc://{tmp_path}/ev", be._publisher)
+    try:
+        sub.sync()
+
+        def gpu_removed(page):
+            engine.publish(W.KVEventBatch(ts=0.0, events=[W.BlockRemoved(block_hashes=[sglang_hash(page)], medium="GPU")]))
+
+        sub.sync_engine(gpu_removed)
+        keys = keys_of(3, "tok")
+        tokens = [[100 * i + t for t in range(PAGE)] for i in range(2)]  # pages 0 and 1; page 2 unknown
+        engine.publish(W.KVEventBatch(ts=0.0, events=[W.BlockStored(
+            block_hashes=[sglang_hash(keys[0]), sglang_hash(keys[1])], parent_block_hash=None,
+            token_ids=tokens[0] + tokens[1], block_size=PAGE, lora_id=None, medium="GPU")]))  # fmt: skip
+        gpu = []
+        while not gpu:
+            gpu = [e for e in stored(sub.upto_now()) if e["medium"] == "GPU"]
+        assert gpu[0]["block_hashes"] == [sglang_hash(keys[0]), sglang_hash(keys[1])]
+        assert put(be, keys) == [True] * 3
+        assert be._publisher.flush(60)  # page 2 waits for its tokens, then is skipped
+        disk = [e for e in stored(sub.upto_now()) if e["medium"] == "DISK"]
+        assert [h for e in disk for h in e["block_hashes"]] == [sglang_hash(keys[0]), sglang_hash(keys[1])]
+        assert [t for e in disk for t in e["token_ids"]] == tokens[0] + tokens[1]
+        assert be._publisher.stats["skipped_no_tokens"] == 1
+        seqs = [int.from_bytes(f[1], "big") for f in sub.frames]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # one ordered stream for both sources
+    finally:
+        sub.close()
+        be.close()
+        engine.shutdown()

@@ -50,6 +50,17 @@ class Sub:
     def upto_now(self) -> list:
         return self._until(self._marker())
 
+    def sync_engine(self, offer) -> None:
+        """Wait until frames that ``offer(page)`` makes elsewhere (an engine upstream) reach us."""
+        while True:
+            page = hashlib.sha256(f"marker-{next(self._marks)}".encode()).hexdigest()
+            h = hash_str_to_int64(page)
+            self.marker_hashes.add(h)
+            offer(page)
+            if self.sock.poll(100):
+                self._until(h)
+                return
+
     def _until(self, h: int) -> list:
         out = []
         while True:
