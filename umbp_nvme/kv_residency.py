@@ -41,6 +41,7 @@ class Residency:
         self.links: dict[str, str] = {}
         self.exists: Callable[[list], list] = lambda keys: [False] * len(keys)
         self.keys: Callable[[], list] = list
+        self.counters: dict = {}  # the first drive's stats counters: kv_events_dropped is exported there
         self._failed = False
 
     def _pages(self, keys) -> list[str]:
@@ -68,7 +69,7 @@ class Residency:
                 ex = self.exists(self._components(pages))
                 pages = [p for i, p in enumerate(pages) if all(ex[i * m : (i + 1) * m])]
             links = self.links
-            self.pub.offer("stored", [(p, links.get(p), None) for p in pages])
+            self._offer("stored", [(p, links.get(p), None) for p in pages])
         except Exception as e:  # noqa: BLE001 - events never fail a store step
             self._fail(e)
 
@@ -86,9 +87,13 @@ class Residency:
                 js = range(i * m, (i + 1) * m)
                 if not all(ex[j] for j in js) and all(ex[j] or comps[j] in gone for j in js):
                     out.append(p)
-            self.pub.offer("removed", out)
+            self._offer("removed", out)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
+
+    def _offer(self, kind: str, pages: list) -> None:
+        if not self.pub.offer(kind, pages):  # full: dropped (a re-announcement follows)
+            self.counters["kv_events_dropped"] = self.pub.stats["dropped_pages"]
 
     def snapshot(self) -> list[tuple[str, Optional[str], None]]:
         """Every complete page the store holds now (the publisher's re-announcement)."""
@@ -131,7 +136,10 @@ def attach(sync_store, residency: Residency) -> None:
     top = sync_store.store
     residency.exists = top.exists_many_nowait
     residency.keys = top.keys
-    for st in drives_of(top):
+    drives = drives_of(top)
+    residency.counters = drives[0]._counters
+    residency.counters.setdefault("kv_events_dropped", 0)
+    for st in drives:
         st._residency = residency
 
 

@@ -20,6 +20,7 @@ import zmq
 from conftest import damage_object
 from support.kv_sub import Sub, removed_hashes, stored, stored_hashes
 from support.standin_pools import PAGE, Config, FakeMHAPool
+from umbp_nvme.metrics import samples_from_stats
 from umbp_nvme.sglang_backend import HiCacheStorageExtraInfo, UMBPNvmeStore
 
 wheel_utils = pytest.importorskip("sglang.srt.mem_cache.utils")
@@ -251,6 +252,9 @@ def test_a_full_queue_drops_and_counts_and_never_blocks_a_batch_set(tmp_path):
             keys += ks
             assert put(be, ks) == [True, True]  # returns although the queue is full
         assert pub.stats["dropped"] >= 4
+        dropped = be.store_stats()["store"]["kv_events_dropped"]
+        assert dropped == pub.stats["dropped_pages"] >= 8
+        assert ("umbp_nvme_kv_events_dropped", "counter", {}, float(dropped)) in samples_from_stats(be.store_stats()["store"])
         gate.set()
         assert pub.flush(60)  # the queue drains, then the re-announcement goes out
         # the drops schedule a re-announcement of what the store holds
