@@ -24,6 +24,7 @@ the call runs (from ``extra_info.prefix_keys[-1]`` and the call's own key order)
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,20 @@ class Residency:
 
     def shown(self, keys) -> None:
         try:
-            pages = self._pages(keys)
+            m = len(self._sfx)
+            if m == 1:
+                pages = self._pages(keys)
+            else:  # a page whose m objects are all among keys is complete: no lookup (the usual put)
+                a = self._start
+                b, sfx = a + PAGE_HEX, self._sfx_set
+                count = Counter(k[a:b] for k in keys if type(k) is str and k[b:] in sfx)
+                pages = [p for p, c in count.items() if c == m]
+                part = [p for p, c in count.items() if c < m]
+                if part:  # the others were published earlier, or are not there yet
+                    ex = self.exists(self._components(part))
+                    pages += [p for i, p in enumerate(part) if all(ex[i * m : (i + 1) * m])]
             if not pages:
                 return
-            m = len(self._sfx)
-            if m > 1:
-                ex = self.exists(self._components(pages))
-                pages = [p for i, p in enumerate(pages) if all(ex[i * m : (i + 1) * m])]
             links = self.links
             self._offer("stored", [(p, links.get(p), None) for p in pages])
         except Exception as e:  # noqa: BLE001 - events never fail a store step
