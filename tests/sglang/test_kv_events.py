@@ -379,3 +379,22 @@ def test_the_engines_stream_is_relayed_and_gives_disk_pages_their_token_ids(tmp_
         sub.close()
         be.close()
         engine.shutdown()
+
+
+def test_a_store_over_two_drives_announces_and_removes_each_page_once(tmp_path):
+    import json
+
+    roots = [str(tmp_path / "d0"), str(tmp_path / "d1")]
+    be = open_backend(tmp_path, ssd_storage_dir=json.dumps(roots))
+    sub = Sub(f"ipc://{tmp_path}/ev", be._publisher)
+    try:
+        assert len([s for s in be.store.store.stores if s is not None and s._residency is be._residency]) == 2
+        sub.sync()
+        keys = keys_of(8, "two")
+        assert put(be, keys) == [True] * 8
+        assert sorted(stored_hashes(sub.upto_now())) == sorted(sglang_hash(k) for k in keys)
+        be.clear()
+        assert sorted(removed_hashes(sub.upto_now())) == sorted(sglang_hash(k) for k in keys)
+    finally:
+        sub.close()
+        be.close()
