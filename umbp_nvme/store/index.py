@@ -58,6 +58,7 @@ _CREATING_WAIT_S = 2.0  # how long a reader waits for a new store's writer to cr
 _NEW_ENV_BYTES = 2 * 4096  # an environment whose two meta pages are not written yet is being created
 _META_NEXT_GEN = b"next_generation"
 _META_WRITER_STATE = b"writer_state"
+_META_GEN_BOUND = b"generation_bound"  # no generation handed out reaches it (clock.py)
 _U64 = struct.Struct("<Q")
 
 
@@ -364,6 +365,21 @@ class Index:
         if v is not None and len(v) != _U64.size:
             raise IndexDamagedError(f"store index {self.path} is damaged (generation record of {len(v)} bytes)")
         return _U64.unpack(v)[0] if v else 1
+
+    def generation_bound(self) -> int:
+        """The persisted generation bound (clock.py); 0 when none was recorded."""
+        try:
+            with self._read_txn(self._meta) as txn:
+                v = txn.get(_META_GEN_BOUND)
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(self.path, e, "reading the generation bound") from None
+        return _U64.unpack(v)[0] if v is not None and len(v) == _U64.size else 0
+
+    def set_generation_bound(self, bound: int) -> None:
+        """Record the generation bound durably (commit and sync) before values below it are used."""
+        with self._env.begin(write=True) as txn:
+            txn.put(_META_GEN_BOUND, _U64.pack(bound), db=self._meta)
+        self._env.sync(True)
 
     def count(self) -> int:
         with self._read_txn(self._objects) as txn:

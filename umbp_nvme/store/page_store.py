@@ -77,6 +77,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         capacity_from_manifest: bool = False,
         shrink: bool = False,
         engine_factory=None,
+        clock=None,
     ) -> "PageStore":
         """Open (a writer creates) the store at ``path``.
 
@@ -94,6 +95,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         ``engine_factory``: ``async (backend, queue_depth) -> IoEngine``, called once per engine
         (two for a writer: reads and writes); default ``engine.open_engine``. Tests and fault
         injection wrap engines here.
+
+        ``clock``: a ``clock.GenerationClock`` shared with other stores (the drives of one
+        writer), so that generations order puts across them; default: the store's own.
         """
         if not isinstance(path, (str, os.PathLike)) or "," in os.fspath(path) or os.fspath(path).lstrip()[:1] == "[":
             roots = parse_roots(path)
@@ -107,6 +111,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             path = roots[0]
         self = cls.__new__(cls)
         self._init_state()
+        self._clock_given = clock
         await self._open(path, config or StoreConfig(), readonly, namespace, capacity_from_manifest, shrink,
                          engine_factory)  # fmt: skip
         return self
@@ -160,6 +165,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         self._release_resources()
 
     def _release_resources(self) -> None:
+        clock = getattr(self, "_clock", None)
+        if clock is not None and self._index is not None:
+            clock.leave(self._index.set_generation_bound)
         for e in self._engines:
             try:
                 e.close()
@@ -260,8 +268,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         return len(self._keys)
 
     def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+        return self._clock.tick()
 
     # ----------------------------------------------------------------------------- index commits
 
@@ -269,7 +276,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         """One index transaction, not synced: the records in the segments are the durable truth
         (records.py), so it runs inline."""
         try:
-            self._index.commit(puts, deletes, next_generation=self._clock + 1)
+            self._index.commit(puts, deletes, next_generation=self._clock.now + 1)
             return True
         except Exception as e:  # noqa: BLE001 - lmdb.Error (ENOSPC, MapFull) becomes a failed batch
             log.error("%s: index commit of %d puts / %d deletes failed: %s", self.path, len(puts), len(deletes), e)
@@ -336,13 +343,14 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         async with self._commit_lock:
             rows = list(self._keys.values())
             gone = list(self._keys) if self._residency is not None else ()
-            if rows and await self._tombstone(rows) is None:
+            # also with no rows: records of puts that never published must not outlive the clear
+            if await self._tombstone(rows) is None:
                 raise OSError(f"{self.path}: clear could not clear the records in the segments; nothing was dropped")
             self._keys.clear()
             if gone:
                 self._residency.hidden(gone)
             self._rows.live[rows] = False
-            self._index.drop_all(next_generation=self._clock + 1)
+            self._index.drop_all(next_generation=self._clock.now + 1)
             self._rows.release(rows)
             self._counters["deletes"] += len(rows)
 
@@ -374,8 +382,12 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             self._areas.confirm(*snap)
         dirty = self._areas.dirty_blocks()
         if dirty:
+            dead = dict(self._areas.dead)
             failed = await self._areas.write(self._write_engine, self._files.fds, dirty, self.timeout_s)
-            ok = await self._sync_all() and ok and not failed
+            synced = await self._sync_all()
+            ok = synced and ok and not failed
+            if synced:
+                self._areas.forget_dead(dead, set(self._files.files) - failed)
         try:
             await asyncio.wait_for(
                 asyncio.get_running_loop().run_in_executor(self._index_pool, self._index.sync), self.timeout_s

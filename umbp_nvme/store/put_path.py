@@ -202,9 +202,16 @@ class PutPath:
         """
         segs, offs, failed_create = await self._reserve(lens)
         have = segs >= 0
+        stuck = await self._retire_changed(segs[have], lens[have]) if have.any() else ()
+        if stuck:
+            lost = have & np.isin(segs, list(stuck))
+            self._alloc.free_many(segs[lost], offs[lost])
+            for j in np.flatnonzero(lost).tolist():
+                refused.add(keys[int(todo[j])], "an earlier record write to its segment is stuck")
+            have &= ~lost
         if not have.all():
             why = "no space" + (" (segment file could not be created)" if failed_create else "")
-            for j in np.flatnonzero(~have).tolist():
+            for j in np.flatnonzero(~have & (segs < 0)).tolist():
                 refused.add(keys[int(todo[j])], why)
             ok_j = np.flatnonzero(have)
             if not len(ok_j):
