@@ -343,7 +343,8 @@ def _parse_eviction_policy(value: Any, label: str) -> str:
 
 def _warn_kv_events(value: Any, label: str) -> Any:
     if value:
-        logger.warning("umbp_nvme: %s is set, but this backend publishes no KV events; ignored.", label)
+        logger.warning("umbp_nvme: %s is set, but this backend subscribes to no KV events; ignored "
+                       "(kv_events_endpoint publishes this store's DISK events: docs/fleet.md).", label)  # fmt: skip
     return value
 
 

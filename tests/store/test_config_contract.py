@@ -249,7 +249,8 @@ def test_kv_events_keys_are_accepted_and_a_subscriber_warns(caplog):
     with caplog.at_level(logging.WARNING):
         assert load({"kv_events_subscriber": True}) == StoreConfig()
     assert [r.getMessage() for r in caplog.records] == [
-        "umbp_nvme: extra_config['kv_events_subscriber'] is set, but this backend publishes no KV events; ignored."
+        "umbp_nvme: extra_config['kv_events_subscriber'] is set, but this backend subscribes to no KV events; ignored "
+        "(kv_events_endpoint publishes this store's DISK events: docs/fleet.md)."
     ]
 
 

@@ -64,6 +64,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     _space_limit_segments = None  # segments with files when one could not be created (ENOSPC)
     _space_retry_at = 0.0
     _rows = None  # writers: the row table (rows.py)
+    _residency = None  # kv_residency.Residency: told which keys became visible / invisible (KV events)
 
     @classmethod
     async def open(
@@ -293,6 +294,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         was_live = [(r, k) for r, k in zip(rows, keys) if self._keys.get(k) == r]
         for _, k in was_live:
             del self._keys[k]  # invisible to new readers first: nothing new pins these rows
+        if self._residency is not None:
+            self._residency.hidden([k for _, k in was_live])
         self._rows.live[rows] = False
         dels = dict.fromkeys(k for k in keys if k not in self._keys)  # a key put again since a drop in doubt stays
         ok = None  # not known: a commit that outlived io_timeout_s (or a cancelled call) may still land
@@ -329,6 +332,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
                 else:
                     orphans.append(r)  # re-put meanwhile: the index holds the new record, not this one
             self._rows.release(orphans)
+            if self._residency is not None:
+                self._residency.shown([k for r, k in was_live if self._keys.get(k) == r])
         return False
 
     async def clear(self) -> None:
@@ -337,10 +342,13 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             return
         async with self._commit_lock:
             rows = list(self._keys.values())
+            gone = list(self._keys) if self._residency is not None else ()
             # also with no rows: records of puts that never published must not outlive the clear
             if await self._tombstone(rows) is None:
                 raise OSError(f"{self.path}: clear could not clear the records in the segments; nothing was dropped")
             self._keys.clear()
+            if gone:
+                self._residency.hidden(gone)
             self._rows.live[rows] = False
             self._index.drop_all(next_generation=self._clock.now + 1)
             self._rows.release(rows)

@@ -448,6 +448,8 @@ class PutPath:
         for r, k in zip(rows_l, pub_keys):
             row_key[r] = k
         self._keys.update(zip(pub_keys, rows_l))
+        if self._residency is not None:
+            self._residency.shown(pub_keys)
         self._counters["bytes_written"] += int(b.nbytes[pj].sum())
 
     async def _write_device(self, route: str, fds, offs, addrs, lens):
