@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import IndexDamagedError, StoreError
 from ..keybytes import decode_keys
 from .index_check import _IndexFileDamage, check_index_file, check_own_file  # noqa: F401 - re-exported
+from . import follower
 
 log = logging.getLogger("umbp_nvme.index")  # the name operators know; kept across the move
 
@@ -98,7 +99,7 @@ _DAMAGED = (
 )
 
 
-_ENVS: dict[str, list] = {}  # realpath -> [env, refcount, writable]
+_ENVS: dict[str, list] = {}  # realpath -> [env, refcount, writable, (st_dev, st_ino) of its file]
 _DETACHED: list[list] = []  # entries of files moved aside while another handle still held them
 _ENVS_LOCK = threading.Lock()
 
@@ -107,6 +108,9 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
     real = os.path.realpath(path)
     with _ENVS_LOCK:
         entry = _ENVS.get(real)
+        if entry is not None and entry[3] != follower.file_id(path):  # replaced by another process: never share it
+            _DETACHED.append(_ENVS.pop(real))
+            entry = None
         if entry is not None:
             if not readonly and not entry[2]:
                 raise StoreError(
@@ -124,6 +128,7 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
         except FileNotFoundError:
             if readonly:
                 raise FileNotFoundError(f"no store index at {path}; a writer must create the store first") from None
+        before = follower.file_id(path)
         env = lmdb.open(
             path,
             subdir=False,
@@ -140,7 +145,7 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
             metasync=durable,
             readahead=False,
         )
-        _ENVS[real] = [env, 1, not readonly]
+        _ENVS[real] = [env, 1, not readonly, follower.opened_id(path, before)]
         return env
 
 
@@ -218,13 +223,13 @@ def _release_env(env: lmdb.Environment) -> None:
 
 
 class Index:
-    def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool):
+    def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool, wait_s: float = _CREATING_WAIT_S):
         self.path = path
         self.readonly = readonly
         self.durable = durable
         # a writer creating the store makes the file, then its meta pages, then its databases:
         # a reader that races it waits that moment instead of failing
-        deadline = time.monotonic() + _CREATING_WAIT_S
+        deadline = time.monotonic() + wait_s
         while True:
             try:
                 self._env = _acquire_env(path, readonly=readonly, map_size=map_size, durable=durable)

@@ -253,7 +253,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     def _object_count(self) -> int:
         if self.readonly:
             try:
-                return self._index.count()
+                return self._watch.read(lambda ix: ix.count(), -1)
             except Exception:  # noqa: BLE001
                 return -1
         return len(self._keys)

@@ -1,0 +1,183 @@
+"""A read-only opener's watch on the index file: it notices that a writer replaced index.lmdb and reopens it.
+
+A writer that rebuilds its index moves ``index.lmdb`` aside (or finds it deleted) and writes a
+new file at the path (opening.py, rebuild.py). A follower that keeps reading the file it opened
+misses every page put since and serves pages deleted since; so every lookup of a read-only store
+goes through ``IndexWatch.read``, which applies three rules:
+
+- A file is known by (st_dev, st_ino), taken when its LMDB environment is made (index.py keeps it
+  with the environment) and compared to a stat() of the path after each lookup (about a
+  microsecond). A file moved aside never comes back to the path, and one held open cannot have
+  its inode reused, so a lookup whose read transaction began while the path still named the held
+  file saw the writer's current state: the lookup is answered. Otherwise it is a miss.
+- A replaced file is reopened only once its writer marked it (``writer_state`` is set; every
+  writer sets it after the records it wrote are committed and synced, rebuild or not). Until
+  then, and while the path is missing or the new file cannot be opened, every lookup is a miss:
+  never the old view. A follower whose first open found an unmarked file misses the same way.
+- A replaced handle is closed once no lookup runs on it (other threads may be reading it).
+
+A failed reopen is tried again when the path's stat (identity, size, mtime) changes, each LMDB
+commit changes it, or after ``RETRY_S``, so a follower never spins on opening a file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from . import index as _ix
+
+log = logging.getLogger("umbp_nvme.store")
+
+RETRY_S = 0.05  # a reopen that failed with the path unchanged is tried again at most this often
+
+
+def file_id(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the file at ``path`` (symlinks followed, as LMDB does); None when it is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def opened_id(path: str, before: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The identity of the file an ``lmdb.open`` of ``path`` just mapped, given ``file_id`` taken just
+    before it: the file now at the path when it was created by that open (nothing was there) or
+    was there all along; None (unknown: treated as replaced) when another process swapped it meanwhile."""
+    after = file_id(path)
+    return after if before is None or before == after else None
+
+
+def _signature(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def held_id(ix) -> tuple[int, int] | None:
+    """The identity of the file ``ix`` (an index.Index) maps, from its environment's entry."""
+    with _ix._ENVS_LOCK:
+        for entry in (*_ix._ENVS.values(), *_ix._DETACHED):
+            if entry[0] is ix._env:
+                return entry[3]
+    return None
+
+
+def _marked(ix) -> bool:
+    """Whether a writer finished the file: its records committed and synced, then the writer state set."""
+    try:
+        return ix.writer_state() is not None
+    except Exception as e:  # noqa: BLE001 - a file that cannot tell is not ready: misses until it can
+        log.warning("%s: cannot read the writer state of the index: %s", ix.path, e)
+        return False
+
+
+class IndexWatch:
+    """The index a read-only store answers from (``store._index``), kept on the file at the path."""
+
+    def __init__(self, store, map_size: int):
+        self._store = store
+        self._path = store._index.path
+        self._map_size = map_size
+        self._lock = threading.Lock()
+        self._held = held_id(store._index)
+        self._ready = False  # the held file was seen marked by its writer
+        self._stale = False  # the path names another file now (it never names ours again)
+        self._users: dict[int, int] = {}  # id(Index) -> lookups running on it
+        self._retired: list = []  # replaced handles, closed once no lookup runs on them
+        self._failed = None  # (path signature, monotonic time) of the last reopen that failed
+        self.reopens = 0
+
+    def read(self, fn, miss):
+        """``fn(index)`` answered from the file at the path; ``miss`` while that file cannot be read yet."""
+        for _ in range(3):  # a first look at the writer's mark, a reopen, the lookup
+            ix = self._take()
+            if ix is None:
+                if not self._advance():
+                    return miss
+                continue
+            try:
+                out = fn(ix)
+            finally:
+                self._drop(ix)
+            if self._held is not None and file_id(self._path) == self._held:
+                return out
+            if not self._advance():
+                return miss
+        return miss
+
+    def records(self, keys: list[bytes]) -> list[bytes | None]:
+        """Index.get_records from the file at the path: all None (misses) while it cannot be read."""
+        return self.read(lambda ix: ix.get_records(keys), [None] * len(keys))
+
+    def _take(self):
+        """The current index with one more lookup on it; None unless it is current and marked."""
+        with self._lock:
+            ix = self._store._index
+            if self._stale or not self._ready or ix is None:
+                return None
+            self._users[id(ix)] = self._users.get(id(ix), 0) + 1
+            return ix
+
+    def _drop(self, ix) -> None:
+        with self._lock:
+            n = self._users.pop(id(ix)) - 1
+            if n:
+                self._users[id(ix)] = n
+                return
+            if ix not in self._retired:
+                return
+            self._retired.remove(ix)
+        ix.close()
+
+    def _advance(self) -> bool:
+        """Bring the store onto the marked file at the path; whether it is there now."""
+        with self._lock:
+            old = self._store._index
+            if old is None:  # the store closed
+                return False
+            if not self._stale and (self._held is None or file_id(self._path) != self._held):
+                self._stale = True
+            if not self._stale:
+                if not self._ready:
+                    self._ready = _marked(old)
+                return self._ready
+            new = self._open_marked()
+            if new is None:
+                return False
+            self._store._index, self._held = new
+            self._stale, self._ready = False, True
+            self.reopens += 1
+            busy = id(old) in self._users
+            if busy:
+                self._retired.append(old)
+        if not busy:
+            old.close()
+        log.warning("%s: the writer replaced the index; reopened it (lookups missed meanwhile)", self._path)
+        return True
+
+    def _open_marked(self):
+        """(Index, id) on the file now at the path once its writer marked it; None until then."""
+        sig = _signature(self._path)
+        if sig is None:
+            return None
+        if self._failed is not None and self._failed[0] == sig and time.monotonic() - self._failed[1] < RETRY_S:
+            return None
+        try:
+            ix = _ix.Index(self._path, readonly=True, map_size=self._map_size, durable=False, wait_s=0.0)
+        except (OSError, _ix.StoreError) as e:
+            self._failed = (sig, time.monotonic())
+            log.info("%s: the index was replaced; its new file cannot be opened yet (%s)", self._path, e)
+            return None
+        held = held_id(ix)
+        if held is None or not _marked(ix):
+            ix.close()  # being written, or swapped during the open: a later lookup tries again
+            self._failed = (sig, time.monotonic())
+            return None
+        self._failed = None
+        return ix, held
