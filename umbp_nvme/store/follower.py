@@ -43,12 +43,13 @@ def file_id(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def opened_id(path: str, before: tuple[int, int] | None) -> tuple[int, int] | None:
+def opened_id(path: str, before: tuple[int, int] | None, *, created: bool) -> tuple[int, int] | None:
     """The identity of the file an ``lmdb.open`` of ``path`` just mapped, given ``file_id`` taken just
-    before it: the file now at the path when it was created by that open (nothing was there) or
-    was there all along; None (unknown: treated as replaced) when another process swapped it meanwhile."""
+    before it: the file at the path, when it was there all along or this open created it (a writer,
+    which holds the store's lock: nobody else replaces the file meanwhile); None when another
+    process replaced it during the open (the caller closes that environment and tries again)."""
     after = file_id(path)
-    return after if before is None or before == after else None
+    return after if before == after or (before is None and created) else None
 
 
 def _signature(path: str):
@@ -96,16 +97,17 @@ class IndexWatch:
     def read(self, fn, miss):
         """``fn(index)`` answered from the file at the path; ``miss`` while that file cannot be read yet."""
         for _ in range(3):  # a first look at the writer's mark, a reopen, the lookup
-            ix = self._take()
-            if ix is None:
+            took = self._take()
+            if took is None:
                 if not self._advance():
                     return miss
                 continue
+            ix, held = took
             try:
                 out = fn(ix)
             finally:
                 self._drop(ix)
-            if self._held is not None and file_id(self._path) == self._held:
+            if file_id(self._path) == held:  # the file read is still the writer's: the answer was current
                 return out
             if not self._advance():
                 return miss
@@ -116,13 +118,13 @@ class IndexWatch:
         return self.read(lambda ix: ix.get_records(keys), [None] * len(keys))
 
     def _take(self):
-        """The current index with one more lookup on it; None unless it is current and marked."""
+        """(current index, its file's identity) with one more lookup on it; None unless it is current and marked."""
         with self._lock:
             ix = self._store._index
-            if self._stale or not self._ready or ix is None:
+            if self._stale or not self._ready or ix is None or self._held is None:
                 return None
             self._users[id(ix)] = self._users.get(id(ix), 0) + 1
-            return ix
+            return ix, self._held
 
     def _drop(self, ix) -> None:
         with self._lock:
@@ -139,7 +141,7 @@ class IndexWatch:
         """Bring the store onto the marked file at the path; whether it is there now."""
         with self._lock:
             old = self._store._index
-            if old is None:  # the store closed
+            if old is None or self._store._closed:
                 return False
             if not self._stale and (self._held is None or file_id(self._path) != self._held):
                 self._stale = True

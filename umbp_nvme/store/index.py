@@ -145,7 +145,11 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
             metasync=durable,
             readahead=False,
         )
-        _ENVS[real] = [env, 1, not readonly, follower.opened_id(path, before)]
+        ident = follower.opened_id(path, before, created=not readonly)
+        if ident is None:  # another process replaced the file during the open: which one LMDB maps is unknown
+            env.close()
+            raise _IndexFileDamage("replaced by its writer while it was being opened", 0)
+        _ENVS[real] = [env, 1, not readonly, ident]
         return env
 
 
