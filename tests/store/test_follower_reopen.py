@@ -210,3 +210,31 @@ async def test_writer_rebuilding_beside_a_follower_in_its_process_writes_the_ind
     st = await PageStore.open(store_dir, small_config(), readonly=True)  # a later opener reads the file at the path
     assert await view(st, LIVE + NEW + GONE) == want
     await st.close()
+
+
+async def test_a_lookup_on_the_old_file_while_another_reopened_is_answered_from_the_new_one(store_dir):
+    # threads interleaved by hand: one lookup is reading the old file when the writer replaces it
+    # and another lookup reopens; the first must not answer from what it read
+    await _first_writer(store_dir)
+    follower = await PageStore.open(store_dir, small_config(), readonly=True)
+    watch = follower._watch
+    keys = [k.encode() for k in GONE]
+    w = Writer(store_dir)
+    read_on = []
+
+    def lookup(ix):
+        if not read_on:
+            os.unlink(os.path.join(store_dir, INDEX_FILE))
+            w.do(open=True)
+            w.do(delete=GONE)
+            assert watch.records(keys) == [None] * len(keys)  # the other lookup, which reopens
+        read_on.append(ix)
+        return ix.get_records(keys)
+
+    assert watch.read(lookup, "miss") == [None] * len(keys)
+    old, new = read_on
+    assert old is not new and old._closed and not new._closed  # the old handle closed once its lookup ended
+    assert set((await view(follower, GONE + LIVE)).values()) == {None, 1}
+    w.do(close=True)
+    w.end()
+    await follower.close()
