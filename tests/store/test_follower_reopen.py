@@ -18,6 +18,7 @@ import pytest
 
 from conftest import ROOT, payload, small_config
 from umbp_nvme.store import PageStore
+from umbp_nvme.store import index
 from umbp_nvme.store.index import INDEX_FILE
 
 OBJ = 5000
@@ -91,6 +92,14 @@ class Writer:
         assert self.p.wait(60) == 0, self.p.stderr.read()[-3000:]
 
 
+def _open_environments(path) -> list[str]:
+    """The LMDB environments this process holds on files of the store at ``path``."""
+    root = os.path.realpath(path) + os.sep
+    with index._ENVS_LOCK:
+        envs = [e[0] for e in (*index._ENVS.values(), *index._DETACHED)]
+    return [p for p in (os.path.realpath(e.path()) for e in envs) if p.startswith(root)]
+
+
 async def view(st, keys) -> dict:
     """Per key: the version it serves, None for a miss, "wrong" for bytes of no version of it."""
     outs = [np.zeros(OBJ, np.uint8) for _ in keys]
@@ -160,6 +169,7 @@ async def test_follower_opened_before_a_rebuild_serves_the_new_index_never_delet
 async def test_follower_serves_misses_while_the_new_index_is_not_marked_then_follows_it(store_dir):
     await _first_writer(store_dir)
     follower = await PageStore.open(store_dir, small_config(), readonly=True)
+    gone_early = await PageStore.open(store_dir, small_config(), readonly=True)
     keys = LIVE + REPUT + GONE
     assert set((await view(follower, keys)).values()) == {1}
     w = Writer(store_dir)
@@ -168,6 +178,8 @@ async def test_follower_serves_misses_while_the_new_index_is_not_marked_then_fol
     assert await follower.exists_many(keys) == [False] * len(keys)
     late = await PageStore.open(store_dir, small_config(), readonly=True)  # a follower racing the writer's open
     assert set((await view(late, keys)).values()) == {None}
+    assert set((await view(gone_early, keys)).values()) == {None}
+    await gone_early.close()  # closed while it waits for the mark
     w.do(open=True)
     w.do(delete=GONE + REPUT, put={k: 2 for k in REPUT})
     want = {**{k: 1 for k in LIVE}, **{k: 2 for k in REPUT}, **{k: None for k in GONE}}
@@ -177,6 +189,7 @@ async def test_follower_serves_misses_while_the_new_index_is_not_marked_then_fol
     w.end()
     await late.close()
     await follower.close()
+    assert _open_environments(store_dir) == []  # every LMDB handle the followers took is closed
 
 
 async def test_follower_whose_index_is_deleted_serves_misses_until_a_writer_rebuilds(store_dir):

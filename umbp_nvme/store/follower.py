@@ -6,17 +6,17 @@ misses every page put since and serves pages deleted since; so every lookup of a
 goes through ``IndexWatch.read``, which applies three rules:
 
 - A file is known by (st_dev, st_ino), taken when its LMDB environment is made (index.py keeps it
-  with the environment) and compared to a stat() of the path after each lookup (about a
-  microsecond). A file moved aside never comes back to the path, and one held open cannot have
+  with the environment) and compared to a stat() of the path after each lookup (about 2 us). A file moved aside never comes back to the path, and one held open cannot have
   its inode reused, so a lookup whose read transaction began while the path still named the held
   file saw the writer's current state: the lookup is answered. Otherwise it is a miss.
 - A replaced file is reopened only once its writer marked it (``writer_state`` is set; every
   writer sets it after the records it wrote are committed and synced, rebuild or not). Until
   then, and while the path is missing or the new file cannot be opened, every lookup is a miss:
   never the old view. A follower whose first open found an unmarked file misses the same way.
-- A replaced handle is closed once no lookup runs on it (other threads may be reading it).
+- The new file stays open until its writer marks it (the mark is then a cheap read); the replaced
+  handle is closed once no lookup runs on it (other threads may be reading it).
 
-A failed reopen is tried again when the path's stat (identity, size, mtime) changes, each LMDB
+A failed open is tried again when the path's stat (identity, size, mtime) changes, each LMDB
 commit changes it, or after ``RETRY_S``, so a follower never spins on opening a file.
 """
 
@@ -91,6 +91,7 @@ class IndexWatch:
         self._stale = False  # the path names another file now (it never names ours again)
         self._users: dict[int, int] = {}  # id(Index) -> lookups running on it
         self._retired: list = []  # replaced handles, closed once no lookup runs on them
+        self._pending = None  # (Index, id) on the path's new file until its writer marks it
         self._failed = None  # (path signature, monotonic time) of the last reopen that failed
         self.reopens = 0
 
@@ -143,16 +144,23 @@ class IndexWatch:
             old = self._store._index
             if old is None or self._store._closed:
                 return False
-            if not self._stale and (self._held is None or file_id(self._path) != self._held):
+            now = file_id(self._path)
+            if not self._stale and (self._held is None or now != self._held):
                 self._stale = True
             if not self._stale:
                 if not self._ready:
                     self._ready = _marked(old)
                 return self._ready
-            new = self._open_marked()
-            if new is None:
+            if self._pending is not None and self._pending[1] != now:
+                self._pending[0].close()  # replaced again before its writer marked it
+                self._pending = None
+            if self._pending is None:
+                self._pending = self._open_new()
+            # kept open until marked: opening checks every page of the file first (~0.2 s for 1 M objects)
+            if self._pending is None or not _marked(self._pending[0]):
                 return False
-            self._store._index, self._held = new
+            self._store._index, self._held = self._pending
+            self._pending = None
             self._stale, self._ready = False, True
             self.reopens += 1
             busy = id(old) in self._users
@@ -163,8 +171,8 @@ class IndexWatch:
         log.warning("%s: the writer replaced the index; reopened it (lookups missed meanwhile)", self._path)
         return True
 
-    def _open_marked(self):
-        """(Index, id) on the file now at the path once its writer marked it; None until then."""
+    def _open_new(self):
+        """(Index, id) on the file now at the path; None when there is none or it cannot be opened yet."""
         sig = _signature(self._path)
         if sig is None:
             return None
@@ -176,10 +184,14 @@ class IndexWatch:
             self._failed = (sig, time.monotonic())
             log.info("%s: the index was replaced; its new file cannot be opened yet (%s)", self._path, e)
             return None
-        held = held_id(ix)
-        if held is None or not _marked(ix):
-            ix.close()  # being written, or swapped during the open: a later lookup tries again
-            self._failed = (sig, time.monotonic())
-            return None
         self._failed = None
-        return ix, held
+        return ix, held_id(ix)
+
+    def close(self) -> None:
+        """Close the handles besides ``store._index`` (the store closes that one): the new file's while
+        it waits for its mark, old ones a lookup still held."""
+        with self._lock:
+            left = [p[0] for p in (self._pending,) if p is not None] + self._retired
+            self._pending, self._retired = None, []
+        for ix in left:
+            ix.close()

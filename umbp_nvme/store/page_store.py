@@ -182,6 +182,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
                 self._index = None
             self._index_pool.shutdown(wait=False)
             self._index_pool = None
+        if getattr(self, "_watch", None) is not None:
+            self._watch.close()  # a follower's other index handles (follower.py)
         if self._index is not None:
             self._index.close()
             self._index = None
