@@ -74,7 +74,7 @@ def _marked(ix) -> bool:
     try:
         return ix.writer_state() is not None
     except Exception as e:  # noqa: BLE001 - a file that cannot tell is not ready: misses until it can
-        log.warning("%s: cannot read the writer state of the index: %s", ix.path, e)
+        log.info("%s: cannot read the writer state of the index: %s", ix.path, e)
         return False
 
 
@@ -93,7 +93,6 @@ class IndexWatch:
         self._retired: list = []  # replaced handles, closed once no lookup runs on them
         self._pending = None  # (Index, id) on the path's new file until its writer marks it
         self._failed = None  # (path signature, monotonic time) of the last reopen that failed
-        self.reopens = 0
 
     def read(self, fn, miss):
         """``fn(index)`` answered from the file at the path; ``miss`` while that file cannot be read yet."""
@@ -162,7 +161,6 @@ class IndexWatch:
             self._store._index, self._held = self._pending
             self._pending = None
             self._stale, self._ready = False, True
-            self.reopens += 1
             busy = id(old) in self._users
             if busy:
                 self._retired.append(old)
