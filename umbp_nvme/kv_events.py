@@ -41,7 +41,6 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's end marker
 QUEUE_MAX_DEFAULT = 10_000  # items (one store call's pages each) waiting for the thread
 BUFFER_STEPS_DEFAULT = 10_000  # batches kept for replay (sglang's default)
 BATCH_PAGES_MAX = 4096  # pages in one published batch (live or re-announced)
-TOKENS_GRACE_S = 1.0  # relay mode: how long a stored page waits for the engine's event with its tokens
 _IDLE_POLL_S = 0.05
 
 # extra_config keys this module reads (the backend pops them before load_config)
@@ -214,10 +213,11 @@ class Publisher:
     ``snapshot``: a callable returning the pages to re-announce (``[(page, parent, tokens), ...]``),
     run on this thread at start (``reannounce``), after drops, and when a replay asks for batches no
     longer buffered. ``relay``: an optional kv_relay.EngineRelay polled on this thread.
+    ``tokens_path``: relay mode: where each announced page's tokens are kept for a restart (kv_tokens.py).
     """
 
     def __init__(self, cfg: EventsConfig, block_size: int, *, snapshot: Optional[Callable[[], list]] = None,
-                 prefer_sglang: bool = True):  # fmt: skip
+                 prefer_sglang: bool = True, tokens_path: Optional[str] = None):  # fmt: skip
         import zmq
 
         self.cfg = cfg
@@ -232,7 +232,7 @@ class Publisher:
         self._pending: deque = deque()  # re-announced pages still to send
         self._resync = bool(cfg.reannounce and snapshot is not None)
         self.relay = None  # kv_relay.EngineRelay: the engine's stream, forwarded, and its token ids
-        self._waiting: deque = deque()  # relay mode: (deadline, page, parent) until its tokens are known
+        self.tokens = None  # kv_relay.PageTokens: relay mode: the tokens of DISK pages
         self.stats = dict.fromkeys(("batches", "stored_pages", "removed_pages", "dropped", "dropped_pages",
                                     "replays", "reannounced_pages", "skipped_no_tokens", "errors"), 0)  # fmt: skip
         self._stop = threading.Event()
@@ -253,7 +253,12 @@ class Publisher:
             if cfg.engine_endpoint:
                 from .kv_relay import EngineRelay
 
+                from .kv_relay import PageTokens
+                from .kv_tokens import TokenLog
+
                 self.relay = EngineRelay(self._ctx, offset_endpoint_port(cfg.engine_endpoint, cfg.dp_rank))
+                # the log is read on this publisher's thread (_run), never on the opening call
+                self.tokens = PageTokens(self.relay, TokenLog(tokens_path) if tokens_path else None, self.stats)
         except Exception:
             self._close_sockets()
             raise
@@ -286,6 +291,8 @@ class Publisher:
     def _run(self) -> None:
         import zmq
 
+        if self.tokens is not None and self.tokens.log is not None:
+            self.tokens.log.open()  # before the re-announcement, which reads it
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
@@ -296,10 +303,10 @@ class Publisher:
                 if self.relay is not None:
                     for payload in self.relay.poll():
                         self._send_payload(payload)
-                    self._send(self.encoder.events(self._ripe()))
+                    self._send(self.encoder.events(self.tokens.ripe()))
                 items = self._take()
-                if items and self.relay is not None:
-                    items = self._with_tokens(items)
+                if items and self.tokens is not None:
+                    items = self.tokens.attach(items)
                 if items:
                     self._send(self.encoder.events(items))
                 elif self._resync and self._q.empty():
@@ -307,8 +314,7 @@ class Publisher:
                 elif self._pending:
                     chunk = [self._pending.popleft() for _ in range(min(BATCH_PAGES_MAX, len(self._pending)))]
                     self.stats["reannounced_pages"] += len(chunk)
-                    items = [("stored", chunk)]
-                    self._send(self.encoder.events(self._with_tokens(items, wait=False) if self.relay else items))
+                    self._send(self.encoder.events([("stored", chunk)]))
             except Exception as e:  # noqa: BLE001 - the thread outlives any one bad batch
                 self.stats["errors"] += 1
                 log.error("umbp_nvme: KV event publisher: %r", e, exc_info=self.stats["errors"] == 1)
@@ -333,50 +339,13 @@ class Publisher:
             self.stats["stored_pages" if kind == "stored" else "removed_pages"] += len(p)
         return items
 
-    def _with_tokens(self, items: list, wait: bool = True) -> list:
-        """Relay mode: stored pages with the engine's tokens; the others wait (or are skipped)."""
-        out, now = [], time.monotonic()
-        for kind, pages in items:
-            if kind == "removed":
-                if self._waiting:  # never announce a page after its removal
-                    gone = set(pages)
-                    self._waiting = deque(w for w in self._waiting if w[1] not in gone)
-                out.append((kind, pages))
-                continue
-            ready = []
-            for page, parent, _ in pages:
-                got = self.relay.lookup(hash_str_to_int64(page))
-                if got is not None:
-                    ready.append((page, parent if parent is not None else got[1], got[0]))
-                elif wait:
-                    self._waiting.append((now + TOKENS_GRACE_S, page, parent))
-                else:
-                    self.stats["skipped_no_tokens"] += 1
-            if ready:
-                out.append(("stored", ready))
-        return out
-
-    def _ripe(self) -> list:
-        """Waiting pages whose tokens arrived; those past their grace are skipped (counted)."""
-        if not self._waiting:
-            return []
-        now, ready, keep = time.monotonic(), [], deque()
-        for deadline, page, parent in self._waiting:
-            got = self.relay.lookup(hash_str_to_int64(page))
-            if got is not None:
-                ready.append((page, parent if parent is not None else got[1], got[0]))
-            elif now >= deadline:
-                self.stats["skipped_no_tokens"] += 1
-            else:
-                keep.append((deadline, page, parent))
-        self._waiting = keep
-        return [("stored", ready)] if ready else []
-
     def _start_reannounce(self) -> None:
         self._resync = False
         if self._snapshot is None:
             return
         pages = self._snapshot()
+        if self.tokens is not None:  # relay mode: with their tokens, parents first
+            pages = self.tokens.resolve(pages)
         self._pending = deque(pages)
         log.info("umbp_nvme: announcing the %d pages the store holds (medium DISK) on %s", len(pages), self.endpoint)
 
@@ -410,7 +379,7 @@ class Publisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued (and re-announced) has been sent (tests, close)."""
         deadline = time.monotonic() + timeout_s
-        while (not self._q.empty() or self._pending or self._resync or self._waiting) and self._thread.is_alive():
+        while (not self._q.empty() or self._pending or self._resync or (self.tokens is not None and self.tokens.waiting)) and self._thread.is_alive():
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
@@ -424,6 +393,8 @@ class Publisher:
         self._thread.join(timeout_s)
         if self.relay is not None:
             self.relay.close()
+        if self.tokens is not None and self.tokens.log is not None:
+            self.tokens.log.close()
         self._close_sockets()
 
     def _close_sockets(self) -> None:

@@ -137,13 +137,16 @@ def start_events(be, store) -> None:
     if cfg is None or be._publisher is not None or not publishes_events(be.storage_config):
         return
     from .kv_events import Publisher
-    from .kv_residency import Residency, attach, detach
+    from .kv_residency import Residency, attach, detach, drives_of
+    from .kv_tokens import FILE_NAME
 
     prefix, sfx = ("", be._v1_sfx) if be.interface_v1 else ("flat_", (be._flat_sfx,))
     rz = Residency(None, sfx, prefix=prefix)
     attach(store, rz)  # first: the publisher's first job is the snapshot of what the store holds
+    # relay mode: the pages' tokens beside the first open drive's store (never an unmounted root)
+    tokens_path = os.path.join(drives_of(store.store)[0].path, FILE_NAME) if cfg.engine_endpoint else None
     try:
-        rz.pub = Publisher(cfg, be.page_size, snapshot=rz.snapshot)
+        rz.pub = Publisher(cfg, be.page_size, snapshot=rz.snapshot, tokens_path=tokens_path)
     except Exception as e:  # noqa: BLE001 - a port in use costs the events, not the cache
         detach(store)
         log.error("umbp_nvme: KV events not published on %s: %r", cfg.endpoint, e)
