@@ -140,19 +140,25 @@ def drives_of(top) -> list:
 
 
 def attach(sync_store, residency: Residency) -> None:
-    """Hook ``residency`` into every PageStore of a writer's store (see PageStore._residency)."""
+    """Hook ``residency`` into every PageStore of a writer's store (see PageStore._residency); a
+    multi-drive store hooks the drives that serve reads and follows them (store/drive_residency.py)."""
     top = sync_store.store
     residency.exists = top.exists_many_nowait
-    residency.keys = top.keys
+    residency.keys = getattr(top, "served_keys", top.keys)
     drives = drives_of(top)
     residency.counters = drives[0]._counters
     residency.counters.setdefault("kv_events_dropped", 0)
-    for st in drives:
-        st._residency = residency
+    if hasattr(top, "attach_residency"):
+        top.attach_residency(residency)
+    else:
+        top._residency = residency
 
 
 def detach(sync_store) -> None:
     top = getattr(sync_store, "store", None)
-    if top is not None:
-        for st in drives_of(top):
-            st._residency = None
+    if top is None:
+        return
+    if hasattr(top, "detach_residency"):
+        top.detach_residency()
+    else:
+        top._residency = None

@@ -36,6 +36,7 @@ from .clock import GenerationClock
 from .drive_clock import newest
 from .drive_health import FULL, UNMOUNTED, DriveHealth
 from .drive_probe import DriveProbes
+from .drive_residency import DriveResidency
 from .drive_sessions import SessionSteps
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
 from .mapped import unusable_range
@@ -62,7 +63,7 @@ def _drive_failure(e: BaseException) -> bool:
     return isinstance(e, (OSError, StoreError)) and not isinstance(e, _CONFIG_ERRORS)
 
 
-class MultiDriveStore(DriveProbes, SessionSteps):
+class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
     """PageStore's calls over several roots. Create with ``await MultiDriveStore.open(roots, ...)``."""
 
     _closed_logged = False
