@@ -24,7 +24,6 @@ re-announcement instead of ignoring a sequence that went back to 0 (docs/fleet.m
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
@@ -42,6 +41,10 @@ QUEUE_MAX_DEFAULT = 10_000  # items (one store call's pages each) waiting for th
 BUFFER_STEPS_DEFAULT = 10_000  # batches kept for replay (sglang's default)
 BATCH_PAGES_MAX = 4096  # pages in one published batch (live or re-announced)
 _IDLE_POLL_S = 0.05
+# An idle publisher sends an empty batch this often: a subscriber that lost frames (PUB/SUB drops
+# what is sent while it reconnects, e.g. to a restarted node) sees the gap within this long and
+# asks the replay socket, instead of waiting for the node's next real event.
+HEARTBEAT_S = 1.0
 
 # extra_config keys this module reads (the backend pops them before load_config)
 KEYS = (
@@ -146,8 +149,9 @@ def pop_config(extra: dict, storage_config=None) -> Optional[EventsConfig]:
 
 
 def event_types(prefer_sglang: bool = True):
-    """(BlockStored, BlockRemoved, KVEventBatch, source): sglang's classes, else the same shapes."""
-    if prefer_sglang:
+    """(BlockStored, BlockRemoved, KVEventBatch, source): sglang's classes, else the same shapes
+    (also when UMBP_NVME_NO_SGLANG=1 forces the backend's stand-in)."""
+    if prefer_sglang and os.environ.get("UMBP_NVME_NO_SGLANG", "") not in ("1", "true", "yes"):
         try:
             from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
@@ -227,7 +231,10 @@ class Publisher:
         self._topic = cfg.topic.encode()
         self._q: queue.Queue = queue.Queue(maxsize=cfg.queue_max)
         self._buffer: deque = deque(maxlen=cfg.buffer_steps)
-        self._seq = itertools.count(time.time_ns() // 1000)
+        self._next_seq = time.time_ns() // 1000
+        # the first sequence number sent after the latest re-announcement's snapshot: a replay that
+        # starts in the buffer at or before it gets the whole state (see _serve_replay)
+        self._full_from: Optional[int] = None
         self._snapshot = snapshot
         self._pending: deque = deque()  # re-announced pages still to send
         self._resync = bool(cfg.reannounce and snapshot is not None)
@@ -236,6 +243,7 @@ class Publisher:
         self.stats = dict.fromkeys(("batches", "stored_pages", "removed_pages", "dropped", "dropped_pages",
                                     "replays", "reannounced_pages", "skipped_no_tokens", "errors"), 0)  # fmt: skip
         self._stop = threading.Event()
+        self._last_send = time.monotonic()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
@@ -280,6 +288,7 @@ class Publisher:
                     self.stats["dropped"] += 1
                     self.stats["dropped_pages"] += len(part)
                     self._resync = True
+                    self._full_from = None  # what was dropped is in no buffered batch
                     return False
             return True
         except Exception:  # noqa: BLE001
@@ -304,21 +313,29 @@ class Publisher:
                     for payload in self.relay.poll():
                         self._send_payload(payload)
                     self._send(self.encoder.events(self.tokens.ripe()))
-                items = self._take()
-                if items and self.tokens is not None:
-                    items = self.tokens.attach(items)
-                if items:
-                    self._send(self.encoder.events(items))
-                elif self._resync and self._q.empty():
-                    self._start_reannounce()
-                elif self._pending:
-                    chunk = [self._pending.popleft() for _ in range(min(BATCH_PAGES_MAX, len(self._pending)))]
-                    self.stats["reannounced_pages"] += len(chunk)
-                    self._send(self.encoder.events([("stored", chunk)]))
+                taken = self._take()
+                try:
+                    self._turn(taken)
+                finally:  # only now is a taken item done: flush() waits for it (Queue.unfinished_tasks)
+                    for _ in taken:
+                        self._q.task_done()
             except Exception as e:  # noqa: BLE001 - the thread outlives any one bad batch
                 self.stats["errors"] += 1
                 log.error("umbp_nvme: KV event publisher: %r", e, exc_info=self.stats["errors"] == 1)
                 time.sleep(_IDLE_POLL_S)
+
+    def _turn(self, taken: list) -> None:
+        items = self.tokens.attach(taken) if taken and self.tokens is not None else taken
+        if items:
+            self._send(self.encoder.events(items))
+        elif self._resync and self._q.empty():
+            self._start_reannounce()
+        elif self._pending:
+            chunk = [self._pending.popleft() for _ in range(min(BATCH_PAGES_MAX, len(self._pending)))]
+            self.stats["reannounced_pages"] += len(chunk)
+            self._send(self.encoder.events([("stored", chunk)]))
+        elif time.monotonic() - self._last_send >= HEARTBEAT_S:
+            self._send_payload(self.encoder.encode([]))
 
     def _take(self) -> list:
         # relay mode: the engine's socket is polled once per turn, so turns are short
@@ -343,6 +360,7 @@ class Publisher:
         self._resync = False
         if self._snapshot is None:
             return
+        self._full_from = self._next_seq  # before the snapshot: a drop meanwhile clears it again
         pages = self._snapshot()
         if self.tokens is not None:  # relay mode: with their tokens, parents first
             pages = self.tokens.resolve(pages)
@@ -354,8 +372,10 @@ class Publisher:
             self._send_payload(self.encoder.encode(events))
 
     def _send_payload(self, payload: bytes) -> None:
-        seq = next(self._seq)
+        seq = self._next_seq
+        self._next_seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._last_send = time.monotonic()
         self._buffer.append((seq, payload))
         self.stats["batches"] += 1
 
@@ -368,7 +388,11 @@ class Publisher:
         start_seq = int.from_bytes(start, "big")
         self.stats["replays"] += 1
         if self._buffer and start_seq < self._buffer[0][0] and self._snapshot is not None:
-            self._resync = True  # batches it missed are gone from the buffer: announce the whole state
+            # batches it missed are gone from the buffer: the whole state, unless the buffer still
+            # holds a complete re-announcement and every batch after it (another would say the same)
+            f = self._full_from
+            if f is None or f < self._buffer[0][0] or self._pending or self._resync:
+                self._resync = True
         for seq, buf in self._buffer:
             if seq >= start_seq:
                 self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), buf))
@@ -379,7 +403,8 @@ class Publisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued (and re-announced) has been sent (tests, close)."""
         deadline = time.monotonic() + timeout_s
-        while (not self._q.empty() or self._pending or self._resync or (self.tokens is not None and self.tokens.waiting)) and self._thread.is_alive():
+        while (self._q.unfinished_tasks or self._pending or self._resync
+               or (self.tokens is not None and self.tokens.waiting)) and self._thread.is_alive():  # fmt: skip
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
