@@ -109,7 +109,7 @@ def torch_uint8():
 
 
 def test_bench_mixed_thp_buffer_is_aligned_writable_and_parsed():
-    """--memory thp: the store path's buffers madvised for 2 MiB pages (bench mixed, docs/tuning.md)."""
+    """--memory thp: the store path's buffers madvised for 2 MiB pages (bench mixed, docs/benchmarks.md)."""
     from umbp_nvme.bench import mixed
 
     assert mixed.parse_args([]).memory == "4k" and mixed.parse_args(["--memory", "thp"]).memory == "thp"
