@@ -93,3 +93,17 @@ def test_every_table_in_docs_benchmarks_sits_under_a_dated_heading_with_its_comm
             undated.append("no command: " + headings[-1][1])
     assert undated == []
     assert not MONTH_DAY.search(_read(BENCHMARKS))
+
+
+def test_the_readme_sglang_config_is_one_the_backend_accepts(caplog):
+    import json
+
+    from umbp_nvme.config import load_config
+
+    text = _read(README)
+    raw = re.search(r"--hicache-storage-backend-extra-config '(\{.*?\})'", text, re.S).group(1)
+    extra = json.loads(raw)
+    assert extra["module_path"] == "umbp_nvme.sglang_backend" and extra["class_name"] == "UMBPNvmeStore"
+    cfg = load_config(extra, env={})
+    assert cfg.ssd_capacity_bytes == 512 << 30 and cfg.ssd_durability_mode == "relaxed"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # no key the backend does not know
