@@ -153,7 +153,7 @@ class GetPath:
             enc = self._index_keys(keys)
             if None in enc:
                 enc = enc[: enc.index(None)]
-            return self._index.exists_prefix(enc)
+            return self._watch.read(lambda ix: ix.exists_prefix(enc), 0)
         d = self._keys
         n = 0
         try:
@@ -197,8 +197,8 @@ class GetPath:
         """Readers: the index record per key (None: absent, or a key that cannot be stored)."""
         enc = self._index_keys(keys)
         if None not in enc:
-            return self._index.get_records(enc)
-        found = iter(self._index.get_records([b for b in enc if b is not None]))
+            return self._watch.records(enc)
+        found = iter(self._watch.records([b for b in enc if b is not None]))
         return [None if b is None else next(found) for b in enc]
 
     def _writer_rows(self, keys) -> list:

@@ -24,6 +24,7 @@ from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, Unsafe
 from ..keybytes import encode_key
 from . import layout
 from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
+from .follower import IndexWatch
 from .rebuild import boot_id
 from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
 from .mounts import check_mounted
@@ -219,6 +220,7 @@ class OpenSteps:
         try:
             self._index = Index(ipath, readonly=self.readonly, map_size=map_size, durable=False)
             if self.readonly:
+                self._watch = IndexWatch(self, map_size)  # every lookup follows the writer's replacements
                 return
             self._scan = self._index.scan()
             self._scan_next_gen = self._index.next_generation()

@@ -206,6 +206,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
                 self._index = None
             self._index_pool.shutdown(wait=False)
             self._index_pool = None
+        if getattr(self, "_watch", None) is not None:
+            self._watch.close()  # a follower's other index handles (follower.py)
         if self._index is not None:
             self._index.close()
             self._index = None
@@ -278,7 +280,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     def _object_count(self) -> int:
         if self.readonly:
             try:
-                return self._index.count()
+                return self._watch.read(lambda ix: ix.count(), -1)
             except Exception:  # noqa: BLE001
                 return -1
         return len(self._keys)
