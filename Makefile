@@ -1,4 +1,5 @@
 # Two entry points for a fresh Debian machine with Python 3.11: `make demo` and `make test`.
+# Prerequisites: python3.11 with venv and its headers (python3.11-dev), gcc, make.
 PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,16 +10,21 @@ TORCH ?= torch==2.13.0
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python setup.py setup.cfg pyproject.toml $(wildcard native/*.c native/*.h)
+# The package and its extension alone: numpy, lmdb, tqdm. All the demo needs (no torch, no test extras).
+$(VENV)/.built: $(BIN)/python setup.py setup.cfg pyproject.toml $(wildcard native/*.c native/*.h)
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# Everything the test suite and the benchmarks need on top.
+$(VENV)/.installed: $(VENV)/.built
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $@
 
 venv: $(VENV)/.installed
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.built
 	$(BIN)/umbp-nvme demo
 
 test: $(VENV)/.installed
@@ -39,4 +45,4 @@ mutation: $(VENV)/.mutation
 	$(BIN)/python tools/mutation/run.py --jobs $(JOBS) $(MODULES)
 
 clean:
-	rm -rf $(VENV) build *.egg-info umbp_nvme/*.so
+	rm -rf $(VENV) build dist *.egg-info umbp_nvme/*.so
