@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch comes from its CPU wheel first so that nothing pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test bench mutation clean
+.PHONY: venv demo test bench wheel mutation clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/umbp-nvme bench engine
+
+# dist/umbp_nvme-*.whl: a manylinux wheel with the compiled extension and the docs, for machines
+# without a compiler (tools/build_wheel.sh: python -m build, then auditwheel repair).
+wheel: $(BIN)/python
+	bash tools/build_wheel.sh $(BIN)/python
 
 # Mutation report for keys, hits, config and the segment allocator (not part of .ci/run):
 # writes tools/mutation/report.md; MODULES="keys hits" for some, JOBS=2 for two workers.

@@ -433,6 +433,12 @@ not failures.""",
 }
 
 
+def _docs(name: str) -> str:
+    from .cli_paths import docs_dir
+
+    return os.path.join(docs_dir(), name)
+
+
 def _sub(subs, name: str, help_: str, description: str):
     return subs.add_parser(name, help=help_, description=description, epilog=_EXAMPLES[name],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -452,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="umbp-nvme",
         description="Manage umbp_nvme KV-cache stores: warm up, export, check, inspect, benchmark.",
-        epilog="Run `umbp-nvme demo` first; `umbp-nvme SUBCOMMAND --help` shows examples. See docs/cli.md.",
+        epilog=f"Run `umbp-nvme demo` first; `umbp-nvme SUBCOMMAND --help` shows examples.\nDocs: {_docs('cli.md')}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the docs path on one line
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     subs = p.add_subparsers(dest="command", metavar="SUBCOMMAND")
@@ -491,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     _output_args(w)
     w.set_defaults(func=cmd_warmup)
 
-    e = _sub(subs, "export", "write a portable archive of a store (docs/archive.md)",
+    e = _sub(subs, "export", f"write a portable archive of a store ({_docs('archive.md')})",
              "Write the store's objects, CRC-checked, to a versioned archive that `warmup` imports on another node. "
              "Works while a server writes the store.")
     _store_arg(e)

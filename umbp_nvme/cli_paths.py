@@ -95,3 +95,12 @@ def _roots(store) -> list[str]:
         return parse_roots(store) if isinstance(store, str) and store else []
     except ValueError:
         return []
+
+
+def docs_dir() -> str:
+    """The docs of this installation: umbp_nvme/docs in a wheel, docs/ beside the package in a checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(here, "docs"), os.path.join(os.path.dirname(here), "docs")):
+        if os.path.isfile(os.path.join(d, "cli.md")):
+            return d
+    return "docs/ in the source tree"
