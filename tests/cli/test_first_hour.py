@@ -243,3 +243,13 @@ def test_bench_store_removes_a_directory_it_made_unless_keep(tmp_path):
     p = _bench_store("--dir", str(tmp_path / "kept"), "--ops", "reopen", "--keep")
     assert "kept (--keep)" in p.stdout
     assert [n for n in os.listdir(tmp_path / "kept") if n.startswith("reopen-")]
+
+
+def test_bench_store_stall_without_the_fake_drives_tool_says_so_before_it_starts(tmp_path):
+    p = run_cli("bench", "store", "--roots", f"{tmp_path}/a,{tmp_path}/b", "--stall", "1",
+                "--stall-tool", str(tmp_path / "fake-drives"))
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        f"umbp-nvme bench store: error: --stall needs the fake-drives tool to stall a drive, and "
+        f"'{tmp_path / 'fake-drives'}' is not on PATH: give --stall-tool PATH or set FAKE_DRIVES (the drives come "
+        "from `fake-drives up 4`)")
+    assert os.listdir(tmp_path) == []

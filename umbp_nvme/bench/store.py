@@ -141,6 +141,10 @@ def parse_args(argv):
     a.reopen_object_bytes = parse_bytes(a.reopen_object_bytes)
     a.exists_calls = a.exists_calls or (200 if s else 2000)
     check_buffers(p, a.buffers)
+    tool = a.stall_tool or os.environ.get("FAKE_DRIVES") or "fake-drives"
+    if a.stall is not None and shutil.which(tool) is None:  # found before an hour of setup, not after
+        p.error(f"--stall needs the fake-drives tool to stall a drive, and {tool!r} is not on PATH: give "
+                "--stall-tool PATH or set FAKE_DRIVES (the drives come from `fake-drives up 4`)")
     for o in a.ops:
         if o not in ("put", "get", "exists", "reopen", "rebuild"):
             p.error(f"unknown op {o!r}; expected some of put,get,exists,reopen,rebuild")
