@@ -104,7 +104,7 @@ class UMBPNvmeStore(HiCacheStorage):
         self._events_cfg = kv_events.pop_config(extra, storage_config)  # None: no DISK events (default)
         self._publisher = None  # kv_events.Publisher once this rank's store is open
         self._residency = None  # kv_residency.Residency hooked into that store
-        self.config: StoreConfig = load_config(extra)
+        self.config: StoreConfig = load_config(extra, known=("prometheus", "doctor_at_start", *kv_events.KEYS))
         self.interface_v1 = _switch(extra.get("interface_v1", 0), "interface_v1")
         self.scheme = KeyScheme.from_storage_config(storage_config)
         self.is_mla = self.scheme.is_mla

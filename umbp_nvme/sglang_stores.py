@@ -20,6 +20,7 @@ from typing import Any
 
 from .buffers import address_of
 from .errors import NamespaceMismatchError, StoreDamagedError, StoreError
+from .fs_room import warn_if_short
 from .store.layout import MANIFEST_FILE as MANIFEST  # a follower opens the leader's store once it exists
 
 log = logging.getLogger("umbp_nvme.sglang_backend")
@@ -113,6 +114,7 @@ def open_main(be, *, raise_errors: bool):
                 raise
             return None
     else:
+        warn_if_short(be.store_dirs, be.config.ssd_capacity_bytes)  # the server's capacity, before it opens
         store = SyncPageStore(
             _paths(be.store_dirs), be.config, readonly=False, namespace=be._namespace,
             engine_factory=be._engine_factory, page_of=be._page_of,

@@ -158,7 +158,7 @@ async def test_beside_reads_the_read_window_keeps_that_many_cut_slices_in_flight
 
 
 def test_the_slice_beside_reads_is_a_fraction_of_the_full_one_with_a_floor():
-    assert Arbiter(8 * MiB).read_slice_bytes == 2 * MiB  # the default: a quarter (docs/tuning.md's sweep)
+    assert Arbiter(8 * MiB).read_slice_bytes == 2 * MiB  # the default: a quarter (the sweep in docs/benchmarks.md)
     assert Arbiter(8 * MiB, read_slice_fraction=0.5).read_slice_bytes == 4 * MiB
     assert Arbiter(8 * MiB, read_slice_fraction=0.75).read_slice_bytes == 6 * MiB
     assert Arbiter(8 * MiB, read_slice_fraction=1).read_slice_bytes == 8 * MiB  # never cut

@@ -98,6 +98,17 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
 
         ``clock``: a ``clock.GenerationClock`` shared with other stores (the drives of one
         writer), so that generations order puts across them; default: the store's own.
+
+        ``readonly=True`` opens a follower: it reads what a writer in another process publishes
+        and never writes. ``namespace``: a dict (model, layout, dtype, ...) recorded by the first
+        writer; a store made for another namespace is refused.
+
+        Raises StoreLockedError (another process writes this directory; names its pid),
+        NamespaceMismatchError (names the field and both values), CapacityShrinkError,
+        UnsafeStorePathError (a symlink, not a directory, another user's), FileNotFoundError or
+        NotAStoreError (read-only open where no store is), IndexDamagedError (read-only open
+        of a damaged index; a writer moves it aside instead), TypeError for a config that is not
+        a StoreConfig, and OSError when the directory cannot be created or locked.
         """
         if not isinstance(path, (str, os.PathLike)) or "," in os.fspath(path) or os.fspath(path).lstrip()[:1] == "[":
             roots = parse_roots(path)
@@ -133,6 +144,10 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         self._counters = dict.fromkeys(COUNTERS, 0)
 
     async def close(self) -> None:
+        """Wait for calls in flight, make everything durable (a clean close), release the lock.
+
+        Idempotent; never raises for an I/O problem (logged). Calls after close answer False / 0.
+        """
         if self._closed:
             return
         self._closed = True
@@ -204,6 +219,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` has started (or the open failed)."""
         return self._closed
 
     # ----------------------------------------------------------------------------- memory
@@ -366,6 +382,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         return await self._flush()
 
     async def flush_for_close(self) -> bool:
+        """``flush`` that never raises (close uses it): True when data, records and index are durable."""
         # a clean close leaves data, records (all confirmed) and index durable
         try:
             return await self._flush()
@@ -418,6 +435,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     # ----------------------------------------------------------------------------- stats
 
     def stats(self) -> dict:
+        """Counters (puts, hits, misses, evictions, errors, ...) and state (capacity, objects, bytes
+        used, engine, O_DIRECT, durability) as one dict of plain values. Never touches the disk."""
         s = dict(self._counters)
         s.update(
             path=self.path,
@@ -474,6 +493,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             self._idle.set()
 
     async def __aenter__(self):
+        """``async with await PageStore.open(...) as store:`` closes the store on exit."""
         return self
 
     async def __aexit__(self, *exc):
