@@ -291,11 +291,36 @@ def parse_args(argv):
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (stores and logs)")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     p.add_argument("--plot", help=argparse.SUPPRESS)  # accepted for `umbp-nvme bench --plot`; nothing to plot
+    o = p.add_argument_group("--overhead: what the events cost put and get through the backend (events_cost.py)")
+    o.add_argument("--overhead", action="store_true", help="measure events on vs off instead of the fleet run")
+    o.add_argument("--rounds", type=int, help="alternating rounds per side (default 7; --quick 5)")
+    o.add_argument("--objects", default="16k,256k", help="K/V object sizes (default 16k,256k)")
+    o.add_argument("--calls", type=int, help="batch_set_v1 calls of 128 pages per round (default 4; --quick 2)")
+    o.add_argument("--durability", default="relaxed", choices=("relaxed", "strict"))
     return p.parse_args(argv)
+
+
+def overhead(cfg) -> int:
+    from .common import WorkDir, finish, parse_bytes, print_table
+    from .events_cost import measure, targets
+
+    rounds, calls = cfg.rounds or (5 if cfg.quick else 7), cfg.calls or (2 if cfg.quick else 4)
+    work = WorkDir(cfg, os.path.join(tempfile.gettempdir(), "umbp-bench-events"), "umbp-events-", "bench fleet --overhead")
+    try:
+        rows = measure(work.path, [parse_bytes(x) for x in cfg.objects.split(",")], rounds, calls, cfg.durability)
+    finally:
+        work.cleanup()
+    print(f"events on vs off through the backend: {rounds} alternating rounds of {calls} x 128 pages per side")
+    print_table(rows, ratio_keys=("vs_events_off",))
+    cfg.plot = None
+    finish(cfg, rows, [], targets=targets(rows), source="issue 27")
+    return 0
 
 
 def main(argv=None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    if cfg.overhead:
+        return overhead(cfg)
     notes = []
     if cfg.dynamo_python:
         from .fleet_dynamo import available
