@@ -12,10 +12,11 @@ tiers; this module publishes the L3 tier, ``medium="DISK"``, in the same wire fo
 - a page's event hash is SGLang's ``hash_str_to_int64`` of its page key, its parent's the previous
   page key's (tests check it against the wheel's function).
 
-Nothing here may slow or fail a ``batch_*`` call: the store's hooks (kv_residency.py) hand page
-lists to a bounded queue (``offer``, a few microseconds, never blocking); a full queue drops the
-item, counts it (``dropped``) and schedules a re-announcement of what the store holds. One daemon
-thread drains the queue, coalesces items into batches, owns both sockets and serves replays.
+Nothing here may slow or fail a ``batch_*`` call: the store's hooks (kv_residency.py) hand key
+or page lists to a bounded queue (``offer``, about a microsecond per put, never blocking); a full
+queue drops the item, counts it (``dropped``) and schedules a re-announcement of what the store
+holds. One daemon thread drains the queue a tick at a time, works out the pages (the residency's
+``resolve``), coalesces them into batches, owns both sockets and serves replays.
 
 Sequence numbers start at the wall clock in microseconds, so a restarted publisher continues above
 its previous run: a subscriber (Dynamo's indexer) sees a gap, asks the replay socket, and gets the
@@ -40,7 +41,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's end marker
 QUEUE_MAX_DEFAULT = 10_000  # items (one store call's pages each) waiting for the thread
 BUFFER_STEPS_DEFAULT = 10_000  # batches kept for replay (sglang's default)
 BATCH_PAGES_MAX = 4096  # pages in one published batch (live or re-announced)
-_IDLE_POLL_S = 0.05
+_IDLE_POLL_S = 0.05  # after an error
+TICK_S = 0.01  # the publisher thread's turn: items queued meanwhile go out together (the engine is polled as often)
+IDLE_WAIT_S = 0.1  # idle, the thread wakes this often (replay requests, heartbeats)
 # An idle publisher sends an empty batch this often: a subscriber that lost frames (PUB/SUB drops
 # what is sent while it reconnects, e.g. to a restarted node) sees the gap within this long and
 # asks the replay socket, instead of waiting for the node's next real event.
@@ -145,9 +148,6 @@ def pop_config(extra: dict, storage_config=None) -> Optional[EventsConfig]:
     )
 
 
-# ------------------------------------------------------------------------------------- encoding
-
-
 def event_types(prefer_sglang: bool = True):
     """(BlockStored, BlockRemoved, KVEventBatch, source): sglang's classes, else the same shapes
     (also when UMBP_NVME_NO_SGLANG=1 forces the backend's stand-in)."""
@@ -189,18 +189,23 @@ class Encoder:
                 elif hashes:
                     out.append(self.removed_cls(block_hashes=hashes, medium=MEDIUM_DISK))
                 continue
+            tail = out[-1] if out and isinstance(out[-1], self.stored_cls) else None
+            prev_page = prev_hash = None
             for page, parent, tokens in pages:
                 bh = h(page)
-                ph = parent if parent is None or isinstance(parent, int) else h(parent)
-                tail = out[-1] if out else None
-                toks = list(tokens) if tokens else []
-                if (isinstance(tail, self.stored_cls) and ph is not None and tail.block_hashes
-                        and tail.block_hashes[-1] == ph and bool(toks) == bool(tail.token_ids)):  # fmt: skip
+                if parent is None or isinstance(parent, int):
+                    ph = parent
+                else:  # a chain's parent is the page just before it, whose hash is known
+                    ph = prev_hash if parent is prev_page or parent == prev_page else h(parent)
+                prev_page, prev_hash = page, bh
+                if tail is not None and ph is not None and tail.block_hashes[-1] == ph and bool(tokens) == bool(tail.token_ids):
                     tail.block_hashes.append(bh)
-                    tail.token_ids.extend(toks)
+                    if tokens:
+                        tail.token_ids.extend(tokens)
                     continue
-                out.append(self.stored_cls(block_hashes=[bh], parent_block_hash=ph, token_ids=toks,
-                                           block_size=self.block_size, lora_id=None, medium=MEDIUM_DISK))  # fmt: skip
+                tail = self.stored_cls(block_hashes=[bh], parent_block_hash=ph, token_ids=list(tokens) if tokens else [],
+                                       block_size=self.block_size, lora_id=None, medium=MEDIUM_DISK)  # fmt: skip
+                out.append(tail)
         return out
 
     def encode(self, events: list, ts: Optional[float] = None) -> bytes:
@@ -217,11 +222,13 @@ class Publisher:
     ``snapshot``: a callable returning the pages to re-announce (``[(page, parent, tokens), ...]``),
     run on this thread at start (``reannounce``), after drops, and when a replay asks for batches no
     longer buffered. ``relay``: an optional kv_relay.EngineRelay polled on this thread.
+    ``resolve``: kv_residency.Residency.resolve, run on this thread over every batch of queued items.
     ``tokens_path``: relay mode: where each announced page's tokens are kept for a restart (kv_tokens.py).
     """
 
     def __init__(self, cfg: EventsConfig, block_size: int, *, snapshot: Optional[Callable[[], list]] = None,
-                 prefer_sglang: bool = True, tokens_path: Optional[str] = None):  # fmt: skip
+                 resolve: Optional[Callable[[list], list]] = None, prefer_sglang: bool = True,
+                 tokens_path: Optional[str] = None):  # fmt: skip
         import zmq
 
         self.cfg = cfg
@@ -236,6 +243,7 @@ class Publisher:
         # starts in the buffer at or before it gets the whole state (see _serve_replay)
         self._full_from: Optional[int] = None
         self._snapshot = snapshot
+        self._resolve = resolve
         self._pending: deque = deque()  # re-announced pages still to send
         self._resync = bool(cfg.reannounce and snapshot is not None)
         self.relay = None  # kv_relay.EngineRelay: the engine's stream, forwarded, and its token ids
@@ -275,18 +283,22 @@ class Publisher:
 
     # --- the data path: never blocks, never raises
 
-    def offer(self, kind: str, pages: list) -> bool:
-        """Queue ``("stored" | "removed", pages)``; False (counted, resync scheduled) when full."""
+    def offer(self, kind: str, pages) -> bool:
+        """Queue ``("stored" | "removed", pages)`` (or kv_residency's ``"shown"`` keys and ``"links"``);
+        False (counted, resync scheduled) when full."""
         if not pages:
             return True
         try:
-            for i in range(0, len(pages), BATCH_PAGES_MAX):  # a clear() of a big store: many batches
-                part = pages[i : i + BATCH_PAGES_MAX] if len(pages) > BATCH_PAGES_MAX else pages
+            if kind == "links" or len(pages) <= BATCH_PAGES_MAX:
+                parts = (pages,)
+            else:  # a clear() of a big store: many batches
+                parts = [pages[i : i + BATCH_PAGES_MAX] for i in range(0, len(pages), BATCH_PAGES_MAX)]
+            for part in parts:
                 try:
                     self._q.put_nowait((kind, part))
                 except queue.Full:
                     self.stats["dropped"] += 1
-                    self.stats["dropped_pages"] += len(part)
+                    self.stats["dropped_pages"] += len(part) if kind != "links" else 0
                     self._resync = True
                     self._full_from = None  # what was dropped is in no buffered batch
                     return False
@@ -325,7 +337,11 @@ class Publisher:
                 time.sleep(_IDLE_POLL_S)
 
     def _turn(self, taken: list) -> None:
-        items = self.tokens.attach(taken) if taken and self.tokens is not None else taken
+        items = self._resolve(taken) if taken and self._resolve is not None else taken
+        for kind, p in items:
+            self.stats["stored_pages" if kind == "stored" else "removed_pages"] += len(p)
+        if items and self.tokens is not None:
+            items = self.tokens.attach(items)
         if items:
             self._send(self.encoder.events(items))
         elif self._resync and self._q.empty():
@@ -338,13 +354,18 @@ class Publisher:
             self._send_payload(self.encoder.encode([]))
 
     def _take(self) -> list:
-        # relay mode: the engine's socket is polled once per turn, so turns are short
-        wait = 0 if (self._pending or self._resync) else (_IDLE_POLL_S if self.relay is None else 0.005)
-        try:
-            first = self._q.get(timeout=wait) if wait else self._q.get_nowait()
-        except queue.Empty:
-            return []
-        items, pages = [first], len(first[1])
+        """The items queued by now (up to BATCH_PAGES_MAX pages). Idle, it waits for the first item
+        (or IDLE_WAIT_S: replays and heartbeats), then one tick more: the items that follow come
+        in the same turn, so the store's puts and this thread share the GIL in a few long turns,
+        not one short turn (and two thread switches) per put. Relay mode polls every tick."""
+        items, pages = [], 0
+        if not (self._pending or self._resync):
+            try:
+                first = self._q.get(timeout=IDLE_WAIT_S if self.relay is None else TICK_S)
+            except queue.Empty:
+                return []
+            items, pages = [first], len(first[1])
+            self._stop.wait(TICK_S)
         while pages < BATCH_PAGES_MAX:
             try:
                 it = self._q.get_nowait()
@@ -352,8 +373,6 @@ class Publisher:
                 break
             items.append(it)
             pages += len(it[1])
-        for kind, p in items:
-            self.stats["stored_pages" if kind == "stored" else "removed_pages"] += len(p)
         return items
 
     def _start_reannounce(self) -> None:

@@ -84,15 +84,9 @@ def v1_io(be, keys, host_indices, *, is_set: bool, extra_info) -> tuple[list[boo
             base = len(prefix)
             depths = [base + i for i in range(n) for _ in range(m)]
         rz = be._residency
-        if rz is None:
-            res = store.put_many(objkeys, bufs, depths=depths)
-        else:  # the parents of the pages this put announces (kv_residency.py)
-            rz.links.update(zip(keys, [prefix[-1] if prefix else None, *keys[:-1]]))
-            try:
-                res = store.put_many(objkeys, bufs, depths=depths)
-            finally:
-                for k in keys:
-                    rz.links.pop(k, None)
+        if rz is not None:  # the parents of the pages this put announces (kv_residency.py)
+            rz.link(keys, prefix[-1] if prefix else None, objkeys)
+        res = store.put_many(objkeys, bufs, depths=depths)
     else:
         res = store.get_many(objkeys, bufs)
     if len(res) != len(objkeys):

@@ -29,9 +29,14 @@ class Announced:
         self.items = []
         self.pages: set[str] = set()
         self.twice = 0  # a page announced stored while already held, or removed while not held
+        self.rz = None
 
     def offer(self, kind, pages):
-        pages = list(pages)
+        for k, p in self.rz.resolve([(kind, pages)]):  # at once, as the publisher's thread would
+            self.record(k, list(p))
+        return True
+
+    def record(self, kind, pages):
         self.items.append((kind, pages))
         for p in pages:
             if kind == "stored":
@@ -70,7 +75,7 @@ async def writer(tmp_path, **kw):
     roots = drive_roots(tmp_path, 2)
     st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), **kw)
     ann = Announced()
-    rz = Residency(ann, SFX)
+    rz = ann.rz = Residency(ann, SFX)
     attach(NS(store=st), rz)
     return roots, plan, st, ann, rz
 
@@ -137,7 +142,7 @@ async def test_a_drive_that_could_not_open_announces_its_pages_once_it_joins(tmp
         pass
     st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
     ann = Announced()
-    rz = Residency(ann, SFX)
+    rz = ann.rz = Residency(ann, SFX)
     attach(NS(store=st), rz)
     assert {p for p, _, _ in rz.snapshot()} == held(st, ps) == set(ps) - on1  # the re-announcement
     assert st.stats()["drives"][1]["state"] == "degraded"

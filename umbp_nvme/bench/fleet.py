@@ -297,6 +297,7 @@ def parse_args(argv):
     o.add_argument("--objects", default="16k,256k", help="K/V object sizes (default 16k,256k)")
     o.add_argument("--calls", type=int, help="batch_set_v1 calls of 128 pages per round (default 4; --quick 2)")
     o.add_argument("--durability", default="relaxed", choices=("relaxed", "strict"))
+    o.add_argument("--evicting", action="store_true", help="a full store: every round's puts evict (BlockRemoved)")
     return p.parse_args(argv)
 
 
@@ -307,10 +308,12 @@ def overhead(cfg) -> int:
     rounds, calls = cfg.rounds or (5 if cfg.quick else 7), cfg.calls or (2 if cfg.quick else 4)
     work = WorkDir(cfg, os.path.join(tempfile.gettempdir(), "umbp-bench-events"), "umbp-events-", "bench fleet --overhead")
     try:
-        rows = measure(work.path, [parse_bytes(x) for x in cfg.objects.split(",")], rounds, calls, cfg.durability)
+        rows = measure(work.path, [parse_bytes(x) for x in cfg.objects.split(",")], rounds, calls, cfg.durability,
+                       cfg.evicting)  # fmt: skip
     finally:
         work.cleanup()
-    print(f"events on vs off through the backend: {rounds} alternating rounds of {calls} x 128 pages per side")
+    print(f"events on vs off through the backend: {rounds} alternating rounds of {calls} x 128 pages per side"
+          + (", the store full (every put evicts)" if cfg.evicting else ""))
     print_table(rows, ratio_keys=("vs_events_off",))
     cfg.plot = None
     finish(cfg, rows, [], targets=targets(rows), source="issue 27")
