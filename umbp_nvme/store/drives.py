@@ -25,11 +25,12 @@ import dataclasses
 import logging
 import os
 
-from ..config import StoreConfig
+from ..config import StoreConfig, parse_roots
 from ..errors import (
     CapacityShrinkError, DriveNotMountedError, NamespaceMismatchError, ReadOnlyStoreError, StoreError,
     StoreLockedError, UnsafeStorePathError,
 )  # fmt: skip
+from ..keys import page_of as default_page_of
 from . import placement
 from .checks import begin_call
 from .clock import GenerationClock
@@ -78,13 +79,13 @@ class MultiDriveStore(DriveProbes, SessionSteps):
         A root that cannot be opened for a reason of its own (I/O error, missing, damaged) is a
         degraded drive and the others open; so is a root whose drive looks unmounted (mounts.py),
         which is not touched at all. A configuration error (namespace, lock, shrink) raises.
-        ``page_of(key) -> page hash`` (default placement.page_of) decides placement.
+        ``page_of(key) -> page hash`` (default keys.page_of) decides placement.
         """
         self = cls.__new__(cls)
         config = config or StoreConfig()
-        self.roots = [os.path.abspath(r) for r in placement.parse_roots(roots)]
+        self.roots = [os.path.abspath(r) for r in parse_roots(roots)]
         self.config, self.readonly, self._closed = config, readonly, False
-        self._page_of = page_of or placement.page_of
+        self._page_of = page_of or default_page_of
         self._ids = [placement.drive_id(r) for r in self.roots]
         self.health = [DriveHealth(i, r) for i, r in enumerate(self.roots)]
         self.probe_interval_s = float(probe_interval_s)
@@ -419,9 +420,9 @@ def merged_stats(per: list[dict], unrouted_gets: int) -> dict:
 
 
 async def open_store(path, config: StoreConfig | None = None, **kw):
-    """A PageStore for one root, a MultiDriveStore for several (see placement.parse_roots)."""
+    """A PageStore for one root, a MultiDriveStore for several (see config.parse_roots)."""
     page_of = kw.pop("page_of", None)
-    roots = placement.parse_roots(path)
+    roots = parse_roots(path)
     if len(roots) == 1:
         return await PageStore.open(roots[0], config, **kw)
     return await MultiDriveStore.open(roots, config, page_of=page_of, **kw)
