@@ -25,7 +25,8 @@ import time
 import numpy as np
 
 from umbp_nvme.config import StoreConfig
-from umbp_nvme.store.drives import MultiDriveStore, open_store
+from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store.page_store import PageStore
 
 from .common import Sample, Stopwatch, make_row, paired_ratio
 
@@ -81,7 +82,7 @@ def _dirs(roots: list[str], n: int, name: str) -> list[str]:
 async def _open(cfg, dirs: list[str], per_drive: int, **kw):
     seg = cfg.segment_bytes
     cap = len(dirs) * (-(-int(per_drive * 1.5 + 2 * seg) // seg) * seg)
-    return await open_store(dirs if len(dirs) > 1 else dirs[0], _config(cfg, dirs, cap, **kw))
+    return await PageStore.open(dirs if len(dirs) > 1 else dirs[0], _config(cfg, dirs, cap, **kw))
 
 
 async def one_round(cfg, roots: list[str], n: int, size: int, dst: np.ndarray, rnd: int) -> dict:

@@ -28,7 +28,9 @@ from ..config import StoreConfig, parse_roots
 from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key
 from .checks import begin_call
+from .counters import new_counters
 from .deletes import DeleteSteps
+from .drives import PROBE_INTERVAL_S, MultiDriveStore
 from .get_path import GetPath
 from .mapped import unusable_range
 from .memory import Ranges
@@ -49,11 +51,6 @@ class Extent(NamedTuple):
     length: int
     depth: int  # -1 when put without depths
 
-COUNTERS = (
-    "puts", "put_dedup", "put_failed", "gets", "hits", "misses", "crc_errors", "evictions", "deletes",
-    "bytes_written", "bytes_read", "timeouts",
-    "io_errors_read", "io_errors_write", "io_errors_sync",  # ops that failed with an errno, syncs that raised
-)  # fmt: skip
 
 
 class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, IoWaits, DeleteSteps):
@@ -78,7 +75,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         shrink: bool = False,
         engine_factory=None,
         clock=None,
-    ) -> "PageStore":
+        page_of=None,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+    ) -> "PageStore | MultiDriveStore":
         """Open (a writer creates) the store at ``path``.
 
         Capacity (writers): the manifest records the ``ssd_capacity_bytes`` the store runs with.
@@ -90,7 +89,11 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         synced first, then the files) and records the new capacity.
 
         ``path`` may list several roots (a list, a JSON list, a comma-separated string): the
-        result is then a ``drives.MultiDriveStore`` with the same calls, one PageStore per drive.
+        result is then a ``drives.MultiDriveStore`` with the same calls, one PageStore per drive,
+        placing pages by ``page_of(key) -> page hash`` (default ``keys.page_of``) and probing
+        degraded drives every ``probe_interval_s``. This is the one place that decides how many
+        roots a path names; the drives are opened through ``_open_root``, handed to
+        MultiDriveStore so that drives.py does not import this module.
 
         ``engine_factory``: ``async (backend, queue_depth) -> IoEngine``, called once per engine
         (two for a writer: reads and writes); default ``engine.open_engine``. Tests and fault
@@ -110,16 +113,18 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         of a damaged index; a writer moves it aside instead), TypeError for a config that is not
         a StoreConfig, and OSError when the directory cannot be created or locked.
         """
-        if not isinstance(path, (str, os.PathLike)) or "," in os.fspath(path) or os.fspath(path).lstrip()[:1] == "[":
-            roots = parse_roots(path)
-            if len(roots) > 1:
-                from .drives import MultiDriveStore  # several roots: one PageStore per drive
+        kw = dict(readonly=readonly, namespace=namespace, capacity_from_manifest=capacity_from_manifest,
+                  shrink=shrink, engine_factory=engine_factory)  # fmt: skip
+        roots = _roots(path)
+        if len(roots) > 1:
+            return await MultiDriveStore.open(roots, config, open_drive=cls._open_root, page_of=page_of,
+                                              probe_interval_s=probe_interval_s, **kw)  # fmt: skip
+        return await cls._open_root(roots[0], config, clock=clock, **kw)
 
-                return await MultiDriveStore.open(
-                    roots, config, readonly=readonly, namespace=namespace, shrink=shrink,
-                    capacity_from_manifest=capacity_from_manifest, engine_factory=engine_factory,
-                )  # fmt: skip
-            path = roots[0]
+    @classmethod
+    async def _open_root(cls, path, config, *, readonly, namespace, capacity_from_manifest, shrink, engine_factory,
+                         clock=None) -> "PageStore":  # fmt: skip
+        """Open one root (one drive): PageStore.open's single-directory half."""
         self = cls.__new__(cls)
         self._init_state()
         self._clock_given = clock
@@ -141,7 +146,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         self._late_writes = 0  # write batches that outlived io_timeout_s and still hold slots
         self._idle = asyncio.Event()
         self._idle.set()
-        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._counters = new_counters()
 
     async def close(self) -> None:
         """Wait for calls in flight, make everything durable (a clean close), release the lock.
@@ -498,3 +503,13 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
 
     async def __aexit__(self, *exc):
         await self.close()
+
+
+def _roots(path) -> list:
+    """The roots a store path names: a plain path is one (as given), anything else goes through
+    config.parse_roots (a list, a JSON list, a comma-separated string; an empty path is refused)."""
+    if isinstance(path, (str, os.PathLike)):
+        text = os.fspath(path)
+        if text.strip() and "," not in text and text.lstrip()[:1] != "[":
+            return [path]
+    return parse_roots(path)
