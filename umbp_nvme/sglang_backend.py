@@ -44,7 +44,6 @@ from .hits import v2_hits
 from . import kv_events, sglang_stores, sglang_transfers
 from .keys import KeyScheme, is_mla_follower, rank_subdir
 from .sglang_seam import Seam
-from .sglang_stores import NAMESPACE_KIND  # noqa: F401 - kept for callers
 
 log = logging.getLogger(__name__)
 
