@@ -28,7 +28,7 @@ from umbp_nvme.config import StoreConfig
 from umbp_nvme.store.drives import MultiDriveStore
 from umbp_nvme.store.page_store import PageStore
 
-from .common import Sample, Stopwatch, make_row, paired_ratio
+from .common import Sample, Stopwatch, make_row, page_keys, paired_ratio
 
 BENCH = "store"
 
@@ -41,8 +41,6 @@ class Batches:
     """Keys and source bytes: object j of batch b holds slot j's random bytes, its first 8 bytes b."""
 
     def __init__(self, tag: str, size: int, n_obj: int, batches: int):
-        from .store import page_keys
-
         self.size, self.n_obj, self.n = size, n_obj, batches
         pages = n_obj // 2
         self.keys = [page_keys(f"{tag}/{size}/{b}", pages) for b in range(batches)]

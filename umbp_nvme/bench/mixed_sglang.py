@@ -24,7 +24,7 @@ import numpy as np
 
 from ..keys import KeyScheme
 from .engine import phys_runs
-from .mixed import SPACING_X, LoopProbe, loaded_gets, pct, row, solo_window
+from .mixed_measure import SPACING_X, LoopProbe, loaded_gets, pct, row, solo_window
 
 SHAPES = {1 << 20: dict(page_size=16, layers=32, heads=8, head_dim=128), 4 << 20: dict(page_size=64, layers=32, heads=8, head_dim=128)}
 BACKUP_PAGES = 24  # 48 K/V objects per batch_set_v1
