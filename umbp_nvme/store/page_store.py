@@ -61,6 +61,10 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     _space_limit_segments = None  # segments with files when one could not be created (ENOSPC)
     _space_retry_at = 0.0
     _rows = None  # writers: the row table (rows.py)
+    _alloc = None  # writers: the extent allocator (segments.py), set once the open has sized the segments
+    _clock = None  # writers: the generation clock (clock.py), set once the index is open
+    _watch = None  # read-only openers: the watch that follows a writer's index replacements (follower.py)
+    open_seconds: float | None = None  # how long the open took, once it succeeded
     _residency = None  # kv_residency.Residency: told which keys became visible / invisible (KV events)
 
     @classmethod
@@ -185,7 +189,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         self._release_resources()
 
     def _release_resources(self) -> None:
-        clock = getattr(self, "_clock", None)
+        clock = self._clock
         if clock is not None and self._index is not None:
             clock.leave(self._index.set_generation_bound)
         for e in self._engines:
@@ -194,7 +198,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             except Exception:  # noqa: BLE001
                 pass
         self._engines = []
-        gate, self._gds_gate = getattr(self, "_gds_gate", None), None
+        gate, self._gds_gate = self._gds_gate, None
         if gate is not None:
             if gate.engine is not None and self._files is not None:
                 for f in list(self._files.files.values()):  # a precreate() may still be installing one
@@ -211,7 +215,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
                 self._index = None
             self._index_pool.shutdown(wait=False)
             self._index_pool = None
-        if getattr(self, "_watch", None) is not None:
+        if self._watch is not None:
             self._watch.close()  # a follower's other index handles (follower.py)
         if self._index is not None:
             self._index.close()
@@ -455,13 +459,13 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             verify_crc=self.verify_crc,
             engine=self._read_engine.capabilities.name if self._engines else None,
             o_direct=self._files.any_direct if self._files is not None else None,
-            open_seconds=round(self.open_seconds, 4) if hasattr(self, "open_seconds") else None,
+            open_seconds=None if self.open_seconds is None else round(self.open_seconds, 4),
             index_bytes=self._index.file_bytes() if self._index is not None else 0,
             stalled_ops=self._stalled_ops,
             late_completions=self._late_completions,
             stalled_wait_s=round(self._stalled_wait_s, 3),
         )
-        if not self.readonly and hasattr(self, "_alloc"):
+        if self._alloc is not None:  # a writer whose open built its allocator
             s.update(
                 objects=len(self._keys),
                 bytes_used=self._alloc.used_bytes,
