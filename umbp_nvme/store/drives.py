@@ -257,8 +257,8 @@ class MultiDriveStore(DriveProbes, SessionSteps):
 
     async def _on_drive(self, d: int, op: str, idx: list[int], results: list, call) -> None:
         st, h = self.stores[d], self.health[d]
-        before = dict(st._counters)
-        full_before = st._space_limit_segments is not None
+        before = dict(st.counters())
+        full_before = st.space_limit_segments is not None
         h.begin(op)
         timer = asyncio.get_running_loop().call_later(
             st.timeout_s, h.degrade, "stall", f"{op} of {len(idx)} objects had no completion within "
@@ -272,10 +272,10 @@ class MultiDriveStore(DriveProbes, SessionSteps):
         finally:
             timer.cancel()
             h.end(op)
-        if op == "put" and not full_before and st._space_limit_segments is not None:
+        if op == "put" and not full_before and st.space_limit_segments is not None:
             h.degrade(FULL, "its file system is full (ENOSPC)")  # its failed writes were the fullness
         else:
-            h.check_counters(before, st._counters, op)
+            h.check_counters(before, st.counters(), op)
         for j, ok in zip(idx, out):
             results[j] = bool(ok)
 

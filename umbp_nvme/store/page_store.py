@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from ..config import StoreConfig, parse_roots
@@ -442,6 +444,15 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         return ok
 
     # ----------------------------------------------------------------------------- stats
+
+    def counters(self) -> Mapping[str, int]:
+        """The counters (counters.COUNTERS), live and read-only: ``dict(store.counters())`` is a snapshot."""
+        return MappingProxyType(self._counters)
+
+    @property
+    def space_limit_segments(self) -> int | None:
+        """Segments with files when the file system refused another (ENOSPC); None while it has room."""
+        return self._space_limit_segments
 
     def stats(self) -> dict:
         """Counters (puts, hits, misses, evictions, errors, ...) and state (capacity, objects, bytes
