@@ -47,9 +47,8 @@ import time
 import numpy as np
 
 from ..buffers import AlignedBuffer
-from ..config import StoreConfig
+from ..config import CRC_POLICIES, StoreConfig
 from ..engine import arbiter as arbiter_mod
-from ..store import put_crc
 from ..store.sync import SyncPageStore
 from .common import WorkDir, finish, parse_bytes
 from .engine import phys_runs
@@ -76,10 +75,11 @@ def parse_args(argv):
     p.add_argument("--read-floor", help="sweeps: the arbiter's READ_SLICE_FLOOR in bytes (default 2M)")
     p.add_argument("--read-window", type=int, help="sweeps: the arbiter's READ_WINDOW_SLICES (slices in flight beside reads)")
     p.add_argument("--quiet-ms", type=float, help="sweeps: the arbiter's READ_QUIET_S in ms (default 100)")
-    p.add_argument("--crc-policy", choices=put_crc.CRC_POLICIES,
-                   help="sweeps: CPU policy of the put CRC worker while reads are about (default put_crc.CRC_POLICY)")
+    p.add_argument("--crc-policy", choices=CRC_POLICIES,
+                   help="sweeps: ssd_crc_policy, the put CRC worker's CPU policy while reads are about "
+                   f"(default {StoreConfig.ssd_crc_policy})")
     p.add_argument("--crc-off", action="store_true",
-                   help="sweeps: no CRC worker (the old split: loop thread / default executor by batch size)")
+                   help="sweeps: ssd_crc_worker=false (the old split: loop thread / default executor by batch size)")
     p.add_argument("--memory", choices=("4k", "thp"), default="4k",
                    help="store path's buffers: 4k = plain mmap (default), thp = madvise(MADV_HUGEPAGE) (2 MiB runs)")
     p.add_argument("--fio", action="store_true", help="also run the fio anchor (needs fio)")
@@ -107,12 +107,16 @@ def parse_args(argv):
         p.error("--read-window must be >= 1")
     if cfg.quiet_ms is not None and cfg.quiet_ms < 0:
         p.error("--quiet-ms must be >= 0")
+    # the CRC flags as config keys: every store of the run gets them (the SGLang one: extra_config)
+    cfg.crc_keys = ({"ssd_crc_policy": cfg.crc_policy} if cfg.crc_policy else {}) | (
+        {"ssd_crc_worker": False} if cfg.crc_off else {})
     return cfg
 
 
 def arbiter_settings(cfg) -> dict:
     """Apply the sweep flags to the arbiter's module constants (read when a store's arbiter is
-    made, so before any store opens) and return the settings in force, for the rows."""
+    made, so before any store opens) and return the settings in force, for the rows (the CRC
+    flags go to each store's config: ``cfg.crc_keys``)."""
     if cfg.read_fraction is not None:
         arbiter_mod.READ_SLICE_FRACTION = cfg.read_fraction
     if cfg.read_floor is not None:
@@ -121,13 +125,9 @@ def arbiter_settings(cfg) -> dict:
         arbiter_mod.READ_WINDOW_SLICES = cfg.read_window
     if cfg.quiet_ms is not None:
         arbiter_mod.READ_QUIET_S = cfg.quiet_ms / 1e3
-    if cfg.crc_policy is not None:
-        put_crc.CRC_POLICY = cfg.crc_policy
-    if cfg.crc_off:
-        put_crc.CRC_WORKER = False
     return {"read_fraction": arbiter_mod.READ_SLICE_FRACTION, "read_floor": arbiter_mod.READ_SLICE_FLOOR,
             "read_window": arbiter_mod.READ_WINDOW_SLICES, "quiet_ms": round(arbiter_mod.READ_QUIET_S * 1e3, 3),
-            "crc": put_crc.CRC_POLICY if put_crc.CRC_WORKER else "no-worker"}  # fmt: skip
+            "crc": "no-worker" if cfg.crc_off else cfg.crc_policy or StoreConfig.ssd_crc_policy}  # fmt: skip
 
 
 class ThpBuffer:
@@ -156,11 +156,11 @@ class ThpBuffer:
             pass
 
 
-def store_config(path: str, knob: str, slice_bytes: int, capacity: int) -> StoreConfig:
+def store_config(path: str, knob: str, slice_bytes: int, capacity: int, crc_keys: dict | None = None) -> StoreConfig:
     return StoreConfig(
         ssd_storage_dir=path, ssd_capacity_bytes=capacity, ssd_segment_size_bytes=256 << 20,
         ssd_durability_mode="strict", ssd_io_backend="io_uring",
-        ssd_read_priority=knob, ssd_write_slice_bytes=slice_bytes if knob == "on" else 0,
+        ssd_read_priority=knob, ssd_write_slice_bytes=slice_bytes if knob == "on" else 0, **(crc_keys or {}),
     )  # fmt: skip
 
 
@@ -304,7 +304,7 @@ def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
     src = make(PUT_BATCH * biggest)
     dst = make(max(cfg.gets) * biggest)
     src.array[:] = 0xA5
-    store = SyncPageStore(path, store_config(path, knob, cfg.slice, capacity))
+    store = SyncPageStore(path, store_config(path, knob, cfg.slice, capacity, cfg.crc_keys))
     system = f"umbp_{knob}"
     try:
         for size in cfg.sizes:
