@@ -262,8 +262,8 @@ class LogState:
     next_version: int  # above every version the log names
 
 
-def read_log(path: str, *, killed: bool = True) -> LogState:
-    """The model the log describes; ``killed``: its writer died (what was in flight is in doubt)."""
+def read_log(path: str, *, killed: bool = False) -> LogState:
+    """The model the log describes; ``killed``: its writer died unmarked (what was in flight is in doubt)."""
     m = VersionModel()
     last, cur = set(), set()
     reads = top = 0
