@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from umbp_nvme.store.layout import segment_disk_bytes
 
-from .backends import find_store_dirs, make_backend
+from .backends import find_store_dirs, make_backend, object_keys
 from .host_pool import KiB, MiB, HostPool, page_key
 from .version_crash import ROUTES, rebuild_by
 from .versions import (OK, RESURRECTED, STALE, WRONG, AckLog, LogState, Tally, fill_page, page_versions, read_log,
@@ -82,12 +82,6 @@ def _install_kill_hooks(spec: CrashSpec, rng: _random.Random):
     return None
 
 
-def _objects(be, pages: list[str]) -> list[str]:
-    """The object keys the backend stores these pages under (one per component)."""
-    sfx = be.scheme.v1_suffixes()
-    return [p + x for p in pages for x in sfx]
-
-
 def crash_child(spec: CrashSpec, ready) -> None:
     """The child: random puts (a new version for each page not stored), reads checked against the
     model the ack log describes, deletes, a rare clear and batch_exists, until it is killed. Every
@@ -110,7 +104,7 @@ def crash_child(spec: CrashSpec, ready) -> None:
 
     def delete(keys):
         log.write([f"D{k}" for k in keys])
-        be.store.delete_many(_objects(be, keys))
+        be.store.delete_many(object_keys(be, keys))
         for k in keys:
             model.delete_done(k)
         log.write([f"-{k}" for k in keys])
@@ -120,7 +114,7 @@ def crash_child(spec: CrashSpec, ready) -> None:
         stored = [k for k in universe if model.allowed(k)]
         if r < 0.55:
             keys = rng.sample(universe, B)
-            objs = be.store.exists_many(_objects(be, keys))
+            objs = be.store.exists_many(object_keys(be, keys))
             there = [sum(objs[i * n_obj : (i + 1) * n_obj]) for i in range(B)]
             partial = [k for k, t in zip(keys, there) if 0 < t < n_obj]
             if partial:  # new bytes need the old components gone (a put of a stored one is a dedup)
