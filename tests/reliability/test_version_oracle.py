@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from support.host_pool import HostPool
-from support.versions import (LOST, OK, RESURRECTED, STALE, WRONG, AckLog, Tally, VersionModel, fill_page,
+from support.versions import (LOST, OK, RESURRECTED, STALE, WRONG, AckLog, Tally, VersionModel, fill_page, history,
                               page_versions, read_log, seal_after_kill, version_in, versioned)  # fmt: skip
 
 
@@ -96,3 +96,14 @@ def test_the_ack_log_rebuilds_the_model_across_a_kill(tmp_path):
     assert m.allowed("c") == {9} and not m.must_exist("c")  # the torn ack does not count
     assert st.next_version == 10 and st.child.stale_served == 1 and st.child.versions_checked == 2
     assert open(p).read().endswith("?c 9\nk\n")
+
+
+def test_a_mix_up_report_shows_the_keys_history(tmp_path):
+    p = str(tmp_path / "acks")
+    log = AckLog(p)
+    log.write(["?k 1", "?j 2", "+k 1", "+j 2", "=", "Dk", "-k", "C", "c"])
+    log.close()
+    seal_after_kill(p)
+    t = Tally()
+    assert t.check(read_log(p).model, "k", [1], durable=True) == RESURRECTED and t.bad_keys == ["k"]
+    assert history(p, "k") == ["?k 1", "+k 1", "Dk", "-k", "C", "c", "k"]

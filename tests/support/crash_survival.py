@@ -17,8 +17,8 @@ from umbp_nvme.store.layout import segment_disk_bytes
 from .backends import find_store_dirs, make_backend, object_keys
 from .host_pool import KiB, MiB, HostPool, page_key
 from .version_crash import ROUTES, rebuild_by
-from .versions import (OK, RESURRECTED, STALE, WRONG, AckLog, LogState, Tally, fill_page, page_versions, read_log,
-                       seal_after_kill)  # fmt: skip
+from .versions import (OK, RESURRECTED, STALE, WRONG, AckLog, LogState, Tally, fill_page, history, page_versions,
+                       read_log, seal_after_kill)  # fmt: skip
 
 CRASH_PHASES = ("parent", "write-before", "write-after", "sync", "commit", "evict")
 _CTX = None
@@ -270,7 +270,7 @@ def crash_run(
     )
     out = dict(kills=0, kills_survived=0, wrong_bytes=0, lost_acknowledged=0, unreadable=0, over_capacity=0,
                raised_from_v1=0, hangs=0, phases={}, errors=[], existing_max=0, fill_failed_batches=0,
-               versions_checked=0, stale_served=0, resurrected=0, rebuilds={}, examples=[])  # fmt: skip
+               versions_checked=0, stale_served=0, resurrected=0, rebuilds={}, examples=[], histories=[])  # fmt: skip
     phases = [p for p in CRASH_PHASES if not (p == "sync" and mode != "strict")]
     if not evicting:
         phases = [p for p in phases if p != "evict"]
@@ -315,6 +315,9 @@ def crash_run(
         for f in ("wrong_bytes", "lost_acknowledged", "versions_checked", "stale_served", "resurrected"):
             out[f] += getattr(t, f)
         out["examples"] = (out["examples"] + t.examples)[:8]
+        for k in t.bad_keys[:2]:  # how the log saw the key, for the report
+            if len(out["histories"]) < 4:
+                out["histories"].append(dict(kill=i, died=died, route=route, key=k, log=history(spec.ack_path, k)))
         out["unreadable"] += v.unreadable
         out["over_capacity"] += v.over_capacity
         out["raised_from_v1"] += v.raised

@@ -188,6 +188,7 @@ class Tally:
     resurrected: int = 0
     lost_acknowledged: int = 0
     examples: list = field(default_factory=list)
+    bad_keys: list = field(default_factory=list)  # the first keys with a verdict other than ok
 
     def add(self, verdict: str, what: str = "") -> None:
         self.versions_checked += 1
@@ -204,6 +205,8 @@ class Tally:
         else:
             verdict = model.classify(key, versions)
         self.add(verdict, f"{key} served {versions}, allowed {sorted(model.allowed(key))}")
+        if verdict != OK and len(self.bad_keys) < 8:
+            self.bad_keys.append(key)
         return verdict
 
     def bad(self) -> int:
@@ -213,6 +216,7 @@ class Tally:
         for f in ("versions_checked", "wrong_bytes", "stale_served", "resurrected", "lost_acknowledged"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.examples = (self.examples + other.examples)[:8]
+        self.bad_keys = (self.bad_keys + other.bad_keys)[:8]
 
     def figures(self) -> dict:
         return dict(versions_checked=self.versions_checked, wrong_bytes=self.wrong_bytes,
@@ -242,6 +246,20 @@ class AckLog:
         os.close(self.fd)
 
 
+def history(path: str, key: str, last: int = 12) -> list[str]:
+    """The log lines about ``key`` (and the kills and clears between them): what a mix-up report needs."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.rstrip("\n")
+            k, _, v = line[1:].partition(" ")
+            if line in ("k", "C", "c") or k == key:
+                out.append(f"{line[:1]}{k[:12]} {v}".rstrip())
+    while out and out[0] in ("k", "C", "c"):
+        out.pop(0)
+    return out[-last:]
+
+
 def seal_after_kill(path: str) -> None:
     """Drop a torn last line (the kill cut its write) and mark the kill."""
     try:
@@ -250,7 +268,9 @@ def seal_after_kill(path: str) -> None:
             f.truncate(data.rfind(b"\n") + 1)
     except FileNotFoundError:
         pass
-    AckLog(path).write(["k"])
+    log = AckLog(path)
+    log.write(["k"])
+    log.close()
 
 
 @dataclass
