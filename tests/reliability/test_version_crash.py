@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from support.version_crash import ACTIONS, ROUTES, _case, kill_child, killed_records, layouts, names
+from support.version_crash import ACTIONS, ROUTES, kill_child, killed_records, layouts, names, run_case
 from support.versions import read_log
 
 FULL = os.environ.get("UMBP_VERSION_CHAOS", "") == "full"
@@ -46,7 +46,7 @@ def test_the_kill_leaves_the_victims_records_on_disk(killed):
 @pytest.mark.parametrize("action", ACTIONS)
 def test_every_acknowledged_version_survives_the_rebuild(killed, action, route):
     for c, d, st in killed:
-        t = asyncio.run(_case(c, os.path.join(d, "killed"), st.model, st.next_version, action, route, d))
+        t = asyncio.run(run_case(c, os.path.join(d, "killed"), st.model, st.next_version, action, route, d))
         f = t.figures()
         # two checks (after the kill, after the rebuild) of every key the workload touched
         assert f["versions_checked"] == 2 * sum(map(len, names(c))), (c, f)

@@ -245,7 +245,9 @@ async def next_session(c: Layout, path: str, model: VersionModel, next_version: 
         await st.close()
 
 
-async def _case(c: Layout, killed: str, model: VersionModel, nv: int, action: str, route: str, work: str) -> Tally:
+async def run_case(c: Layout, killed: str, model: VersionModel, nv: int, action: str, route: str, work: str) -> Tally:
+    """One (action, route) on a copy of the killed directory ``killed`` (the model is copied too):
+    the next session, the rebuild, then every key checked."""
     path = os.path.join(work, f"{action}-{route}")
     shutil.copytree(killed, path)
     model = copy.deepcopy(model)
@@ -281,7 +283,7 @@ def run_version_cases(root: str, *, quick: bool = True, log=None) -> dict:
             errors.append(f"{c}: the kill left {hazard} of {c.victims} victims' records on disk")
         for action in ACTIONS:
             for route in ROUTES:
-                t = asyncio.run(_case(c, killed, st.model, st.next_version, action, route, d))
+                t = asyncio.run(run_case(c, killed, st.model, st.next_version, action, route, d))
                 total.merge(t)
                 cases.append(dict(mode=c.mode, obj=c.obj, victims=c.victims, pads=c.pads, action=action, route=route,
                                   **t.figures(), examples=t.examples))  # fmt: skip

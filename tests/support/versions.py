@@ -47,13 +47,17 @@ HEADER = struct.Struct("<QQ")  # key tag, version
 OK, STALE, RESURRECTED, WRONG, LOST = "ok", "stale_served", "resurrected", "wrong_bytes", "lost_acknowledged"
 
 
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
 def _tag(key: str, comp: int) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{key}#{comp}".encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+    return _hash64(f"{key}#{comp}")
 
 
 @lru_cache(maxsize=2048)
 def _body(key: str, comp: int, version: int, nbytes: int) -> bytes:
-    seed = int.from_bytes(hashlib.blake2b(f"{key}#{comp}@{version}".encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+    seed = _hash64(f"{key}#{comp}@{version}")
     return np.random.Generator(np.random.PCG64(seed)).bytes(nbytes)
 
 
