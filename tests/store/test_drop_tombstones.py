@@ -20,20 +20,11 @@ from umbp_nvme.store.rebuild import rebuild_records
 OBJ = 4096
 SEG = 1 << 20
 
-LAZY_AREA_BUG = (
-    "product bug: PageStore._drop_rows marks the rows not live before _tombstone; a segment whose "
-    "record area this session has not used yet is built from the live rows only (RecordAreas loader, "
-    "RecordSteps._segment_records), so dropping the last objects of such a segment finds no area and "
-    "writes no tombstone: the LMDB delete is acknowledged, the records stay, and every rebuild "
-    "brings the key back"
-)
-
 
 def cfg():
     return small_config(ssd_durability_mode="strict")
 
 
-@pytest.mark.xfail(strict=True, reason=LAZY_AREA_BUG)
 @pytest.mark.parametrize("route", ROUTES)
 async def test_deleting_a_segments_last_object_after_a_clean_open_clears_its_record(store_dir, route):
     st = await PageStore.open(store_dir, cfg())
