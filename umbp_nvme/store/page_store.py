@@ -121,7 +121,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         """
         kw = dict(readonly=readonly, namespace=namespace, capacity_from_manifest=capacity_from_manifest,
                   shrink=shrink, engine_factory=engine_factory)  # fmt: skip
-        roots = _roots(path)
+        roots = parse_roots(path)  # a plain path is one root; an empty one is refused
         if len(roots) > 1:
             return await MultiDriveStore.open(roots, config, open_drive=cls._open_root, page_of=page_of,
                                               probe_interval_s=probe_interval_s, **kw)  # fmt: skip
@@ -518,13 +518,3 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
 
     async def __aexit__(self, *exc):
         await self.close()
-
-
-def _roots(path) -> list:
-    """The roots a store path names: a plain path is one (as given), anything else goes through
-    config.parse_roots (a list, a JSON list, a comma-separated string; an empty path is refused)."""
-    if isinstance(path, (str, os.PathLike)):
-        text = os.fspath(path)
-        if text.strip() and "," not in text and text.lstrip()[:1] != "[":
-            return [path]
-    return parse_roots(path)
