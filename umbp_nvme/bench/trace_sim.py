@@ -88,15 +88,16 @@ class Cache:
 
 
 class LRU(Cache):
-    """Least recently used; ``admit(block_ids, now) -> bool mask`` (None: admit every block)
-    decides which new blocks are stored."""
+    """Least recently used. ``admission`` (optional) has the store's admission interface
+    (``store/admission.py``): ``offer(page ids) -> bool mask`` for new blocks, ``used(page ids)``
+    for hits, ``evicted(page ids)``; page ids are ``block_page_ids`` of the block numbers."""
 
     name = "lru"
 
-    def __init__(self, capacity: int, admit=None, name: str | None = None):
+    def __init__(self, capacity: int, admission=None, name: str | None = None):
         super().__init__(capacity)
         self.d: dict[int, None] = {}
-        self.admit = admit
+        self.admission = admission
         if name:
             self.name = name
 
@@ -117,15 +118,23 @@ class LRU(Cache):
         for b in blocks.tolist():
             del d[b]
             d[b] = None
+        if self.admission is not None:
+            self.admission.used(block_page_ids(blocks))
 
     def write(self, blocks, pos, now) -> None:
         d = self.d
         bl = blocks.tolist()
-        new = [b for b in bl if b not in d]
+        adm = self.admission
         ok = None
-        if self.admit is not None and new:
-            ok = dict(zip(new, self.admit(np.asarray(new, np.int64), now).tolist()))
+        if adm is not None:
+            held = np.fromiter((b in d for b in bl), bool, len(bl))
+            if held.any():
+                adm.used(block_page_ids(blocks[held]))
+            new = blocks[~held]
+            if len(new):
+                ok = dict(zip(new.tolist(), adm.offer(block_page_ids(new)).tolist()))
         cap = self.capacity
+        gone = []
         for b in bl:
             if b in d:
                 del d[b]
@@ -135,9 +144,21 @@ class LRU(Cache):
                 self.declined += 1
                 continue
             if len(d) >= cap:
-                del d[next(iter(d))]
+                v = next(iter(d))
+                del d[v]
+                gone.append(v)
             d[b] = None
             self.written += 1
+        if gone and adm is not None:
+            adm.evicted(block_page_ids(np.asarray(gone, np.int64)))
+
+
+def block_page_ids(blocks: np.ndarray) -> np.ndarray:
+    """uint64 page ids of block numbers (splitmix64: the store's ids are hashes too)."""
+    z = blocks.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 class Belady(Cache):
@@ -208,19 +229,27 @@ def next_use(trace: Trace) -> np.ndarray:
     return out
 
 
-def perfect_admission(trace: Trace, nxt: np.ndarray):
+class PerfectAdmission:
     """An admission oracle: admit a block only if some later request uses it again."""
-    reused_at = {}
 
-    def admit(blocks: np.ndarray, now: int) -> np.ndarray:
-        return np.asarray([reused_at.get((now, int(b)), False) for b in blocks], bool)
+    def __init__(self, trace: Trace, nxt: np.ndarray):
+        self._by_req: list[dict[int, bool]] = []
+        pos = 0
+        for blocks in trace.reqs:
+            ids = block_page_ids(blocks).tolist()
+            self._by_req.append(dict(zip(ids, (nxt[pos : pos + len(blocks)] != NEVER).tolist())))
+            pos += len(blocks)
+        self.now = 0
 
-    pos = 0
-    for i, blocks in enumerate(trace.reqs):
-        for b, nu in zip(blocks.tolist(), nxt[pos : pos + len(blocks)].tolist()):
-            reused_at[(i, b)] = nu != NEVER
-        pos += len(blocks)
-    return admit
+    def offer(self, pages: np.ndarray) -> np.ndarray:
+        m = self._by_req[self.now]
+        return np.asarray([m[p] for p in pages.tolist()], bool)
+
+    def used(self, pages) -> None:
+        pass
+
+    def evicted(self, pages) -> None:
+        pass
 
 
 def simulate(trace: Trace, cache: Cache, *, l2_blocks: int = 0) -> SimResult:
@@ -228,8 +257,11 @@ def simulate(trace: Trace, cache: Cache, *, l2_blocks: int = 0) -> SimResult:
     res = SimResult(cache.name, cache.capacity)
     l2: dict[int, None] = {}
     pos = 0
+    clocked = getattr(getattr(cache, "admission", None), "now", None) is not None
     for now, (blocks, tokens) in enumerate(zip(trace.reqs, trace.input_tokens.tolist())):
         n = len(blocks)
+        if clocked:
+            cache.admission.now = now
         k2 = 0
         if l2_blocks:
             for b in blocks.tolist():
