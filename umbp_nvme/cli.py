@@ -532,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = _sub(subs, "bench", "run a benchmark (umbp_nvme.bench) and print its table",
              "Run umbp_nvme.bench.<which> (shipped with the package). Extra arguments after -- go to the benchmark.")
-    b.add_argument("which", nargs="?", default="engine", choices=("engine", "store", "hicache", "gds", "mixed"))
+    b.add_argument("which", nargs="?", default="engine", choices=("engine", "store", "hicache", "gds", "mixed", "trace"))
     b.add_argument("--quick", action="store_true", help="small matrix, about a minute")
     b.add_argument("--plot", metavar="PNG", help="also write a plot (needs matplotlib)")
     b.set_defaults(func=cmd_bench)
