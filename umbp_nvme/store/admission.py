@@ -35,7 +35,7 @@ import numpy as np
 RULES = ("all", "second", "class30", "class50")
 CLASS_THRESHOLDS = {"class30": 0.3, "class50": 0.5}
 SIZE_CLASSES = 9  # write batches of 1, 2-3, 4-7, ..., 256+ pages
-HORIZON_X = 4  # doorkeeper and class statistics look back this many capacities of offered pages
+HORIZON_X = 32  # doorkeeper and class statistics look back this many capacities of offered pages
 SHADOW_PAGES = 4096  # sampled pages each miniature LRU holds (at least; fewer when the cache is smaller)
 SCORE_DECAY = 0.5  # weight left on the miniatures' hits every capacity of requests
 SWITCH_MARGIN = 1.03  # a rule must beat the current one by this much to take over
@@ -69,7 +69,7 @@ class Admission:
             sample_shift = max(0, (self.capacity // SHADOW_PAGES).bit_length() - 1)
         self.sample_mask = np.uint64((1 << sample_shift) - 1)
         self.sample_shift = sample_shift
-        bits = max(1 << 16, 1 << (8 * self.horizon // 2).bit_length())  # >= 8 bits per page of half a horizon
+        bits = max(1 << 16, 1 << (4 * self.horizon // 2).bit_length())  # >= 4 bits per page of half a horizon
         self._dk = [np.zeros(bits, bool), np.zeros(bits, bool)]  # doorkeeper generations, newest first
         self._dk_mask = np.uint64(bits - 1)
         self._dk_fill = 0
@@ -82,6 +82,7 @@ class Admission:
         cap = max(1, self.capacity >> sample_shift)
         self.minis = [_Mini(r, cap) for r in RULES]
         self.rule = "all"
+        self.fixed = False
         self.declined = 0
         self.switches = 0
 
@@ -97,7 +98,7 @@ class Admission:
         seen = self._doorkeep(pages)
         ok = self._decide(self.rule, seen, cls)
         sampled = pages[(pages & self.sample_mask) == 0]
-        if len(sampled):
+        if len(sampled) and not self.fixed:
             self._observe(sampled.tolist(), cls)
         self.clock += n
         self.declined += n - int(ok.sum())
@@ -107,11 +108,17 @@ class Admission:
         """Pages asked for and present (hits; re-puts of stored pages)."""
         pages = np.ascontiguousarray(pages, np.uint64)
         sampled = pages[(pages & self.sample_mask) == 0]
-        if len(sampled):
+        if len(sampled) and not self.fixed:
             self._observe(sampled.tolist(), None)
 
     def evicted(self, pages: np.ndarray) -> None:
         """Pages the store evicted (the miniatures keep their own LRU; nothing to learn here)."""
+
+    def fix(self, rule: str) -> None:
+        """Follow ``rule`` always (no miniatures; ``StoreConfig.admission_policy`` "second")."""
+        if rule not in RULES:
+            raise ValueError(f"admission rule must be one of {RULES}, got {rule!r}")
+        self.rule, self.fixed = rule, True
 
     def stats(self) -> dict:
         return {"admission_rule": self.rule, "admission_declined": self.declined, "admission_switches": self.switches,
@@ -204,17 +211,33 @@ class Admission:
             self.switches += 1
 
 
+_HEX = np.full(256, 255, np.uint8)
+_HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint8)
+_HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16, dtype=np.uint8)
+
+
 def page_ids(pages: list[str]) -> np.ndarray:
-    """uint64 ids of page hashes: the first 16 hex digits of a 64-hex hash, else a blake2b."""
+    """uint64 ids of page hashes: the first 16 hex digits (SGLang's hashes are 64 hex digits),
+    parsed in one numpy pass; a page name that does not start so gets a blake2b of itself."""
+    n = len(pages)
+    if not n:
+        return np.zeros(0, np.uint64)
+    try:
+        raw = np.array(pages, dtype="S16")  # the first 16 characters (ASCII; else the fallback)
+    except UnicodeEncodeError:
+        raw = None
+    if raw is not None:
+        nib = _HEX[raw.view(np.uint8).reshape(n, 16)]
+        ok = (nib != 255).all(axis=1) & (np.char.str_len(raw) == 16)
+        out = np.zeros(n, np.uint64)
+        for j in range(16):
+            out = (out << np.uint64(4)) | nib[:, j].astype(np.uint64)
+        if ok.all():
+            return out
+    else:
+        out, ok = np.zeros(n, np.uint64), np.zeros(n, bool)
     import hashlib
 
-    out = np.empty(len(pages), np.uint64)
-    for i, p in enumerate(pages):
-        if len(p) >= 16:
-            try:
-                out[i] = int(p[:16], 16)
-                continue
-            except ValueError:
-                pass
-        out[i] = int.from_bytes(hashlib.blake2b(p.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+    for i in np.flatnonzero(~ok).tolist():
+        out[i] = int.from_bytes(hashlib.blake2b(pages[i].encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
     return out
