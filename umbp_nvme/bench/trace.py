@@ -44,6 +44,8 @@ def parse_args(argv):
     p.add_argument("--capacity", default="6000", help="store capacity in blocks; a comma list runs a sweep (default 6000)")
     p.add_argument("--object-bytes", default="4k", help="bytes of each K and V object (a page is two; default 4k)")
     p.add_argument("--l2-blocks", type=int, default=0, help="an LRU host tier of N blocks in front of the store")
+    p.add_argument("--prefix-keys", action="store_true",
+                   help="pass prefix keys with every call, as SGLang does with hicache_storage_pass_prefix_keys")
     p.add_argument("--extra-config", action="append", default=None, metavar="JSON",
                    help="store settings for one system, e.g. '{\"eviction_policy\": \"lru\"}' (repeat to compare)")
     p.add_argument("--pool", default="auto", choices=("auto", "sglang", "standin"),
@@ -115,7 +117,8 @@ def replay_one(cfg, trace, directory: str, capacity: int, extra: dict, kind: str
     shutil.rmtree(directory, ignore_errors=True)
     side = open_backend(kind, directory, Replayer.POOL_PAGES, cfg.object_bytes, settings)
     try:
-        res = Replayer(side, cfg.object_bytes, l2_blocks=cfg.l2_blocks, corrupt=corrupt).run(trace)
+        res = Replayer(side, cfg.object_bytes, l2_blocks=cfg.l2_blocks, corrupt=corrupt,
+                       prefix_keys=cfg.prefix_keys).run(trace)
     finally:
         side.close()
         shutil.rmtree(directory, ignore_errors=True)
@@ -149,7 +152,7 @@ def bench(cfg, trace, directory: str, notes: list[str], corrupt=None) -> list[di
                 "wrong_bytes": res.wrong_bytes, "wrong_pages": res.wrong_pages, "get_missed": res.get_missed,
                 "set_failed": res.set_failed, "declined": int(res.store.get("put_declined", 0)),
                 "evictions": int(res.store.get("evictions", 0)), "requests_per_s": round(res.requests / res.seconds, 1),
-                "object_bytes": cfg.object_bytes, "l2_blocks": cfg.l2_blocks,
+                "object_bytes": cfg.object_bytes, "l2_blocks": cfg.l2_blocks, "prefix_keys": cfg.prefix_keys,
             })  # fmt: skip
             if res.set_failed:
                 notes.append(f"{label} at {cap} blocks: batch_set_v1 answered False for {res.set_failed} pages")

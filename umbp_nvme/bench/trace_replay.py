@@ -98,8 +98,11 @@ class Replayer:
 
     POOL_PAGES = 2 * BATCH_PAGES
 
-    def __init__(self, side, object_bytes: int, *, l2_blocks: int = 0, sample_every: int = 8, corrupt=None):
+    def __init__(self, side, object_bytes: int, *, l2_blocks: int = 0, sample_every: int = 8, corrupt=None,
+                 prefix_keys: bool = False):
         self.side = side
+        self.prefix_keys = prefix_keys  # pass extra_info.prefix_keys (hicache_storage_pass_prefix_keys)
+        self._above = None
         self.be = side.backend
         self.oracle = Oracle(object_bytes)
         self.page_bytes = 2 * object_bytes
@@ -132,10 +135,11 @@ class Replayer:
                     k2 += 1
             rest = bl[k2:]
             keys = [self.key(b) for b in rest]
+            self._above = [self.key(b) for b in bl[:k2]] if self.prefix_keys else None
             k3 = self._hit_query(keys)
             got = self._read(i, rest[:k3], keys[:k3], res) if k3 else 0
             if got < len(rest):
-                self._backup(rest[got:], keys[got:], res)
+                self._backup(rest[got:], keys[got:], res, keys[:got])
             if self.l2_blocks:
                 for b in bl:
                     l2.pop(b, None)
@@ -158,11 +162,19 @@ class Replayer:
         res.store = self.be.store_stats().get("store", {})
         return res
 
+    def _info(self, before: list[str]):
+        """extra_info as the controller builds it: the page keys in front of this call's pages."""
+        if self._above is None:
+            return None
+        from ..sglang_backend import HiCacheStorageExtraInfo
+
+        return HiCacheStorageExtraInfo(prefix_keys=self._above + before)
+
     def _hit_query(self, keys: list[str]) -> int:
         hit = 0
         for s in range(0, len(keys), BATCH_PAGES):
             batch = keys[s : s + BATCH_PAGES]
-            n = self.be.batch_exists(batch)
+            n = self.be.batch_exists(batch, self._info(keys[:s]))
             hit += n
             if n < len(batch):
                 break
@@ -176,7 +188,7 @@ class Replayer:
             for p in range(len(kk)):
                 for v in self._views[p]:
                     v[:] = POISON
-            ok = self.be.batch_get_v1(kk, self.side.slots(0, len(kk)))
+            ok = self.be.batch_get_v1(kk, self.side.slots(0, len(kk)), self._info(keys[:s]))
             for p, (b, good) in enumerate(zip(bb, ok)):
                 if not good:
                     continue
@@ -195,7 +207,7 @@ class Replayer:
                 break
         return done
 
-    def _backup(self, blocks: list[int], keys: list[str], res: ReplayResult) -> None:
+    def _backup(self, blocks: list[int], keys: list[str], res: ReplayResult, hit_keys: list[str]) -> None:
         store = self.be.store
         sfx = self.be._v1_sfx
         for s in range(0, len(keys), BATCH_PAGES):
@@ -211,7 +223,7 @@ class Replayer:
                 else:
                     for v in self._views[BATCH_PAGES + p]:
                         v[:] = POISON  # a held page is not rewritten: any bytes do
-            ok = self.be.batch_set_v1(kk, self.side.slots(BATCH_PAGES, len(kk)))
+            ok = self.be.batch_set_v1(kk, self.side.slots(BATCH_PAGES, len(kk)), self._info(hit_keys + keys[:s]))
             res.set_pages += len(kk)
             now = store.exists_many_nowait([k + sfx[0] for k in kk])
             for b, h, there in zip(bb, held, now):
