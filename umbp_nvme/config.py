@@ -37,7 +37,7 @@ IO_BACKENDS = ("posix", "io_uring", "auto")  # auto: io_uring, falling back to p
 DURABILITY_ALIASES = {"strict": "strict", "sync": "strict", "relaxed": "relaxed", "async": "relaxed"}
 SSD_BACKENDS = ("file", "spdk", "spdk_proxy")
 EVICTION_POLICIES = ("lru", "prefix_aware")
-ADMISSION_POLICIES = ("adaptive", "all", "second")  # store/admit_gate.py
+ADMISSION_POLICIES = ("auto", "adaptive", "all", "second")  # store/admit_gate.py
 READ_PRIORITY_CHOICES = ("on", "off")  # reads before writes: ioprio, one write slice in flight while reads run
 WRITE_SLICE_BYTES_MIN = 256 << 10  # ssd_write_slice_bytes: 0 (off) or in [MIN, MAX]
 WRITE_SLICE_BYTES_MAX = 1 << 30
@@ -70,7 +70,9 @@ class StoreConfig:
     ssd_high_watermark: float = 0.98
     ssd_low_watermark: float = 0.95
     eviction_policy: str = "lru"  # "lru" | "prefix_aware"
-    admission_policy: str = "adaptive"  # "adaptive" | "all" | "second": which new pages a put writes (admit_gate.py)
+    # which new pages a put writes (store/admit_gate.py): "adaptive" | "all" | "second"; "auto" is
+    # "adaptive" in the SGLang backend's store and "all" for a PageStore used directly
+    admission_policy: str = "auto"
     verify_crc: bool = True
     io_timeout_s: float = 30.0  # bound on every wait for the disk; a stuck device becomes a failure
     o_direct: bool = True  # used when the file system allows it (probed once per store)

@@ -114,13 +114,24 @@ def open_main(be, *, raise_errors: bool):
             return None
     else:
         store = SyncPageStore(
-            _paths(be.store_dirs), be.config, readonly=False, namespace=be._namespace,
+            _paths(be.store_dirs), backup_config(be.config), readonly=False, namespace=be._namespace,
             engine_factory=be._engine_factory, page_of=be._page_of,
         )  # fmt: skip
     be._register_ranges(store, be._ranges)
     be._watch(store, "main")
     be._store = store
     return store
+
+
+def backup_config(config):
+    """The config of the store SGLang backs up into: admission_policy "auto" is "adaptive" here
+    (SGLang's backups are what admission is for; a direct PageStore user's "auto" writes every
+    page, so its puts keep meaning "stored until evicted")."""
+    if config.admission_policy != "auto":
+        return config
+    import dataclasses
+
+    return dataclasses.replace(config, admission_policy="adaptive")
 
 
 def main_store(be):

@@ -39,7 +39,7 @@ def test_every_default_is_pinned():
         ssd_high_watermark=0.98,
         ssd_low_watermark=0.95,
         eviction_policy="lru",
-        admission_policy="adaptive",
+        admission_policy="auto",
         verify_crc=True,
         io_timeout_s=30.0,
         o_direct=True,

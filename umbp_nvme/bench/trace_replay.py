@@ -109,7 +109,7 @@ class Replayer:
         self.l2_blocks = l2_blocks
         self.sample_every = sample_every
         self.corrupt = corrupt  # test hook: corrupt(request index, block, views) after a read
-        self.version: dict[int, int] = {}  # block -> version the store holds (its last admitted write)
+        self.version: dict[tuple[int, int], int] = {}  # (block, component) -> version the store holds
         self.writes: dict[int, int] = {}  # block -> writes so far
         self._keys: dict[int, str] = {}
         self._views = [side.words(p) for p in range(self.POOL_PAGES)]
@@ -195,8 +195,7 @@ class Replayer:
                 views = self._views[p]
                 if self.corrupt is not None:
                     self.corrupt(i, b, views)
-                ver = self.version.get(b, -1)
-                bad = sum(self.oracle.wrong_bytes(v, b, ver, c) for c, v in enumerate(views))
+                bad = sum(self.oracle.wrong_bytes(v, b, self.version.get((b, c), -1), c) for c, v in enumerate(views))
                 if bad:
                     res.wrong_bytes += bad
                     res.wrong_pages += 1
@@ -212,23 +211,27 @@ class Replayer:
         sfx = self.be._v1_sfx
         for s in range(0, len(keys), BATCH_PAGES):
             bb, kk = blocks[s : s + BATCH_PAGES], keys[s : s + BATCH_PAGES]
-            # which pages the store holds already (it keeps their first bytes): the oracle asks
-            # the store directly, no backend call, so SGLang's call pattern is unchanged
-            held = store.exists_many_nowait([k + sfx[0] for k in kk])
-            for p, (b, h) in enumerate(zip(bb, held)):
-                if not h:
-                    ver = self.writes[b] = self.writes.get(b, 0) + 1
-                    for c, v in enumerate(self._views[BATCH_PAGES + p]):
-                        self.oracle.fill(v, b, ver, c)
-                else:
-                    for v in self._views[BATCH_PAGES + p]:
-                        v[:] = POISON  # a held page is not rewritten: any bytes do
+            objs = [k + x for k in kk for x in sfx]
+            # which objects the store holds already (it keeps their first bytes; an eviction can
+            # take one component of a page and leave the other): the oracle asks the store
+            # directly, no backend call, so SGLang's call pattern is unchanged
+            held = store.exists_many_nowait(objs)
+            new_ver = {}
+            for p, b in enumerate(bb):
+                comps = held[2 * p : 2 * p + 2]
+                if not all(comps):
+                    new_ver[b] = self.writes[b] = self.writes.get(b, 0) + 1
+                for c, (v, h) in enumerate(zip(self._views[BATCH_PAGES + p], comps)):
+                    # a held object is not rewritten; its bytes in the host slot are the ones
+                    # it holds, as in SGLang, where a page's bytes never change
+                    self.oracle.fill(v, b, self.version.get((b, c), 0) if h else new_ver[b], c)
             ok = self.be.batch_set_v1(kk, self.side.slots(BATCH_PAGES, len(kk)), self._info(hit_keys + keys[:s]))
             res.set_pages += len(kk)
-            now = store.exists_many_nowait([k + sfx[0] for k in kk])
-            for b, h, there in zip(bb, held, now):
+            now = store.exists_many_nowait(objs)
+            for j, (h, there) in enumerate(zip(held, now)):
                 if not h and there:  # written now (not declined, not failed): the store holds this version
-                    self.version[b] = self.writes[b]
+                    b = bb[j // 2]
+                    self.version[(b, j % 2)] = new_ver[b]
             if not all(ok):
                 res.set_failed += ok.count(False)
                 break

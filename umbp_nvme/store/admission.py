@@ -222,22 +222,26 @@ def page_ids(pages: list[str]) -> np.ndarray:
     n = len(pages)
     if not n:
         return np.zeros(0, np.uint64)
+    out, ok = np.zeros(n, np.uint64), np.zeros(n, bool)
     try:
-        raw = np.array(pages, dtype="S16")  # the first 16 characters (ASCII; else the fallback)
+        raw = np.array(pages, dtype="S16")  # the first 16 characters; a non-ASCII name: key by key
     except UnicodeEncodeError:
         raw = None
     if raw is not None:
         nib = _HEX[raw.view(np.uint8).reshape(n, 16)]
-        ok = (nib != 255).all(axis=1) & (np.char.str_len(raw) == 16)
-        out = np.zeros(n, np.uint64)
+        ok = (nib != 255).all(axis=1)  # a shorter name pads with NUL, which is not a digit
         for j in range(16):
             out = (out << np.uint64(4)) | nib[:, j].astype(np.uint64)
         if ok.all():
             return out
-    else:
-        out, ok = np.zeros(n, np.uint64), np.zeros(n, bool)
     import hashlib
+    import re
 
+    hex16 = re.compile(r"[0-9a-fA-F]{16}")
     for i in np.flatnonzero(~ok).tolist():
-        out[i] = int.from_bytes(hashlib.blake2b(pages[i].encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+        p = pages[i]
+        if hex16.match(p):
+            out[i] = int(p[:16], 16)
+        else:
+            out[i] = int.from_bytes(hashlib.blake2b(p.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
     return out

@@ -11,7 +11,9 @@ backup is its second write. Declined objects are counted in ``put_declined``, ne
 re-puts of stored keys).
 
 ``StoreConfig.admission_policy``: ``adaptive`` (admission.py's measured choice), ``all`` (write
-every object: LRU as before) or ``second`` (the fixed second-write doorkeeper).
+every object: LRU as before) or ``second`` (the fixed second-write doorkeeper); ``auto`` is
+``all`` here, and the SGLang backend opens its store with ``adaptive`` (sglang_stores.py), so a
+direct PageStore user's put keeps meaning "stored until evicted".
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _ids(keys) -> np.ndarray:
 def _policy(store, lens: np.ndarray, n_pages: int):
     """The store's Admission (made at its first put, when object sizes are known); None for ``all``."""
     pol = getattr(store, "_admission", None)
-    if pol is not None or store.config.admission_policy == "all":
+    if pol is not None or store.config.admission_policy in ("all", "auto"):
         return pol
     per_page = max(1, round(len(lens) / max(1, n_pages)))
     page_bytes = int(size_classes(lens).mean()) * per_page
@@ -45,7 +47,7 @@ def _policy(store, lens: np.ndarray, n_pages: int):
 
 def screen(store, keys, todo: np.ndarray, addrs: np.ndarray, lens: np.ndarray, results: list):
     """(todo, addrs, lens) of the objects to write; declined ones answer True in ``results``."""
-    if store.config.admission_policy == "all" or not len(todo):
+    if store.config.admission_policy in ("all", "auto") or not len(todo):
         return todo, addrs, lens
     ids = _ids([keys[int(i)] for i in todo])
     pages, first, inv = np.unique(ids, return_index=True, return_inverse=True)
