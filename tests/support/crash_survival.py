@@ -101,8 +101,11 @@ def crash_child(spec: CrashSpec, ready) -> None:
                 pool.fill(p, k)
             old = [be.exists(k) for k in keys]  # a re-put keeps the old entry (and its LRU age)
             res = be.batch_set_v1(keys, pool.indices(0, B))
-            ok = [k for k, good in zip(keys, res) if good]
-            lines = "".join(f"{'~' if o else '+'}{k}\n" for k, o, good in zip(keys, old, res) if good)
+            # admission may decline a new page (its put answers True, docs/cache-policy.md):
+            # "-" acknowledged but not stored, owed nothing; "+" stored now, owed from here on
+            there = [be.exists(k) for k in keys]
+            ok = [k for k, good, t in zip(keys, res, there) if good and t]
+            lines = "".join(f"{'~' if o else '+' if t else '-'}{k}\n" for k, o, good, t in zip(keys, old, res, there) if good)
             os.write(fd, (lines + "=\n").encode())  # one write per batch; "=": batch boundary
             acked.extend(ok)
         elif r < 0.9 and acked:
@@ -117,7 +120,7 @@ def crash_child(spec: CrashSpec, ready) -> None:
 
 @dataclass
 class Acks:
-    acked: set  # every page a batch_set_v1 acknowledged
+    acked: set  # every page a batch_set_v1 acknowledged and the store held right after
     last_batch: set  # pages the last acknowledged batch newly wrote (LRU cannot have evicted them)
     child_wrong: int
     reads_after_last: int

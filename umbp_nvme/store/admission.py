@@ -38,7 +38,9 @@ SIZE_CLASSES = 9  # write batches of 1, 2-3, 4-7, ..., 256+ pages
 HORIZON_X = 32  # doorkeeper and class statistics look back this many capacities of offered pages
 SHADOW_PAGES = 4096  # sampled pages each miniature LRU holds (at least; fewer when the cache is smaller)
 SCORE_DECAY = 0.5  # weight left on the miniatures' hits every capacity of requests
-SWITCH_MARGIN = 1.03  # a rule must beat the current one by this much to take over
+SWITCH_MARGIN = 1.03  # a rule must beat the current one's hits by this much to take over, or
+HIT_TIE = 0.01  # hit within this share of the best rule's hits and
+WRITE_MARGIN = 0.2  # write this much less than the current rule
 MIN_CLASS_SAMPLES = 16  # a class with fewer finished samples counts as reused (admitted)
 MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -50,13 +52,13 @@ def size_class(batch_pages: int) -> int:
 class _Mini:
     """One rule's LRU over the sampled pages."""
 
-    __slots__ = ("rule", "lru", "cap", "hits", "score")
+    __slots__ = ("rule", "lru", "cap", "hits", "score", "writes", "wscore")
 
     def __init__(self, rule: str, cap: int):
         self.rule, self.cap = rule, cap
         self.lru: OrderedDict[int, None] = OrderedDict()
-        self.hits = 0
-        self.score = 0.0
+        self.hits = self.writes = 0
+        self.score = self.wscore = 0.0
 
 
 class Admission:
@@ -180,6 +182,7 @@ class Admission:
                 rule = m.rule
                 if rule == "all" or seen or (rule != "second" and rates[cls] >= CLASS_THRESHOLDS[rule]):
                     lru[p] = None
+                    m.writes += 1
                     if len(lru) > m.cap:
                         lru.popitem(last=False)
         self._requests += len(pages)
@@ -201,13 +204,20 @@ class Admission:
         self._requests = 0
         for m in self.minis:
             m.score = SCORE_DECAY * m.score + m.hits
-            m.hits = 0
+            m.wscore = SCORE_DECAY * m.wscore + m.writes
+            m.hits = m.writes = 0
         self.class_done *= SCORE_DECAY ** (1 / HORIZON_X)
         self.class_reused *= SCORE_DECAY ** (1 / HORIZON_X)
         cur = next(m for m in self.minis if m.rule == self.rule)
-        best = max(self.minis, key=lambda m: m.score)
-        if best is not cur and best.score > cur.score * SWITCH_MARGIN:
-            self.rule = best.rule
+        top = max(m.score for m in self.minis)
+        # of the rules that hit (nearly) as much as the best, the one that writes least: hits
+        # first, then device writes (bandwidth beside reads, endurance)
+        near = [m for m in self.minis if m.score >= top * (1 - HIT_TIE)]
+        pick = min(near, key=lambda m: (m.wscore, -m.score))
+        better_hits = pick.score > cur.score * SWITCH_MARGIN
+        fewer_writes = cur in near and pick.wscore < cur.wscore * (1 - WRITE_MARGIN)
+        if pick is not cur and (better_hits or fewer_writes or cur not in near):
+            self.rule = pick.rule
             self.switches += 1
 
 
