@@ -69,7 +69,7 @@ class StoreConfig:
     # top, so the capacity configured is the capacity that caches (issue 26: 0.9 / 0.7 held ~80 %).
     ssd_high_watermark: float = 0.98
     ssd_low_watermark: float = 0.95
-    eviction_policy: str = "lru"  # "lru" | "prefix_aware"
+    eviction_policy: str = "lru"  # "lru" | "prefix_aware" (a name for lru since issue 26: store/eviction.py)
     # which new pages a put writes (store/admit_gate.py): "adaptive" | "all" | "second"; "auto" is
     # "adaptive" in the SGLang backend's store and "all" for a PageStore used directly
     admission_policy: str = "auto"
