@@ -36,7 +36,7 @@ RULES = ("all", "second", "class30", "class50")
 CLASS_THRESHOLDS = {"class30": 0.3, "class50": 0.5}
 SIZE_CLASSES = 9  # write batches of 1, 2-3, 4-7, ..., 256+ pages
 HORIZON_X = 32  # doorkeeper and class statistics look back this many capacities of offered pages
-SHADOW_PAGES = 4096  # sampled pages each miniature LRU holds (at least; fewer when the cache is smaller)
+SHADOW_PAGES = 1024  # sampled pages each miniature LRU holds (at least; fewer when the cache is smaller)
 SCORE_DECAY = 0.5  # weight left on the miniatures' hits every capacity of requests
 SWITCH_MARGIN = 1.03  # a rule must beat the current one's hits by this much to take over, or
 HIT_TIE = 0.01  # hit within this share of the best rule's hits and
@@ -81,6 +81,7 @@ class Admission:
         self._seen: OrderedDict[int, int] = OrderedDict()  # sampled page -> last offered (the miniatures' doorkeeper)
         self.class_done = np.zeros(SIZE_CLASSES)
         self.class_reused = np.zeros(SIZE_CLASSES)
+        self._rates = None  # class_rates(), cached between rescores
         cap = max(1, self.capacity >> sample_shift)
         self.minis = [_Mini(r, cap) for r in RULES]
         self.rule = "all"
@@ -130,10 +131,12 @@ class Admission:
 
     def class_rates(self) -> np.ndarray:
         """Per size class: the share of first-time pages asked for again within the horizon
-        (1 where fewer than MIN_CLASS_SAMPLES finished)."""
-        rate = np.divide(self.class_reused, self.class_done, out=np.ones(SIZE_CLASSES), where=self.class_done > 0)
-        rate[self.class_done < MIN_CLASS_SAMPLES] = 1.0
-        return rate
+        (1 where fewer than MIN_CLASS_SAMPLES finished). Recomputed at each rescore."""
+        if self._rates is None:
+            rate = np.divide(self.class_reused, self.class_done, out=np.ones(SIZE_CLASSES), where=self.class_done > 0)
+            rate[self.class_done < MIN_CLASS_SAMPLES] = 1.0
+            self._rates = rate
+        return self._rates
 
     def _decide(self, rule: str, seen, cls: int):
         """``seen``: bool array (or one bool) of pages offered before within the horizon."""
@@ -202,6 +205,7 @@ class Admission:
 
     def _rescore(self) -> None:
         self._requests = 0
+        self._rates = None
         for m in self.minis:
             m.score = SCORE_DECAY * m.score + m.hits
             m.wscore = SCORE_DECAY * m.wscore + m.writes
@@ -234,14 +238,15 @@ def page_ids(pages: list[str]) -> np.ndarray:
         return np.zeros(0, np.uint64)
     out, ok = np.zeros(n, np.uint64), np.zeros(n, bool)
     try:
-        raw = np.array(pages, dtype="S16")  # the first 16 characters; a non-ASCII name: key by key
-    except UnicodeEncodeError:
-        raw = None
-    if raw is not None:
-        nib = _HEX[raw.view(np.uint8).reshape(n, 16)]
-        ok = (nib != 255).all(axis=1)  # a shorter name pads with NUL, which is not a digit
-        for j in range(16):
-            out = (out << np.uint64(4)) | nib[:, j].astype(np.uint64)
+        arr = np.array(pages, dtype=str)  # one C pass: UCS-4 code points, NUL-padded to the longest
+    except (TypeError, ValueError):
+        arr = None
+    if arr is not None and arr.dtype.itemsize >= 64:
+        codes = arr.view(np.uint32).reshape(n, -1)[:, :16]
+        nib = _HEX[np.minimum(codes, 255)]
+        ok = ((nib != 255) & (codes < 128)).all(axis=1)  # NUL padding and non-ASCII are not digits
+        packed = (nib[:, 0::2] << 4) | (nib[:, 1::2] & 15)
+        out = packed.view(">u8").reshape(n).astype(np.uint64)
         if ok.all():
             return out
     import hashlib
