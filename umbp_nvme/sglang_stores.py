@@ -116,7 +116,7 @@ def open_main(be, *, raise_errors: bool):
     else:
         warn_if_short(be.store_dirs, be.config.ssd_capacity_bytes)  # the server's capacity, before it opens
         store = SyncPageStore(
-            _paths(be.store_dirs), be.config, readonly=False, namespace=be._namespace,
+            _paths(be.store_dirs), backup_config(be.config), readonly=False, namespace=be._namespace,
             engine_factory=be._engine_factory, page_of=be._page_of,
         )  # fmt: skip
     be._register_ranges(store, be._ranges)
@@ -166,6 +166,17 @@ def stop_events(be, store) -> None:
             pub.close()
         except Exception as e:  # noqa: BLE001
             log.warning("umbp_nvme: closing the KV event publisher failed: %r", e)
+
+
+def backup_config(config):
+    """The config of the store SGLang backs up into: admission_policy "auto" is "adaptive" here
+    (SGLang's backups are what admission is for; a direct PageStore user's "auto" writes every
+    page, so its puts keep meaning "stored until evicted")."""
+    if config.admission_policy != "auto":
+        return config
+    import dataclasses
+
+    return dataclasses.replace(config, admission_policy="adaptive")
 
 
 def main_store(be):

@@ -36,9 +36,10 @@ def test_every_default_is_pinned():
         ssd_write_slice_bytes=8 * MiB,
         ssd_read_priority="on",
         ssd_durability_mode="strict",
-        ssd_high_watermark=0.9,
-        ssd_low_watermark=0.7,
+        ssd_high_watermark=0.98,
+        ssd_low_watermark=0.95,
         eviction_policy="lru",
+        admission_policy="auto",
         verify_crc=True,
         io_timeout_s=30.0,
         o_direct=True,
@@ -181,7 +182,7 @@ def test_every_environment_variable_reaches_its_field():
         "UMBP_SSD_SEGMENT_SIZE": str(MiB), "UMBP_SSD_IO_BACKEND": "POSIX", "UMBP_SSD_DURABILITY": "async",
         "UMBP_VERIFY_CRC": "no", "UMBP_SSD_QUEUE_DEPTH": "1", "UMBP_IO_TIMEOUT_S": "0.5", "UMBP_O_DIRECT": "false",
         "UMBP_GDS_STAGING": "on", "UMBP_SSD_WRITE_SLICE_BYTES": str(16 * MiB), "UMBP_SSD_READ_PRIORITY": "off",
-        "UMBP_SSD_REQUIRE_MOUNT": "yes",
+        "UMBP_SSD_REQUIRE_MOUNT": "yes", "UMBP_ADMISSION_POLICY": "second",
     }
     assert set(env) == set(ENV_KEYS)
     cfg = load(env=env)
@@ -191,6 +192,7 @@ def test_every_environment_variable_reaches_its_field():
     assert (cfg.ssd_durability_mode, cfg.verify_crc, cfg.ssd_queue_depth) == ("relaxed", False, 1)
     assert (cfg.io_timeout_s, cfg.o_direct, cfg.gds_staging) == (0.5, False, True)
     assert (cfg.ssd_write_slice_bytes, cfg.ssd_read_priority, cfg.ssd_require_mount) == (16 * MiB, "off", True)
+    assert cfg.admission_policy == "second"
     # extra_config overrides each one it names and leaves the others alone
     cfg = load({"o_direct": True, "ssd_queue_depth": 8}, env)
     assert (cfg.o_direct, cfg.ssd_queue_depth, cfg.verify_crc, cfg.io_timeout_s) == (True, 8, False, 0.5)
