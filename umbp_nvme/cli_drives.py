@@ -160,6 +160,6 @@ def _stats_json(root: str) -> dict:
     from .maintenance import store_stats
 
     try:
-        return store_stats(root, None, 0.9, 0.7)
+        return store_stats(root)
     except Exception:  # noqa: BLE001 - the table shows what it can
         return {}

@@ -39,6 +39,7 @@ IO_BACKENDS = ("posix", "io_uring", "auto")  # auto: io_uring, falling back to p
 DURABILITY_ALIASES = {"strict": "strict", "sync": "strict", "relaxed": "relaxed", "async": "relaxed"}
 SSD_BACKENDS = ("file", "spdk", "spdk_proxy")
 EVICTION_POLICIES = ("lru", "prefix_aware")
+ADMISSION_POLICIES = ("auto", "adaptive", "all", "second")  # store/admit_gate.py
 READ_PRIORITY_CHOICES = ("on", "off")  # reads before writes: ioprio, one write slice in flight while reads run
 CRC_POLICIES = ("idle", "batch", "nice", "normal")  # how a put's CRC worker lowers its CPU priority (put_crc.py)
 CRC_NICE_MAX = 19  # the lowest CPU priority a nice value names
@@ -74,9 +75,14 @@ class StoreConfig:
     ssd_crc_policy: str = "nice"
     ssd_crc_nice: int = 19
     ssd_durability_mode: str = "strict"  # "strict" | "relaxed" (after alias mapping)
-    ssd_high_watermark: float = 0.9
-    ssd_low_watermark: float = 0.7
-    eviction_policy: str = "lru"  # "lru" | "prefix_aware"
+    # Eviction starts at the high watermark and frees down to the low one: small steps near the
+    # top, so the capacity configured is the capacity that caches (issue 26: 0.9 / 0.7 held ~80 %).
+    ssd_high_watermark: float = 0.98
+    ssd_low_watermark: float = 0.95
+    eviction_policy: str = "lru"  # "lru" | "prefix_aware" (a name for lru since issue 26: store/eviction.py)
+    # which new pages a put writes (store/admit_gate.py): "adaptive" | "all" | "second"; "auto" is
+    # "adaptive" in the SGLang backend's store and "all" for a PageStore used directly
+    admission_policy: str = "auto"
     verify_crc: bool = True
     io_timeout_s: float = 30.0  # bound on every wait for the disk; a stuck device becomes a failure
     o_direct: bool = True  # used when the file system allows it (probed once per store)
@@ -160,6 +166,10 @@ class StoreConfig:
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
                 f"eviction_policy must be one of: {', '.join(EVICTION_POLICIES)}; got {self.eviction_policy!r}"
+            )
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"admission_policy must be one of: {', '.join(ADMISSION_POLICIES)}; got {self.admission_policy!r}"
             )
         low, high = self.ssd_low_watermark, self.ssd_high_watermark
         if not (_is_real(low) and _is_real(high) and 0.0 < low < high <= 1.0):
@@ -378,6 +388,13 @@ def _parse_eviction_policy(value: Any, label: str) -> str:
     return norm
 
 
+def _parse_admission_policy(value: Any, label: str) -> str:
+    norm = str(value).strip().lower()
+    if norm not in ADMISSION_POLICIES:
+        raise ValueError(f"{label} must be one of: {', '.join(ADMISSION_POLICIES)}; got {value!r}")
+    return norm
+
+
 def _warn_kv_events(value: Any, label: str) -> Any:
     if value:
         logger.warning("umbp_nvme: %s is set, but this backend subscribes to no KV events; ignored "
@@ -419,6 +436,7 @@ _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
     "ssd_high_watermark": ("ssd_high_watermark", _parse_float),
     "ssd_low_watermark": ("ssd_low_watermark", _parse_float),
     "eviction_policy": ("eviction_policy", _parse_eviction_policy),
+    "admission_policy": ("admission_policy", _parse_admission_policy),
     "verify_crc": ("verify_crc", parse_bool),
     "io_timeout_s": ("io_timeout_s", _parse_io_timeout),
     "o_direct": ("o_direct", parse_bool),
@@ -518,6 +536,7 @@ ENV_KEYS: dict[str, str] = {
     "UMBP_SSD_WRITE_SLICE_BYTES": "ssd_write_slice_bytes",
     "UMBP_SSD_READ_PRIORITY": "ssd_read_priority",
     "UMBP_SSD_REQUIRE_MOUNT": "ssd_require_mount",
+    "UMBP_ADMISSION_POLICY": "admission_policy",
     "UMBP_SSD_CRC_WORKER": "ssd_crc_worker",
     "UMBP_SSD_CRC_POLICY": "ssd_crc_policy",
     "UMBP_SSD_CRC_NICE": "ssd_crc_nice",

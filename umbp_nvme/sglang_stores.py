@@ -116,7 +116,7 @@ def open_main(seam, *, raise_errors: bool):
     else:
         warn_if_short(seam.store_dirs, seam.config.ssd_capacity_bytes)  # the server's capacity, before it opens
         store = SyncPageStore(
-            _paths(seam.store_dirs), seam.config, readonly=False, namespace=seam.namespace,
+            _paths(seam.store_dirs), backup_config(seam.config), readonly=False, namespace=seam.namespace,
             engine_factory=seam.engine_factory, page_of=seam.page_of,
         )  # fmt: skip
     register_ranges(store, seam.ranges)
@@ -166,6 +166,17 @@ def stop_events(seam, store) -> None:
             pub.close()
         except Exception as e:  # noqa: BLE001
             log.warning("umbp_nvme: closing the KV event publisher failed: %r", e)
+
+
+def backup_config(config):
+    """The config of the store SGLang backs up into: admission_policy "auto" is "adaptive" here
+    (SGLang's backups are what admission is for; a direct PageStore user's "auto" writes every
+    page, so its puts keep meaning "stored until evicted")."""
+    if config.admission_policy != "auto":
+        return config
+    import dataclasses
+
+    return dataclasses.replace(config, admission_policy="adaptive")
 
 
 def main_store(seam):

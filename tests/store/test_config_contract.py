@@ -39,9 +39,10 @@ def test_every_default_is_pinned():
         ssd_crc_policy="nice",
         ssd_crc_nice=19,
         ssd_durability_mode="strict",
-        ssd_high_watermark=0.9,
-        ssd_low_watermark=0.7,
+        ssd_high_watermark=0.98,
+        ssd_low_watermark=0.95,
         eviction_policy="lru",
+        admission_policy="auto",
         verify_crc=True,
         io_timeout_s=30.0,
         o_direct=True,
@@ -188,8 +189,8 @@ def test_every_environment_variable_reaches_its_field():
         "UMBP_SSD_SEGMENT_SIZE": str(MiB), "UMBP_SSD_IO_BACKEND": "POSIX", "UMBP_SSD_DURABILITY": "async",
         "UMBP_VERIFY_CRC": "no", "UMBP_SSD_QUEUE_DEPTH": "1", "UMBP_IO_TIMEOUT_S": "0.5", "UMBP_O_DIRECT": "false",
         "UMBP_GDS_STAGING": "on", "UMBP_SSD_WRITE_SLICE_BYTES": str(16 * MiB), "UMBP_SSD_READ_PRIORITY": "off",
-        "UMBP_SSD_REQUIRE_MOUNT": "yes", "UMBP_SSD_CRC_WORKER": "off", "UMBP_SSD_CRC_POLICY": " Idle ",
-        "UMBP_SSD_CRC_NICE": "5",
+        "UMBP_SSD_REQUIRE_MOUNT": "yes", "UMBP_ADMISSION_POLICY": "second", "UMBP_SSD_CRC_WORKER": "off",
+        "UMBP_SSD_CRC_POLICY": " Idle ", "UMBP_SSD_CRC_NICE": "5",
     }
     assert set(env) == set(ENV_KEYS)
     cfg = load(env=env)
@@ -199,6 +200,7 @@ def test_every_environment_variable_reaches_its_field():
     assert (cfg.ssd_durability_mode, cfg.verify_crc, cfg.ssd_queue_depth) == ("relaxed", False, 1)
     assert (cfg.io_timeout_s, cfg.o_direct, cfg.gds_staging) == (0.5, False, True)
     assert (cfg.ssd_write_slice_bytes, cfg.ssd_read_priority, cfg.ssd_require_mount) == (16 * MiB, "off", True)
+    assert cfg.admission_policy == "second"
     assert (cfg.ssd_crc_worker, cfg.ssd_crc_policy, cfg.ssd_crc_nice) == (False, "idle", 5)
     # extra_config overrides each one it names and leaves the others alone
     cfg = load({"o_direct": True, "ssd_queue_depth": 8}, env)

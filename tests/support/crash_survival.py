@@ -128,9 +128,12 @@ def crash_child(spec: CrashSpec, ready) -> None:
                 if not held[p]:
                     model.begin_put(k, v)
             res = be.batch_set_v1(keys, pool.indices(0, B))
+            # admission may decline a new page: its put answers True and stores nothing
+            # (docs/cache-policy.md), so it is owed nothing: logged as refused
+            now = [be.exists(k) for k in keys]
             lines = []
-            for k, v, t, good in zip(keys, vers, held, res):
-                if good:
+            for k, v, t, good, h in zip(keys, vers, held, res, now):
+                if good and (t or h):
                     model.put_acked(k, v, wrote=not t)
                     lines.append(f"{'~' if t else '+'}{k} {v}")
                 else:
