@@ -57,7 +57,8 @@ class Seam:
     next_follower_try: float = 0.0
     publisher: Any = None  # kv_events.Publisher once this rank's store is open
     residency: Any = None  # kv_residency.Residency hooked into that store
-    logged: set[str] = field(default_factory=set)
+    logged: set[str] = field(default_factory=set)  # kinds log_once has logged
+    page_of: Callable[[str], str] = field(init=False)  # key -> page hash, for placement over drives
 
     def __post_init__(self) -> None:
         if not self.v1_sfx:
