@@ -278,7 +278,8 @@ class PutPath:
             # executor and a small one's on the loop once the write is submitted (below), as the
             # hand-off to a thread and back costs ~200 us of CPU. See put_crc.py.
             b.crc_out = np.empty(m, np.uint32)
-            b.crc_job = put_crc.dispatch(self._arbiter, self._crc32c_many, b.src, b.nbytes, b.crc_out, INLINE_CRC_BYTES)
+            b.crc_job = put_crc.dispatch(self._arbiter, self._crc32c_many, b.src, b.nbytes, b.crc_out,
+                                         INLINE_CRC_BYTES, self.config)
         if plan.bounced:
             # the thread owns the bounce buffer until it returns, even if our caller gives up
             await wait_out(loop.run_in_executor(None, plan.copy_in))
