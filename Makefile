@@ -1,24 +1,30 @@
 # Two entry points for a fresh Debian machine with Python 3.11: `make demo` and `make test`.
+# Prerequisites: python3.11 with venv and its headers (python3.11-dev), gcc, make.
 PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch comes from its CPU wheel first so that nothing pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test bench mutation clean
+.PHONY: venv demo test bench wheel mutation clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python setup.py setup.cfg pyproject.toml $(wildcard native/*.c native/*.h)
+# The package and its extension alone: numpy, lmdb, tqdm. All the demo needs (no torch, no test extras).
+$(VENV)/.built: $(BIN)/python setup.py setup.cfg pyproject.toml $(wildcard native/*.c native/*.h)
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# Everything the test suite and the benchmarks need on top.
+$(VENV)/.installed: $(VENV)/.built
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $@
 
 venv: $(VENV)/.installed
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.built
 	$(BIN)/umbp-nvme demo
 
 test: $(VENV)/.installed
@@ -26,6 +32,11 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/umbp-nvme bench engine
+
+# dist/umbp_nvme-*.whl: a manylinux wheel with the compiled extension and the docs, for machines
+# without a compiler (tools/build_wheel.sh: python -m build, then auditwheel repair).
+wheel: $(BIN)/python
+	bash tools/build_wheel.sh $(BIN)/python
 
 # Mutation report for keys, hits, config and the segment allocator (not part of .ci/run):
 # writes tools/mutation/report.md; MODULES="keys hits" for some, JOBS=2 for two workers.
@@ -39,4 +50,4 @@ mutation: $(VENV)/.mutation
 	$(BIN)/python tools/mutation/run.py --jobs $(JOBS) $(MODULES)
 
 clean:
-	rm -rf $(VENV) build *.egg-info umbp_nvme/*.so
+	rm -rf $(VENV) build dist *.egg-info umbp_nvme/*.so

@@ -1,7 +1,49 @@
 # The C extension is declared here because setup.cfg cannot carry compiler flags portably.
+import glob
+import os
+import shlex
+import shutil
+import sysconfig
+
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+
+class BuildExt(build_ext):
+    """Say in one line what to install when the compiler or the Python headers are missing
+    (setuptools would fail deep inside with `No such file or directory: 'gcc'`)."""
+
+    def run(self):
+        cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "gcc")[0]
+        headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+        missing = [f"a C compiler ({cc} is not on PATH)"] if shutil.which(cc) is None else []
+        if not os.path.exists(headers):
+            missing.append(f"the Python headers ({headers} is missing)")
+        if missing:
+            raise SystemExit(
+                f"umbp_nvme: building its C extension needs {' and '.join(missing)}: on Debian/Ubuntu "
+                "`apt-get install gcc python3.11-dev`, or install a prebuilt wheel instead (`make wheel` on a "
+                "machine that has them, then `pip install dist/umbp_nvme-*.whl`)"
+            )
+        super().run()
+
+
+class BuildPy(build_py):
+    """Ship docs/ inside the package (umbp_nvme/docs), so an installed package has the docs
+    its `--help` names."""
+
+    def run(self):
+        super().run()
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = os.path.join(self.build_lib, "umbp_nvme", "docs")
+        os.makedirs(out, exist_ok=True)
+        for f in glob.glob(os.path.join(here, "docs", "*.md")) + glob.glob(os.path.join(here, "docs", "*.png")):
+            shutil.copy2(f, out)
+
 
 setup(
+    cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
     ext_modules=[
         Extension(
             "umbp_nvme._uring",
@@ -9,5 +51,5 @@ setup(
             depends=["native/uring.h", "native/crc32c.h", "native/crc32c_consts.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )
-    ]
+    ],
 )

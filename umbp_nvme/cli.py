@@ -12,28 +12,24 @@ import asyncio
 import json
 import logging
 import os
-import re
 import sys
-from fractions import Fraction
 
 from .keybytes import printable_key
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.I)
-
 
 class CliError(Exception):
     """A message for the operator; exit code 2."""
 
 
 def parse_size(text: str) -> int:
-    """'4096', '64k', '512MiB', '1.5g' -> bytes (k/m/g/t are powers of 1024)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or a number with k/m/g/t (e.g. 64g)")
-    n, unit = Fraction(m.group(1)), m.group(2).lower()  # exact: a float overflowed past 308 digits
-    return int(n * (1 << (10 * " kmgtp".index(unit or " "))))
+    """'4096', '64k', '512MiB', '1.5g' -> bytes (binary units: sizes.py)."""
+    from .sizes import parse_size as parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -95,6 +91,17 @@ def _load_config(args):
         cfg = load_config(extra)
     except ValueError as e:
         raise CliError(str(e)) from None
+    return cfg
+
+
+def _writer_config(args):
+    """_load_config for a command that opens the store as its writer: a capacity given on the
+    command line that the file system cannot hold is said at once (fs_room.py)."""
+    from .fs_room import warn_if_short
+
+    cfg = _load_config(args)
+    if _capacity_given(args):
+        warn_if_short(cfg.storage_roots, cfg.ssd_capacity_bytes)
     return cfg
 
 
@@ -167,7 +174,7 @@ def cmd_warmup(args) -> int:
         raise CliError("--keys - and the SOURCE - would both read stdin; give the keys as a file")
     if args.sources.count("-") > 1:
         raise CliError("stdin (-) can be given as a SOURCE once")
-    cfg = _load_config(args)
+    cfg = _writer_config(args)
     keys = _read_keys(args.keys) if args.keys else None
     try:
         s = asyncio.run(
@@ -307,7 +314,7 @@ def cmd_verify(args) -> int:
 def _drop_keys(args, keys: list[str]) -> int:
     from .store import PageStore
 
-    cfg = _load_config(args)
+    cfg = _writer_config(args)
 
     async def run() -> int:
         store = await PageStore.open(args.store, cfg, capacity_from_manifest=not _capacity_given(args))
@@ -324,7 +331,7 @@ def cmd_compact(args) -> int:
     from .store import PageStore
 
     _refuse_if_locked(args.store, "compact")
-    cfg = _load_config(args)
+    cfg = _writer_config(args)
 
     async def run() -> dict:
         # holds the writer lock while we work
@@ -367,8 +374,12 @@ def cmd_inspect(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
-    argv = [args.which] + (["--quick"] if args.quick else []) + (["--plot", args.plot] if args.plot else []) + list(args.rest)
-    return bench.main(argv)
+    rest = [a for a in args.rest if a != "--"]  # `--` was once needed before a benchmark's own options
+    which = "engine" if not rest or rest[0].startswith("-") else rest.pop(0)
+    if which not in bench.BENCHES:
+        raise CliError(f"unknown benchmark {which!r}; expected one of: {', '.join(bench.BENCHES)} "
+                       "(`umbp-nvme bench NAME --help` lists its options)")
+    return bench.main([which] + rest)
 
 
 def cmd_demo(args) -> int:
@@ -410,12 +421,22 @@ Interrupt with Ctrl-C and run the same command again: present keys are skipped."
   umbp-nvme inspect --store /mnt/nvme/umbp --json 3f2a..e1__k""",
     "bench": """examples:
   umbp-nvme bench engine --quick
-  umbp-nvme bench store --plot store.png
-  umbp-nvme bench hicache --quick -- --dir /mnt/nvme/tmp   (arguments after -- go to the benchmark)""",
+  umbp-nvme bench store --quick --dir /mnt/nvme0/bench          # removes what it wrote unless --keep
+  umbp-nvme bench store --roots /mnt/nvme0/b,/mnt/nvme1/b --stall 3
+  umbp-nvme bench hicache --quick --plot hicache.png
+Every option after the benchmark's name goes to it: `umbp-nvme bench store --help` lists them.
+Lines starting `bench target` compare with the goal the benchmark was written for; they are
+not failures.""",
     "demo": """examples:
   umbp-nvme demo
   umbp-nvme demo --keep /tmp/umbp-demo   # keep the store to look at it with stats / inspect""",
 }
+
+
+def _docs(name: str) -> str:
+    from .cli_paths import docs_dir
+
+    return os.path.join(docs_dir(), name)
 
 
 def _sub(subs, name: str, help_: str, description: str):
@@ -437,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="umbp-nvme",
         description="Manage umbp_nvme KV-cache stores: warm up, export, check, inspect, benchmark.",
-        epilog="Run `umbp-nvme demo` first; `umbp-nvme SUBCOMMAND --help` shows examples. See docs/cli.md.",
+        epilog=f"Run `umbp-nvme demo` first; `umbp-nvme SUBCOMMAND --help` shows examples.\nDocs: {_docs('cli.md')}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the docs path on one line
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     subs = p.add_subparsers(dest="command", metavar="SUBCOMMAND")
@@ -476,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     _output_args(w)
     w.set_defaults(func=cmd_warmup)
 
-    e = _sub(subs, "export", "write a portable archive of a store (docs/archive.md)",
+    e = _sub(subs, "export", f"write a portable archive of a store ({_docs('archive.md')})",
              "Write the store's objects, CRC-checked, to a versioned archive that `warmup` imports on another node. "
              "Works while a server writes the store.")
     _store_arg(e)
@@ -531,10 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     b = _sub(subs, "bench", "run a benchmark (umbp_nvme.bench) and print its table",
-             "Run umbp_nvme.bench.<which> (shipped with the package). Extra arguments after -- go to the benchmark.")
-    b.add_argument("which", nargs="?", default="engine", choices=("engine", "store", "hicache", "gds", "mixed", "trace"))
-    b.add_argument("--quick", action="store_true", help="small matrix, about a minute")
-    b.add_argument("--plot", metavar="PNG", help="also write a plot (needs matplotlib)")
+             "umbp-nvme bench [engine|store|hicache|gds|mixed|trace] [OPTIONS]: run umbp_nvme.bench.NAME (shipped with "
+             "the package; default engine). Common options: --quick (small matrix), --dir DIR (store, hicache, mixed: --keep), --json PATH, "
+             "--plot PNG (needs matplotlib).")
     b.set_defaults(func=cmd_bench)
 
     d = _sub(subs, "demo", "a short write/read round trip on a temporary store",
@@ -555,9 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     rest: list[str] = []
-    if "bench" in argv and "--" in argv[argv.index("bench"):]:
-        cut = argv.index("--", argv.index("bench"))
-        argv, rest = argv[:cut], argv[cut + 1 :]  # after --: the benchmark's own arguments
+    at = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if at is not None and argv[at] == "bench" and not any(a in ("-h", "--help") for a in argv[at + 1 : at + 2]):
+        argv, rest = argv[: at + 1], argv[at + 1 :]  # the benchmark parses its own options (its --help too)
     args = parser.parse_args(argv)
     args.rest = rest
     logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
@@ -571,11 +592,17 @@ def main(argv: list[str] | None = None) -> int:
     from .sources import SourceError
 
     from .cli_drives import roots_of, run_per_drive
+    from .cli_paths import expand_paths, not_a_store_hint, permission_message, store_path_error
 
     try:
+        expand_paths(args)  # a quoted ~ is still the home directory
         roots = roots_of(args)  # several drives: each one's directory is a store (cli_drives.py)
+        why = store_path_error(args.store) if getattr(args, "store", None) else None
     except ValueError as e:
         print(f"umbp-nvme {args.command}: error: --store: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if why:
+        print(f"umbp-nvme {args.command}: error: {why}", file=sys.stderr)
         return EXIT_ERROR
     try:
         if roots is not None:
@@ -583,14 +610,18 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except CliError as e:
         print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
-    except (StoreError, NotAStoreError, ArchiveError, SourceError) as e:
+    except NotAStoreError as e:
+        print(f"umbp-nvme {args.command}: error: {e}{not_a_store_hint(getattr(args, 'store', None))}", file=sys.stderr)
+    except (StoreError, ArchiveError, SourceError) as e:
         print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"umbp-nvme {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader of our stdout went away (`export --out - | head`)
         return EXIT_ERROR
-    except OSError as e:  # a path the operator gave: missing, not permitted, a directory ...
+    except PermissionError as e:
+        print(f"umbp-nvme {args.command}: error: {permission_message(e, getattr(args, 'store', None))}", file=sys.stderr)
+    except OSError as e:  # a path the operator gave: missing, a directory ...
         print(f"umbp-nvme {args.command}: error: {e}", file=sys.stderr)
     return EXIT_ERROR
 

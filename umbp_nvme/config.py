@@ -16,17 +16,19 @@ mapped there too; ``dataclasses.replace`` makes a changed copy.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
 import numbers
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from .buffers import DIO_ALIGN_BYTES
+from .sizes import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +187,7 @@ def _io_timeout_range(label: str, value: Any) -> str:
 _TRUE_STRINGS = frozenset({"1", "true", "yes", "on"})
 _FALSE_STRINGS = frozenset({"0", "false", "no", "off"})
 _INT_RE = re.compile(r"^\+?\d+$")
+_UNIT_RE = re.compile(r"\d\s*[kmgtpb]", re.I)
 
 
 def parse_bool(value: Any, label: str) -> bool:
@@ -229,6 +232,24 @@ def _int_parser(minimum: int) -> Callable[[Any, str], int]:
     return parse
 
 
+def _size_parser(minimum: int) -> Callable[[Any, str], int]:
+    """Byte counts: an int, or a string with a binary unit ('500g', '512GiB'; sizes.py)."""
+    as_int = _int_parser(minimum)
+
+    def parse(value: Any, label: str) -> int:
+        if not isinstance(value, str) or not _UNIT_RE.search(value):  # no unit: the integer rules and message
+            return as_int(value, label)
+        try:
+            parsed = parse_size(value)
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
+        if parsed < minimum:
+            raise ValueError(f"{label} must be at least {minimum} bytes, got {value!r}")
+        return parsed
+
+    return parse
+
+
 def _parse_float(value: Any, label: str) -> float:
     parsed: float | None = None
     if isinstance(value, bool):
@@ -266,15 +287,18 @@ def _parse_dir(value: Any, label: str) -> str:
     """
     if isinstance(value, (list, tuple)):
         try:
-            return json.dumps(parse_roots(value))
+            return json.dumps([os.path.expanduser(r) for r in parse_roots(value)])
         except ValueError as e:
             raise ValueError(f"{label}: {e}, got {value!r}") from None
     if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip():
         raise ValueError(f"{label} must be a non-empty directory path, got {value!r}")
     try:
-        parse_roots(os.fspath(value))
+        roots = parse_roots(os.fspath(value))
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
+    if any(r.startswith("~") for r in roots):  # no shell expands a path inside JSON
+        roots = [os.path.expanduser(r) for r in roots]
+        return roots[0] if len(roots) == 1 else json.dumps(roots)
     return os.fspath(value)
 
 
@@ -360,7 +384,8 @@ def _parse_admission_policy(value: Any, label: str) -> str:
 
 def _warn_kv_events(value: Any, label: str) -> Any:
     if value:
-        logger.warning("umbp_nvme: %s is set, but this backend publishes no KV events; ignored.", label)
+        logger.warning("umbp_nvme: %s is set, but this backend subscribes to no KV events; ignored "
+                       "(kv_events_endpoint publishes this store's DISK events: docs/fleet.md).", label)  # fmt: skip
     return value
 
 
@@ -378,11 +403,11 @@ def _parse_tag(value: Any, label: str) -> str | None:
 # extra_config key -> (StoreConfig field or None when accepted and ignored, parser)
 _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
     "ssd_storage_dir": ("ssd_storage_dir", _parse_dir),
-    "ssd_capacity_bytes": ("ssd_capacity_bytes", _int_parser(1)),
-    "ssd_segment_size_bytes": ("ssd_segment_size_bytes", _int_parser(1)),
+    "ssd_capacity_bytes": ("ssd_capacity_bytes", _size_parser(1)),
+    "ssd_segment_size_bytes": ("ssd_segment_size_bytes", _size_parser(1)),
     "ssd_queue_depth": ("ssd_queue_depth", _int_parser(1)),
     "ssd_io_backend": ("ssd_io_backend", _parse_io_backend),
-    "ssd_write_slice_bytes": ("ssd_write_slice_bytes", _int_parser(0)),
+    "ssd_write_slice_bytes": ("ssd_write_slice_bytes", _size_parser(0)),
     "ssd_read_priority": ("ssd_read_priority", _parse_on_off),
     "ssd_durability_mode": ("ssd_durability_mode", _parse_durability),
     "ssd_high_watermark": ("ssd_high_watermark", _parse_float),
@@ -396,7 +421,7 @@ _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
     "ssd_require_mount": ("ssd_require_mount", parse_bool),
     "extra_backend_tag": ("extra_backend_tag", _parse_tag),
     "ssd_enabled": ("ssd_enabled", parse_bool),
-    "dram_capacity_bytes": ("dram_capacity_bytes", _int_parser(0)),
+    "dram_capacity_bytes": ("dram_capacity_bytes", _size_parser(0)),
     "eviction_candidate_window": ("eviction_candidate_window", _int_parser(0)),
     "auto_promote_on_read": ("auto_promote_on_read", parse_bool),
     # Accepted, type-checked, and ignored: UMBP's DRAM->SSD copy pipeline and RDMA registration.
@@ -495,11 +520,14 @@ ENV_KEYS: dict[str, str] = {
 _REMOTE_ENV = ("UMBP_MASTER_ADDRESS", "UMBP_STANDALONE_ADDRESS", "UMBP_SPDK_NVME_PCI")
 
 
-def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | None = None) -> StoreConfig:
+def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | None = None, *,
+                known: Iterable[str] = ()) -> StoreConfig:
     """Build and validate a StoreConfig: defaults, then `UMBP_*` from `env`, then `extra_config`.
 
-    `env` defaults to os.environ. Unknown extra_config keys log one warning each and are
-    ignored; SGLang's loader keys are accepted silently; remote and SPDK keys raise.
+    `env` defaults to os.environ. Unknown extra_config keys log one warning each (with the
+    closest known key, ``known`` included: keys the caller took out itself) and are ignored;
+    SGLang's loader keys are accepted silently; remote and SPDK keys raise. Byte counts take
+    binary units ('500g', '512GiB').
     """
     env = os.environ if env is None else env
     extra = dict(extra_config or {})
@@ -542,9 +570,11 @@ def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | No
                 key,
             )
         else:
+            close = difflib.get_close_matches(key, [*_FIELD_KEYS, *DISTRIBUTED_ONLY_KEYS, *known], n=1, cutoff=0.7)
             logger.warning(
-                "umbp_nvme: unknown extra_config key %r is ignored. Check for a typo; known keys "
-                "are UMBP's (ssd_storage_dir, ssd_capacity_bytes, ssd_io_backend, ...).",
+                "umbp_nvme: unknown extra_config key %r is ignored. %s",
                 key,
+                f"Did you mean {close[0]!r}?" if close else
+                "Known keys are UMBP's (ssd_storage_dir, ssd_capacity_bytes, ssd_io_backend, ...; docs/sglang.md §9).",
             )
     return StoreConfig(**values)

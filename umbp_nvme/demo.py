@@ -103,12 +103,36 @@ def _print(rows: list[dict], stats: dict, ok: bool, out) -> None:
     w("result: " + ("OK - every byte read back matches what was written\n" if ok else "FAILED - see the table above\n"))
 
 
-def main(keep: str | None = None) -> int:
-    directory = keep or tempfile.mkdtemp(prefix="umbp-demo-")
-    store_dir = os.path.join(directory, "store")
+def main(keep: str | None = None, out=sys.stdout) -> int:
+    """The demo on a temporary store, or on ``keep`` (the store itself: new, empty or a kept demo)."""
+    if keep is None:
+        tmp = tempfile.mkdtemp(prefix="umbp-demo-")
+        store_dir = os.path.join(tmp, "store")
+    else:
+        tmp, store_dir = None, os.path.abspath(os.path.expanduser(keep))
+        why = _unusable(store_dir)
+        if why:
+            print(f"umbp-nvme demo: error: --keep {store_dir} {why}", file=sys.stderr)
+            return 2
     try:
-        result = asyncio.run(run_demo(store_dir))
+        result = asyncio.run(run_demo(store_dir, out=out))
     finally:
-        if keep is None:
-            shutil.rmtree(directory, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if keep is not None:
+        out.write(f"\nthe store is kept in {store_dir}; look at it with\n"
+                  f"  umbp-nvme stats --store {store_dir}\n  umbp-nvme verify --store {store_dir}\n")
     return 0 if result["ok"] else 1
+
+
+def _unusable(path: str) -> str | None:
+    """Why ``path`` cannot take the demo's store: it is not a directory, or it holds other things."""
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isdir(path):
+        return "is a file; give a new or empty directory"
+    entries = os.listdir(path)
+    if entries and "MANIFEST.json" not in entries:
+        return ("is a directory that holds other files and no store; give a new or empty directory "
+                "(the demo makes its store there)")
+    return None

@@ -14,7 +14,6 @@ key up again, and counts as corruption only when the record is unchanged.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .engine.files import open_regular
+from .engine.files import open_regular, punch_hole
 from .errors import NotAStoreError
 from .keybytes import KeyEncodingError, encode_key
 from .store.index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
@@ -342,18 +341,6 @@ def inspect_keys(path: str, keys: list[str]) -> list[dict]:
 
 # --- compact ---------------------------------------------------------------------------------
 
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-
-
-def _punch_hole(fd: int, offset: int, length: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    if libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-
-
 def free_ranges(path: str) -> tuple[dict[int, list[tuple[int, int]]], set[int], int]:
     """Per segment, the byte ranges no live record uses, merged; the segments with no record at
     all; and the number of records the store itself would drop at open (kept out of the count).
@@ -417,7 +404,7 @@ def rebuild_index_dir(path: str) -> dict:
         ipath = os.path.join(path, INDEX_FILE)
         summary: dict = {}
         ix = rebuild_index(path, ipath, seg, n_segments, map_size_bytes(cap), "verify --rebuild-index",
-                           summary_out=summary)  # fmt: skip
+                           summary_out=summary, rewrite=True)  # fmt: skip
         try:
             ix.set_writer_state(b"clean")
         finally:
@@ -455,7 +442,7 @@ def compact_dir(path: str, *, interior: bool = True) -> dict:
         try:
             for a, b in gaps:
                 try:
-                    _punch_hole(fd, a, b - a)
+                    punch_hole(fd, a, b - a)
                     punched += 1
                 except OSError as e:
                     errors.append(f"{on_disk[s]}: cannot punch a hole ({e.strerror}); the file system may not support it")

@@ -74,6 +74,7 @@ FAMILIES = (
     ("umbp_nvme_late_writes", "counter", "late_writes", "Write batches that completed after their timeout."),
     ("umbp_nvme_bytes_written", "counter", "bytes_written", "Object bytes written."),
     ("umbp_nvme_bytes_read", "counter", "bytes_read", "Object bytes read and verified."),
+    ("umbp_nvme_kv_events_dropped", "counter", "kv_events_dropped", "DISK KV events (pages) dropped because the event queue was full; a re-announcement of what the store holds follows."),
     ("umbp_nvme_io_errors", "counter", None, "I/O ops that failed with an errno (read, write) or syncs that raised."),
     ("umbp_nvme_objects", "gauge", "objects", "Objects stored."),
     ("umbp_nvme_bytes_used", "gauge", "bytes_used", "Bytes in allocated slots (what capacity counts)."),

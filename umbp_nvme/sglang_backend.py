@@ -42,7 +42,7 @@ from typing import List, Optional
 
 from .config import StoreConfig, load_config, parse_bool
 from .hits import v2_hits
-from . import sglang_stores, sglang_transfers
+from . import kv_events, sglang_stores, sglang_transfers
 from .keys import KeyScheme, PoolRegistry, is_mla_follower, rank_subdir
 from .sglang_stores import NAMESPACE_KIND
 from .sglang_stores import FOLLOWER_RETRY_S as _FOLLOWER_RETRY_S  # noqa: F401 - kept for callers
@@ -101,7 +101,10 @@ class UMBPNvmeStore(HiCacheStorage):
         # our own switches (not StoreConfig fields): Prometheus export and a doctor report at open
         prometheus = extra.pop("prometheus", None)
         self._doctor_at_start = _switch(extra.pop("doctor_at_start", False), "doctor_at_start")
-        self.config: StoreConfig = load_config(extra)
+        self._events_cfg = kv_events.pop_config(extra, storage_config)  # None: no DISK events (default)
+        self._publisher = None  # kv_events.Publisher once this rank's store is open
+        self._residency = None  # kv_residency.Residency hooked into that store
+        self.config: StoreConfig = load_config(extra, known=("prometheus", "doctor_at_start", *kv_events.KEYS))
         self.interface_v1 = _switch(extra.get("interface_v1", 0), "interface_v1")
         self.scheme = KeyScheme.from_storage_config(storage_config)
         self.is_mla = self.scheme.is_mla

@@ -20,6 +20,7 @@ from typing import Any
 
 from .buffers import address_of
 from .errors import NamespaceMismatchError, StoreDamagedError, StoreError
+from .fs_room import warn_if_short
 from .store.layout import MANIFEST_FILE as MANIFEST  # a follower opens the leader's store once it exists
 
 log = logging.getLogger("umbp_nvme.sglang_backend")
@@ -113,6 +114,7 @@ def open_main(be, *, raise_errors: bool):
                 raise
             return None
     else:
+        warn_if_short(be.store_dirs, be.config.ssd_capacity_bytes)  # the server's capacity, before it opens
         store = SyncPageStore(
             _paths(be.store_dirs), backup_config(be.config), readonly=False, namespace=be._namespace,
             engine_factory=be._engine_factory, page_of=be._page_of,
@@ -120,7 +122,50 @@ def open_main(be, *, raise_errors: bool):
     be._register_ranges(store, be._ranges)
     be._watch(store, "main")
     be._store = store
+    if not be.is_mla_follower:
+        start_events(be, store)
     return store
+
+
+def publishes_events(storage_config) -> bool:
+    """One publisher per KV cache, as SGLang gates its own (pp, attention-TP and attention-CP rank
+    0): that rank's store stands for the page on disk (docs/fleet.md, "MHA with TP > 1")."""
+    return all(int(getattr(storage_config, a, 0) or 0) == 0 for a in ("pp_rank", "tp_rank", "attn_cp_rank"))
+
+
+def start_events(be, store) -> None:
+    """Publish this store's residency (kv_events.py) when configured; never fails an open."""
+    cfg = be._events_cfg
+    if cfg is None or be._publisher is not None or not publishes_events(be.storage_config):
+        return
+    from .kv_events import Publisher
+    from .kv_residency import Residency, attach, detach
+
+    prefix, sfx = ("", be._v1_sfx) if be.interface_v1 else ("flat_", (be._flat_sfx,))
+    rz = Residency(None, sfx, prefix=prefix)
+    attach(store, rz)  # first: the publisher's first job is the snapshot of what the store holds
+    try:
+        rz.pub = Publisher(cfg, be.page_size, snapshot=rz.snapshot)
+    except Exception as e:  # noqa: BLE001 - a port in use costs the events, not the cache
+        detach(store)
+        log.error("umbp_nvme: KV events not published on %s: %r", cfg.endpoint, e)
+        return
+    be._publisher, be._residency = rz.pub, rz
+    log.info("umbp_nvme: publishing DISK KV events on %s (replay %s, topic %r)", rz.pub.endpoint,
+             rz.pub.replay_endpoint, cfg.topic)  # fmt: skip
+
+
+def stop_events(be, store) -> None:
+    pub, be._publisher, be._residency = be._publisher, None, None
+    if store is not None:
+        from .kv_residency import detach
+
+        detach(store)
+    if pub is not None:
+        try:
+            pub.close()
+        except Exception as e:  # noqa: BLE001
+            log.warning("umbp_nvme: closing the KV event publisher failed: %r", e)
 
 
 def backup_config(config):
@@ -281,6 +326,8 @@ def close_stores(be) -> None:
         be._closed = True
         stores, be._store, be._private = (be._store, be._private), None, None
     for store in stores:
+        if store is stores[0]:
+            stop_events(be, store)
         if store is None:
             continue
         if getattr(store, "metrics", None) is not None:

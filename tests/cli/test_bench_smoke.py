@@ -69,7 +69,7 @@ def test_store_bench_smoke(tmp_path):
             assert r["latency_us_p50_min"] <= r["latency_us_p50"] <= r["latency_us_p50_max"]
         if r["op"].startswith("reopen"):
             assert r["seconds_p50"] > 0
-    assert "target:" in stdout
+    assert "bench target:" in stdout and "NOT MET" not in stdout
     assert all(r["verify_crc"] is True for r in rows if r["op"] in ("put", "get")), "the default verifies"
     assert "verify_crc on" in stdout
 

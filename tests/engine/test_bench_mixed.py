@@ -36,7 +36,7 @@ def test_bench_mixed_smoke_rows(tmp_path):
             segs = (r["src_segs"], r["dst_segs"])
             assert all(1 <= v <= r["object_bytes"] // 4096 for v in segs) if os.geteuid() == 0 else segs == (None, None)
     assert "puts of the stream failed" not in proc.stdout
-    assert "target: umbp_on" in proc.stdout and "target: umbp_off" in proc.stdout
+    assert "bench target (issue 13): umbp_on" in proc.stdout and "bench target (issue 13): umbp_off" in proc.stdout
 
 
 def test_bench_mixed_sglang_path_reads_back_every_page(tmp_path):
@@ -109,7 +109,7 @@ def torch_uint8():
 
 
 def test_bench_mixed_thp_buffer_is_aligned_writable_and_parsed():
-    """--memory thp: the store path's buffers madvised for 2 MiB pages (bench mixed, docs/tuning.md)."""
+    """--memory thp: the store path's buffers madvised for 2 MiB pages (bench mixed, docs/benchmarks.md)."""
     from umbp_nvme.bench import mixed
 
     assert mixed.parse_args([]).memory == "4k" and mixed.parse_args(["--memory", "thp"]).memory == "thp"

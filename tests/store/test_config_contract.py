@@ -251,20 +251,38 @@ def test_kv_events_keys_are_accepted_and_a_subscriber_warns(caplog):
     with caplog.at_level(logging.WARNING):
         assert load({"kv_events_subscriber": True}) == StoreConfig()
     assert [r.getMessage() for r in caplog.records] == [
-        "umbp_nvme: extra_config['kv_events_subscriber'] is set, but this backend publishes no KV events; ignored."
+        "umbp_nvme: extra_config['kv_events_subscriber'] is set, but this backend subscribes to no KV events; ignored "
+        "(kv_events_endpoint publishes this store's DISK events: docs/fleet.md)."
     ]
 
 
 def test_unknown_and_distributed_key_warnings_name_the_key(caplog):
     with caplog.at_level(logging.WARNING):
-        load({"ssd_capacity": 1, "node_address": "n"})
+        load({"ssd_capacity": 1, "node_address": "n", "zzz": 2})
+        load_config({"promethus": 1}, env={}, known=["prometheus"])  # a key the caller takes out itself
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs == [
-        "umbp_nvme: unknown extra_config key 'ssd_capacity' is ignored. Check for a typo; known keys are UMBP's "
-        "(ssd_storage_dir, ssd_capacity_bytes, ssd_io_backend, ...).",
+        "umbp_nvme: unknown extra_config key 'ssd_capacity' is ignored. Did you mean 'ssd_capacity_bytes'?",
         "umbp_nvme: extra_config['node_address'] only applies to UMBP's distributed mode and is ignored by this "
         "local-NVMe backend.",
+        "umbp_nvme: unknown extra_config key 'zzz' is ignored. Known keys are UMBP's (ssd_storage_dir, "
+        "ssd_capacity_bytes, ssd_io_backend, ...; docs/sglang.md §9).",
+        "umbp_nvme: unknown extra_config key 'promethus' is ignored. Did you mean 'prometheus'?",
     ]
+
+
+@pytest.mark.parametrize("key", ["ssd_capacity_bytes", "ssd_segment_size_bytes", "ssd_write_slice_bytes", "dram_capacity_bytes"])
+def test_byte_keys_take_binary_units_and_refuse_decimal_looking_ones(key):
+    assert getattr(load({key: "512MiB"}), key) == 512 << 20
+    assert getattr(load({key: " 0.5 g "}), key) == 512 << 20
+    err = error_of({key: "10GB"})
+    assert err.startswith(f"extra_config[{key!r}]: '10GB' is ambiguous") and "10GiB or 10g (10737418240 bytes" in err
+
+
+def test_a_home_relative_storage_dir_is_expanded():
+    home = os.path.expanduser("~")
+    assert load({"ssd_storage_dir": "~/kv"}).ssd_storage_dir == os.path.join(home, "kv")
+    assert load({"ssd_storage_dir": ["~/a", "/b"]}).storage_roots == [os.path.join(home, "a"), "/b"]
 
 
 def test_dir_accepts_path_like_and_keeps_it_verbatim():

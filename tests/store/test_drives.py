@@ -475,11 +475,12 @@ async def test_deletes_and_re_puts_made_while_a_drive_was_not_open_survive_a_res
     os.rename(parked, os.path.dirname(roots[1]))
     st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
     res, wrong = await _get(st, bad[:3] + bad[6:])
-    assert wrong == 0 and res == [False] * 3 + [True] * (len(bad) - 6)
+    # drive 1 missed a session that wrote, so it came back cleared (drive_sessions.py): its other pages miss too
+    assert wrong == 0 and res == [False] * (len(bad) - 3)
     outs = [np.zeros(OBJ, np.uint8) for _ in range(3)]
     assert await st.get_many(bad[3:6], outs) == [True] * 3
     assert all(np.array_equal(o, payload(k + "v2", OBJ)) for k, o in zip(bad[3:6], outs))
-    assert sum(r["objects"] for r in st.stats()["drives"]) == 80 - 3  # no stale second copy kept
+    assert [r["objects"] for r in st.stats()["drives"]] == [80 - len(bad) + 3, 0]  # no stale second copy kept
     await st.close()
 
 

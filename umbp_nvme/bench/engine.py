@@ -79,7 +79,7 @@ OFFSETS_PER_SLOT = 256  # precomputed random offsets per in-flight slot, cycled
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="bench_engine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="umbp-nvme bench engine", description=__doc__.split("\n")[0])
     p.add_argument("--dir", help="directory for the test file (default: a new temp dir under /tmp)")
     p.add_argument("--file-size", default=None, help="test file size (default 1g; --quick 256m)")
     p.add_argument("--sizes", default=None, help="object sizes (default 4k,64k,1m,4m; --quick 4k,1m)")

@@ -68,7 +68,7 @@ import numpy as np
 
 
 from .engine import HugePages, make_test_file, run_fio
-from .common import Sample, bench_dir, Skip, Stopwatch, check_buffers, drop_caches, finish, make_row, parse_bytes, print_table, write_json
+from .common import Sample, WorkDir, Skip, Stopwatch, check_buffers, drop_caches, finish, make_row, parse_bytes, print_table, write_json
 from .hicache_fio import fio_batch_label, ratio_fields, run_fio_batch_for, targets  # noqa: F401 - targets kept for callers
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES
@@ -86,8 +86,10 @@ TARGETS = {"get_vs_fio": 0.9, "set_vs_hicache_file": 3.0, "exists_us": 150.0}
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="bench_hicache", description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=None, help=f"directory for the stores and fio's file (default {DEFAULT_DIR}, emptied)")
+    p = argparse.ArgumentParser(prog="umbp-nvme bench hicache", description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default=None, help=f"directory for the stores and fio's file (default {DEFAULT_DIR}); what "
+                   "the run makes there is removed at the end unless --keep")
+    p.add_argument("--keep", action="store_true", help="keep what the run wrote in --dir")
     p.add_argument("--shapes", default=None, help="llama8b,small (default both; --smoke tiny)")
     p.add_argument("--buffers", default=None, help="host pool memory kinds: 4k,huge (default both; --smoke 4k)")
     p.add_argument("--batch-pages", type=int, default=None, help="pages per call (default 128, SGLang's STORAGE_BATCH_SIZE)")
@@ -469,7 +471,8 @@ def bench_cell(env, cfg, shape_name: str, kind: str, directory: str, fio_path: s
 
 def bench(cfg, env) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
-    directory, tmpdir = bench_dir(cfg, DEFAULT_DIR, "umbp-bench-hicache-")
+    work = WorkDir(cfg, DEFAULT_DIR, "umbp-bench-hicache-", "bench hicache")
+    directory = work.path
     cfg.fio = shutil.which("fio")
     cfg.fio_skip = {}
     huge = HugePages()
@@ -503,8 +506,7 @@ def bench(cfg, env) -> tuple[list[dict], list[str]]:
                 os.unlink(fio_path)
             except OSError:
                 pass
-        if tmpdir:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+        work.cleanup()
     for sh in cfg.shapes:
         o = shape_bytes(SHAPES[sh])
         notes.append(f"shape {sh}: {SHAPES[sh]}, bf16, page_first: K/V objects {o >> 10} KiB, pages {2 * o >> 10} KiB")

@@ -40,6 +40,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -50,7 +51,7 @@ from ..config import StoreConfig
 from ..engine import arbiter as arbiter_mod
 from ..store import put_crc
 from ..store.sync import SyncPageStore
-from .common import bench_dir, finish, parse_bytes
+from .common import WorkDir, finish, parse_bytes
 from .engine import phys_runs
 
 PUT_BATCH = 48
@@ -60,7 +61,9 @@ SPACING_X = 4.0  # spaced gets: one call per 4x the idle back-to-back latency (~
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="umbp-nvme bench mixed", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", help="store directory (default ./bench-mixed)")
+    p.add_argument("--dir", help="store directory (default umbp-bench-mixed in the temp dir); what the run makes "
+                   "there is removed at the end unless --keep")
+    p.add_argument("--keep", action="store_true", help="keep what the run wrote in --dir")
     p.add_argument("--quick", action="store_true", help="fewer gets per phase (about 2 minutes)")
     p.add_argument("--smoke", action="store_true", help="tiny run in a temp dir (tests)")
     p.add_argument("--sizes", default="1M,4M", help="object sizes, comma-separated (default 1M,4M)")
@@ -464,7 +467,8 @@ def targets(rows: list[dict]) -> list[str]:
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
-    directory, tmpdir = bench_dir(cfg, "bench-mixed", "umbp-mixed-")
+    work = WorkDir(cfg, os.path.join(tempfile.gettempdir(), "umbp-bench-mixed"), "umbp-mixed-", "bench mixed")
+    directory = work.path
     notes: list[str] = []
     rows: list[dict] = []
     settings = arbiter_settings(cfg)
@@ -478,15 +482,14 @@ def main(argv=None) -> int:
         if cfg.fio:
             rows += fio_anchor(directory, cfg.quick, notes)
     finally:
-        if tmpdir:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+        work.cleanup()
     for r in rows:
         if r["system"] != "fio":
             r.update(settings)
     notes.append("arbiter: read slice fraction {read_fraction}, floor {read_floor} B, {read_window} in flight, quiet {quiet_ms} ms"
                  .format(**settings))  # fmt: skip
     print_rows(rows)
-    finish(cfg, rows, notes, targets=targets(rows))
+    finish(cfg, rows, notes, targets=targets(rows), source="issue 13")
     return 0
 
 

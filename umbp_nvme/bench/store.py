@@ -36,8 +36,9 @@ Extra rows:
                     objects, page cache warm (a process restart); latency_us_p50 holds it in
                     microseconds (seconds_p50 in seconds). "reopen_cold": after drop_caches (root).
                     The large store is built once with tiny objects (``--reopen-object-bytes``,
-                    4 KiB) through the store's real put_many path in batches of 8192 and kept in
-                    DIR/reopen-<N>-<bytes>/ for the next run (--rebuild forces a new one).
+                    4 KiB) through the store's real put_many path in batches of 8192 in
+                    DIR/reopen-<N>-<bytes>/; with --keep it stays there and the next run with
+                    the same --dir reuses it (--rebuild forces a new one).
   op "rebuild"      seconds to open the writer on that store after index.lmdb was deleted: the
                     index is rebuilt from the records in the segments (target <= 30 s per 1 M).
 
@@ -56,12 +57,13 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 from .engine import HugePages, Memory
-from .common import Sample, bench_dir, Stopwatch, check_buffers, drop_caches, finish, make_row, paired_ratio, parse_bytes, print_table
+from .common import Sample, Stopwatch, WorkDir, as_info, check_buffers, drop_caches, finish, make_row, paired_ratio, parse_bytes, print_table
 from . import nixl_posix
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES
@@ -74,7 +76,7 @@ BENCH = "store"
 OBJECTS_PER_PAGE = 2
 REOPEN_BATCH = 8192
 REOPEN_MARKER = "bench_store_reopen.json"
-DEFAULT_DIR = "/tmp/umbp-bench-store"
+DEFAULT_DIR = os.path.join(tempfile.gettempdir(), "umbp-bench-store")
 MiB, GiB = 1 << 20, 1 << 30
 SMALL_PUT_BYTES = 64 << 10  # puts up to this size have the 0.85 target, larger ones 0.9
 
@@ -89,8 +91,11 @@ TARGETS = {
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="bench_store", description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=None, help=f"bench directory, kept between runs for the reopen store (default {DEFAULT_DIR})")
+    p = argparse.ArgumentParser(prog="umbp-nvme bench store", description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default=None, help=f"bench directory (default {DEFAULT_DIR}); what the run makes there is "
+                   "removed at the end unless --keep")
+    p.add_argument("--keep", action="store_true", help="keep what the run wrote (the reopen store is then reused by the "
+                   "next run with the same --dir)")
     p.add_argument("--sizes", default=None, help="object sizes (default 64k,1m,4m; --quick 64k,1m)")
     p.add_argument("--batch-pages", type=int, default=None, help="pages per call, 2 objects each (default 128)")
     p.add_argument("--sample-bytes", default=None, help="bytes moved per measurement (default 1g; --quick 256m)")
@@ -136,6 +141,10 @@ def parse_args(argv):
     a.reopen_object_bytes = parse_bytes(a.reopen_object_bytes)
     a.exists_calls = a.exists_calls or (200 if s else 2000)
     check_buffers(p, a.buffers)
+    tool = a.stall_tool or os.environ.get("FAKE_DRIVES") or "fake-drives"
+    if a.stall is not None and shutil.which(tool) is None:  # found before an hour of setup, not after
+        p.error(f"--stall needs the fake-drives tool to stall a drive, and {tool!r} is not on PATH: give "
+                "--stall-tool PATH or set FAKE_DRIVES (the drives come from `fake-drives up 4`)")
     for o in a.ops:
         if o not in ("put", "get", "exists", "reopen", "rebuild"):
             p.error(f"unknown op {o!r}; expected some of put,get,exists,reopen,rebuild")
@@ -401,7 +410,7 @@ async def ensure_reopen_store(cfg, directory: str, notes: list[str]) -> tuple[st
     with open(marker, "w") as f:
         json.dump(dict(want, build_s=build_s), f)
     notes.append(f"reopen store: built {path} with {n} x {size} B objects through put_many "
-                 f"(batches of {REOPEN_BATCH}) in {build_s:.1f} s; kept for the next run")
+                 f"(batches of {REOPEN_BATCH}) in {build_s:.1f} s" + ("; kept for the next run (--keep)" if getattr(cfg, "keep", False) else ""))
     return path, keys
 
 
@@ -449,7 +458,8 @@ async def bench_large(cfg, directory: str, notes: list[str]) -> list[dict]:
         samples["rebuild"] = []
         for _ in range(cfg.runs):  # index.lmdb lost: the writer rebuilds it from the records in the segments
             os.unlink(os.path.join(path, "index.lmdb"))
-            samples["rebuild"].append(await timed_open("rebuilt"))
+            with as_info():  # the store reports the lost index as an ERROR; here it is the measurement
+                samples["rebuild"].append(await timed_open("rebuilt"))
     for op, got in samples.items():
         if not got:
             continue
@@ -487,7 +497,8 @@ async def bench_large(cfg, directory: str, notes: list[str]) -> list[dict]:
 
 async def bench(cfg) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
-    directory, tmpdir = bench_dir(cfg, DEFAULT_DIR, "umbp-bench-store-")
+    work = WorkDir(cfg, DEFAULT_DIR, "umbp-bench-store-", "bench store")
+    directory = work.path
     rows: list[dict] = []
     huge = HugePages()
     mem = None
@@ -513,8 +524,7 @@ async def bench(cfg) -> tuple[list[dict], list[str]]:
         if mem is not None:
             mem.close()
         huge.restore()
-        if tmpdir:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+        work.cleanup()
     return rows, notes
 
 
@@ -571,7 +581,7 @@ def main(argv=None) -> int:
         print(f"multi-drive store benchmark: {len(rows)} rows, {cfg.runs} alternating runs over "
               f"{len(cfg.roots)} roots, {time.perf_counter() - started:.0f} s total")
         print_table(rows, ratio_keys=("drives", "vs_n_x_1drive", "vs_before"))
-        finish(cfg, rows, notes, targets=drives.targets(rows), title="MultiDriveStore on 1, 2, 4 drives")
+        finish(cfg, rows, notes, targets=drives.targets(rows), title="MultiDriveStore on 1, 2, 4 drives", source="issue 12")
         return 0
     rows, notes = asyncio.run(bench(cfg))
     print(f"store benchmark: {len(rows)} rows, {cfg.runs} alternating runs, {cfg.batch_pages} pages x "

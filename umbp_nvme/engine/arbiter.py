@@ -14,7 +14,7 @@ read and write engines share one ``Arbiter`` (one event loop, no locks):
 
 A batch is cut into slices lazily, each when the window grants it, so the cut follows whether
 reads are about at that moment. Why 8 MiB slices, a quarter of that (2 MiB) beside reads, and two
-of those: the sweeps in docs/tuning.md (a ~3.5 ms 1 MiB read waited behind a whole 8 MiB slice;
+of those: the sweeps in docs/benchmarks.md (a ~3.5 ms 1 MiB read waited behind a whole 8 MiB slice;
 4 MiB slices all the time cost 4 MiB-object backups their share; what a backup moves beside reads
 follows the write bytes in flight, not gaps between slices: two 1 MiB slices moved what one 2 MiB
 slice did, two 2 MiB slices 1.1-1.3x that, with the 1 MiB read tail unchanged within noise;

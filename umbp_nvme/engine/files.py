@@ -243,3 +243,34 @@ def _preallocate(fd: int, path: str, size: int) -> None:
             os.ftruncate(fd, size)  # sparse: blocks are allocated at write time instead
         else:
             raise OSError(e.errno, f"cannot preallocate {size} bytes for {path}: {e.strerror}") from None
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE, _FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
+
+
+def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, mode, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give the range's blocks back to the file system; it reads as zeros, the size stays."""
+    _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
+
+
+def zero_range(fd: int, offset: int, length: int) -> None:
+    """Make the range read as zeros without writing them where the file system can (it keeps the
+    blocks allocated); else punch a hole, else write zeros. Not synced."""
+    for mode in (_FALLOC_FL_ZERO_RANGE | _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE):
+        try:
+            return _fallocate(fd, mode, offset, length)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+    zeros = bytes(min(length, 1 << 20))
+    pos = 0
+    while pos < length:
+        pos += os.pwrite(fd, zeros[: min(len(zeros), length - pos)], offset + pos)

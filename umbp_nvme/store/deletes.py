@@ -43,6 +43,12 @@ class DeleteSteps:
                         self.put_doubt_bytes())  # fmt: skip
 
     async def delete_many(self, keys: list[str]) -> list[bool]:
+        """Remove ``keys``; one bool per key, True once that key's removal is durable.
+
+        False: the key was absent (or cannot be a key), the index commit failed (logged; the entry may
+        still be there: a later delete retries it), or the store is closed. A key given twice answers
+        True once. Raises ReadOnlyStoreError on a store opened read-only.
+        """
         results = begin_call(self, "delete_many", keys, writes=True)
         if results is None:
             return [False] * len(keys)

@@ -42,6 +42,7 @@ class DriveHealth:
         self.busy_s = {"get": 0.0, "put": 0.0}  # time with at least one such call in flight (for GB/s)
         self.deletes_owed: set[str] = set()  # deletes to apply before the drive serves again
         self.clear_owed = False  # the store was cleared while it was degraded: it clears before serving
+        self.behind = False  # a reader's: it missed a writer session; served once a writer cleared it
         self.owed_unlogged: set[str] = set()  # owed deletes no log recorded (kept in memory): logged again when owed again
         self.readmitted_at = -1e9
         self.backoff_s = 0.0  # a drive that fails again right after rejoining is probed less often

@@ -18,7 +18,7 @@ import os
 import time
 
 from . import owed_deletes
-from .drive_health import FULL, UNMOUNTED, reads_back, settle_deletes
+from .drive_health import FULL, UNMOUNTED, DriveHealth, reads_back, settle_deletes
 from .drive_set import capacity_share, sized_share, write_drive_set
 from .layout import LOCK_FILE, MANIFEST_FILE
 from .mounts import unmounted_reason
@@ -112,6 +112,38 @@ class DriveProbes:
                 except OSError as e:
                     log.warning("drive %s: could not rewrite %s: %s", r, owed_deletes.OWED_FILE, e)
 
+    async def _drop_elsewhere(self, keys: list[str], skip: list[bool], *, deleting: bool = False):
+        """Delete ``keys`` on every drive not in ``skip``: at once where the drive still serves reads
+        (full), else owed until it rejoins (recorded durably before this returns: _owe).
+        Returns (gone, kept): keys a drive held and no longer serves (deleted, or owed durably), and
+        keys a drive may still serve after a restart (a failed delete, an owe no log recorded)."""
+        gone: set[str] = set()
+        kept: set[str] = set()
+        owed: dict[int, list[str]] = {}
+        held_owed: set[str] = set()
+        for d, (st, h, sk) in enumerate(zip(self.stores, self.health, skip)):
+            if sk:
+                continue
+            if st is None:  # its index is not open: a deleted key may be there (a re-put one is stale anyway)
+                if deleting and _unrecorded(h, keys):
+                    owed[d] = _unrecorded(h, keys)
+                continue
+            held = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
+            if not held:
+                continue
+            if h.readable:
+                for k, ok in zip(held, await st.delete_many(held)):
+                    (gone if ok else kept).add(k)
+                continue
+            held_owed.update(held)
+            if _unrecorded(h, held):
+                owed[d] = _unrecorded(h, held)
+        durable = await self._owe(owed) if owed else True
+        if not durable:
+            kept.update(k for ks in owed.values() for k in ks)
+        gone.update(held_owed - kept)
+        return gone, kept
+
     async def _owe_clear(self, drives: list[int]) -> bool:
         """The store was cleared while ``drives`` were degraded: each clears itself before it serves.
         False when no log recorded it (kept in memory only: a restart would serve their pages)."""
@@ -197,9 +229,9 @@ class DriveProbes:
 
     def _record_set(self) -> None:
         """DRIVES.json on the healthy drives, written off the loop (it fsyncs)."""
-        healthy = [h.healthy for h in self.health]
         health = [h.record(r) for h, r in zip(self.health, self.stats()["drives"])]
-        self._probe_pool.submit(write_drive_set, self.roots, self.stores, healthy, health)
+        self._probe_pool.submit(write_drive_set, self.roots, self.stores, self._recordable(), health,
+                                self.session_record())  # fmt: skip
 
     async def _in_thread(self, d: int, fn, *args):
         """``fn(*args)`` on a probe thread, bounded by io_timeout_s. A call that hung is given up on
@@ -280,17 +312,18 @@ class DriveProbes:
             return False
         for a, n in self._ranges:
             st.register_memory(a, n)
-        # it missed the writes made while it was out: where another drive holds a key, its copy is older
+        # it missed the writes made while it was out (drive_sessions.py)
         if self.readonly:  # a reader cannot delete them: it looks at this drive last
             self._order = [i for i in self._order if i != d] + [d]
+            if not await self._caught_up(d):
+                self.health[d].behind = True  # not served until a writer has cleared it
         else:
             try:
-                others = [s for s in self.stores if s is not None]
-                self.health[d].deletes_owed |= await owed_deletes.apply(st, set(), True, others)
+                await self._reconcile_joiner(d, st)
             except Exception as e:  # noqa: BLE001 - not yet: closed (its lock freed) for the next probe
-                log.debug("drive %d: dropping its stale copies failed: %r", d, e)
+                log.debug("drive %d: reconciling it failed: %r", d, e)
                 return False
-        return not self._closed  # closed while its stale copies were dropped
+        return not self._closed  # closed while it was reconciled
 
     async def _settle_and_readmit(self, d: int) -> None:
         """Re-admit a degraded drive once an object reads back and its owed deletes are applied; the
@@ -299,7 +332,7 @@ class DriveProbes:
         if not await reads_back(st, h):
             return
         if self.readonly:  # it hides what the drive owes; the writer applies it
-            if not h.clear_owed:
+            if not h.clear_owed and not (h.behind and not await self._caught_up(d)):
                 h.readmit()
             return
         if not await settle_deletes(st, h):
@@ -312,4 +345,10 @@ class DriveProbes:
             return  # recorded settled nowhere: not yet (a restart would apply the old owes over later puts)
         if h.deletes_owed:  # owed meanwhile (recorded after the settled line): the next probe applies them
             return
+        self._joined[d] = True  # everything it owed is applied (a drive that missed a session: its clear)
         h.readmit()
+
+
+def _unrecorded(h: DriveHealth, keys) -> list[str]:
+    """Keys whose delete ``h``'s drive does not owe yet, or owes without a log recording it."""
+    return [k for k in keys if type(k) is str and (k not in h.deletes_owed or k in h.owed_unlogged)]

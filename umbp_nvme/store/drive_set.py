@@ -1,9 +1,11 @@
 """The drive set of a multi-drive store: each drive's capacity share, and which drives it had.
 
 Each root records the set it was last opened with (``DRIVES.json``: roots and object counts at
-close). A root that was in the recorded set and is not configured now was removed: its pages are
-gone from this store, and the open says so once, with the count recorded at the last close. The
-remaining drives open as usual (removing a drive never refuses the rest).
+close, and the writer session it took part in: drive_sessions.py). A root that was in the
+recorded set and is not configured now was removed: its pages are gone from this store, and the
+open says so once, with the count recorded at the last close. The remaining drives open as usual
+(removing a drive never refuses the rest); a removed drive added back is cleared before it
+serves (it missed the sessions run without it).
 """
 
 from __future__ import annotations
@@ -61,17 +63,16 @@ def sized_share(root: str, share: int, seg: int) -> int:
     return cap
 
 
-def _read_set(root: str) -> dict:
+def read_set(root: str) -> dict:
     d = read_json_or_none(os.path.join(root, DRIVES_FILE))  # a FIFO or deep nesting there: no record
     return d if isinstance(d, dict) else {}
 
 
-def note_drive_set(roots: list[str], stores: list, readonly: bool) -> list[dict]:
-    """Removed drives ({root, objects}) named by the recorded sets; a writer records the new set."""
+def note_drive_set(roots: list[str], recs: list[dict]) -> list[dict]:
+    """Removed drives ({root, objects}) named by the recorded sets ``recs`` (read_set of each root)."""
     now = set(roots)
     removed: dict[str, int] = {}
-    for r in roots:
-        rec = _read_set(r)
+    for rec in recs:
         counts = rec.get("objects") if isinstance(rec.get("objects"), dict) else {}
         for old in rec.get("roots") or []:
             if isinstance(old, str) and old not in now:
@@ -82,37 +83,40 @@ def note_drive_set(roots: list[str], stores: list, readonly: bool) -> list[dict]
         log.warning("drive %s was in this store's drive set and is not configured now: its %d objects (as "
                     "counted at the last close) are no longer served; the other drives serve theirs",
                     d["root"], d["objects"])  # fmt: skip
-    if not readonly:
-        write_drive_set(roots, stores)
     return out
 
 
-def write_drive_set(roots: list[str], stores: list, healthy=None, health=None) -> None:
-    """Record the set, each drive's object count and (``health``) state in every drive that is
-    open (and healthy): ``umbp-nvme stats`` shows the state a running writer last recorded."""
+def write_drive_set(roots: list[str], stores: list, healthy=None, health=None, session: dict | None = None) -> bool:
+    """Record the set, each drive's object count, (``health``) state and the writer session
+    (``session``: drive_sessions.SessionSteps.session_record) in every drive that is open (and
+    healthy): ``umbp-nvme stats`` shows the state a running writer last recorded. True when at
+    least one drive recorded it."""
     counts = {}
     for r, st in zip(roots, stores):
         if st is not None:
             counts[r] = st._object_count()
-    rec = {"roots": list(roots), "objects": counts}
+    rec = {"roots": list(roots), "objects": counts, **(session or {})}
     if health is not None:
         rec["health"] = dict(zip(roots, health))
+    done = False
     for i, (r, st) in enumerate(zip(roots, stores)):
         if st is None or (healthy is not None and not healthy[i]):
             continue
         try:
             write_json_atomic(os.path.join(r, DRIVES_FILE), rec)
+            done = True
         except OSError as e:
             log.warning("drive %s: could not record the drive set: %s", r, e)
+    return done
 
 
 def recorded_health(root: str) -> dict | None:
     """The state a writer last recorded for the drive at ``root``: the newest DRIVES.json among
     the set's drives that names it (a degraded drive's own record is not updated)."""
-    own = _read_set(root)
+    own = read_set(root)
     best = None
     for r in own.get("roots") or [root]:
-        h = (_read_set(r).get("health") or {}).get(os.path.abspath(root))
+        h = (read_set(r).get("health") or {}).get(os.path.abspath(root))
         if isinstance(h, dict) and (best is None or h.get("at", 0) > best.get("at", 0)):
             best = h
     return best

@@ -9,7 +9,9 @@ drive and runs the parts concurrently (one submission per drive, each drive its 
 queue depth), and keeps each drive's health (drive_health.py).
 
 Lookups check every readable drive, so a page put while its preferred drive was degraded, or a
-store that had fewer drives, is still found. A batch that touched a stalled drive returns only
+store that had fewer drives, is still found; a key found on two drives is served from its
+newest copy (drive_clock.py). A drive that missed a writer session is cleared before it serves
+(drive_sessions.py). A batch that touched a stalled drive returns only
 once that drive's PageStore call has ended (the trust rule: the kernel may still own the
 caller's memory until then); the drive is marked degraded when the call outlives io_timeout_s,
 so every later batch skips it without waiting. A background probe re-admits a degraded drive
@@ -30,8 +32,11 @@ from ..errors import (
 )  # fmt: skip
 from . import placement
 from .checks import begin_call
+from .clock import GenerationClock
+from .drive_clock import newest
 from .drive_health import FULL, UNMOUNTED, DriveHealth
 from .drive_probe import DriveProbes
+from .drive_sessions import SessionSteps
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
 from .mapped import unusable_range
 from .mounts import unmounted_reason
@@ -57,7 +62,7 @@ def _drive_failure(e: BaseException) -> bool:
     return isinstance(e, (OSError, StoreError)) and not isinstance(e, _CONFIG_ERRORS)
 
 
-class MultiDriveStore(DriveProbes):
+class MultiDriveStore(DriveProbes, SessionSteps):
     """PageStore's calls over several roots. Create with ``await MultiDriveStore.open(roots, ...)``."""
 
     _closed_logged = False
@@ -89,7 +94,8 @@ class MultiDriveStore(DriveProbes):
         self._sized = not (readonly or capacity_from_manifest)
         caps = drive_capacities(self.roots, config, sized=self._sized, skip=self._unmounted)
         self._open_kw = dict(readonly=readonly, namespace=namespace, capacity_from_manifest=capacity_from_manifest,
-                             shrink=shrink, engine_factory=engine_factory)  # fmt: skip
+                             shrink=shrink, engine_factory=engine_factory,
+                             clock=None if readonly else GenerationClock())  # one clock: generations compare across drives
         self._caps, self._ranges = caps, []
         opened = await asyncio.gather(*(self._first_open(i) for i in range(len(self.roots))), return_exceptions=True)
         self.stores: list[PageStore | None] = []
@@ -112,11 +118,15 @@ class MultiDriveStore(DriveProbes):
         self.timeout_s, self.segment_bytes, self.strict = first.timeout_s, first.segment_bytes, first.strict
         self.manifest = first.manifest
         self.path = ",".join(self.roots)
-        self.removed_drives = note_drive_set(self.roots, self.stores, readonly)
+        self._sessions_at_open()
+        self.removed_drives = note_drive_set(self.roots, self._recs)
         self._order = list(range(len(self.roots)))  # lookup order (a reader looks at a stale drive last)
         self._start_background()
         try:
-            await self._settle_owed_at_open()  # before any drive serves
+            await self._reconcile_at_open()  # before any drive serves, and before the owed logs
+            await self._settle_owed_at_open()
+            if not readonly:  # before the first write: a drive absent now is seen to have missed it
+                write_drive_set(self.roots, self.stores, list(self._joined), session=self.session_record())
         except BaseException:
             await self.close()
             raise
@@ -150,19 +160,25 @@ class MultiDriveStore(DriveProbes):
         return mask
 
     def _holders(self, keys, usable) -> list[int]:
-        """The drive holding each key among ``usable`` ones (-1: none). Index lookups are cheap."""
+        """The drive holding each key among ``usable`` ones (-1: none): every drive is asked (index
+        lookups are cheap), and a key two drives hold is served from its newest copy."""
         out = [-1] * len(keys)
-        rest = list(range(len(keys)))
+        more: dict[int, list[int]] = {}  # key index -> every drive holding it, when more than one
         for d in self._order:
-            if not rest:
-                break
-            if usable[d]:
-                found = self.stores[d].exists_many_nowait([keys[j] for j in rest])
-                owed = self.health[d].deletes_owed  # a reader hides what the drive owes
-                for j, f in zip(rest, found):
-                    if f and not (owed and keys[j] in owed):
+            if not usable[d]:
+                continue
+            found = self.stores[d].exists_many_nowait(keys)
+            if True not in found:
+                continue
+            owed = self.health[d].deletes_owed  # a reader hides what the drive owes
+            for j, f in enumerate(found):
+                if f and not (owed and keys[j] in owed):
+                    if out[j] < 0:
                         out[j] = d
-                rest = [j for j in rest if out[j] < 0]
+                    else:
+                        more.setdefault(j, [out[j]]).append(d)
+        for j, drives in more.items():
+            out[j] = newest(self.stores, keys[j], drives)
         return out
 
     def _pages(self, keys) -> list[str]:
@@ -192,6 +208,7 @@ class MultiDriveStore(DriveProbes):
         results = begin_call(self, "put_many", keys, buffers, depths, writes=True)
         if results is None:
             return [False] * len(keys)
+        self._writes += 1
         writable = self._mask("write")
         if not any(writable):
             return results
@@ -280,6 +297,7 @@ class MultiDriveStore(DriveProbes):
         results = begin_call(self, "delete_many", keys, writes=True)
         if results is None:
             return [False] * len(keys)
+        self._writes += 1
         live = [st for st, h in zip(self.stores, self.health) if st is not None and h.healthy]
         healthy = [st is not None and h.healthy for st, h in zip(self.stores, self.health)]
         gone, kept = await self._drop_elsewhere(keys, healthy, deleting=True)
@@ -290,41 +308,10 @@ class MultiDriveStore(DriveProbes):
             results = [a and not b for a, b in zip(results, st.delete_pending(keys))]
         return [ok and not (type(k) is str and k in kept) for ok, k in zip(results, keys)]
 
-    async def _drop_elsewhere(self, keys: list[str], skip: list[bool], *, deleting: bool = False):
-        """Delete ``keys`` on every drive not in ``skip``: at once where the drive still serves reads
-        (full), else owed until it rejoins (recorded durably before this returns: drive_probe.py).
-        Returns (gone, kept): keys a drive held and no longer serves (deleted, or owed durably), and
-        keys a drive may still serve after a restart (a failed delete, an owe no log recorded)."""
-        gone: set[str] = set()
-        kept: set[str] = set()
-        owed: dict[int, list[str]] = {}
-        held_owed: set[str] = set()
-        for d, (st, h, sk) in enumerate(zip(self.stores, self.health, skip)):
-            if sk:
-                continue
-            if st is None:  # its index is not open: a deleted key may be there (a re-put one is stale anyway)
-                if deleting and _unrecorded(h, keys):
-                    owed[d] = _unrecorded(h, keys)
-                continue
-            held = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
-            if not held:
-                continue
-            if h.readable:
-                for k, ok in zip(held, await st.delete_many(held)):
-                    (gone if ok else kept).add(k)
-                continue
-            held_owed.update(held)
-            if _unrecorded(h, held):
-                owed[d] = _unrecorded(h, held)
-        durable = await self._owe(owed) if owed else True
-        if not durable:
-            kept.update(k for ks in owed.values() for k in ks)
-        gone.update(held_owed - kept)
-        return gone, kept
-
     async def clear(self) -> None:
         if begin_call(self, "clear", (), writes=True) is None:
             return
+        self._writes += 1
         live, owed = [], []
         for d, (st, h) in enumerate(zip(self.stores, self.health)):
             if st is not None and h.readable:  # healthy, or full: it still clears
@@ -408,8 +395,8 @@ class MultiDriveStore(DriveProbes):
         await self._stop_background()
         if not self.readonly:
             rows = self.stats()["drives"]
-            write_drive_set(self.roots, self.stores, [h.healthy for h in self.health],
-                            [h.record(r) for h, r in zip(self.health, rows)])  # fmt: skip
+            write_drive_set(self.roots, self.stores, self._recordable(),
+                            [h.record(r) for h, r in zip(self.health, rows)], self.session_record(closing=True))  # fmt: skip
         await asyncio.gather(*(st.close() for st in self.stores if st is not None), return_exceptions=True)
 
     async def __aenter__(self):
@@ -417,11 +404,6 @@ class MultiDriveStore(DriveProbes):
 
     async def __aexit__(self, *exc):
         await self.close()
-
-
-def _unrecorded(h: DriveHealth, keys) -> list[str]:
-    """Keys whose delete ``h``'s drive does not owe yet, or owes without a log recording it."""
-    return [k for k in keys if type(k) is str and (k not in h.deletes_owed or k in h.owed_unlogged)]
 
 
 def merged_stats(per: list[dict], unrouted_gets: int) -> dict:

@@ -97,6 +97,21 @@ class ReadBatch:
 
 class GetPath:
     async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
+        """Read the object of ``keys[i]`` into ``buffers[i]``; one bool per key, True on a verified hit.
+
+        ``buffers``: per key a writable contiguous host buffer (numpy array, torch CPU tensor,
+        memoryview, mmap) at least as large as the object, or an ``(address, nbytes)`` pair inside a
+        registered range; CUDA buffers go through GPUDirect Storage where the machine has it. The object
+        lands at the start of the buffer.
+
+        True: the buffer holds exactly the bytes stored under the key (CRC32C-checked unless
+        ``verify_crc`` is off). False: a miss - the key is absent, or that key alone failed: a bad key
+        or a buffer that is refused or too small (logged once per call with the reason), an I/O error
+        or timeout, a checksum mismatch (the damaged entry is dropped), or the store is closed. A
+        buffer whose key is False may have been partly written. I/O problems never raise.
+
+        Raises ValueError when ``buffers`` does not have one entry per key.
+        """
         results = begin_call(self, "get_many", keys, buffers)
         if results is None:
             return [False] * len(keys)
@@ -116,7 +131,9 @@ class GetPath:
         return results
 
     def exists_many_nowait(self, keys: list[str]) -> list[bool]:
-        """Thread-safe: dict reads are atomic under the GIL; LMDB read txns are per call. A key
+        """``exists_many`` without the event loop: callable from any thread (reads the index directly).
+
+        Thread-safe: dict reads are atomic under the GIL; LMDB read txns are per call. A key
         that cannot be stored (not a str, empty, no lossless bytes) is False alone."""
         if self._closed:
             self._closed_call("exists_many")
@@ -130,6 +147,7 @@ class GetPath:
             return [type(k) is str and k in d for k in keys]
 
     def exists_prefix_nowait(self, keys: list[str]) -> int:
+        """``exists_prefix`` without the event loop: callable from any thread (reads the index directly)."""
         if self._closed:
             self._closed_call("exists_prefix")
             return 0
@@ -137,7 +155,7 @@ class GetPath:
             enc = self._index_keys(keys)
             if None in enc:
                 enc = enc[: enc.index(None)]
-            return self._index.exists_prefix(enc)
+            return self._watch.read(lambda ix: ix.exists_prefix(enc), 0)
         d = self._keys
         n = 0
         try:
@@ -150,9 +168,19 @@ class GetPath:
         return n
 
     async def exists_many(self, keys: list[str]) -> list[bool]:
+        """Per key, whether ``get_many`` would find it now (True) or it is absent (False).
+
+        A key that cannot be stored (not a str, empty, too long) is False alone; a closed store answers
+        all False. Never raises for a key; reads only the index (no data I/O).
+        """
         return self.exists_many_nowait(keys)
 
     async def exists_prefix(self, keys: list[str]) -> int:
+        """How many of ``keys``, from the first on, are stored: the index of the first absent key.
+
+        SGLang's prefix match: ``keys`` are a page sequence's keys in order. 0 when the first is absent,
+        the store is closed, or a key cannot be stored. Never raises for a key; reads only the index.
+        """
         return self.exists_prefix_nowait(keys)
 
     def _index_keys(self, keys) -> list[bytes | None]:
@@ -171,8 +199,8 @@ class GetPath:
         """Readers: the index record per key (None: absent, or a key that cannot be stored)."""
         enc = self._index_keys(keys)
         if None not in enc:
-            return self._index.get_records(enc)
-        found = iter(self._index.get_records([b for b in enc if b is not None]))
+            return self._watch.records(enc)
+        found = iter(self._watch.records([b for b in enc if b is not None]))
         return [None if b is None else next(found) for b in enc]
 
     def _writer_rows(self, keys) -> list:

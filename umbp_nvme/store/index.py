@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import IndexDamagedError, StoreError
 from ..keybytes import decode_keys
 from .index_check import _IndexFileDamage, check_index_file, check_own_file  # noqa: F401 - re-exported
+from . import follower
 
 log = logging.getLogger("umbp_nvme.index")  # the name operators know; kept across the move
 
@@ -58,6 +59,7 @@ _CREATING_WAIT_S = 2.0  # how long a reader waits for a new store's writer to cr
 _NEW_ENV_BYTES = 2 * 4096  # an environment whose two meta pages are not written yet is being created
 _META_NEXT_GEN = b"next_generation"
 _META_WRITER_STATE = b"writer_state"
+_META_GEN_BOUND = b"generation_bound"  # no generation handed out reaches it (clock.py)
 _U64 = struct.Struct("<Q")
 
 
@@ -98,7 +100,7 @@ _DAMAGED = (
 )
 
 
-_ENVS: dict[str, list] = {}  # realpath -> [env, refcount, writable]
+_ENVS: dict[str, list] = {}  # realpath -> [env, refcount, writable, (st_dev, st_ino) of its file]
 _DETACHED: list[list] = []  # entries of files moved aside while another handle still held them
 _ENVS_LOCK = threading.Lock()
 
@@ -107,6 +109,9 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
     real = os.path.realpath(path)
     with _ENVS_LOCK:
         entry = _ENVS.get(real)
+        if entry is not None and entry[3] != follower.file_id(path):  # replaced by another process: never share it
+            _DETACHED.append(_ENVS.pop(real))
+            entry = None
         if entry is not None:
             if not readonly and not entry[2]:
                 raise StoreError(
@@ -124,6 +129,7 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
         except FileNotFoundError:
             if readonly:
                 raise FileNotFoundError(f"no store index at {path}; a writer must create the store first") from None
+        before = follower.file_id(path)
         env = lmdb.open(
             path,
             subdir=False,
@@ -140,7 +146,11 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
             metasync=durable,
             readahead=False,
         )
-        _ENVS[real] = [env, 1, not readonly]
+        ident = follower.opened_id(path, before, created=not readonly)
+        if ident is None:  # another process replaced the file during the open: which one LMDB maps is unknown
+            env.close()
+            raise _IndexFileDamage("replaced by its writer while it was being opened", 0)
+        _ENVS[real] = [env, 1, not readonly, ident]
         return env
 
 
@@ -218,13 +228,13 @@ def _release_env(env: lmdb.Environment) -> None:
 
 
 class Index:
-    def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool):
+    def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool, wait_s: float = _CREATING_WAIT_S):
         self.path = path
         self.readonly = readonly
         self.durable = durable
         # a writer creating the store makes the file, then its meta pages, then its databases:
         # a reader that races it waits that moment instead of failing
-        deadline = time.monotonic() + _CREATING_WAIT_S
+        deadline = time.monotonic() + wait_s
         while True:
             try:
                 self._env = _acquire_env(path, readonly=readonly, map_size=map_size, durable=durable)
@@ -364,6 +374,21 @@ class Index:
         if v is not None and len(v) != _U64.size:
             raise IndexDamagedError(f"store index {self.path} is damaged (generation record of {len(v)} bytes)")
         return _U64.unpack(v)[0] if v else 1
+
+    def generation_bound(self) -> int:
+        """The persisted generation bound (clock.py); 0 when none was recorded."""
+        try:
+            with self._read_txn(self._meta) as txn:
+                v = txn.get(_META_GEN_BOUND)
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(self.path, e, "reading the generation bound") from None
+        return _U64.unpack(v)[0] if v is not None and len(v) == _U64.size else 0
+
+    def set_generation_bound(self, bound: int) -> None:
+        """Record the generation bound durably (commit and sync) before values below it are used."""
+        with self._env.begin(write=True) as txn:
+            txn.put(_META_GEN_BOUND, _U64.pack(bound), db=self._meta)
+        self._env.sync(True)
 
     def count(self) -> int:
         with self._read_txn(self._objects) as txn:

@@ -24,9 +24,11 @@ from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, Unsafe
 from ..keybytes import encode_key
 from . import layout
 from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
+from .follower import IndexWatch
 from .rebuild import boot_id
 from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
 from .mounts import check_mounted
+from .clock import GenerationClock
 from .rows import RowTable
 from .segments import SegmentAllocator, SegmentFiles, segment_name
 
@@ -218,6 +220,7 @@ class OpenSteps:
         try:
             self._index = Index(ipath, readonly=self.readonly, map_size=map_size, durable=False)
             if self.readonly:
+                self._watch = IndexWatch(self, map_size)  # every lookup follows the writer's replacements
                 return
             self._scan = self._index.scan()
             self._scan_next_gen = self._index.next_generation()
@@ -331,13 +334,20 @@ class OpenSteps:
         self._rows = RowTable(keys, recs, self._alloc.free)
         self._keys = self._rows.index  # key -> row (the same dict)
         self._load_records(keys, recs)
-        gen_max = int(recs["generation"].max()) if len(keys) else 0
-        if self._scan_next_gen >= GENERATION_MAX:
-            log.error("%s: the index's next generation %d is damaged; continuing after its records' highest",
-                      self.path, self._scan_next_gen)  # fmt: skip
-            self._scan_next_gen = max(gen_max + 1, time.time_ns() // 1000)
-        self._clock = max(self._scan_next_gen, gen_max + 1)
-        self._open_clock = self._clock  # records of objects put before this open are confirmed on disk
+        self._start_clock(int(recs["generation"].max()) if len(keys) else 0)
+
+    def _start_clock(self, gen_max: int) -> None:
+        """Join the generation clock (clock.py) above everything this store may hold: the index's
+        next generation, the bound persisted before the last session used its values, its records."""
+        bound = self._index.generation_bound()
+        for what, v in (("next generation", self._scan_next_gen), ("generation bound", bound)):
+            if v >= GENERATION_MAX:
+                log.error("%s: the index's %s %d is damaged; continuing after its records' highest", self.path,
+                          what, v)  # fmt: skip
+        floor = max(v for v in (self._scan_next_gen, bound, gen_max + 1, time.time_ns() // 1000) if v < GENERATION_MAX)
+        self._clock = self._clock_given or GenerationClock()
+        self._clock.join(floor, self._index.set_generation_bound)
+        self._open_clock = self._clock.now  # records of objects put before this open are confirmed on disk
 
     def _drop_unreadable(self, keys: list, recs: np.ndarray, n_segments: int):
         """(keys, records) the allocator accepts and whose bytes are on disk; the rest deleted from the index.

@@ -64,6 +64,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     _space_limit_segments = None  # segments with files when one could not be created (ENOSPC)
     _space_retry_at = 0.0
     _rows = None  # writers: the row table (rows.py)
+    _residency = None  # kv_residency.Residency: told which keys became visible / invisible (KV events)
 
     @classmethod
     async def open(
@@ -76,6 +77,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         capacity_from_manifest: bool = False,
         shrink: bool = False,
         engine_factory=None,
+        clock=None,
     ) -> "PageStore":
         """Open (a writer creates) the store at ``path``.
 
@@ -93,6 +95,20 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         ``engine_factory``: ``async (backend, queue_depth) -> IoEngine``, called once per engine
         (two for a writer: reads and writes); default ``engine.open_engine``. Tests and fault
         injection wrap engines here.
+
+        ``clock``: a ``clock.GenerationClock`` shared with other stores (the drives of one
+        writer), so that generations order puts across them; default: the store's own.
+
+        ``readonly=True`` opens a follower: it reads what a writer in another process publishes
+        and never writes. ``namespace``: a dict (model, layout, dtype, ...) recorded by the first
+        writer; a store made for another namespace is refused.
+
+        Raises StoreLockedError (another process writes this directory; names its pid),
+        NamespaceMismatchError (names the field and both values), CapacityShrinkError,
+        UnsafeStorePathError (a symlink, not a directory, another user's), FileNotFoundError or
+        NotAStoreError (read-only open where no store is), IndexDamagedError (read-only open
+        of a damaged index; a writer moves it aside instead), TypeError for a config that is not
+        a StoreConfig, and OSError when the directory cannot be created or locked.
         """
         if not isinstance(path, (str, os.PathLike)) or "," in os.fspath(path) or os.fspath(path).lstrip()[:1] == "[":
             roots = parse_roots(path)
@@ -106,6 +122,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             path = roots[0]
         self = cls.__new__(cls)
         self._init_state()
+        self._clock_given = clock
         await self._open(path, config or StoreConfig(), readonly, namespace, capacity_from_manifest, shrink,
                          engine_factory)  # fmt: skip
         return self
@@ -127,6 +144,10 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         self._counters = dict.fromkeys(COUNTERS, 0)
 
     async def close(self) -> None:
+        """Wait for calls in flight, make everything durable (a clean close), release the lock.
+
+        Idempotent; never raises for an I/O problem (logged). Calls after close answer False / 0.
+        """
         if self._closed:
             return
         self._closed = True
@@ -159,6 +180,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         self._release_resources()
 
     def _release_resources(self) -> None:
+        clock = getattr(self, "_clock", None)
+        if clock is not None and self._index is not None:
+            clock.leave(self._index.set_generation_bound)
         for e in self._engines:
             try:
                 e.close()
@@ -182,6 +206,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
                 self._index = None
             self._index_pool.shutdown(wait=False)
             self._index_pool = None
+        if getattr(self, "_watch", None) is not None:
+            self._watch.close()  # a follower's other index handles (follower.py)
         if self._index is not None:
             self._index.close()
             self._index = None
@@ -193,6 +219,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` has started (or the open failed)."""
         return self._closed
 
     # ----------------------------------------------------------------------------- memory
@@ -253,14 +280,13 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     def _object_count(self) -> int:
         if self.readonly:
             try:
-                return self._index.count()
+                return self._watch.read(lambda ix: ix.count(), -1)
             except Exception:  # noqa: BLE001
                 return -1
         return len(self._keys)
 
     def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+        return self._clock.tick()
 
     # ----------------------------------------------------------------------------- index commits
 
@@ -268,7 +294,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         """One index transaction, not synced: the records in the segments are the durable truth
         (records.py), so it runs inline."""
         try:
-            self._index.commit(puts, deletes, next_generation=self._clock + 1)
+            self._index.commit(puts, deletes, next_generation=self._clock.now + 1)
             return True
         except Exception as e:  # noqa: BLE001 - lmdb.Error (ENOSPC, MapFull) becomes a failed batch
             log.error("%s: index commit of %d puts / %d deletes failed: %s", self.path, len(puts), len(deletes), e)
@@ -286,6 +312,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         was_live = [(r, k) for r, k in zip(rows, keys) if self._keys.get(k) == r]
         for _, k in was_live:
             del self._keys[k]  # invisible to new readers first: nothing new pins these rows
+        if self._residency is not None:
+            self._residency.hidden([k for _, k in was_live])
         self._rows.live[rows] = False
         dels = dict.fromkeys(k for k in keys if k not in self._keys)  # a key put again since a drop in doubt stays
         ok = None  # not known: a commit that outlived io_timeout_s (or a cancelled call) may still land
@@ -322,6 +350,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
                 else:
                     orphans.append(r)  # re-put meanwhile: the index holds the new record, not this one
             self._rows.release(orphans)
+            if self._residency is not None:
+                self._residency.shown([k for r, k in was_live if self._keys.get(k) == r])
         return False
 
     async def clear(self) -> None:
@@ -330,11 +360,15 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             return
         async with self._commit_lock:
             rows = list(self._keys.values())
-            if rows and await self._tombstone(rows) is None:
+            gone = list(self._keys) if self._residency is not None else ()
+            # also with no rows: records of puts that never published must not outlive the clear
+            if await self._tombstone(rows) is None:
                 raise OSError(f"{self.path}: clear could not clear the records in the segments; nothing was dropped")
             self._keys.clear()
+            if gone:
+                self._residency.hidden(gone)
             self._rows.live[rows] = False
-            self._index.drop_all(next_generation=self._clock + 1)
+            self._index.drop_all(next_generation=self._clock.now + 1)
             self._rows.release(rows)
             self._counters["deletes"] += len(rows)
 
@@ -348,6 +382,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         return await self._flush()
 
     async def flush_for_close(self) -> bool:
+        """``flush`` that never raises (close uses it): True when data, records and index are durable."""
         # a clean close leaves data, records (all confirmed) and index durable
         try:
             return await self._flush()
@@ -366,8 +401,12 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             self._areas.confirm(*snap)
         dirty = self._areas.dirty_blocks()
         if dirty:
+            dead = dict(self._areas.dead)
             failed = await self._areas.write(self._write_engine, self._files.fds, dirty, self.timeout_s)
-            ok = await self._sync_all() and ok and not failed
+            synced = await self._sync_all()
+            ok = synced and ok and not failed
+            if synced:
+                self._areas.forget_dead(dead, set(self._files.files) - failed)
         try:
             await asyncio.wait_for(
                 asyncio.get_running_loop().run_in_executor(self._index_pool, self._index.sync), self.timeout_s
@@ -396,6 +435,8 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     # ----------------------------------------------------------------------------- stats
 
     def stats(self) -> dict:
+        """Counters (puts, hits, misses, evictions, errors, ...) and state (capacity, objects, bytes
+        used, engine, O_DIRECT, durability) as one dict of plain values. Never touches the disk."""
         s = dict(self._counters)
         s.update(
             path=self.path,
@@ -452,6 +493,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             self._idle.set()
 
     async def __aenter__(self):
+        """``async with await PageStore.open(...) as store:`` closes the store on exit."""
         return self
 
     async def __aexit__(self, *exc):

@@ -12,8 +12,8 @@ Jobs go to long-lived worker threads, one per policy while jobs come one at a ti
 ``CRC_WORKERS_MAX`` when they overlap), each ending after ``IDLE_EXIT_S`` without a job (so a
 closed store leaves no thread behind for long). A thread per job cost the loop 2-4 ms
 per put batch on a busy 2-core machine: ``Thread.start`` waits until the new thread has run, and
-that stall sat in front of every get arriving meanwhile (docs/tuning.md, "the loop's stalls").
-``CRC_POLICY`` says how the worker lowers its priority, chosen by measurement (docs/tuning.md):
+that stall sat in front of every get arriving meanwhile (docs/benchmarks.md, "the loop's stalls").
+``CRC_POLICY`` says how the worker lowers its priority, chosen by measurement (docs/benchmarks.md):
 ``idle`` = SCHED_IDLE, ``batch`` = SCHED_BATCH at nice ``CRC_NICE``, ``nice`` = nice ``CRC_NICE``,
 ``normal`` = no change (a control for benchmarks). A thread id's policy is its own on Linux
 (``sched_setscheduler(0, ...)`` / ``setpriority(PRIO_PROCESS, tid, ...)`` from the thread).

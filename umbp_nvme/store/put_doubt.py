@@ -62,6 +62,7 @@ class PutDoubt:
         return {k for d in self._put_doubt or () for k in d.keys}
 
     def put_doubt_bytes(self) -> int:
+        """Bytes of puts in doubt: written, but whether their index commit landed is not known yet."""
         return sum(int(d.b.nbytes[d.pj].sum()) for d in self._put_doubt or ())
 
     def _put_doubt_settle(self) -> None:

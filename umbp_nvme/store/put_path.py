@@ -56,6 +56,24 @@ class WriteBatch:
 
 class PutPath:
     async def put_many(self, keys: list[str], buffers: list, *, depths: list[int] | None = None) -> list[bool]:
+        """Store ``buffers[i]`` under ``keys[i]``; one bool per key, True once the object is published.
+
+        ``keys``: str keys (any non-empty str up to the index's key limit; SGLang's component keys).
+        ``buffers``: per key a contiguous host buffer (numpy array, torch CPU tensor, memoryview, mmap;
+        1 byte .. one segment) or an ``(address, nbytes)`` pair inside a range given to
+        ``register_memory``; CUDA buffers go through GPUDirect Storage where the machine has it.
+        ``depths``: optional int32 per key, the page's position in its prefix (``prefix_aware``
+        eviction evicts the deepest first).
+
+        True: the bytes are on the file and the key is visible (strict durability: fdatasynced too). A
+        key already stored answers True, keeps its first bytes and becomes recently used; a key given
+        twice in one call is written once. False: that key alone failed - a bad key, a refused buffer
+        (each logged once per call with the reason), an I/O error, ENOSPC or a timeout (logged, counted
+        in ``stats()``), or the store is closed. I/O problems never raise.
+
+        Raises ReadOnlyStoreError on a store opened read-only and ValueError when ``buffers`` or
+        ``depths`` do not have one entry per key.
+        """
         results = begin_call(self, "put_many", keys, buffers, depths, writes=True)
         if results is None:
             return [False] * len(keys)
@@ -206,9 +224,16 @@ class PutPath:
             return
         segs, offs, failed_create = await self._reserve(lens)
         have = segs >= 0
+        stuck = await self._retire_changed(segs[have], lens[have]) if have.any() else ()
+        if stuck:
+            lost = have & np.isin(segs, list(stuck))
+            self._alloc.free_many(segs[lost], offs[lost])
+            for j in np.flatnonzero(lost).tolist():
+                refused.add(keys[int(todo[j])], "an earlier record write to its segment is stuck")
+            have &= ~lost
         if not have.all():
             why = "no space" + (" (segment file could not be created)" if failed_create else "")
-            for j in np.flatnonzero(~have).tolist():
+            for j in np.flatnonzero(~have & (segs < 0)).tolist():
                 refused.add(keys[int(todo[j])], why)
             ok_j = np.flatnonzero(have)
             if not len(ok_j):
@@ -445,6 +470,8 @@ class PutPath:
         for r, k in zip(rows_l, pub_keys):
             row_key[r] = k
         self._keys.update(zip(pub_keys, rows_l))
+        if self._residency is not None:
+            self._residency.shown(pub_keys)
         self._counters["bytes_written"] += int(b.nbytes[pj].sum())
 
     async def _write_device(self, route: str, fds, offs, addrs, lens):

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ..engine.files import open_regular
+from ..engine.files import open_regular, zero_range
 from ..keybytes import decode_keys
 from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, key_crcs
 from .layout import GENERATION_MAX, SLOT_ALIGN_BYTES, record_slots, segment_files
@@ -131,12 +131,14 @@ def rebuild_records(directory: str, segment_bytes: int, n_segments: int, progres
     files = {i: n for i, n in segment_files(directory).items() if i < n_segments}
     parts, keys, conf = [], [], []
     summary = {"segments": len(files), "records": 0, "bad_records": 0, "unconfirmed": 0, "data_bad": 0,
-               "long_keys": 0, "duplicates": 0}  # fmt: skip
+               "long_keys": 0, "duplicates": 0, "tied": 0, "generation_max": 0}  # fmt: skip
     for done, (seg, name) in enumerate(sorted(files.items())):
         p = os.path.join(directory, name)
         area, seg_cls = read_area(p, segment_bytes)
         live = int(((area["magic"] == MAGIC) & ((area["flags"] & R_VALID) != 0)).sum())
         r = valid_records(area, seg, segment_bytes, seg_cls)
+        if len(r):  # the clock restarts above every sound record, kept or not (clock.py)
+            summary["generation_max"] = max(summary["generation_max"], int(r["generation"].max()))
         summary["long_keys"] += int(((area["magic"] == MAGIC) & ((area["flags"] & R_KEY_TRUNC) != 0)).sum())
         k = _keys_of(r)
         kc = key_crcs(k) if k else np.zeros(0, np.uint32)
@@ -157,11 +159,13 @@ def rebuild_records(directory: str, segment_bytes: int, n_segments: int, progres
             progress(done + 1, len(files), len(keys))
     r = np.concatenate(parts) if parts else np.zeros(0, RECORD_DTYPE)
     c = np.concatenate(conf) if conf else np.zeros(0, bool)
-    # one record per key: the newest generation
+    # one record per key: the newest generation. Two records of one key with the same newest
+    # generation cannot both be what was acknowledged last (generations are unique per put batch
+    # and a batch writes a key once): neither is trusted, the key is dropped.
     if len(keys) > 1:
         uniq: dict[bytes, int] = {}
         gens = r["generation"].tolist()
-        drop = []
+        drop, tied = [], set()
         for i, k in enumerate(keys):
             j = uniq.get(k)
             if j is None:
@@ -169,10 +173,18 @@ def rebuild_records(directory: str, segment_bytes: int, n_segments: int, progres
             elif gens[i] > gens[j]:
                 uniq[k] = i
                 drop.append(j)
+                tied.discard(k)
             else:
                 drop.append(i)
+                if gens[i] == gens[j]:
+                    tied.add(k)
+        if tied:
+            drop.extend(uniq[k] for k in tied)
+            summary["tied"] = len(tied)
+            log.error("%s: %d keys have two records of the same newest generation; dropping them", directory,
+                      len(tied))  # fmt: skip
         if drop:
-            summary["duplicates"] = len(drop)
+            summary["duplicates"] = len(drop) - len(tied)
             sel = np.setdiff1d(np.arange(len(keys)), np.asarray(drop, np.int64))
             r, c = r[sel], c[sel]
             keys = [keys[i] for i in sel.tolist()]
@@ -221,8 +233,57 @@ def boot_id() -> bytes:
     return _BOOT_ID
 
 
+def clear_area(path: str, segment_bytes: int) -> None:
+    """Zero the record area of a segment holding no object (the largest area any class has) and
+    fdatasync it: records left there by puts that never published must not reach a later rebuild."""
+    fd = open_regular(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_size < segment_bytes:
+            return
+        n = area_blocks(segment_bytes, SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        zero_range(fd, segment_bytes - n, n)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def rewrite_areas(directory: str, segment_bytes: int, n_segments: int, keys: list, recs: np.ndarray) -> dict:
+    """Write every segment's record area from an index's (keys, records): data synced first, so every
+    record says confirmed; segments without an object get their area cleared. Returns counts."""
+    from ..keybytes import encode_key
+    from .records import make_records
+
+    enc = [encode_key(k) for k in keys]
+    segs = recs["segment"].astype(np.int64)
+    out = {"areas_written": 0, "areas_cleared": 0}
+    for s, name in sorted(segment_files(directory).items()):
+        if s >= n_segments:
+            continue
+        p = os.path.join(directory, name)
+        js = np.flatnonzero(segs == s)
+        if not len(js):
+            clear_area(p, segment_bytes)
+            out["areas_cleared"] += 1
+            continue
+        r = recs[js]
+        rk = [enc[j] for j in js.tolist()]
+        sealed = make_records(r["segment"], r["offset"], r["length"], r["generation"], r["crc"], r["depth"],
+                              r["key_crc"], rk, R_VALID | R_CONFIRMED)  # fmt: skip
+        cls = int(-(-int(r["length"][0]) // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
+        area = np.zeros(record_slots(segment_bytes, cls), RECORD_DTYPE)
+        area[r["offset"].astype(np.int64) // cls] = sealed
+        fd = open_regular(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            os.fdatasync(fd)  # the data first: the records written now say confirmed
+        finally:
+            os.close(fd)
+        write_area(p, segment_bytes, area, cls)
+        out["areas_written"] += 1
+    return out
+
+
 def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: int, map_size: int, why: str,
-                  summary_out: dict | None = None):  # fmt: skip
+                  summary_out: dict | None = None, rewrite: bool = False):  # fmt: skip
     """Move ``ipath`` aside (when present) and write a new index from the segments' records;
     returns the new (writer) Index, committed and synced. Progress and the outcome are logged."""
     from .index import Index, quarantine
@@ -250,9 +311,13 @@ def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: in
         from ..keybytes import encode_key
 
         puts = [(encode_key(k), blob[i * step : (i + 1) * step]) for i, k in enumerate(keys)]
-        nxt = int(recs["generation"].max()) + 1 if len(recs) else 1
+        nxt = max(summary["generation_max"], int(recs["generation"].max()) if len(recs) else 0) + 1
         ix.commit(puts=puts, next_generation=max(nxt, time.time_ns() // 1000))
         ix.sync()
+        if rewrite:  # no writer follows to bring the areas in line with the new index: do it here
+            summary.update(rewrite_areas(directory, segment_bytes, n_segments, keys, recs))
+            if summary_out is not None:
+                summary_out.update(summary)
     except BaseException:
         ix.close()
         raise

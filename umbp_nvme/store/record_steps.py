@@ -19,7 +19,7 @@ from . import layout
 from .checks import encode_all
 from .index import FLAG_CRC, FLAG_KEYCRC, REC_BYTES, REC_DTYPE, key_crcs, wrap_lmdb_error
 from .layout import MANIFEST_FILE
-from .rebuild import boot_id, rebuild_index, write_area
+from .rebuild import boot_id, clear_area, rebuild_index, write_area
 from .records import R_CONFIRMED, R_VALID, RecordAreas, confirmed_copy, make_records
 from .segments import segment_name
 from .staging import wait_out
@@ -84,9 +84,39 @@ class RecordSteps:
         if len(js) and b.recorded[js].any():
             js = js[b.recorded[js]]
             touched, _ = self._areas.clear(b.segs[js], b.offs[js], b.nbytes[js])
-            for s, blk in touched:
-                self._areas.dirty.setdefault(s, set()).add(blk)
+            self._areas.mark_dead(touched)  # on disk before any delete or clear is acknowledged
             b.recorded[js] = False
+
+    async def _retire_changed(self, segs, lens) -> set[int]:
+        """Segments the allocator just gave a new size class: their old record area is brought to
+        disk as memory has it (no record left: every slot was freed) and forgotten before the new
+        class's data goes in, where its blocks lie; a block write of the old area landing later
+        would zero the new class's objects. Returns the segments that could not be retired."""
+        a = self._areas
+        changed = []
+        cls = (-(-np.asarray(lens, np.int64) // layout.SLOT_ALIGN_BYTES)) * layout.SLOT_ALIGN_BYTES
+        for s in np.unique(segs).tolist():
+            a._ensure(s)
+            old = a.cls.get(s)
+            if old is not None and old != int(cls[np.flatnonzero(segs == s)[0]]):
+                changed.append(s)
+        failed = set()
+        for s in changed:
+            busy = a.busy(s)
+            if busy:
+                _, late = await asyncio.wait(busy, timeout=self.timeout_s)
+                if late:
+                    failed.add(s)
+                    continue
+            blocks = {(s, blk) for blk in a.dirty.get(s, ())}
+            if blocks and await a.write(self._write_engine, self._files.fds, blocks, self.timeout_s):
+                failed.add(s)
+                continue
+            a.drop(s)
+        if failed:
+            log.error("%s: the old record areas of segments %s could not be retired; their puts are refused",
+                      self.path, sorted(failed))  # fmt: skip
+        return failed
 
     def _records(self, b, pj, pub_idx, pub_keys, gen):
         """(index records, encoded keys) of the objects ``pj`` of the batch, stamped with ``gen``."""
@@ -126,20 +156,25 @@ class RecordSteps:
         return recs, enc
 
     async def _tombstone(self, rows) -> list | None:
-        """Clear the rows' records in their segments durably (strict: fdatasync); the undo list,
-        or None when a block write or sync failed (the records are restored in memory)."""
+        """Clear the rows' records in their segments durably (strict: fdatasync), together with the
+        records of puts that never published (``RecordAreas.dead``), so no rebuild after this
+        delete can bring back a key it removed; the undo list, or None when a block write or sync
+        failed (the records are restored in memory)."""
         t = self._rows
         touched, undo = self._areas.clear(t.seg[rows], t.off[rows], t.len[rows])
+        dead = dict(self._areas.dead)
+        touched |= set(dead)
         if not touched:
             return undo
         failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)
+        segs = sorted({s for s, _ in touched})
         if not failed and self.strict:
-            segs = sorted({s for s, _ in touched})
             done = await asyncio.gather(
                 *(asyncio.wait_for(self._write_engine.sync(int(self._files.fds[s])), self.timeout_s) for s in segs),
                 return_exceptions=True,
             )
             failed = {s for s, r in zip(segs, done) if isinstance(r, BaseException)}
+        self._areas.forget_dead(dead, set(segs) - set(failed))
         if failed:
             log.error("%s: clearing %d records in segments %s failed; the objects stay", self.path, len(rows),
                       sorted(failed))  # fmt: skip
@@ -168,6 +203,12 @@ class RecordSteps:
         for s in segs:
             write_area(os.path.join(self.path, segment_name(s)), self.segment_bytes, self._areas.areas.get(s),
                        self._areas.cls.get(s, 0))  # fmt: skip
+        # segments without an object may still hold records of puts that never published (killed
+        # between their records and the commit): cleared, or a later rebuild would adopt them
+        n_segments = self.capacity_bytes // self.segment_bytes
+        for s, name in sorted(layout.segment_files(self.path).items()):
+            if s < n_segments and s not in self._files.files:
+                clear_area(os.path.join(self.path, name), self.segment_bytes)
         if self._migrate:
             self.manifest["layout"]["record_bytes"] = layout.SEGMENT_RECORD_BYTES
             layout.write_manifest(os.path.join(self.path, MANIFEST_FILE), self.manifest)

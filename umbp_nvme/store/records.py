@@ -148,6 +148,11 @@ class RecordAreas:
         self._busy: dict[tuple[int, int], asyncio.Future] = {}  # (seg, block) -> its write in flight
         self._tasks: dict = {}  # write task -> its image buffer
         self._confirms: list[np.ndarray] = []  # confirm_later's records, placed at the next use
+        # blocks holding records of slots that went back unpublished, until their cleared image is
+        # known on disk: (seg, block) -> the mark's sequence number (a write whose image predates
+        # the mark does not clear it). A delete or clear writes them before it is acknowledged.
+        self.dead: dict[tuple[int, int], int] = {}
+        self._seq = 0
 
     def _ensure(self, seg: int) -> None:
         if seg in self._loaded:
@@ -162,11 +167,21 @@ class RecordAreas:
         a = self.areas.get(seg)
         if a is None or self.cls[seg] != cls:
             n = record_slots(self.segment_bytes, cls)
+            nb = -(-n // PER_BLOCK)
             if a is not None and (a["flags"] != 0).any():
-                # the segment changed class while old records remain: wipe those inside the new
-                # area (the rest of the old area lies in the new class's slots)
+                # the segment changed class while old records remain (the store retires an area
+                # before a new class's data goes in, so this is a leftover): wipe those inside the
+                # new area; the rest of the old area lies in the new class's slots
                 old = np.unique(np.flatnonzero(a["flags"]) // PER_BLOCK)
-                self.dirty.setdefault(seg, set()).update(old[old < -(-n // PER_BLOCK)].tolist())
+                log.error("segment %d changed size class with %d old record blocks in memory", seg, len(old))
+                self.dirty.setdefault(seg, set()).update(old[old < nb].tolist())
+            # blocks computed for the old area that lie beyond the new one are the new class's data
+            # slots now: writing them would zero its objects
+            d = self.dirty.get(seg)
+            if d:
+                d.difference_update([b for b in d if b >= nb])
+            for k in [k for k in self.dead if k[0] == seg and k[1] >= nb]:
+                del self.dead[k]
             a = np.zeros(n, RECORD_DTYPE)
             self.areas[seg], self.cls[seg] = a, cls
         return a
@@ -195,12 +210,17 @@ class RecordAreas:
         touched: set[tuple[int, int]] = set()
         undo = []
         segs = np.asarray(segs, np.int64)
-        idx = slot_index(np.asarray(offs), np.asarray(lens))
+        lens = np.asarray(lens, np.int64)
+        idx = slot_index(np.asarray(offs), lens)
         for s in np.unique(segs).tolist():
             self._ensure(s)
             a = self.areas.get(s)
             if a is None:
-                continue
+                # a segment not used yet this session whose rows are all leaving: its area is built
+                # from the live rows, so it is empty in memory while its blocks on disk still hold
+                # these records; build it for their class, and the zeros below get written
+                m = np.flatnonzero(segs == s)[0]
+                a = self._area(s, int(-(-int(lens[m]) // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES))
             js = idx[segs == s]
             js = js[js < len(a)]
             av = a.view(_WHOLE)
@@ -208,6 +228,33 @@ class RecordAreas:
             av[js] = np.zeros(1, _WHOLE)
             touched.update((s, b) for b in np.unique(js // PER_BLOCK).tolist())
         return touched, undo
+
+    def mark_dead(self, touched) -> None:
+        """Blocks whose records of unpublished slots were cleared in memory: due on disk before
+        any delete or clear is acknowledged (RecordSteps._tombstone)."""
+        for k in touched:
+            self._seq += 1
+            self.dead[k] = self._seq
+            self.dirty.setdefault(k[0], set()).add(k[1])
+
+    def forget_dead(self, snapshot: dict, synced_segs) -> None:
+        """``snapshot`` (a copy of ``dead`` taken before the write) landed and the segments
+        ``synced_segs`` were synced after it: those marks are done unless marked again since."""
+        for k, seq in snapshot.items():
+            if k[0] in synced_segs and self.dead.get(k) == seq:
+                del self.dead[k]
+
+    def busy(self, seg: int) -> set:
+        """The block writes of segment ``seg`` in flight."""
+        return {f for (s, _), f in self._busy.items() if s == seg}
+
+    def drop(self, seg: int) -> None:
+        """Forget segment ``seg``'s area (its blocks are known on disk as they are in memory, and
+        no write of them is in flight): the next use builds it for its new class, empty."""
+        self.areas.pop(seg, None)
+        self.cls.pop(seg, None)
+        self.dirty.pop(seg, None)
+        self._loaded.add(seg)
 
     def restore(self, undo) -> None:
         self._place_confirms()

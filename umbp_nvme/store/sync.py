@@ -69,6 +69,12 @@ class SyncPageStore:
 
     @classmethod
     def open(cls, path, config: StoreConfig | None = None, **kw) -> "SyncPageStore":
+        """Same as ``SyncPageStore(path, config, **kw)``: opens the store on a private loop thread.
+
+        Keywords as ``PageStore.open`` (``readonly``, ``namespace``, ``capacity_from_manifest``,
+        ``shrink`` - True by default here - ``engine_factory``) plus ``page_of`` for several roots.
+        Raises what ``PageStore.open`` raises.
+        """
         return cls(path, config, **kw)
 
     def _run(self) -> None:
@@ -127,6 +133,12 @@ class SyncPageStore:
     # --- data path ---
 
     def put_many(self, keys, buffers, *, depths=None) -> list[bool]:
+        """``PageStore.put_many``, blocking: one bool per key, True once published.
+
+        A call that outlives ``4 x io_timeout_s`` (+5 s) answers all False once the kernel has let go
+        of the buffers. Raises ReadOnlyStoreError on a read-only store and ValueError for mismatched
+        lengths; a closed store answers all False.
+        """
         t0 = time.perf_counter()
         r = self._bounded(self.store.put_many(keys, buffers, depths=depths), len(keys), "put_many")
         if self.metrics is not None:
@@ -134,6 +146,10 @@ class SyncPageStore:
         return r
 
     def get_many(self, keys, buffers) -> list[bool]:
+        """``PageStore.get_many``, blocking: one bool per key, True when the buffer holds the verified
+        object; False for a miss or a failure of that key (a call past its bound: all False, after the
+        kernel has let go of the buffers). Raises ValueError for mismatched lengths.
+        """
         t0 = time.perf_counter()
         r = self._bounded(self.store.get_many(keys, buffers), len(keys), "get_many")
         if self.metrics is not None:
@@ -141,9 +157,13 @@ class SyncPageStore:
         return r
 
     def delete_many(self, keys) -> list[bool]:
+        """``PageStore.delete_many``, blocking: True per key once its removal is durable; False when it
+        was absent or the removal failed. Raises ReadOnlyStoreError on a read-only store."""
         return self._bounded(self.store.delete_many(keys), len(keys), "delete_many")
 
     def exists_many(self, keys) -> list[bool]:
+        """Per key, whether it is stored (no loop hop: reads the index from the calling thread).
+        A key that cannot be stored, or a closed store, answers False; never raises for a key."""
         if self._closed_call("exists_many"):
             return [False] * len(keys)
         t0 = time.perf_counter()
@@ -153,6 +173,7 @@ class SyncPageStore:
         return r
 
     def exists_prefix(self, keys) -> int:
+        """How many leading ``keys`` are stored (no loop hop). 0 on a closed store."""
         if self._closed_call("exists_prefix"):
             return 0
         t0 = time.perf_counter()
@@ -167,6 +188,12 @@ class SyncPageStore:
     # --- management ---
 
     def register_memory(self, address: int, nbytes: int) -> bool:
+        """Allow ``(address, nbytes)`` pairs inside this range as buffers (SGLang's host pool).
+
+        True when an engine also took it as fixed buffers (faster); False when it did not, or when
+        the range is not mapped readable and writable here (then buffers inside it are refused, one
+        ERROR line), or the store is closed.
+        """
         if self._closed_call("register_memory"):
             return False
 
@@ -176,6 +203,8 @@ class SyncPageStore:
         return self._call(reg())
 
     def stats(self, timeout_s: float | None = None) -> dict:
+        """``PageStore.stats()`` read on the store's loop (``timeout_s`` bounds the wait; a closed
+        store answers its last counters)."""
         if self._closed:  # the loop is stopped; the closed store's counters are plain reads
             return self.store.stats()
 
@@ -185,6 +214,8 @@ class SyncPageStore:
         return self._call(st(), timeout_s)
 
     def flush(self) -> bool:
+        """fdatasync segments and index; True when all of it is durable. False on a closed store,
+        an I/O error or a timeout; never raises for those."""
         if self._closed_call("flush"):
             return False
         try:
@@ -193,19 +224,25 @@ class SyncPageStore:
             return False
 
     def clear(self) -> None:
+        """Drop every entry durably. Raises ReadOnlyStoreError on a read-only store and OSError when
+        the records could not be cleared (nothing is dropped then). Does nothing on a closed store."""
         if self._closed_call("clear"):
             return
         self._call(self.store.clear())
 
     @property
     def readonly(self) -> bool:
+        """True for a follower opened read-only."""
         return self.store.readonly
 
     @property
     def path(self) -> str:
+        """The store directory (several roots: their absolute paths joined by commas)."""
         return self.store.path
 
     def close(self) -> None:
+        """Close the store (waits for calls in flight, makes everything durable) and stop its loop
+        thread. Idempotent; later calls answer False / 0."""
         if self._closed:
             return
         self._closed = True
@@ -233,6 +270,7 @@ class SyncPageStore:
                 log.warning("event loop of %s not closed: %s", getattr(self, "store", None) and self.store.path, e)
 
     def __enter__(self):
+        """``with SyncPageStore(path, cfg) as store:`` closes the store on exit."""
         return self
 
     def __exit__(self, *exc):

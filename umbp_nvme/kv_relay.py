@@ -1,0 +1,116 @@
+"""The engine's own KV-event stream, relayed: one stream per worker, and the token ids DISK events need.
+
+SGLang's storage backend is given page keys, never token ids; Dynamo's KV router drops a
+``BlockStored`` without them ("token_ids too short"). The scheduler publishes them with its GPU and
+CPU_PINNED events (``--kv-events-config``). With ``kv_events_engine_endpoint`` set, the publisher
+(kv_events.py) subscribes there and:
+
+- forwards every engine frame's payload unchanged under its own sequence numbers, so a router
+  registers one endpoint per worker (and DP rank) and sees every tier of it in one ordered stream,
+  with one replay socket (ours) for all of it;
+- keeps, per engine block hash, the block's token ids and parent (a bounded LRU): a DISK page whose
+  event hash matches a block the engine announced is published with those tokens.
+
+A page the engine never announced under the same hash is not announced on DISK in this mode
+(counted as ``skipped_no_tokens``): its hash is namespaced (LoRA adapter, ``cache_salt``, the
+``dynamo`` event format: the storage key no longer gives the event hash), or the engine's event
+is older than the token cache. Dynamo would drop it anyway; a wrong hash would be worse.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import OrderedDict
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+TOKEN_CACHE_BLOCKS = 200_000  # blocks whose tokens are kept (~0.3 KiB each at 64 tokens per page)
+FRAMES_PER_POLL = 256  # engine frames taken per publisher-loop turn
+
+
+def connectable(endpoint: str) -> str:
+    """A bind address copied from the scheduler's config (``tcp://*:5557``) as one to connect to."""
+    for wild in ("*", "0.0.0.0"):
+        if endpoint.startswith(f"tcp://{wild}:"):
+            return "tcp://127.0.0.1:" + endpoint.rpartition(":")[2]
+    if endpoint.startswith("tcp://[::]:"):
+        return "tcp://[::1]:" + endpoint.rpartition(":")[2]
+    return endpoint
+
+
+class EngineRelay:
+    def __init__(self, ctx, endpoint: str, topic: bytes = b"", cache_blocks: int = TOKEN_CACHE_BLOCKS):
+        import msgspec
+        import zmq
+
+        self.endpoint = connectable(endpoint)
+        self._sock = ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self._sock.connect(self.endpoint)
+        self._again = zmq.Again
+        self._noblock = zmq.NOBLOCK
+        self._dec = msgspec.msgpack.Decoder()
+        self._tokens: OrderedDict[int, tuple[array, Optional[int]]] = OrderedDict()
+        self._cap = int(cache_blocks)
+        self._last_seq: Optional[int] = None
+        self.stats = {"engine_frames": 0, "engine_gaps": 0, "engine_bad_frames": 0, "token_blocks": 0}
+
+    def poll(self) -> list[bytes]:
+        """The payloads of the engine frames waiting now (to forward), their tokens learnt."""
+        out = []
+        for _ in range(FRAMES_PER_POLL):
+            try:
+                frame = self._sock.recv_multipart(self._noblock)
+            except self._again:
+                break
+            if len(frame) != 3 or len(frame[1]) != 8:
+                self.stats["engine_bad_frames"] += 1
+                continue
+            seq = int.from_bytes(frame[1], "big")
+            if self._last_seq is not None and seq != self._last_seq + 1:
+                self.stats["engine_gaps"] += 1
+                if self.stats["engine_gaps"] == 1:
+                    log.warning("umbp_nvme: the engine's KV events skipped from %d to %d (a slow relay or an "
+                                "engine restart); tokens of the missed blocks are not known", self._last_seq, seq)  # fmt: skip
+            self._last_seq = seq
+            self.stats["engine_frames"] += 1
+            try:
+                self._learn(self._dec.decode(frame[2]))
+            except Exception:  # noqa: BLE001 - an undecodable batch is forwarded, not learnt from
+                self.stats["engine_bad_frames"] += 1
+            out.append(frame[2])
+        return out
+
+    def _learn(self, batch) -> None:
+        events = batch[1] if isinstance(batch, (list, tuple)) and len(batch) >= 2 else ()
+        for e in events:
+            if not isinstance(e, dict) or e.get("type") != "BlockStored":
+                continue
+            if e.get("lora_id") is not None or e.get("lora_name") or e.get("cache_salt"):
+                continue  # namespaced: its hashes never equal a storage key's
+            hashes, toks = e.get("block_hashes") or [], e.get("token_ids") or []
+            if not hashes or len(toks) % len(hashes):
+                continue
+            n = len(toks) // len(hashes)
+            parent = e.get("parent_block_hash")
+            for i, h in enumerate(hashes):
+                try:
+                    t = array("q", toks[i * n : (i + 1) * n])
+                except TypeError:  # EAGLE bigram pages carry token pairs: not relayable as ids
+                    break
+                self._tokens[h] = (t, parent)
+                self._tokens.move_to_end(h)
+                parent = h
+            while len(self._tokens) > self._cap:
+                self._tokens.popitem(last=False)
+        self.stats["token_blocks"] = len(self._tokens)
+
+    def lookup(self, block_hash: int) -> Optional[tuple[list[int], Optional[int]]]:
+        got = self._tokens.get(block_hash)
+        return None if got is None else (got[0].tolist(), got[1])
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
