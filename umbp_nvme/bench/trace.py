@@ -31,7 +31,7 @@ from . import trace_file, trace_sim
 from .common import parse_bytes, write_json
 
 BENCH = "trace"
-SEGMENT_PAGES = 128  # segment size in pages: fine enough that capacities land within a segment of what was asked
+SEGMENT_PAGES = 128  # segment size in pages (at most): capacities land within a segment of what was asked
 
 
 def parse_args(argv):
@@ -92,7 +92,7 @@ def store_extra(capacity_blocks: int, object_bytes: int, extra: dict) -> tuple[d
     import numpy as np
 
     slot = int(size_classes(np.asarray([object_bytes]))[0])
-    seg_bytes = SEGMENT_PAGES * 2 * slot
+    seg_bytes = max(8, min(SEGMENT_PAGES, capacity_blocks // 8)) * 2 * slot  # >= 8 segments where it can
     per_seg = record_slots(seg_bytes, slot)
     segments = -(-2 * capacity_blocks // per_seg)
     base = {"ssd_capacity_bytes": segments * seg_bytes, "ssd_segment_size_bytes": seg_bytes,

@@ -72,7 +72,7 @@ class Admission:
         self.sample_mask = np.uint64((1 << sample_shift) - 1)
         self.sample_shift = sample_shift
         bits = max(1 << 16, 1 << (4 * self.horizon // 2).bit_length())  # >= 4 bits per page of half a horizon
-        self._dk = [np.zeros(bits, bool), np.zeros(bits, bool)]  # doorkeeper generations, newest first
+        self._dk = [np.zeros(bits // 8, np.uint8), np.zeros(bits // 8, np.uint8)]  # doorkeeper bitmaps, newest first
         self._dk_mask = np.uint64(bits - 1)
         self._dk_fill = 0
         self.clock = 0  # pages offered so far
@@ -150,8 +150,9 @@ class Admission:
         """Whether each page was offered within the last one to two half-horizons (a bitmap per
         half-horizon, two generations); records them in the newest."""
         idx = (((pages * MIX) >> np.uint64(24)) & self._dk_mask).astype(np.int64)
-        seen = self._dk[0][idx] | self._dk[1][idx]
-        self._dk[0][idx] = True
+        byte, bit = idx >> 3, (np.uint8(1) << (idx & 7).astype(np.uint8))
+        seen = ((self._dk[0][byte] | self._dk[1][byte]) & bit) != 0
+        np.bitwise_or.at(self._dk[0], byte, bit)
         self._dk_fill += len(pages)
         if self._dk_fill >= self.horizon // 2:
             self._dk = [np.zeros_like(self._dk[1]), self._dk[0]]

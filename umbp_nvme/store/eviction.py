@@ -35,8 +35,10 @@ def lru(rows: RowTable, cand: np.ndarray, slot_bytes: np.ndarray, bytes_needed: 
     m = int(np.searchsorted(csum, bytes_needed)) + 1
     out = order[:m]
     last = out[-1]
-    if rows.depth[cand[last]] >= 0:  # the components of the last page (same tick and depth) leave with it
-        out = np.union1d(out, np.flatnonzero(key == key[last]))
+    depth = rows.depth[cand]
+    if depth[last] >= 0:  # the components of the last page (same tick and depth) leave with it
+        tick = rows.tick[cand]
+        out = np.union1d(out, np.flatnonzero((tick == tick[last]) & (depth == depth[last])))
     return cand[out].tolist()
 
 
@@ -44,13 +46,18 @@ _DEPTH_BITS = 31
 
 
 def _lru_key(rows: RowTable, cand: np.ndarray) -> np.ndarray:
-    """One sortable int per row: tick, then deepest first (rows without a depth last in a tick)."""
-    tick = rows.tick[cand].astype(np.int64)
+    """One sortable int per row: tick, then deepest first (rows without a depth last in a tick).
+    Ticks are the generation clock's (clock.py: they start far up), so they are taken relative to
+    the oldest candidate's."""
+    tick = rows.tick[cand]
+    if not len(tick):
+        return tick.astype(np.int64)
+    rel = (tick - tick.min()).astype(np.int64)
+    if int(rel.max()) >= 1 << (62 - _DEPTH_BITS):
+        # 2**31 batches between the oldest and newest candidate: order by tick alone rather than overflow
+        return rel
     depth = rows.depth[cand].astype(np.int64)
-    if len(tick) and int(tick.max()) >= 1 << (62 - _DEPTH_BITS):
-        # a clock this far on (2**31 batches) gives up the tie-break rather than overflow
-        return tick
-    return (tick << _DEPTH_BITS) + ((1 << _DEPTH_BITS) - 1 - np.clip(depth, -1, (1 << _DEPTH_BITS) - 2) - 1)
+    return (rel << _DEPTH_BITS) + ((1 << _DEPTH_BITS) - 2 - np.clip(depth, -1, (1 << _DEPTH_BITS) - 2))
 
 
 # "prefix_aware" names lru: its old meaning, deepest first across the whole store, kept 0.29-0.59x
