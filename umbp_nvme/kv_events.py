@@ -12,10 +12,11 @@ tiers; this module publishes the L3 tier, ``medium="DISK"``, in the same wire fo
 - a page's event hash is SGLang's ``hash_str_to_int64`` of its page key, its parent's the previous
   page key's (tests check it against the wheel's function).
 
-Nothing here may slow or fail a ``batch_*`` call: the store's hooks (kv_residency.py) hand page
-lists to a bounded queue (``offer``, a few microseconds, never blocking); a full queue drops the
-item, counts it (``dropped``) and schedules a re-announcement of what the store holds. One daemon
-thread drains the queue, coalesces items into batches, owns both sockets and serves replays.
+Nothing here may slow or fail a ``batch_*`` call: the store's hooks (kv_residency.py) hand key
+or page lists to a bounded queue (``offer``, about a microsecond per put, never blocking); a full
+queue drops the item, counts it (``dropped``) and schedules a re-announcement of what the store
+holds. One daemon thread drains the queue a tick at a time, works out the pages (the residency's
+``resolve``), coalesces them into batches, owns both sockets and serves replays.
 
 Sequence numbers start at the wall clock in microseconds, so a restarted publisher continues above
 its previous run: a subscriber (Dynamo's indexer) sees a gap, asks the replay socket, and gets the
@@ -24,7 +25,6 @@ re-announcement instead of ignoring a sequence that went back to 0 (docs/fleet.m
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
@@ -41,8 +41,13 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's end marker
 QUEUE_MAX_DEFAULT = 10_000  # items (one store call's pages each) waiting for the thread
 BUFFER_STEPS_DEFAULT = 10_000  # batches kept for replay (sglang's default)
 BATCH_PAGES_MAX = 4096  # pages in one published batch (live or re-announced)
-TOKENS_GRACE_S = 1.0  # relay mode: how long a stored page waits for the engine's event with its tokens
-_IDLE_POLL_S = 0.05
+_IDLE_POLL_S = 0.05  # after an error
+TICK_S = 0.01  # the publisher thread's turn: items queued meanwhile go out together (the engine is polled as often)
+IDLE_WAIT_S = 0.1  # idle, the thread wakes this often (replay requests, heartbeats)
+# An idle publisher sends an empty batch this often: a subscriber that lost frames (PUB/SUB drops
+# what is sent while it reconnects, e.g. to a restarted node) sees the gap within this long and
+# asks the replay socket, instead of waiting for the node's next real event.
+HEARTBEAT_S = 1.0
 
 # extra_config keys this module reads (the backend pops them before load_config)
 KEYS = (
@@ -143,12 +148,10 @@ def pop_config(extra: dict, storage_config=None) -> Optional[EventsConfig]:
     )
 
 
-# ------------------------------------------------------------------------------------- encoding
-
-
 def event_types(prefer_sglang: bool = True):
-    """(BlockStored, BlockRemoved, KVEventBatch, source): sglang's classes, else the same shapes."""
-    if prefer_sglang:
+    """(BlockStored, BlockRemoved, KVEventBatch, source): sglang's classes, else the same shapes
+    (also when UMBP_NVME_NO_SGLANG=1 forces the backend's stand-in)."""
+    if prefer_sglang and os.environ.get("UMBP_NVME_NO_SGLANG", "") not in ("1", "true", "yes"):
         try:
             from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
@@ -186,18 +189,23 @@ class Encoder:
                 elif hashes:
                     out.append(self.removed_cls(block_hashes=hashes, medium=MEDIUM_DISK))
                 continue
+            tail = out[-1] if out and isinstance(out[-1], self.stored_cls) else None
+            prev_page = prev_hash = None
             for page, parent, tokens in pages:
                 bh = h(page)
-                ph = parent if parent is None or isinstance(parent, int) else h(parent)
-                tail = out[-1] if out else None
-                toks = list(tokens) if tokens else []
-                if (isinstance(tail, self.stored_cls) and ph is not None and tail.block_hashes
-                        and tail.block_hashes[-1] == ph and bool(toks) == bool(tail.token_ids)):  # fmt: skip
+                if parent is None or isinstance(parent, int):
+                    ph = parent
+                else:  # a chain's parent is the page just before it, whose hash is known
+                    ph = prev_hash if parent is prev_page or parent == prev_page else h(parent)
+                prev_page, prev_hash = page, bh
+                if tail is not None and ph is not None and tail.block_hashes[-1] == ph and bool(tokens) == bool(tail.token_ids):
                     tail.block_hashes.append(bh)
-                    tail.token_ids.extend(toks)
+                    if tokens:
+                        tail.token_ids.extend(tokens)
                     continue
-                out.append(self.stored_cls(block_hashes=[bh], parent_block_hash=ph, token_ids=toks,
-                                           block_size=self.block_size, lora_id=None, medium=MEDIUM_DISK))  # fmt: skip
+                tail = self.stored_cls(block_hashes=[bh], parent_block_hash=ph, token_ids=list(tokens) if tokens else [],
+                                       block_size=self.block_size, lora_id=None, medium=MEDIUM_DISK)  # fmt: skip
+                out.append(tail)
         return out
 
     def encode(self, events: list, ts: Optional[float] = None) -> bytes:
@@ -214,10 +222,13 @@ class Publisher:
     ``snapshot``: a callable returning the pages to re-announce (``[(page, parent, tokens), ...]``),
     run on this thread at start (``reannounce``), after drops, and when a replay asks for batches no
     longer buffered. ``relay``: an optional kv_relay.EngineRelay polled on this thread.
+    ``resolve``: kv_residency.Residency.resolve, run on this thread over every batch of queued items.
+    ``tokens_path``: relay mode: where each announced page's tokens are kept for a restart (kv_tokens.py).
     """
 
     def __init__(self, cfg: EventsConfig, block_size: int, *, snapshot: Optional[Callable[[], list]] = None,
-                 prefer_sglang: bool = True):  # fmt: skip
+                 resolve: Optional[Callable[[list], list]] = None, prefer_sglang: bool = True,
+                 tokens_path: Optional[str] = None):  # fmt: skip
         import zmq
 
         self.cfg = cfg
@@ -227,15 +238,20 @@ class Publisher:
         self._topic = cfg.topic.encode()
         self._q: queue.Queue = queue.Queue(maxsize=cfg.queue_max)
         self._buffer: deque = deque(maxlen=cfg.buffer_steps)
-        self._seq = itertools.count(time.time_ns() // 1000)
+        self._next_seq = time.time_ns() // 1000
+        # the first sequence number sent after the latest re-announcement's snapshot: a replay that
+        # starts in the buffer at or before it gets the whole state (see _serve_replay)
+        self._full_from: Optional[int] = None
         self._snapshot = snapshot
+        self._resolve = resolve
         self._pending: deque = deque()  # re-announced pages still to send
         self._resync = bool(cfg.reannounce and snapshot is not None)
         self.relay = None  # kv_relay.EngineRelay: the engine's stream, forwarded, and its token ids
-        self._waiting: deque = deque()  # relay mode: (deadline, page, parent) until its tokens are known
+        self.tokens = None  # kv_relay.PageTokens: relay mode: the tokens of DISK pages
         self.stats = dict.fromkeys(("batches", "stored_pages", "removed_pages", "dropped", "dropped_pages",
                                     "replays", "reannounced_pages", "skipped_no_tokens", "errors"), 0)  # fmt: skip
         self._stop = threading.Event()
+        self._last_send = time.monotonic()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
@@ -253,7 +269,12 @@ class Publisher:
             if cfg.engine_endpoint:
                 from .kv_relay import EngineRelay
 
+                from .kv_relay import PageTokens
+                from .kv_tokens import TokenLog
+
                 self.relay = EngineRelay(self._ctx, offset_endpoint_port(cfg.engine_endpoint, cfg.dp_rank))
+                # the log is read on this publisher's thread (_run), never on the opening call
+                self.tokens = PageTokens(self.relay, TokenLog(tokens_path) if tokens_path else None, self.stats)
         except Exception:
             self._close_sockets()
             raise
@@ -262,19 +283,24 @@ class Publisher:
 
     # --- the data path: never blocks, never raises
 
-    def offer(self, kind: str, pages: list) -> bool:
-        """Queue ``("stored" | "removed", pages)``; False (counted, resync scheduled) when full."""
+    def offer(self, kind: str, pages) -> bool:
+        """Queue ``("stored" | "removed", pages)`` (or kv_residency's ``"shown"`` keys and ``"links"``);
+        False (counted, resync scheduled) when full."""
         if not pages:
             return True
         try:
-            for i in range(0, len(pages), BATCH_PAGES_MAX):  # a clear() of a big store: many batches
-                part = pages[i : i + BATCH_PAGES_MAX] if len(pages) > BATCH_PAGES_MAX else pages
+            if kind == "links" or len(pages) <= BATCH_PAGES_MAX:
+                parts = (pages,)
+            else:  # a clear() of a big store: many batches
+                parts = [pages[i : i + BATCH_PAGES_MAX] for i in range(0, len(pages), BATCH_PAGES_MAX)]
+            for part in parts:
                 try:
                     self._q.put_nowait((kind, part))
                 except queue.Full:
                     self.stats["dropped"] += 1
-                    self.stats["dropped_pages"] += len(part)
+                    self.stats["dropped_pages"] += len(part) if kind != "links" else 0
                     self._resync = True
+                    self._full_from = None  # what was dropped is in no buffered batch
                     return False
             return True
         except Exception:  # noqa: BLE001
@@ -286,6 +312,8 @@ class Publisher:
     def _run(self) -> None:
         import zmq
 
+        if self.tokens is not None and self.tokens.log is not None:
+            self.tokens.log.open()  # before the re-announcement, which reads it
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
@@ -296,32 +324,48 @@ class Publisher:
                 if self.relay is not None:
                     for payload in self.relay.poll():
                         self._send_payload(payload)
-                    self._send(self.encoder.events(self._ripe()))
-                items = self._take()
-                if items and self.relay is not None:
-                    items = self._with_tokens(items)
-                if items:
-                    self._send(self.encoder.events(items))
-                elif self._resync and self._q.empty():
-                    self._start_reannounce()
-                elif self._pending:
-                    chunk = [self._pending.popleft() for _ in range(min(BATCH_PAGES_MAX, len(self._pending)))]
-                    self.stats["reannounced_pages"] += len(chunk)
-                    items = [("stored", chunk)]
-                    self._send(self.encoder.events(self._with_tokens(items, wait=False) if self.relay else items))
+                    self._send(self.encoder.events(self.tokens.ripe()))
+                taken = self._take()
+                try:
+                    self._turn(taken)
+                finally:  # only now is a taken item done: flush() waits for it (Queue.unfinished_tasks)
+                    for _ in taken:
+                        self._q.task_done()
             except Exception as e:  # noqa: BLE001 - the thread outlives any one bad batch
                 self.stats["errors"] += 1
                 log.error("umbp_nvme: KV event publisher: %r", e, exc_info=self.stats["errors"] == 1)
                 time.sleep(_IDLE_POLL_S)
 
+    def _turn(self, taken: list) -> None:
+        items = self._resolve(taken) if taken and self._resolve is not None else taken
+        for kind, p in items:
+            self.stats["stored_pages" if kind == "stored" else "removed_pages"] += len(p)
+        if items and self.tokens is not None:
+            items = self.tokens.attach(items)
+        if items:
+            self._send(self.encoder.events(items))
+        elif self._resync and self._q.empty():
+            self._start_reannounce()
+        elif self._pending:
+            chunk = [self._pending.popleft() for _ in range(min(BATCH_PAGES_MAX, len(self._pending)))]
+            self.stats["reannounced_pages"] += len(chunk)
+            self._send(self.encoder.events([("stored", chunk)]))
+        elif time.monotonic() - self._last_send >= HEARTBEAT_S:
+            self._send_payload(self.encoder.encode([]))
+
     def _take(self) -> list:
-        # relay mode: the engine's socket is polled once per turn, so turns are short
-        wait = 0 if (self._pending or self._resync) else (_IDLE_POLL_S if self.relay is None else 0.005)
-        try:
-            first = self._q.get(timeout=wait) if wait else self._q.get_nowait()
-        except queue.Empty:
-            return []
-        items, pages = [first], len(first[1])
+        """The items queued by now (up to BATCH_PAGES_MAX pages). Idle, it waits for the first item
+        (or IDLE_WAIT_S: replays and heartbeats), then one tick more: the items that follow come
+        in the same turn, so the store's puts and this thread share the GIL in a few long turns,
+        not one short turn (and two thread switches) per put. Relay mode polls every tick."""
+        items, pages = [], 0
+        if not (self._pending or self._resync):
+            try:
+                first = self._q.get(timeout=IDLE_WAIT_S if self.relay is None else TICK_S)
+            except queue.Empty:
+                return []
+            items, pages = [first], len(first[1])
+            self._stop.wait(TICK_S)
         while pages < BATCH_PAGES_MAX:
             try:
                 it = self._q.get_nowait()
@@ -329,54 +373,16 @@ class Publisher:
                 break
             items.append(it)
             pages += len(it[1])
-        for kind, p in items:
-            self.stats["stored_pages" if kind == "stored" else "removed_pages"] += len(p)
         return items
-
-    def _with_tokens(self, items: list, wait: bool = True) -> list:
-        """Relay mode: stored pages with the engine's tokens; the others wait (or are skipped)."""
-        out, now = [], time.monotonic()
-        for kind, pages in items:
-            if kind == "removed":
-                if self._waiting:  # never announce a page after its removal
-                    gone = set(pages)
-                    self._waiting = deque(w for w in self._waiting if w[1] not in gone)
-                out.append((kind, pages))
-                continue
-            ready = []
-            for page, parent, _ in pages:
-                got = self.relay.lookup(hash_str_to_int64(page))
-                if got is not None:
-                    ready.append((page, parent if parent is not None else got[1], got[0]))
-                elif wait:
-                    self._waiting.append((now + TOKENS_GRACE_S, page, parent))
-                else:
-                    self.stats["skipped_no_tokens"] += 1
-            if ready:
-                out.append(("stored", ready))
-        return out
-
-    def _ripe(self) -> list:
-        """Waiting pages whose tokens arrived; those past their grace are skipped (counted)."""
-        if not self._waiting:
-            return []
-        now, ready, keep = time.monotonic(), [], deque()
-        for deadline, page, parent in self._waiting:
-            got = self.relay.lookup(hash_str_to_int64(page))
-            if got is not None:
-                ready.append((page, parent if parent is not None else got[1], got[0]))
-            elif now >= deadline:
-                self.stats["skipped_no_tokens"] += 1
-            else:
-                keep.append((deadline, page, parent))
-        self._waiting = keep
-        return [("stored", ready)] if ready else []
 
     def _start_reannounce(self) -> None:
         self._resync = False
         if self._snapshot is None:
             return
+        self._full_from = self._next_seq  # before the snapshot: a drop meanwhile clears it again
         pages = self._snapshot()
+        if self.tokens is not None:  # relay mode: with their tokens, parents first
+            pages = self.tokens.resolve(pages)
         self._pending = deque(pages)
         log.info("umbp_nvme: announcing the %d pages the store holds (medium DISK) on %s", len(pages), self.endpoint)
 
@@ -385,8 +391,10 @@ class Publisher:
             self._send_payload(self.encoder.encode(events))
 
     def _send_payload(self, payload: bytes) -> None:
-        seq = next(self._seq)
+        seq = self._next_seq
+        self._next_seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._last_send = time.monotonic()
         self._buffer.append((seq, payload))
         self.stats["batches"] += 1
 
@@ -399,7 +407,11 @@ class Publisher:
         start_seq = int.from_bytes(start, "big")
         self.stats["replays"] += 1
         if self._buffer and start_seq < self._buffer[0][0] and self._snapshot is not None:
-            self._resync = True  # batches it missed are gone from the buffer: announce the whole state
+            # batches it missed are gone from the buffer: the whole state, unless the buffer still
+            # holds a complete re-announcement and every batch after it (another would say the same)
+            f = self._full_from
+            if f is None or f < self._buffer[0][0] or self._pending or self._resync:
+                self._resync = True
         for seq, buf in self._buffer:
             if seq >= start_seq:
                 self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), buf))
@@ -410,7 +422,8 @@ class Publisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued (and re-announced) has been sent (tests, close)."""
         deadline = time.monotonic() + timeout_s
-        while (not self._q.empty() or self._pending or self._resync or self._waiting) and self._thread.is_alive():
+        while (self._q.unfinished_tasks or self._pending or self._resync
+               or (self.tokens is not None and self.tokens.waiting)) and self._thread.is_alive():  # fmt: skip
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
@@ -424,6 +437,8 @@ class Publisher:
         self._thread.join(timeout_s)
         if self.relay is not None:
             self.relay.close()
+        if self.tokens is not None and self.tokens.log is not None:
+            self.tokens.log.close()
         self._close_sockets()
 
     def _close_sockets(self) -> None:

@@ -9,7 +9,8 @@ CPU_PINNED events (``--kv-events-config``). With ``kv_events_engine_endpoint`` s
   registers one endpoint per worker (and DP rank) and sees every tier of it in one ordered stream,
   with one replay socket (ours) for all of it;
 - keeps, per engine block hash, the block's token ids and parent (a bounded LRU): a DISK page whose
-  event hash matches a block the engine announced is published with those tokens.
+  event hash matches a block the engine announced is published with those tokens (PageTokens),
+  and they are kept beside the store (kv_tokens.py) so that a restart re-announces with them.
 
 A page the engine never announced under the same hash is not announced on DISK in this mode
 (counted as ``skipped_no_tokens``): its hash is namespaced (LoRA adapter, ``cache_salt``, the
@@ -20,14 +21,18 @@ is older than the token cache. Dynamo would drop it anyway; a wrong hash would b
 from __future__ import annotations
 
 import logging
+import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Optional
+
+from .kv_events import hash_str_to_int64
 
 log = logging.getLogger(__name__)
 
 TOKEN_CACHE_BLOCKS = 200_000  # blocks whose tokens are kept (~0.3 KiB each at 64 tokens per page)
 FRAMES_PER_POLL = 256  # engine frames taken per publisher-loop turn
+TOKENS_GRACE_S = 1.0  # how long a stored page waits for the engine's event with its tokens
 
 
 def connectable(endpoint: str) -> str:
@@ -114,3 +119,123 @@ class EngineRelay:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+class PageTokens:
+    """Relay mode: a stored DISK page gets its tokens and parent from the engine's stream (the
+    relay's cache) or, for a page announced before a restart, from the token log (kv_tokens.py).
+    A page whose tokens are not known yet waits up to TOKENS_GRACE_S, then is skipped (counted in
+    ``stats["skipped_no_tokens"]``). Pages announced with tokens are recorded in the log; removed
+    pages leave it. Runs on the publisher's thread only."""
+
+    def __init__(self, relay: EngineRelay, token_log=None, stats: Optional[dict] = None):
+        self.relay = relay
+        self.log = token_log
+        self.stats = stats if stats is not None else {"skipped_no_tokens": 0}
+        self._waiting: deque = deque()  # (deadline, page, parent) until its tokens are known
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._waiting)
+
+    def lookup(self, page: str) -> Optional[tuple[list[int], Optional[int]]]:
+        h = hash_str_to_int64(page)
+        got = self.relay.lookup(h)
+        if got is None and self.log is not None:
+            got = self.log.get(h)
+        return got
+
+    def attach(self, items: list, wait: bool = True) -> list:
+        """Stored pages with their tokens; the others wait (or are skipped when ``wait`` is False)."""
+        out, now = [], time.monotonic()
+        for kind, pages in items:
+            if kind == "removed":
+                if self._waiting:  # never announce a page after its removal
+                    gone = set(pages)
+                    self._waiting = deque(w for w in self._waiting if w[1] not in gone)
+                if self.log is not None:
+                    self.log.drop(hash_str_to_int64(p) for p in pages)
+                out.append((kind, pages))
+                continue
+            ready = []
+            for page, parent, _ in pages:
+                got = self.lookup(page)
+                if got is not None:
+                    ready.append((page, parent if parent is not None else got[1], got[0]))
+                elif wait:
+                    self._waiting.append((now + TOKENS_GRACE_S, page, parent))
+                else:
+                    self.stats["skipped_no_tokens"] += 1
+            if ready:
+                self._keep(ready)
+                out.append(("stored", ready))
+        return out
+
+    def ripe(self) -> list:
+        """Waiting pages whose tokens arrived; those past their grace are skipped (counted)."""
+        if not self._waiting:
+            return []
+        now, ready, keep = time.monotonic(), [], deque()
+        for deadline, page, parent in self._waiting:
+            got = self.lookup(page)
+            if got is not None:
+                ready.append((page, parent if parent is not None else got[1], got[0]))
+            elif now >= deadline:
+                self.stats["skipped_no_tokens"] += 1
+            else:
+                keep.append((deadline, page, parent))
+        self._waiting = keep
+        if not ready:
+            return []
+        self._keep(ready)
+        return [("stored", ready)]
+
+    def resolve(self, pages: list) -> list:
+        """A re-announcement: the pages whose tokens are known, each parent before its children
+        (Dynamo's indexer files a block under its parent), the rest skipped (counted). The log
+        forgets pages the store no longer holds."""
+        if self.log is not None:
+            self.log.retain({hash_str_to_int64(p) for p, _, _ in pages})
+        ready = []
+        for page, parent, _ in pages:
+            got = self.lookup(page)
+            if got is None:
+                self.stats["skipped_no_tokens"] += 1
+            else:
+                ready.append((page, parent if parent is not None else got[1], got[0]))
+        return parents_first(ready)
+
+    def _keep(self, ready: list) -> None:
+        if self.log is not None:
+            self.log.keep((hash_str_to_int64(p), _hash_of(parent), toks) for p, parent, toks in ready)
+
+
+def _hash_of(parent) -> Optional[int]:
+    return parent if parent is None or isinstance(parent, int) else hash_str_to_int64(parent)
+
+
+def parents_first(items: list) -> list:
+    """``(page, parent, tokens)`` items ordered so that a page whose parent is among them comes
+    after it, each chain contiguous (the encoder joins a chain into one BlockStored)."""
+    by_hash = {hash_str_to_int64(it[0]): it for it in items}
+    children: dict[int, list] = {}
+    roots = []
+    for it in items:
+        ph = _hash_of(it[1])
+        if ph is not None and ph in by_hash and ph != hash_str_to_int64(it[0]):
+            children.setdefault(ph, []).append(it)
+        else:
+            roots.append(it)
+    out, seen = [], set()
+    for root in roots:
+        stack = [root]
+        while stack:
+            it = stack.pop()
+            h = hash_str_to_int64(it[0])
+            if h in seen:
+                continue
+            seen.add(h)
+            out.append(it)
+            stack.extend(reversed(children.get(h, ())))
+    out += [it for it in items if hash_str_to_int64(it[0]) not in seen]  # a cycle: no order is right
+    return out

@@ -139,13 +139,20 @@ def start_events(seam, store) -> None:
     if cfg is None or seam.publisher is not None or not publishes_events(seam.storage_config):
         return
     from .kv_events import Publisher
-    from .kv_residency import Residency, attach, detach
+    from .kv_residency import Residency, attach, detach, drives_of
+    from .kv_tokens import FILE_NAME
 
     prefix, sfx = ("", seam.v1_sfx) if seam.interface_v1 else (FLAT_KEY_PREFIX, (seam.scheme.flat_suffix,))
     rz = Residency(None, sfx, prefix=prefix)
     attach(store, rz)  # first: the publisher's first job is the snapshot of what the store holds
+    # relay mode: the pages' tokens beside the first open drive's store (never an unmounted root)
+    tokens_path = os.path.join(drives_of(store.store)[0].path, FILE_NAME) if cfg.engine_endpoint else None
     try:
+<<<<<<< HEAD
+        rz.pub = Publisher(cfg, be.page_size, snapshot=rz.snapshot, resolve=rz.resolve, tokens_path=tokens_path)
+=======
         rz.pub = Publisher(cfg, seam.page_size, snapshot=rz.snapshot)
+>>>>>>> main
     except Exception as e:  # noqa: BLE001 - a port in use costs the events, not the cache
         detach(store)
         log.error("umbp_nvme: KV events not published on %s: %r", cfg.endpoint, e)

@@ -74,11 +74,16 @@ def test_ports_are_offset_per_dp_rank_as_sglang_does(endpoint, rank):
 
 
 class Offers:
+    """A publisher that resolves the residency's items at once, as its thread does."""
+
     def __init__(self):
         self.items = []
+        self.rz = None
 
     def offer(self, kind, pages):
-        self.items.append((kind, list(pages)))
+        for k, p in self.rz.resolve([(kind, pages)]):
+            self.items.append((k, list(p)))
+        return True
 
 
 def cfg(**kw):
@@ -106,7 +111,7 @@ def test_every_key_format_announces_its_page_with_the_wheels_hash(name, sc, enve
     keys = scheme.v1_keys(pages, envelope=envelope)
     held = set(keys)
     offers = Offers()
-    rz = Residency(offers, sfx)
+    rz = offers.rz = Residency(offers, sfx)
     rz.exists = lambda ks: [k in held for k in ks]
     rz.shown(keys)
     assert offers.items == [("stored", [(p, None, None) for p in pages])]
@@ -124,7 +129,7 @@ def test_side_pool_and_foreign_keys_are_not_announced():
     pages = [page(i, "side") for i in range(3)]
     side = [f"{scheme.config_prefix}_{p}_0_mamba_{j}" for p in pages for j in range(2)] + [f"{pages[0]}_0_swa_k"]
     offers = Offers()
-    rz = Residency(offers, scheme.v1_suffixes())
+    rz = offers.rz = Residency(offers, scheme.v1_suffixes())
     rz.exists = lambda ks: [True] * len(ks)
     rz.shown(side + ["short_0_k", 17, ""])
     rz.hidden(side)
@@ -133,7 +138,7 @@ def test_side_pool_and_foreign_keys_are_not_announced():
 
 def test_legacy_flat_pages_are_announced_by_their_page_hash():
     offers = Offers()
-    rz = Residency(offers, ("_0",), prefix="flat_")
+    rz = offers.rz = Residency(offers, ("_0",), prefix="flat_")
     held = {f"flat_{page(1)}_0"}
     rz.exists = lambda ks: [k in held for k in ks]
     rz.shown([f"flat_{page(1)}_0", f"{page(2)}_0_k"])

@@ -49,6 +49,7 @@ class DriveHealth:
         self.backoff_s = 0.0  # a drive that fails again right after rejoining is probed less often
         self.probe_after = 0.0  # monotonic time of its next probe
         self.changed = False  # a change of state not yet recorded in DRIVES.json (for the CLI)
+        self.on_readable = None  # (index, readable) -> None: called when its pages start or stop being served
 
     @property
     def healthy(self) -> bool:
@@ -62,12 +63,17 @@ class DriveHealth:
     def writable(self) -> bool:
         return self.state == "healthy"
 
+    def _readable_now(self, was: bool) -> None:
+        if self.readable != was and self.on_readable is not None:
+            self.on_readable(self.index, self.readable)
+
     def degrade(self, kind: str, reason: str) -> None:
         if self.state == "degraded":
             if kind != FULL and self.kind == FULL:  # worse than full: reads stop too
                 self.kind, self.reason = kind, reason
                 log.warning("drive %d (%s) degraded: %s; its pages are misses until it is healthy", self.index,
                             self.root, reason)  # fmt: skip
+                self._readable_now(True)
             return
         self.state, self.kind, self.reason = "degraded", kind, reason
         self.changed = True
@@ -80,6 +86,7 @@ class DriveHealth:
             "its pages are misses and new writes go to the other drives")
         log.warning("drive %d (%s) degraded: %s; %s until a probe finds it healthy", self.index, self.root,
                     reason, what)  # fmt: skip
+        self._readable_now(True)
 
     def readmit(self) -> None:
         if self.state == "healthy":
@@ -87,9 +94,11 @@ class DriveHealth:
         # INFO: the one WARNING of an episode is the one that took the drive out
         log.info("drive %d (%s) healthy again after %.1f s (%s); serving its pages", self.index, self.root,
                  time.monotonic() - self.since, self.reason)  # fmt: skip
+        was = self.readable
         self.state, self.kind, self.reason = "healthy", None, None
         self.changed = True
         self.readmitted_at = time.monotonic()
+        self._readable_now(was)
 
     def begin(self, op: str) -> None:
         self.pending += 1

@@ -38,6 +38,7 @@ from .counters import COUNTERS
 from .drive_clock import newest
 from .drive_health import FULL, UNMOUNTED, DriveHealth
 from .drive_probe import DriveProbes
+from .drive_residency import DriveResidency
 from .drive_sessions import SessionSteps
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
 from .mapped import unusable_range
@@ -63,7 +64,7 @@ def _drive_failure(e: BaseException) -> bool:
     return isinstance(e, (OSError, StoreError)) and not isinstance(e, _CONFIG_ERRORS)
 
 
-class MultiDriveStore(DriveProbes, SessionSteps):
+class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
     """PageStore's calls over several roots. Create with ``await PageStore.open(roots, ...)``."""
 
     _closed_logged = False
