@@ -372,3 +372,9 @@ def rank_subdir(storage_config: Any, env: Mapping[str, str] | None = None) -> st
         if u != 0:
             parts.append(f"rank{u}")
     return "_".join(parts)
+
+
+def hash_str_to_int64(page_key: str) -> int:
+    """SGLang's KV-event hash of a page key (kv_events.py): its first 16 hex digits as a signed int64."""
+    v = int(page_key[:16], 16)
+    return v - (1 << 64) if v >= (1 << 63) else v

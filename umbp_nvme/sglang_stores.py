@@ -148,11 +148,7 @@ def start_events(seam, store) -> None:
     # relay mode: the pages' tokens beside the first open drive's store (never an unmounted root)
     tokens_path = os.path.join(drives_of(store.store)[0].path, FILE_NAME) if cfg.engine_endpoint else None
     try:
-<<<<<<< HEAD
-        rz.pub = Publisher(cfg, be.page_size, snapshot=rz.snapshot, resolve=rz.resolve, tokens_path=tokens_path)
-=======
-        rz.pub = Publisher(cfg, seam.page_size, snapshot=rz.snapshot)
->>>>>>> main
+        rz.pub = Publisher(cfg, seam.page_size, snapshot=rz.snapshot, resolve=rz.resolve, tokens_path=tokens_path)
     except Exception as e:  # noqa: BLE001 - a port in use costs the events, not the cache
         detach(store)
         log.error("umbp_nvme: KV events not published on %s: %r", cfg.endpoint, e)

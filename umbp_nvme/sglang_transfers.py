@@ -82,23 +82,10 @@ def v1_io(seam, keys, host_indices, *, is_set: bool, extra_info) -> tuple[list[b
         if prefix is not None:
             base = len(prefix)
             depths = [base + i for i in range(n) for _ in range(m)]
-<<<<<<< HEAD
-        rz = be._residency
+        rz = seam.residency
         if rz is not None:  # the parents of the pages this put announces (kv_residency.py)
             rz.link(keys, prefix[-1] if prefix else None, objkeys)
         res = store.put_many(objkeys, bufs, depths=depths)
-=======
-        rz = seam.residency
-        if rz is None:
-            res = store.put_many(objkeys, bufs, depths=depths)
-        else:  # the parents of the pages this put announces (kv_residency.py)
-            rz.links.update(zip(keys, [prefix[-1] if prefix else None, *keys[:-1]]))
-            try:
-                res = store.put_many(objkeys, bufs, depths=depths)
-            finally:
-                for k in keys:
-                    rz.links.pop(k, None)
->>>>>>> main
     else:
         res = store.get_many(objkeys, bufs)
     if len(res) != len(objkeys):
