@@ -7,9 +7,20 @@
 
 Prints the figures and writes them as JSON:
 {"kills", "kills_survived", "faults_injected", "bad_inputs_tried", "wrong_bytes",
- "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds",
- "metadata_damage_trials", "key_fuzz_cases", "archive_fuzz_cases", "crashes",
- "isolation_failures", "refused_to_serve"} plus the details of each part.
+ "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds", "versions_checked",
+ "resurrected", "stale_served", "metadata_damage_trials", "key_fuzz_cases",
+ "archive_fuzz_cases", "crashes", "isolation_failures", "refused_to_serve"} plus the details of
+each part.
+
+Every page the crash, version and soak parts write carries its key and version
+(tests/support/versions.py), and every read is checked against what was acknowledged:
+``stale_served`` counts reads of another version than the acknowledged one (an older one, one a
+kill left in doubt and a later acknowledged put replaced, one whose put answered False),
+``resurrected`` reads of a key an acknowledged delete or clear removed, ``versions_checked``
+every key so checked. The version part (tests/support/version_crash.py) kills a put between its
+data+records and its commit, then deletes, re-puts and clears, then rebuilds the index by every
+route (power loss, deleted, damaged, ``verify --rebuild-index``); the crash part rebuilds by one
+route in turn after its kills.
 
 The last part runs the fuzzers of tools/chaos_fuzz.py (damaged metadata files, hostile keys,
 damaged archives), every check in a child process: ``crashes`` counts children that died of a
@@ -18,8 +29,8 @@ that must answer per key, or outgrew their address-space budget. ``details.fuzz_
 lists the first failures of each kind with the file, damage, command, exit code and the last
 stderr line; ``details.fuzz_failure_signatures`` counts them all by kind.
 Exit status 1 when a must-be-zero figure is not zero, a kill was not survived, the harness
-self-test or a fuzzer's undamaged control fails, or (full mode) a fuzzer ran fewer cases than
-its target.
+self-test or a fuzzer's undamaged control fails, a version case did not leave its hazard on disk,
+or (full mode) a fuzzer ran fewer cases than its target or fewer than 10,000 versions were checked.
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ def main(argv=None) -> int:
     from support.fault_runs import fault_run
     from support.hygiene import hygiene_run
     from support.soak import soak_run
+    from support.version_crash import run_version_cases
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from chaos_fuzz import FULL_TARGETS, run_fuzzers
@@ -77,6 +89,7 @@ def main(argv=None) -> int:
     parts: dict = {}
     try:
         crash, fr, sr, zr, hr = [], _EMPTY_FAULTS, _EMPTY_SOAK, _EMPTY_FUZZ, {"checks": 0, "findings": []}
+        vr = _EMPTY_VERSIONS
         if not a.fuzz_only:
             # 1. crash survival: both durability modes, without and with eviction
             crash = []
@@ -92,6 +105,12 @@ def main(argv=None) -> int:
                           f"wrong={r['wrong_bytes']} lost={r['lost_acknowledged']} unreadable={r['unreadable']} "
                           f"phases={r['phases']}", flush=True)
             parts["crash"] = crash
+            # 1b. a put killed between its records and its commit, then delete / re-put / clear, then every rebuild route
+            vr = run_version_cases(os.path.join(work, "versions"), quick=a.quick, log=say)
+            parts["versions"] = vr
+            print(f"versions: {vr['layouts']} kills x {len(vr['cases']) // max(1, vr['layouts'])} cases, "
+                  f"{vr['versions_checked']} checked, wrong={vr['wrong_bytes']} stale={vr['stale_served']} "
+                  f"resurrected={vr['resurrected']} lost={vr['lost_acknowledged']} errors={vr['errors']}", flush=True)
             # 2. faults
             fr = fault_run(os.path.join(work, "faults"), rounds=fault_rounds, seed=a.seed, log=say)
             parts["faults"] = fr
@@ -102,7 +121,8 @@ def main(argv=None) -> int:
             parts["soak"] = sr
             print(f"soak: {sr['soak_seconds']} s, calls={sr['calls']}, evictions={sr['evictions']}, "
                   f"follower hits={sr['follower'].get('hits')}, rss +{sr['rss_growth_mib']} MiB, "
-                  f"wrong={sr['wrong_bytes']} hangs={sr['hangs']} raised={sr['raised_from_v1']}", flush=True)
+                  f"wrong={sr['wrong_bytes']} stale={sr['stale_served']} hangs={sr['hangs']} "
+                  f"raised={sr['raised_from_v1']}", flush=True)
             # 4. bad input
             zr = fuzz_run(os.path.join(work, "fuzz"), cases=fuzz_cases, seed=a.seed, log=say)
             legacy = check_legacy_pointer(os.path.join(work, "fuzz"))
@@ -136,11 +156,14 @@ def main(argv=None) -> int:
         "kills_survived": sum(r["kills_survived"] for r in crash),
         "faults_injected": fr["faults_injected"],
         "bad_inputs_tried": zr["bad_inputs_tried"],
-        "wrong_bytes": sum(r["wrong_bytes"] for r in crash) + fr["wrong_bytes"] + sr["wrong_bytes"],
-        "lost_acknowledged": sum(r["lost_acknowledged"] for r in crash),
+        "wrong_bytes": sum(r["wrong_bytes"] for r in crash) + fr["wrong_bytes"] + sr["wrong_bytes"] + vr["wrong_bytes"],
+        "lost_acknowledged": sum(r["lost_acknowledged"] for r in crash) + vr["lost_acknowledged"],
         "hangs": sum(r["hangs"] for r in crash) + fr["hangs"] + sr["hangs"],
         "raised_from_v1": sum(r["raised_from_v1"] for r in crash) + fr["raised_from_v1"] + sr["raised_from_v1"],
         "soak_seconds": sr["soak_seconds"],
+        "versions_checked": sum(r["versions_checked"] for r in crash) + vr["versions_checked"] + sr["versions_checked"],
+        "resurrected": sum(r["resurrected"] for r in crash) + vr["resurrected"],
+        "stale_served": sum(r["stale_served"] for r in crash) + vr["stale_served"] + sr["stale_served"],
     }
     report["wrong_bytes"] += fg["wrong_bytes"]
     report["hangs"] += fg["hangs"]
@@ -152,6 +175,10 @@ def main(argv=None) -> int:
         "seconds": round(time.monotonic() - t0, 1),
         "kills_by_mode": {f"{r['mode']}{'-evicting' if r['evicting'] else ''}": r["kills"] for r in crash},
         "kills_by_phase": _sum_dicts(r["phases"] for r in crash),
+        "rebuilds_after_kills": _sum_dicts(r["rebuilds"] for r in crash),
+        "versions_checked_by_part": {"crash": sum(r["versions_checked"] for r in crash),
+                                     "versions": vr["versions_checked"], "soak": sr["versions_checked"]},
+        "version_mix_ups": [e for r in crash for e in r["examples"]][:8] + vr["examples"][:8],
         "unreadable_after_crash": sum(r["unreadable"] for r in crash),
         "over_capacity": sum(r["over_capacity"] for r in crash),
         "fill_after_crash_failed_batches": sum(r["fill_failed_batches"] for r in crash),
@@ -160,7 +187,7 @@ def main(argv=None) -> int:
         "bad_input_findings": zr["findings"],
         "hygiene_findings": hr["findings"],
         "corrupt_index_outcome": fr.get("corrupt_index_outcome"),
-        "errors": [e for r in crash for e in r["errors"]][:10] + fr["errors"][:5] + sr["errors"][:5],
+        "errors": [e for r in crash for e in r["errors"]][:10] + vr["errors"][:5] + fr["errors"][:5] + sr["errors"][:5],
         "fuzz_harness": {"ok": fz["harness_ok"], "self_test": fz["harness"],
                          "metadata_control_ok": fz["metadata"]["control_ok"], "archive_control": fz["archive"]["control"]},
         "fuzz_failure_signatures": {f: fz[f]["failure_signatures"] for f in ("metadata", "keys", "archive")},
@@ -174,15 +201,22 @@ def main(argv=None) -> int:
     short = {k: report[k] for k, v in FULL_TARGETS.items() if not a.quick and report[k] < v}
     if short:
         print(f"fuzzers ran fewer cases than their targets: {short} (targets {FULL_TARGETS})", flush=True)
+    few_versions = not a.quick and not a.fuzz_only and report["versions_checked"] < VERSIONS_TARGET
+    if few_versions:
+        print(f"{report['versions_checked']} versions checked, fewer than {VERSIONS_TARGET}", flush=True)
     bad = (report["wrong_bytes"] or report["lost_acknowledged"] or report["hangs"] or report["raised_from_v1"]
+           or report["resurrected"] or report["stale_served"] or vr["errors"]
            or report["kills_survived"] != report["kills"] or report["crashes"] or report["isolation_failures"]
-           or not fz["harness_ok"] or short)
+           or not fz["harness_ok"] or short or few_versions)
     return 1 if bad else 0
 
 
+VERSIONS_TARGET = 10_000  # full mode: keys checked against their acknowledged version
+_EMPTY_VERSIONS = {"versions_checked": 0, "wrong_bytes": 0, "stale_served": 0, "resurrected": 0, "lost_acknowledged": 0,
+                   "layouts": 0, "cases": [], "examples": [], "errors": []}
 _EMPTY_FAULTS = {"faults_injected": 0, "wrong_bytes": 0, "hangs": 0, "raised_from_v1": 0, "errors": []}
-_EMPTY_SOAK = {"soak_seconds": 0.0, "wrong_bytes": 0, "hangs": 0, "raised_from_v1": 0, "errors": [], "rss_growth_mib": 0,
-               "threads_leaked": 0}
+_EMPTY_SOAK = {"soak_seconds": 0.0, "wrong_bytes": 0, "stale_served": 0, "versions_checked": 0, "hangs": 0,
+               "raised_from_v1": 0, "errors": [], "rss_growth_mib": 0, "threads_leaked": 0}
 _EMPTY_FUZZ = {"bad_inputs_tried": 0, "findings": [], "n_findings": 0}
 
 

@@ -213,13 +213,14 @@ def cmd_export(args) -> int:
 
 
 def cmd_stats(args) -> int:
+    from .cli_drives import live_counters
     from .maintenance import store_stats
 
     cfg = _load_config(args)
     s = store_stats(args.store, cfg.ssd_capacity_bytes if _capacity_given(args) else None,
                     cfg.ssd_high_watermark, cfg.ssd_low_watermark)
     s["capacity_source"] = "configured" if _capacity_given(args) else "segment files on disk (pass --capacity for the server's)"
-    s["counters"] = _live_counters(args.store)
+    s["counters"] = live_counters(args.store)
     if getattr(args, "prometheus", False):
         from .metrics import available, store_on_disk_exposition
 
@@ -256,14 +257,6 @@ def cmd_doctor(args) -> int:
     r = report(args.store, _load_config(args), probe=not args.no_probe)
     _emit(args, r, format_text(r))
     return EXIT_PROBLEMS if r["status"] == "fail" else EXIT_OK
-
-
-def _live_counters(store: str) -> dict | None:
-    """Counters a running store published next to its data (STATS.json), if it does."""
-    from .store.layout import read_json_or_none
-
-    c = read_json_or_none(os.path.join(store, "STATS.json"))  # never blocks on a FIFO; a non-object is none
-    return c if isinstance(c, dict) else None
 
 
 def cmd_rebuild_index(args) -> int:
@@ -553,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     b = _sub(subs, "bench", "run a benchmark (umbp_nvme.bench) and print its table",
-             "umbp-nvme bench [engine|store|hicache|gds|mixed|fleet] [OPTIONS]: run umbp_nvme.bench.NAME (shipped with "
+             "umbp-nvme bench [engine|store|hicache|gds|mixed|trace|fleet] [OPTIONS]: run umbp_nvme.bench.NAME (shipped with "
              "the package; default engine). Common options: --quick (small matrix), --dir DIR (store, hicache, mixed: --keep), --json PATH, "
              "--plot PNG (needs matplotlib).")
     b.set_defaults(func=cmd_bench)

@@ -14,8 +14,17 @@ import contextlib
 import copy
 import io
 import json
+import os
 
 PER_DRIVE = ("stats", "verify", "compact", "inspect", "export", "doctor")
+
+
+def live_counters(store: str) -> dict | None:
+    """Counters a running store published next to its data (STATS.json), if it does."""
+    from .store.layout import read_json_or_none
+
+    c = read_json_or_none(os.path.join(store, "STATS.json"))  # never blocks on a FIFO; a non-object is none
+    return c if isinstance(c, dict) else None
 
 
 def roots_of(args) -> list[str] | None:
@@ -125,7 +134,6 @@ def _stats_prometheus(roots: list[str], cli_error) -> int:
     per drive (its state as a running writer last recorded it; a drive that cannot be read: 0)."""
     import sys
 
-    from .cli import _live_counters
     from .metrics import FAMILIES, available, store_on_disk_exposition
     from .store.drive_set import recorded_health
 
@@ -134,7 +142,7 @@ def _stats_prometheus(roots: list[str], cli_error) -> int:
     summed = {k for _, kind, k, _ in FAMILIES if k and k != "high_watermark"}
     total: dict = {"drives": []}
     for i, root in enumerate(roots):
-        s, c = _stats_json(root), _live_counters(root) or {}
+        s, c = _stats_json(root), live_counters(root) or {}
         row = {"drive": i, "path": root, "state": (recorded_health(root) or {}).get("state", "healthy") if s else "degraded"}
         for k in ("objects", "bytes_used", "capacity_bytes", "bytes_read", "bytes_written"):
             v = s.get(k, c.get(k))
@@ -152,6 +160,6 @@ def _stats_json(root: str) -> dict:
     from .maintenance import store_stats
 
     try:
-        return store_stats(root, None, 0.9, 0.7)
+        return store_stats(root)
     except Exception:  # noqa: BLE001 - the table shows what it can
         return {}

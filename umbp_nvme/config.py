@@ -39,7 +39,10 @@ IO_BACKENDS = ("posix", "io_uring", "auto")  # auto: io_uring, falling back to p
 DURABILITY_ALIASES = {"strict": "strict", "sync": "strict", "relaxed": "relaxed", "async": "relaxed"}
 SSD_BACKENDS = ("file", "spdk", "spdk_proxy")
 EVICTION_POLICIES = ("lru", "prefix_aware")
+ADMISSION_POLICIES = ("auto", "adaptive", "all", "second")  # store/admit_gate.py
 READ_PRIORITY_CHOICES = ("on", "off")  # reads before writes: ioprio, one write slice in flight while reads run
+CRC_POLICIES = ("idle", "batch", "nice", "normal")  # how a put's CRC worker lowers its CPU priority (put_crc.py)
+CRC_NICE_MAX = 19  # the lowest CPU priority a nice value names
 WRITE_SLICE_BYTES_MIN = 256 << 10  # ssd_write_slice_bytes: 0 (off) or in [MIN, MAX]
 WRITE_SLICE_BYTES_MAX = 1 << 30
 QUEUE_DEPTH_MAX = 32768  # the most SQ entries a ring takes (native/: IORING_MAX_ENTRIES)
@@ -65,10 +68,21 @@ class StoreConfig:
     # (0 = whole batches); "on" gives reads a higher ioprio and one write slice in flight while they run.
     ssd_write_slice_bytes: int = 8 * MiB
     ssd_read_priority: str = "on"  # "on" | "off"
+    # Where a put's CRC32C runs while reads are about (store/put_crc.py): on worker threads at a lower
+    # CPU priority (idle = SCHED_IDLE, batch = SCHED_BATCH at nice ssd_crc_nice, nice = nice
+    # ssd_crc_nice, normal = unchanged); ssd_crc_worker=False: by batch size alone (loop / executor).
+    ssd_crc_worker: bool = True
+    ssd_crc_policy: str = "nice"
+    ssd_crc_nice: int = 19
     ssd_durability_mode: str = "strict"  # "strict" | "relaxed" (after alias mapping)
-    ssd_high_watermark: float = 0.9
-    ssd_low_watermark: float = 0.7
-    eviction_policy: str = "lru"  # "lru" | "prefix_aware"
+    # Eviction starts at the high watermark and frees down to the low one: small steps near the
+    # top, so the capacity configured is the capacity that caches (issue 26: 0.9 / 0.7 held ~80 %).
+    ssd_high_watermark: float = 0.98
+    ssd_low_watermark: float = 0.95
+    eviction_policy: str = "lru"  # "lru" | "prefix_aware" (a name for lru since issue 26: store/eviction.py)
+    # which new pages a put writes (store/admit_gate.py): "adaptive" | "all" | "second"; "auto" is
+    # "adaptive" in the SGLang backend's store and "all" for a PageStore used directly
+    admission_policy: str = "auto"
     verify_crc: bool = True
     io_timeout_s: float = 30.0  # bound on every wait for the disk; a stuck device becomes a failure
     o_direct: bool = True  # used when the file system allows it (probed once per store)
@@ -142,11 +156,20 @@ class StoreConfig:
             )
         if self.ssd_read_priority not in READ_PRIORITY_CHOICES:
             raise ValueError(f"ssd_read_priority must be 'on' or 'off', got {self.ssd_read_priority!r}")
+        if self.ssd_crc_policy not in CRC_POLICIES:
+            raise ValueError(f"ssd_crc_policy must be one of: {', '.join(CRC_POLICIES)}; got {self.ssd_crc_policy!r}")
+        nice = self.ssd_crc_nice
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= CRC_NICE_MAX:
+            raise ValueError(f"ssd_crc_nice must be an integer in [0, {CRC_NICE_MAX}], got {nice!r}")
         if self.ssd_durability_mode not in ("strict", "relaxed"):
             raise ValueError(f"ssd_durability_mode must be 'strict' or 'relaxed', got {self.ssd_durability_mode!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
                 f"eviction_policy must be one of: {', '.join(EVICTION_POLICIES)}; got {self.eviction_policy!r}"
+            )
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"admission_policy must be one of: {', '.join(ADMISSION_POLICIES)}; got {self.admission_policy!r}"
             )
         low, high = self.ssd_low_watermark, self.ssd_high_watermark
         if not (_is_real(low) and _is_real(high) and 0.0 < low < high <= 1.0):
@@ -365,11 +388,25 @@ def _parse_eviction_policy(value: Any, label: str) -> str:
     return norm
 
 
+def _parse_admission_policy(value: Any, label: str) -> str:
+    norm = str(value).strip().lower()
+    if norm not in ADMISSION_POLICIES:
+        raise ValueError(f"{label} must be one of: {', '.join(ADMISSION_POLICIES)}; got {value!r}")
+    return norm
+
+
 def _warn_kv_events(value: Any, label: str) -> Any:
     if value:
         logger.warning("umbp_nvme: %s is set, but this backend subscribes to no KV events; ignored "
                        "(kv_events_endpoint publishes this store's DISK events: docs/fleet.md).", label)  # fmt: skip
     return value
+
+
+def _parse_crc_policy(value: Any, label: str) -> str:
+    norm = str(value).strip().lower()
+    if norm not in CRC_POLICIES:
+        raise ValueError(f"{label} must be one of: {', '.join(CRC_POLICIES)}; got {value!r}")
+    return norm
 
 
 def _parse_on_off(value: Any, label: str) -> str:
@@ -392,10 +429,14 @@ _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
     "ssd_io_backend": ("ssd_io_backend", _parse_io_backend),
     "ssd_write_slice_bytes": ("ssd_write_slice_bytes", _size_parser(0)),
     "ssd_read_priority": ("ssd_read_priority", _parse_on_off),
+    "ssd_crc_worker": ("ssd_crc_worker", parse_bool),
+    "ssd_crc_policy": ("ssd_crc_policy", _parse_crc_policy),
+    "ssd_crc_nice": ("ssd_crc_nice", _int_parser(0)),
     "ssd_durability_mode": ("ssd_durability_mode", _parse_durability),
     "ssd_high_watermark": ("ssd_high_watermark", _parse_float),
     "ssd_low_watermark": ("ssd_low_watermark", _parse_float),
     "eviction_policy": ("eviction_policy", _parse_eviction_policy),
+    "admission_policy": ("admission_policy", _parse_admission_policy),
     "verify_crc": ("verify_crc", parse_bool),
     "io_timeout_s": ("io_timeout_s", _parse_io_timeout),
     "o_direct": ("o_direct", parse_bool),
@@ -495,6 +536,10 @@ ENV_KEYS: dict[str, str] = {
     "UMBP_SSD_WRITE_SLICE_BYTES": "ssd_write_slice_bytes",
     "UMBP_SSD_READ_PRIORITY": "ssd_read_priority",
     "UMBP_SSD_REQUIRE_MOUNT": "ssd_require_mount",
+    "UMBP_ADMISSION_POLICY": "admission_policy",
+    "UMBP_SSD_CRC_WORKER": "ssd_crc_worker",
+    "UMBP_SSD_CRC_POLICY": "ssd_crc_policy",
+    "UMBP_SSD_CRC_NICE": "ssd_crc_nice",
 }
 
 # Environment variables that select a remote mode or SPDK in UMBP.

@@ -32,21 +32,13 @@ import tempfile
 import time
 
 from .config import StoreConfig
+from .doctor_findings import existing, finding
 from .doctor_probe import PROBE_SECONDS, check_probe
 from .store.layout import segment_disk_bytes
-from .store.mounts import nearest_above
 
 log = logging.getLogger(__name__)
 
 _PRIORITY_SCHEDULERS = ("bfq", "mq-deadline")  # the blk-mq schedulers that honour ioprio
-
-
-def _finding(findings: list, item: str, level: str, message: str, fix: str = "") -> None:
-    findings.append({"item": item, "level": level, "message": message, "fix": fix})
-
-
-def _existing(path: str) -> str:
-    return nearest_above(path, os.path.exists)
 
 
 def _read(path: str) -> str | None:
@@ -72,7 +64,7 @@ def check_io_uring(findings: list) -> dict:
     p["kernel"] = p.get("kernel") or os.uname().release
     if p.get("ring"):
         missing = [op for op, ok in (p.get("ops") or {}).items() if not ok]
-        _finding(findings, "io_uring", "ok" if not missing else "warn",
+        finding(findings, "io_uring", "ok" if not missing else "warn",
                  f"io_uring works on kernel {p['kernel']}" + (f"; ops missing: {', '.join(missing)}" if missing else ""),
                  "" if not missing else "upgrade the kernel (5.19+ has every op the store uses)")
     else:
@@ -80,7 +72,7 @@ def check_io_uring(findings: list) -> dict:
         fix = ("set kernel.io_uring_disabled=0 (sysctl -w kernel.io_uring_disabled=0)" if disabled not in (None, "0")
                else "run on Linux 5.6+ outside a seccomp profile that blocks io_uring (docker: --security-opt "
                     "seccomp=unconfined or a profile allowing io_uring_setup/enter/register)")
-        _finding(findings, "io_uring", "warn", f"io_uring unavailable: {why}", fix)
+        finding(findings, "io_uring", "warn", f"io_uring unavailable: {why}", fix)
     return p
 
 
@@ -104,18 +96,18 @@ def check_engine(config: StoreConfig, findings: list) -> dict:
         logging.getLogger("umbp_nvme.engine").disabled = was
     if chosen != "posix":
         why = f"io_uring works and ssd_io_backend={asked!r}"
-        _finding(findings, "engine", "ok", f"engine {chosen}: {why}")
+        finding(findings, "engine", "ok", f"engine {chosen}: {why}")
     elif asked == "posix":
         why = "ssd_io_backend='posix' in the config"
-        _finding(findings, "engine", "info", f"engine posix: chosen by the config ({why})",
+        finding(findings, "engine", "info", f"engine posix: chosen by the config ({why})",
                  "set ssd_io_backend to 'io_uring' (or 'auto') for fewer threads and lower latency")
     elif forced:
         why = f"io_uring disabled by {FORCE_NO_URING_ENV}=1 in the environment"
-        _finding(findings, "engine", "warn", f"engine posix (fallback; asked {asked!r}): {why}",
+        finding(findings, "engine", "warn", f"engine posix (fallback; asked {asked!r}): {why}",
                  f"unset {FORCE_NO_URING_ENV} unless you mean to run without io_uring")
     else:
         why = "io_uring cannot start on this machine (see io_uring)"
-        _finding(findings, "engine", "warn", f"engine posix (fallback; asked {asked!r}): {why}",
+        finding(findings, "engine", "warn", f"engine posix (fallback; asked {asked!r}): {why}",
                  "fix the io_uring item above; the store works but uses a thread pool")
     return {"asked": asked, "chosen": chosen, "fallback": asked != "posix" and chosen == "posix", "reason": why}
 
@@ -152,7 +144,7 @@ def _block_queue(dev: int) -> str | None:
 
 
 def check_filesystem(store_dir: str, config: StoreConfig, findings: list) -> dict:
-    where = _existing(store_dir)
+    where = existing(store_dir)
     st = os.stat(where)
     sv = os.statvfs(where)
     m = _mount_of(os.path.realpath(where))
@@ -164,21 +156,21 @@ def check_filesystem(store_dir: str, config: StoreConfig, findings: list) -> dic
     out["rotational"] = None if q is None else _read(os.path.join(q, "rotational")) == "1"
     out["store_disk_bytes"] = used = segment_disk_bytes(store_dir)
     if m["fs_type"] in ("tmpfs", "ramfs"):
-        _finding(findings, "filesystem", "warn", f"the store is on {m['fs_type']} ({m['mount_point']}): it lives in RAM, "
+        finding(findings, "filesystem", "warn", f"the store is on {m['fs_type']} ({m['mount_point']}): it lives in RAM, "
                  "not on a drive, and is gone at reboot", "point ssd_storage_dir at a directory on the NVMe drive "
                  "(an ext4 or xfs mount)")
     elif m["fs_type"] in ("overlay", "nfs", "nfs4", "fuse", "cifs") or m["fs_type"].startswith("fuse"):
-        _finding(findings, "filesystem", "warn", f"the store is on {m['fs_type']} ({m['mount_point']}): extra copies "
+        finding(findings, "filesystem", "warn", f"the store is on {m['fs_type']} ({m['mount_point']}): extra copies "
                  "and often no O_DIRECT", "bind-mount a host NVMe directory (ext4/xfs) into the container and use it")
     else:
-        _finding(findings, "filesystem", "ok", f"{m['fs_type']} on {m['source']} at {m['mount_point']}")
+        finding(findings, "filesystem", "ok", f"{m['fs_type']} on {m['source']} at {m['mount_point']}")
     if out["rotational"]:
-        _finding(findings, "filesystem", "warn", f"{out['block_device']} reports itself rotational (a spinning disk; "
+        finding(findings, "filesystem", "warn", f"{out['block_device']} reports itself rotational (a spinning disk; "
                  "virtual disks often report this whatever is below them)",
                  "use an NVMe SSD; a spinning disk cannot serve KV pages fast enough to beat recomputation")
     need = int(config.ssd_capacity_bytes) - used
     if need > free:
-        _finding(findings, "filesystem", "warn",
+        finding(findings, "filesystem", "warn",
                  f"capacity {config.ssd_capacity_bytes / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB free "
                  f"(+{used / 2**30:.1f} GiB already in the store): the store will stop short of its capacity",
                  "lower ssd_capacity_bytes below the free space or free space on the drive")
@@ -189,14 +181,14 @@ def check_o_direct(store_dir: str, config: StoreConfig, findings: list) -> dict:
     from .buffers import DIO_ALIGN_BYTES
     from .engine.files import open_data_file
 
-    where = _existing(store_dir)
+    where = existing(store_dir)
     out: dict = {"asked": bool(config.o_direct)}
     try:
         fd, probe = tempfile.mkstemp(prefix=".umbp-doctor-odirect-", dir=where)
         os.close(fd)
     except OSError as e:
         out.update(direct=None, error=f"cannot create a probe file in {where}: {e.strerror}")
-        _finding(findings, "o_direct", "fail", out["error"], f"make {where} writable by this user")
+        finding(findings, "o_direct", "fail", out["error"], f"make {where} writable by this user")
         return out
     try:
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT
@@ -219,12 +211,12 @@ def check_o_direct(store_dir: str, config: StoreConfig, findings: list) -> dict:
         note = f"O_DIRECT on {m['fs_type']}, alignment {out['align_bytes']} bytes"
         if out["align_bytes"] == DIO_ALIGN_BYTES:
             note += " (statx reports none or 4 KiB)"
-        _finding(findings, "o_direct", "ok", note)
+        finding(findings, "o_direct", "ok", note)
     elif not config.o_direct:
-        _finding(findings, "o_direct", "info", "buffered I/O: o_direct=false in the config",
+        finding(findings, "o_direct", "info", "buffered I/O: o_direct=false in the config",
                  "set o_direct=true so reads bypass the page cache (they are CRC-checked anyway)")
     else:
-        _finding(findings, "o_direct", "warn",
+        finding(findings, "o_direct", "warn",
                  f"buffered I/O (fallback): {m['fs_type']} refuses O_DIRECT ({out['error'] or 'refused earlier in this process'}); "
                  "reads and writes go through the page cache",
                  "put the store on ext4 or xfs on the NVMe drive (tmpfs before Linux 6.6, overlay and many FUSE "
@@ -268,13 +260,13 @@ def check_memlock(findings: list, pool_bytes: int | None = None) -> dict:
     out["register_64mib_ok"] = ok
     lim = "unlimited" if soft == inf else f"{soft / 2**20:.0f} MiB"
     if ok is False or (soft != inf and pool_bytes and soft < pool_bytes):
-        _finding(findings, "memlock", "warn", f"RLIMIT_MEMLOCK {lim}: the host pool cannot be registered with io_uring "
+        finding(findings, "memlock", "warn", f"RLIMIT_MEMLOCK {lim}: the host pool cannot be registered with io_uring "
                  "(fixed buffers off; each I/O maps its pages instead, a few % more CPU)",
                  "raise it: `ulimit -l unlimited`, docker --ulimit memlock=-1, systemd LimitMEMLOCK=infinity")
     else:
         bypass = " (this process may lock memory beyond the limit: root or CAP_IPC_LOCK)" if (
             ok and soft != inf and soft < 64 << 20) else ""
-        _finding(findings, "memlock", "ok", f"RLIMIT_MEMLOCK {lim}; registering 64 MiB "
+        finding(findings, "memlock", "ok", f"RLIMIT_MEMLOCK {lim}; registering 64 MiB "
                  + ("works" if ok else "not tested (no io_uring)") + bypass)
     return out
 
@@ -321,16 +313,16 @@ def check_hugepages(findings: list, ranges=None) -> dict:
         huge = all(p["kernel_page_kib"] >= 2048 or p["thp_kib"] > 0 for p in out["pool"])
         out["pool_hugepage_backed"] = huge
         if huge:
-            _finding(findings, "hugepages", "ok", "the host pool is hugepage-backed")
+            finding(findings, "hugepages", "ok", "the host pool is hugepage-backed")
         else:
-            _finding(findings, "hugepages", "info", "the host pool is on 4 KiB pages (more TLB misses on large copies)",
+            finding(findings, "hugepages", "info", "the host pool is on 4 KiB pages (more TLB misses on large copies)",
                      "reserve hugetlb pages (echo N > /proc/sys/vm/nr_hugepages) or set transparent_hugepage to "
                      "'always'/'madvise'")
     else:
         out["pool_hugepage_backed"] = None
         msg = (f"{out['free']} of {out['total']} hugetlb pages of {out['page_kib']} KiB free; THP {thp or '?'}; "
                "host pool not in this process (run the doctor at server start to check it)")
-        _finding(findings, "hugepages", "info", msg,
+        finding(findings, "hugepages", "info", msg,
                  "" if out["total"] else "optional: reserve 2 MiB pages (echo N > /proc/sys/vm/nr_hugepages) "
                                          "for a hugepage-backed host pool")
     return out
@@ -340,9 +332,9 @@ def check_hugepages(findings: list, ranges=None) -> dict:
 
 
 def check_scheduler(store_dir: str, findings: list) -> dict:
-    q = _block_queue(os.stat(_existing(store_dir)).st_dev)
+    q = _block_queue(os.stat(existing(store_dir)).st_dev)
     if q is None:
-        _finding(findings, "scheduler", "info", "no block device under the store (tmpfs, overlay or network "
+        finding(findings, "scheduler", "info", "no block device under the store (tmpfs, overlay or network "
                  "file system): no I/O scheduler applies")
         return {"device": None, "scheduler": None, "honours_priorities": None}
     raw = _read(os.path.join(q, "scheduler")) or ""
@@ -351,9 +343,9 @@ def check_scheduler(store_dir: str, findings: list) -> dict:
     out = {"device": os.path.basename(os.path.dirname(q)), "scheduler": active, "available": raw.replace("[", "").replace("]", "").split(),
            "honours_priorities": prio, "nr_requests": _read(os.path.join(q, "nr_requests"))}
     if prio:
-        _finding(findings, "scheduler", "ok", f"{out['device']}: {active}, honours I/O priorities")
+        finding(findings, "scheduler", "ok", f"{out['device']}: {active}, honours I/O priorities")
     else:
-        _finding(findings, "scheduler", "info",
+        finding(findings, "scheduler", "info",
                  f"{out['device']}: {active}: does not honour I/O priorities (the store issues none today; "
                  "on NVMe 'none' is the fastest choice)",
                  f"only if you need priorities: echo mq-deadline > /sys/block/{out['device']}/queue/scheduler")
@@ -376,11 +368,11 @@ def check_gpu(findings: list) -> dict:
         out["cuda_devices"] = None
     if ok:
         compat = "compat" in why.lower() and "compat_mode=off" not in why.lower()
-        _finding(findings, "gpu", "warn" if compat else "ok", f"GDS available: {why}",
+        finding(findings, "gpu", "warn" if compat else "ok", f"GDS available: {why}",
                  "KvikIO runs in compatibility mode (POSIX under the hood): install nvidia-fs and check "
                  "/etc/cufile.json" if compat else "")
     else:
-        _finding(findings, "gpu", "info", f"GDS off: {why}",
+        finding(findings, "gpu", "info", f"GDS off: {why}",
                  "only needed for GPU-direct reads into CUDA buffers; host-pool serving is unaffected")
     return out
 
@@ -413,7 +405,7 @@ def report(store_dir: str, config: StoreConfig | None = None, *, probe: bool = T
             items[name] = fn()
         except Exception as e:  # noqa: BLE001 - one broken check never hides the others
             items[name] = {"error": repr(e)}
-            _finding(findings, name, "fail", f"the check itself failed: {e!r}", "report this with `umbp-nvme doctor -v`")
+            finding(findings, name, "fail", f"the check itself failed: {e!r}", "report this with `umbp-nvme doctor -v`")
         if isinstance(items[name], dict):
             items[name]["check_s"] = round(time.perf_counter() - t1, 3)
     worst = max((("ok", "info", "warn", "fail").index(f["level"]) for f in findings), default=0)

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from .config import StoreConfig
+from .doctor_findings import existing, finding
 
 DEFAULT_OBJECT_BYTES = 256 << 10
 PROBE_SECONDS = 0.8  # per phase; four phases (store write/read, raw write/read)
@@ -142,29 +143,27 @@ async def _probe(scratch: str, config: StoreConfig, obj: int, seconds: float) ->
 
 
 def check_probe(store_dir: str, config: StoreConfig, findings: list, seconds: float = PROBE_SECONDS) -> dict:
-    from .doctor import _existing, _finding  # the report's helpers (doctor imports this module)
-
-    where = _existing(store_dir)
+    where = existing(store_dir)
     if os.path.isdir(store_dir):
         where = os.path.dirname(os.path.abspath(store_dir)) or where  # beside the store, same file system
         if os.stat(where).st_dev != os.stat(store_dir).st_dev:
             where = store_dir
     sv = os.statvfs(where)
     if sv.f_bavail * sv.f_frsize < PROBE_MIN_FREE_BYTES:
-        _finding(findings, "probe", "warn", f"skipped: under {PROBE_MIN_FREE_BYTES >> 20} MiB free at {where}",
+        finding(findings, "probe", "warn", f"skipped: under {PROBE_MIN_FREE_BYTES >> 20} MiB free at {where}",
                  "free some space, or run the doctor with --no-probe")
         return {"skipped": "no space"}
     obj = _object_bytes(store_dir, config)
     try:
         scratch = tempfile.mkdtemp(prefix=".umbp-doctor-", dir=where)
     except OSError as e:
-        _finding(findings, "probe", "warn", f"skipped: cannot create a scratch directory in {where} ({e.strerror})",
+        finding(findings, "probe", "warn", f"skipped: cannot create a scratch directory in {where} ({e.strerror})",
                  f"make {where} writable, or run with --no-probe")
         return {"skipped": str(e)}
     try:
         out = asyncio.run(_probe(scratch, config, obj, seconds))
     except Exception as e:  # noqa: BLE001 - a failing probe is a finding
-        _finding(findings, "probe", "fail", f"the I/O probe failed: {e!r}", "run `umbp-nvme bench engine --quick` "
+        finding(findings, "probe", "fail", f"the I/O probe failed: {e!r}", "run `umbp-nvme bench engine --quick` "
                  "for detail and check the drive (dmesg)")
         return {"error": repr(e)}
     finally:
@@ -182,9 +181,9 @@ def check_probe(store_dir: str, config: StoreConfig, findings: list, seconds: fl
             fix = ("strict durability also commits and syncs the index (LMDB) after every put batch, which the raw "
                    "baseline does not; if a lost tail of puts after a crash is acceptable for a cache, set "
                    "ssd_durability_mode=relaxed. Otherwise " + fix)
-        _finding(findings, "probe", "warn", msg + f"; the store reaches under half of raw for {' and '.join(low)}", fix)
+        finding(findings, "probe", "warn", msg + f"; the store reaches under half of raw for {' and '.join(low)}", fix)
     else:
-        _finding(findings, "probe", "ok", msg)
+        finding(findings, "probe", "ok", msg)
     return out
 
 

@@ -13,14 +13,10 @@ import os
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .keybytes import printable_key
 from .keys import KeyScheme
-from .sources import SourceError, Unit
-
-if TYPE_CHECKING:
-    from .warmup import Summary
+from .sources import SourceError, Summary, Unit
 
 
 # --- HiCacheFile mapping ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ Pure functions over plain data: nothing here imports sglang. Pool names may be s
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,10 @@ from typing import Any
 
 KV_POOL = "kv"
 MAMBA_POOL = "mamba"
+FLAT_KEY_PREFIX = "flat_"  # legacy whole-page objects (not interface_v1); v1 keys start with a 64-hex page hash
+
+_HASH_RE = re.compile(r"(?:^|_)([0-9a-fA-F]{64})(?=_|$)")  # SGLang page hashes are 64 hex digits
+_HEAD_RE = re.compile(r"[0-9a-fA-F]{64}(?=_|$)")  # the common case: the key starts with it
 
 
 def pool_name_str(name: Any) -> str:
@@ -181,6 +186,15 @@ class KeyScheme:
     def v1_multiplier(self, *, envelope: bool = False) -> int:
         return len(self.v1_suffixes(envelope=envelope))
 
+    @property
+    def flat_suffix(self) -> str:
+        """A legacy flat page's suffix: MLA's on MLA, else the rank's own."""
+        return f"_{self.mla_suffix}" if self.is_mla else f"_{self.rank_suffix}"
+
+    def flat_key(self, page_hash: str) -> str:
+        """A legacy whole flat page's key; its own prefix keeps it apart from v1 component keys."""
+        return f"{FLAT_KEY_PREFIX}{page_hash}{self.flat_suffix}"
+
     def v1_keys(self, page_hashes: Sequence[str], *, envelope: bool = False) -> list[str]:
         """KV object keys, page-major. No config_prefix (spec §6.2, unlike Mooncake)."""
         suffixes = self.v1_suffixes(envelope=envelope)
@@ -231,6 +245,27 @@ class KeyScheme:
     ) -> tuple[list[str], int]:
         """side_pool_keys with the pool looked up in `registry` (raises UnregisteredPoolError)."""
         return self.side_pool_keys(page_hashes, pool_name, registry.get(pool_name), rank_suffix)
+
+
+def page_of(key: str, config_prefix: str | None = None) -> str:
+    """The page hash part of a component key (the part before the rank / MLA / pool suffixes).
+
+    A 64-hex-digit run is the page hash wherever it sits (side-pool keys carry a config prefix
+    in front of it); otherwise the config prefix and the legacy ``flat_`` prefix are removed
+    and the part before the first ``_`` is the page.
+    """
+    m = _HEAD_RE.match(key)
+    if m is not None:
+        return m.group(0)
+    m = _HASH_RE.search(key)
+    if m is not None:
+        return m.group(1)
+    if config_prefix and key.startswith(config_prefix + "_"):
+        key = key[len(config_prefix) + 1:]
+    if key.startswith(FLAT_KEY_PREFIX):
+        key = key[len(FLAT_KEY_PREFIX):]
+    head, _, _ = key.partition("_")
+    return head or key
 
 
 def make_config_prefix(extra_config: Mapping | None, model_name: str | None) -> str | None:

@@ -227,8 +227,14 @@ def classify_key(key: str) -> tuple[str, str]:
 # --- stats -----------------------------------------------------------------------------------
 
 
-def store_stats(path: str, capacity_bytes: int | None = None, high_wm: float = 0.9, low_wm: float = 0.7) -> dict:
-    """Usage computed from the index and the files (what is stored, not what a server counted)."""
+def store_stats(path: str, capacity_bytes: int | None = None, high_wm: float | None = None,
+                low_wm: float | None = None) -> dict:
+    """Usage computed from the index and the files (what is stored, not what a server counted).
+    Watermarks: StoreConfig's defaults unless given."""
+    from .config import StoreConfig
+
+    high_wm = StoreConfig.ssd_high_watermark if high_wm is None else high_wm
+    low_wm = StoreConfig.ssd_low_watermark if low_wm is None else low_wm
     with StoreReader(path) as r:
         names, recs = r.scan()
         seg_bytes = r.segment_bytes

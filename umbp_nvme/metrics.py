@@ -60,6 +60,8 @@ FAMILIES = (
     ("umbp_nvme_puts", "counter", "puts", "Objects stored by put_many (re-puts of a stored key included)."),
     ("umbp_nvme_put_dedup", "counter", "put_dedup", "Puts of a key already stored (kept the first bytes)."),
     ("umbp_nvme_put_failed", "counter", "put_failed", "Objects a put_many did not store (I/O error, no space, bad buffer, timeout)."),
+    ("umbp_nvme_put_declined", "counter", "put_declined",
+     "New objects the admission policy chose not to write (their put answered True; not failures)."),
     ("umbp_nvme_gets", "counter", "gets", "Objects asked for by get_many."),
     ("umbp_nvme_hits", "counter", "hits", "Objects get_many returned, verified."),
     ("umbp_nvme_misses", "counter", "misses", "Objects get_many did not return (absent, I/O error, CRC error, timeout)."),

@@ -25,34 +25,25 @@ Rules it keeps (each has a test):
   SGLang's prefetch or backup thread for good): failures log once and become ``False`` per page.
   v2 calls raise only where UMBP raises (unregistered pool, index-count and buffer-meta
   mismatches).
-- Legacy (non ``interface_v1``) calls store whole flat pages under their own ``flat_`` keys, so
-  they can never be confused with v1 per-component objects.
+- Legacy (non ``interface_v1``) calls store whole flat pages under their own keys
+  (``KeyScheme.flat_key``), so they can never be confused with v1 per-component objects.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from typing import List, Optional
+from typing import List
 
 from .config import StoreConfig, load_config, parse_bool
 from .hits import v2_hits
 from . import kv_events, sglang_stores, sglang_transfers
-from .keys import KeyScheme, PoolRegistry, is_mla_follower, rank_subdir
-from .sglang_stores import NAMESPACE_KIND
-from .sglang_stores import FOLLOWER_RETRY_S as _FOLLOWER_RETRY_S  # noqa: F401 - kept for callers
-from .sglang_stores import MANIFEST as _MANIFEST  # noqa: F401 - kept for callers
-from .sglang_stores import normalise_sizes as _normalise_sizes  # noqa: F401 - kept for callers
-from .sglang_stores import pool_ranges as _pool_ranges  # noqa: F401 - kept for callers
-from .sglang_transfers import FLAT_KEY_PREFIX
-from .store.placement import page_of
-from .sglang_transfers import fold as _fold  # noqa: F401 - kept for callers
-from .sglang_transfers import legacy_buffer as _legacy_buffer  # noqa: F401 - kept for callers
+from .keys import KeyScheme, is_mla_follower, rank_subdir
+from .sglang_seam import Seam
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +80,6 @@ class UMBPNvmeStore(HiCacheStorage):
 
     def __init__(self, storage_config=None, mem_pool_host=None, *, engine_factory=None, **kwargs):
         # engine_factory: PageStore.open's hook (tests and fault injection wrap the engines there)
-        self._engine_factory = engine_factory
         # The dynamic loader passes its kwargs dict as the second positional argument; only a
         # real host pool (something with a layout) is registered here, as UMBP's own form does.
         self.storage_config = storage_config
@@ -100,10 +90,8 @@ class UMBPNvmeStore(HiCacheStorage):
         extra = dict(extra)
         # our own switches (not StoreConfig fields): Prometheus export and a doctor report at open
         prometheus = extra.pop("prometheus", None)
-        self._doctor_at_start = _switch(extra.pop("doctor_at_start", False), "doctor_at_start")
-        self._events_cfg = kv_events.pop_config(extra, storage_config)  # None: no DISK events (default)
-        self._publisher = None  # kv_events.Publisher once this rank's store is open
-        self._residency = None  # kv_residency.Residency hooked into that store
+        doctor_at_start = _switch(extra.pop("doctor_at_start", False), "doctor_at_start")
+        events_cfg = kv_events.pop_config(extra, storage_config)  # None: no DISK events (default)
         self.config: StoreConfig = load_config(extra, known=("prometheus", "doctor_at_start", *kv_events.KEYS))
         self.interface_v1 = _switch(extra.get("interface_v1", 0), "interface_v1")
         self.scheme = KeyScheme.from_storage_config(storage_config)
@@ -111,7 +99,6 @@ class UMBPNvmeStore(HiCacheStorage):
         self.is_mla_follower = is_mla_follower(storage_config)
         self.enable_storage_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self.model_name = getattr(storage_config, "model_name", None) or ""
-        self._prometheus = self.enable_storage_metrics if prometheus is None else _switch(prometheus, "prometheus")
         # several roots (one per drive): every root holds this rank's directory (drives.py)
         self.root_dirs = [os.path.abspath(r) for r in self.config.storage_roots]
         self.root_dir = self.root_dirs[0]
@@ -126,25 +113,16 @@ class UMBPNvmeStore(HiCacheStorage):
         side = "_".join(p for p in (sub, f"tp{tp_rank}_sidecar") if p)
         self.private_dirs = [os.path.join(r, side) for r in self.root_dirs]
         self.store_dir, self.private_dir = ",".join(self.store_dirs), ",".join(self.private_dirs)  # for messages
-        self._page_of = functools.partial(page_of, config_prefix=self.scheme.config_prefix)
-
-        self.registry = PoolRegistry()
+        # everything the helpers (sglang_stores, sglang_transfers) read or change
+        self._seam = Seam(
+            config=self.config, storage_config=storage_config, scheme=self.scheme, interface_v1=self.interface_v1,
+            follower=self.is_mla_follower, store_dirs=self.store_dirs, private_dirs=self.private_dirs,
+            model_name=self.model_name, engine_factory=engine_factory, doctor_at_start=doctor_at_start,
+            prometheus=self.enable_storage_metrics if prometheus is None else _switch(prometheus, "prometheus"),
+            events_cfg=events_cfg,
+        )  # fmt: skip
+        self.registry = self._seam.registry
         self.registered_pools: dict = {}  # HiCacheStorage's attribute, kept for callers that read it
-        self.mem_pool_host = None
-        self.page_size = 1
-        self.kv_anchor_is_logical = False
-        self._envelope = False
-        self._v1_sfx: tuple[str, ...] = self.scheme.v1_suffixes()
-        self._flat_sfx = f"_{self.scheme.mla_suffix}" if self.is_mla else f"_{self.scheme.rank_suffix}"
-        self._namespace: Optional[dict] = None
-
-        self._lock = threading.RLock()
-        self._store = None  # SyncPageStore: this rank's store, or the shared one (read-only on a follower)
-        self._private = None  # SyncPageStore: a follower's own TP-sharded side-pool state
-        self._next_follower_try = 0.0
-        self._ranges: list[tuple[int, int]] = []
-        self._closed = False
-        self._logged: set[str] = set()
         self._metrics_lock = threading.Lock()
         self._prefetch_pgs: deque = deque(maxlen=_METRICS_MAX)
         self._backup_pgs: deque = deque(maxlen=_METRICS_MAX)
@@ -155,27 +133,54 @@ class UMBPNvmeStore(HiCacheStorage):
         if mem_pool_host is not None and hasattr(mem_pool_host, "layout"):
             self.register_mem_pool_host(mem_pool_host)
 
+    # What registration set, read from the seam (its one owner).
+    @property
+    def mem_pool_host(self):
+        return self._seam.anchor
+
+    @property
+    def page_size(self) -> int:
+        return self._seam.page_size
+
+    @property
+    def kv_anchor_is_logical(self) -> bool:
+        return self._seam.logical_anchor
+
+    # Read by the KV-event tests (tests/sglang/test_kv_events.py).
+    @property
+    def _publisher(self):
+        return self._seam.publisher
+
+    @property
+    def _residency(self):
+        return self._seam.residency
+
+    @property
+    def _v1_sfx(self) -> tuple[str, ...]:
+        return self._seam.v1_sfx
+
     # ------------------------------------------------------------------------- registration
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         layout = getattr(mem_pool_host, "layout", None)
         if layout not in SUPPORTED_LAYOUTS:
             raise ValueError(f"{LAYOUT_ERROR}; got layout={layout!r}")
-        self.mem_pool_host = mem_pool_host
-        self.page_size = int(getattr(mem_pool_host, "page_size", 1) or 1)
-        self.kv_anchor_is_logical = getattr(mem_pool_host, "kv_buffer", None) is None
-        self._envelope = bool(getattr(mem_pool_host, "stores_page_envelope", False))
-        self._v1_sfx = self.scheme.v1_suffixes(envelope=self._envelope)
-        self._namespace = self._make_namespace(mem_pool_host)
-        self._add_ranges(mem_pool_host)
-        with self._lock:
-            self._open_main(raise_errors=True)
+        seam = self._seam
+        seam.anchor = mem_pool_host
+        seam.page_size = int(getattr(mem_pool_host, "page_size", 1) or 1)
+        seam.logical_anchor = getattr(mem_pool_host, "kv_buffer", None) is None
+        seam.envelope = bool(getattr(mem_pool_host, "stores_page_envelope", False))
+        seam.v1_sfx = self.scheme.v1_suffixes(envelope=seam.envelope)
+        seam.namespace = sglang_stores.make_namespace(seam, mem_pool_host)
+        sglang_stores.add_ranges(seam, mem_pool_host)
+        with seam.lock:
+            sglang_stores.open_main(seam, raise_errors=True)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         if not self.registry.register(host_pool_name, host_pool):
             return  # the KV anchor is never a side pool (docs/sglang.md §4)
         self.registered_pools[host_pool_name] = host_pool
-        self._add_ranges(host_pool)
+        sglang_stores.add_ranges(self._seam, host_pool)
 
     def on_host_pools_registered(self) -> None:
         log.info(
@@ -190,18 +195,18 @@ class UMBPNvmeStore(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         try:
             keys = _key_list(keys)
-            store = self._main()
+            store = sglang_stores.main_store(self._seam)
             if store is None or not keys:
                 return 0
             if not self.interface_v1:
-                return store.exists_prefix_nowait([f"{FLAT_KEY_PREFIX}{h}{self._flat_sfx}" for h in keys])
-            sfx = self._v1_sfx
+                return store.exists_prefix_nowait([self.scheme.flat_key(h) for h in keys])
+            sfx = self._seam.v1_sfx
             if len(sfx) == 1:
                 s0 = sfx[0]
                 return store.exists_prefix_nowait([h + s0 for h in keys])
             return store.exists_prefix_nowait([h + s for h in keys for s in sfx]) // len(sfx)
         except Exception as e:  # noqa: BLE001 - a hit query never kills the prefetch thread
-            self._log_once("batch_exists", "batch_exists failed: %r; reporting a miss", e)
+            self._seam.log_once("batch_exists", "batch_exists failed: %r; reporting a miss", e)
             return 0
 
     def batch_get_v1(self, keys: List[str], host_indices, extra_info=None) -> List[bool]:
@@ -222,7 +227,8 @@ class UMBPNvmeStore(HiCacheStorage):
             if self.kv_anchor_is_logical:
                 return [True] * n
             t0 = time.perf_counter()
-            results, nbytes = self._v1_io(keys, host_indices, is_set=is_set, extra_info=extra_info)
+            results, nbytes = sglang_transfers.v1_io(self._seam, keys, host_indices, is_set=is_set,
+                                                     extra_info=extra_info)  # fmt: skip
             if is_set:
                 self._record(self._backup_pgs, self._backup_bw, results, nbytes, t0)
             else:
@@ -230,11 +236,8 @@ class UMBPNvmeStore(HiCacheStorage):
             return results
         except Exception as e:  # noqa: BLE001 - see module docstring
             what = "failures" if is_set else "misses"
-            self._log_once(op, "%s of %d pages failed: %r; reporting %s", op, n, e, what)
+            self._seam.log_once(op, "%s of %d pages failed: %r; reporting %s", op, n, e, what)
             return [False] * n
-
-    def _v1_io(self, keys, host_indices, *, is_set: bool, extra_info) -> tuple[list[bool], int]:
-        return sglang_transfers.v1_io(self, keys, host_indices, is_set=is_set, extra_info=extra_info)
 
     # ------------------------------------------------------------------------- v2 (hybrid pools)
 
@@ -245,7 +248,7 @@ class UMBPNvmeStore(HiCacheStorage):
         def component_keys(page_keys, transfer):
             pool = self.registry.get(transfer.name)  # raises "Unregistered UMBP hybrid pool: ..."
             ck, m = self.scheme.side_pool_keys(page_keys, transfer.name, pool)
-            current["store"] = self._store_for_pool(transfer.name, pool, for_write=False)
+            current["store"] = sglang_stores.store_for_pool(self._seam, transfer.name, pool, for_write=False)
             return ck, m
 
         def exists(component_keys_list):
@@ -261,25 +264,19 @@ class UMBPNvmeStore(HiCacheStorage):
         return result
 
     def batch_get_v2(self, transfers, extra_info=None) -> dict:
-        return self._batch_io_v2(transfers, is_set=False)
+        return sglang_transfers.v2_io(self._seam, transfers, is_set=False)
 
     def batch_set_v2(self, transfers, extra_info=None) -> dict:
-        return self._batch_io_v2(transfers, is_set=True)
-
-    def _batch_io_v2(self, transfers, *, is_set: bool) -> dict:
-        return sglang_transfers.v2_io(self, transfers, is_set=is_set)
+        return sglang_transfers.v2_io(self._seam, transfers, is_set=True)
 
     # ------------------------------------------------------------------------- legacy (flat pages)
-
-    def _flat_key(self, key: str) -> str:
-        return sglang_transfers.flat_key(self, key)
 
     def get(self, key, target_location=None, target_sizes=None):
         sizes = None if target_sizes is None else [target_sizes]
         return self.batch_get([key], [target_location], sizes)[0]
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        return sglang_transfers.legacy_batch_get(self, keys, target_locations, target_sizes)
+        return sglang_transfers.legacy_batch_get(self._seam, keys, target_locations, target_sizes)
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set(
@@ -290,27 +287,27 @@ class UMBPNvmeStore(HiCacheStorage):
         )
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        return sglang_transfers.legacy_batch_set(self, keys, values, target_locations, target_sizes)
+        return sglang_transfers.legacy_batch_set(self._seam, keys, values, target_locations, target_sizes)
 
     def exists(self, key) -> bool:
-        store = self._main()
+        store = sglang_stores.main_store(self._seam)
         if store is None:
             return False
         if not self.interface_v1:
-            return store.exists_prefix_nowait([self._flat_key(key)]) == 1
-        objkeys = [key + s for s in self._v1_sfx]
+            return store.exists_prefix_nowait([self.scheme.flat_key(key)]) == 1
+        objkeys = [key + s for s in self._seam.v1_sfx]
         return store.exists_prefix_nowait(objkeys) == len(objkeys)
 
     # ------------------------------------------------------------------------- management
 
     def clear(self) -> None:
-        sglang_stores.clear_stores(self)
+        sglang_stores.clear_stores(self._seam)
 
     def flush(self) -> bool:
-        return sglang_stores.flush_stores(self)
+        return sglang_stores.flush_stores(self._seam)
 
     def close(self) -> None:
-        sglang_stores.close_stores(self)
+        sglang_stores.close_stores(self._seam)
 
     def get_stats(self):
         """Pages and GB/s of each prefetch (batch_get_v1) and backup (batch_set_v1) since the last call."""
@@ -322,7 +319,7 @@ class UMBPNvmeStore(HiCacheStorage):
             metrics.backup_bandwidth.extend(self._backup_bw)
             for d in (self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw):
                 d.clear()
-        drives = sglang_stores.drive_rows(self)
+        drives = sglang_stores.drive_rows(self._seam)
         if drives:  # several drives: each one's state, objects, bytes, GB/s, errors
             try:
                 metrics.drives = drives
@@ -332,36 +329,14 @@ class UMBPNvmeStore(HiCacheStorage):
 
     def store_stats(self) -> dict:
         """The underlying store's counters (objects, bytes, hits, evictions, ...)."""
-        return sglang_stores.store_stats(self)
+        return sglang_stores.store_stats(self._seam)
 
     # ------------------------------------------------------------------------- internals
-
-    def _make_namespace(self, pool) -> dict:
-        """What the objects in this store mean: a directory made for another one is refused."""
-        return sglang_stores.make_namespace(self, pool)
 
     @property
     def store(self):
         """This rank's SyncPageStore (the shared one, read-only, on an MLA follower); None until opened."""
-        return self._store
-
-    def _open_main(self, *, raise_errors: bool):
-        """Open this rank's store if it is not open; None while a follower waits for its leader."""
-        return sglang_stores.open_main(self, raise_errors=raise_errors)
-
-    def _main(self):
-        return sglang_stores.main_store(self)
-
-    def _store_for_pool(self, name, pool, *, for_write: bool):
-        """The store that holds this side pool on this rank; "skip" for a follower's shared pools."""
-        return sglang_stores.store_for_pool(self, name, pool, for_write=for_write)
-
-    def _add_ranges(self, pool) -> None:
-        sglang_stores.add_ranges(self, pool)
-
-    @staticmethod
-    def _register_ranges(store, ranges) -> None:
-        sglang_stores.register_ranges(store, ranges)
+        return self._seam.main
 
     def _record(self, pgs: deque, bws: deque, results: list, nbytes: int, t0: float) -> None:
         if not results:
@@ -370,17 +345,6 @@ class UMBPNvmeStore(HiCacheStorage):
         with self._metrics_lock:
             pgs.append(sum(1 for r in results if r))
             bws.append(nbytes / dt / 1e9 if dt > 0 else 0.0)
-
-    def _watch(self, store, role: str) -> None:
-        """Export the store's metrics (and log a doctor report) when asked; never fails an open."""
-        sglang_stores.watch(self, store, role)
-
-    def _log_once(self, kind: str, msg: str, *args, level: int = logging.ERROR) -> None:
-        if kind in self._logged:
-            log.debug("umbp_nvme: " + msg, *args)
-            return
-        self._logged.add(kind)
-        log.log(level, "umbp_nvme: " + msg + " (logged once)", *args)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,9 +5,10 @@
 - ``v2_io``: ``batch_get_v2`` / ``batch_set_v2`` over hybrid-pool ``PoolTransfer``s, one store
   call per store touched.
 - ``legacy_batch_get`` / ``legacy_batch_set``: legacy (non ``interface_v1``) whole flat pages
-  under their own ``flat_`` keys.
+  under their own keys (``KeyScheme.flat_key``).
 
-Each takes the backend; the callers in ``sglang_backend`` keep the never-raise wrappers.
+Each takes the backend's ``Seam`` (sglang_seam.py); the callers in ``sglang_backend`` keep the
+never-raise wrappers.
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ import logging
 from typing import Any, Sequence
 
 from .keys import pool_name_str
-from .sglang_stores import normalise_sizes
+from .sglang_stores import main_store, normalise_sizes, store_for_pool
 
 log = logging.getLogger("umbp_nvme.sglang_backend")
-
-FLAT_KEY_PREFIX = "flat_"  # legacy whole-page objects; v1 keys start with a 64-hex page hash
 
 
 def fold(res: Sequence[bool], m: int, pages: int) -> list[bool]:
@@ -35,38 +34,38 @@ def fold(res: Sequence[bool], m: int, pages: int) -> list[bool]:
 # ------------------------------------------------------------------------------- v1 (KV anchor)
 
 
-def v1_io(be, keys, host_indices, *, is_set: bool, extra_info) -> tuple[list[bool], int]:
+def v1_io(seam, keys, host_indices, *, is_set: bool, extra_info) -> tuple[list[bool], int]:
     """One v1 batch: (per-page results, bytes moved). May raise; the caller turns that into False."""
     n = len(keys)
     if n == 0:
         return [], 0
-    pool = be.mem_pool_host
+    pool = seam.anchor
     if pool is None:
-        be._log_once("v1_unregistered", "batch I/O before register_mem_pool_host; reporting misses")
+        seam.log_once("v1_unregistered", "batch I/O before register_mem_pool_host; reporting misses")
         return [False] * n, 0
-    if host_indices is None or len(host_indices) // be.page_size != n:
-        be._log_once(
+    if host_indices is None or len(host_indices) // seam.page_size != n:
+        seam.log_once(
             "v1_count",
             "batch_%s_v1 got %d keys for %s host indices with page_size=%d; reporting misses",
             "set" if is_set else "get",
             n,
             None if host_indices is None else len(host_indices),
-            be.page_size,
+            seam.page_size,
         )
         return [False] * n, 0
-    store = be._main()
+    store = main_store(seam)
     if store is None:
         return [False] * n, 0
-    if be.scheme.split_factor and not be._envelope:
-        ptrs, sizes = pool.get_split_heads_page_buffer_meta(host_indices, be.scheme.split_factor)
+    if seam.scheme.split_factor and not seam.envelope:
+        ptrs, sizes = pool.get_split_heads_page_buffer_meta(host_indices, seam.scheme.split_factor)
     else:
         ptrs, sizes = pool.get_page_buffer_meta(host_indices)
     sizes = normalise_sizes(sizes, len(ptrs))
-    sfx = be._v1_sfx
+    sfx = seam.v1_sfx
     m = len(sfx)
     objkeys = [h + s for h in keys for s in sfx]
     if len(objkeys) != len(ptrs) or len(sizes) != len(ptrs):
-        be._log_once(
+        seam.log_once(
             "v1_meta",
             "host pool gave %d pointers and %d sizes for %d objects (%d pages x %d); reporting misses",
             len(ptrs),
@@ -83,14 +82,14 @@ def v1_io(be, keys, host_indices, *, is_set: bool, extra_info) -> tuple[list[boo
         if prefix is not None:
             base = len(prefix)
             depths = [base + i for i in range(n) for _ in range(m)]
-        rz = be._residency
+        rz = seam.residency
         if rz is not None:  # the parents of the pages this put announces (kv_residency.py)
             rz.link(keys, prefix[-1] if prefix else None, objkeys)
         res = store.put_many(objkeys, bufs, depths=depths)
     else:
         res = store.get_many(objkeys, bufs)
     if len(res) != len(objkeys):
-        be._log_once("v1_result", "store returned %d results for %d objects; reporting misses", len(res), len(objkeys))
+        seam.log_once("v1_result", "store returned %d results for %d objects; reporting misses", len(res), len(objkeys))
         return [False] * n, 0
     pages = fold(res, m, n)
     nbytes = sum(int(s) for s, ok in zip(sizes, res) if ok)
@@ -100,14 +99,14 @@ def v1_io(be, keys, host_indices, *, is_set: bool, extra_info) -> tuple[list[boo
 # ------------------------------------------------------------------------------- v2 (hybrid pools)
 
 
-def v2_io(be, transfers, *, is_set: bool) -> dict:
+def v2_io(seam, transfers, *, is_set: bool) -> dict:
     """batch_get_v2 / batch_set_v2: pool name -> per-page results."""
     results: dict = {}
     # store id -> (store, object keys, buffers, [(transfer name, first object, pages, m)])
     batches: dict[int, tuple[Any, list, list, list]] = {}
     for t in transfers or ():
         name = t.name
-        pool = be.registry.get(name)  # raises "Unregistered UMBP hybrid pool: ..." (docs/sglang.md §6)
+        pool = seam.registry.get(name)  # raises "Unregistered UMBP hybrid pool: ..." (docs/sglang.md §6)
         keys = list(t.keys or [])
         if not keys or t.host_indices is None:
             results[name] = [False] * len(keys)
@@ -118,14 +117,14 @@ def v2_io(be, transfers, *, is_set: bool) -> dict:
                 f"UMBP v2 pool {pool_name_str(name)} has {len(keys)} keys for "
                 f"{len(t.host_indices)} indices with page_size={ps}."
             )
-        ck, m = be.scheme.side_pool_keys(keys, name, pool)
+        ck, m = seam.scheme.side_pool_keys(keys, name, pool)
         ptrs, sizes = pool.get_page_buffer_meta(t.host_indices)
         if not (len(ck) == len(ptrs) == len(sizes)):
             raise ValueError(
                 f"UMBP v2 buffer-meta mismatch for pool {pool_name_str(name)}: keys={len(ck)} "
                 f"ptrs={len(ptrs)} sizes={len(sizes)}"
             )
-        store = be._store_for_pool(name, pool, for_write=is_set)
+        store = store_for_pool(seam, name, pool, for_write=is_set)
         if store is None:
             results[name] = [False] * len(keys)
             continue
@@ -140,7 +139,7 @@ def v2_io(be, transfers, *, is_set: bool) -> dict:
         try:
             res = store.put_many(objkeys, bufs) if is_set else store.get_many(objkeys, bufs)
         except Exception as e:  # noqa: BLE001 - I/O failures are misses, not errors
-            be._log_once("v2_io", "batch_%s_v2 store call failed: %r", "set" if is_set else "get", e)
+            seam.log_once("v2_io", "batch_%s_v2 store call failed: %r", "set" if is_set else "get", e)
             res = []
         for name, start, pages, m in parts:
             if len(res) != len(objkeys):
@@ -158,10 +157,6 @@ def v2_io(be, transfers, *, is_set: bool) -> dict:
 
 
 # ------------------------------------------------------------------------------- legacy (flat pages)
-
-
-def flat_key(be, key: str) -> str:
-    return f"{FLAT_KEY_PREFIX}{key}{be._flat_sfx}"
 
 
 def legacy_buffer(loc, size, *, writable: bool = True):
@@ -182,34 +177,34 @@ def legacy_buffer(loc, size, *, writable: bool = True):
     return loc
 
 
-def legacy_batch_get(be, keys, target_locations=None, target_sizes=None):
+def legacy_batch_get(seam, keys, target_locations=None, target_sizes=None):
     n = len(keys)
     if target_locations is None:
         return [None] * n
     try:
-        store = be._main()
+        store = main_store(seam)
         if store is None or n == 0:
             return [None] * n
         bufs = [legacy_buffer(loc, None if target_sizes is None else target_sizes[i]) for i, loc in enumerate(target_locations)]
         ok_idx = [i for i, b in enumerate(bufs) if b is not None]
-        res = store.get_many([flat_key(be, keys[i]) for i in ok_idx], [bufs[i] for i in ok_idx])
+        res = store.get_many([seam.scheme.flat_key(keys[i]) for i in ok_idx], [bufs[i] for i in ok_idx])
         out: list = [None] * n
         for i, ok in zip(ok_idx, res):
             if ok:
                 out[i] = target_locations[i]
         return out
     except Exception as e:  # noqa: BLE001 - the legacy prefetch path must not die either
-        be._log_once("batch_get", "batch_get of %d pages failed: %r", n, e)
+        seam.log_once("batch_get", "batch_get of %d pages failed: %r", n, e)
         return [None] * n
 
 
-def legacy_batch_set(be, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+def legacy_batch_set(seam, keys, values=None, target_locations=None, target_sizes=None) -> bool:
     if not keys:
         return False
-    if be.is_mla_follower:
+    if seam.follower:
         return True
     try:
-        store = be._main()
+        store = main_store(seam)
         if store is None:
             return False
         bufs = []
@@ -223,7 +218,7 @@ def legacy_batch_set(be, keys, values=None, target_locations=None, target_sizes=
             if buf is None:
                 return False
             bufs.append(buf)
-        return all(store.put_many([flat_key(be, k) for k in keys], bufs))
+        return all(store.put_many([seam.scheme.flat_key(k) for k in keys], bufs))
     except Exception as e:  # noqa: BLE001
-        be._log_once("batch_set", "batch_set of %d pages failed: %r", len(keys), e)
+        seam.log_once("batch_set", "batch_set of %d pages failed: %r", len(keys), e)
         return False

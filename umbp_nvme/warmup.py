@@ -34,14 +34,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from .archive import ArchiveReader
 from .buffers import DIO_ALIGN_BYTES, AlignedBuffer
 from .hicache_files import FileBackendLayout, _dir_bytes, expected_page_bytes, file_backend_units
 from .keybytes import encode_key, key_error, printable_key
 from .maintenance import StoreReader
-from .sources import SourceError, Unit, archive_units, detect_source, store_units
+from .sources import SourceError, Summary, Unit, archive_units, detect_source, store_units
 
 log = logging.getLogger(__name__)
 
@@ -120,79 +119,6 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-
-
-# --- summary ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Summary:
-    imported: int = 0  # objects newly stored
-    skipped: int = 0  # objects already present (dedup / resume)
-    failed: int = 0  # objects that could not be read, verified or stored
-    refused_files: int = 0  # source files refused whole (size or name does not fit the namespace)
-    ignored_files: int = 0  # files of other ranks / models, temporaries: not ours to import
-    bytes_imported: int = 0
-    bytes_skipped: int = 0
-    seconds: float = 0.0
-    interrupted: bool = False
-    sources: list = field(default_factory=list)
-    errors: list = field(default_factory=list)  # the first few messages
-    more_errors: int = 0  # messages past the first 20 (counted, not kept or logged)
-    _t0: float = field(default_factory=time.perf_counter, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        """Counters move from the reader thread and the loop thread alike."""
-        with self._lock:
-            for k, v in counts.items():
-                setattr(self, k, getattr(self, k) + v)
-
-    def error(self, msg: str) -> None:
-        """Keep and log the first 20 messages; count the rest (a damaged source may have millions)."""
-        with self._lock:
-            if len(self.errors) >= 20:
-                self.more_errors += 1
-                return
-            self.errors.append(msg)
-        log.warning("%s", msg)
-
-    def finish(self) -> "Summary":
-        self.seconds = time.perf_counter() - self._t0
-        return self
-
-    @property
-    def ok(self) -> bool:
-        return not (self.failed or self.refused_files or self.interrupted)
-
-    def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-        d["seconds"] = round(self.seconds, 3)
-        d["gbps"] = round(self.bytes_imported / self.seconds / 1e9, 3) if self.seconds > 0 else 0.0
-        return d
-
-    def table(self) -> str:
-        d = self.as_dict()
-        rows = [
-            ("imported", f"{d['imported']} objects, {d['bytes_imported'] / 1e9:.3f} GB"),
-            ("skipped (present)", f"{d['skipped']} objects, {d['bytes_skipped'] / 1e9:.3f} GB"),
-            ("failed", str(d["failed"])),
-        ]
-        if d["refused_files"]:
-            rows.append(("refused files", str(d["refused_files"])))
-        if d["ignored_files"]:
-            rows.append(("ignored files", f"{d['ignored_files']} (other ranks/models or temporaries)"))
-        rows.append(("time", f"{d['seconds']:.2f} s, {d['gbps']:.3f} GB/s"))
-        if d["interrupted"]:
-            rows.append(("interrupted", "yes: run the same command again to continue"))
-        w = max(len(r[0]) for r in rows)
-        lines = [f"{a:<{w}}  {b}" for a, b in rows]
-        for e in d["errors"][:10]:
-            lines.append(f"  ! {e}")
-        hidden = len(d["errors"]) - 10 + d["more_errors"]
-        if hidden > 0:
-            lines.append(f"  ! ... and {hidden} more (--json lists the first 20)")
-        return "\n".join(lines)
 
 
 # --- the importer ----------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from conftest import payload, small_config
 from support.faults import FaultPlan, FaultRule, on_files_under as _on
 from umbp_nvme.cli import main
 from umbp_nvme.store import PageStore
-from umbp_nvme.store.drives import MultiDriveStore
 
 OBJ = 8 << 10
 
@@ -22,7 +21,7 @@ OBJ = 8 << 10
 
 async def _fill(roots, keys, degrade_second: bool) -> list[int]:
     plan = FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), engine_factory=plan.engine_factory(), probe_interval_s=60)
     assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * len(keys)
     where = st.drive_of(keys)
     if degrade_second:

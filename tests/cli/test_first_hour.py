@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT
 
 from umbp_nvme import cli
+from umbp_nvme.bench import BENCHES
 
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
@@ -213,8 +214,8 @@ def test_bench_help_of_a_benchmark_lists_its_own_options_and_an_unknown_one_is_o
     assert p.returncode == 0 and "--dir DIR" in p.stdout and "--keep" in p.stdout and "--roots" in p.stdout
     u = run_cli("bench", "stor")
     assert u.returncode == 2 and u.stderr.strip() == (
-        "umbp-nvme bench: error: unknown benchmark 'stor'; expected one of: engine, store, hicache, gds, mixed "
-        "(`umbp-nvme bench NAME --help` lists its options)")
+        "umbp-nvme bench: error: unknown benchmark 'stor'; expected one of: " + ", ".join(BENCHES) +
+        " (`umbp-nvme bench NAME --help` lists its options)")
 
 
 def _bench_store(*argv, verbose=False):

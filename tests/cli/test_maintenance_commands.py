@@ -44,7 +44,7 @@ def test_stats_numbers_match_the_store_contents(tmp_path, capsys):
     assert s["pools"] == {"kv": {"objects": 14, "bytes": 14 * 12 * 1024}, "swa": {"objects": 2, "bytes": 10000},
                           "mamba": {"objects": 1, "bytes": 3000}}
     assert s["prefixes"] == {"(none)": 14, "m": 3}
-    assert s["capacity_bytes"] == 64 << 20 and s["high_watermark_bytes"] == int((64 << 20) * 0.9)
+    assert s["capacity_bytes"] == 64 << 20 and s["high_watermark_bytes"] == int((64 << 20) * 0.98)
     assert s["namespace"] == {"model": "m", "layout": "page_first"}
     assert s["writer_pid"] is None
     rc, out, err = run_cli(capsys, "stats", "--store", store)

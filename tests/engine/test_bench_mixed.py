@@ -49,7 +49,7 @@ def test_bench_mixed_sglang_path_reads_back_every_page(tmp_path):
     from umbp_nvme.bench.mixed_sglang import bench_sglang
 
     cfg = argparse.Namespace(knobs=["on"], sizes=[1 << 20], gets=[2], rounds=1, calls=3, warm_s=0.2, solo_s=0.3,
-                             slice=8 << 20)  # fmt: skip
+                             slice=8 << 20, crc_keys={})  # fmt: skip
     notes: list[str] = []
     rows = bench_sglang(cfg, str(tmp_path), notes)
     if any("no SGLang-path rows" in n for n in notes):
@@ -76,7 +76,7 @@ def test_bench_mixed_sglang_check_catches_wrong_and_unwritten_bytes(tmp_path):
     from umbp_nvme.bench import mixed_sglang as ms
     from umbp_nvme.bench.hicache import load_sglang
 
-    be = ms.Backend(load_sglang(), str(tmp_path / "s"), 1 << 20, 2, "on", 8 << 20)
+    be = ms.Backend(load_sglang(), str(tmp_path / "s"), 1 << 20, 2, "on", 8 << 20, {})
     try:
         real = be.backend.batch_get_v1
         assert be.get([3, 7]) > 0 and be.get([3, 7]) > 0  # real reads pass, twice into the same slots

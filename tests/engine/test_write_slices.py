@@ -192,19 +192,29 @@ def test_bench_mixed_sweep_flags_set_the_arbiter_and_bad_ones_are_refused(monkey
 
     for name in ("READ_SLICE_FRACTION", "READ_SLICE_FLOOR", "READ_QUIET_S", "READ_WINDOW_SLICES"):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
-    from umbp_nvme.store import put_crc
+    from umbp_nvme.config import StoreConfig
 
-    for name in ("CRC_POLICY", "CRC_WORKER"):
-        monkeypatch.setattr(put_crc, name, getattr(put_crc, name))
     cfg = mixed.parse_args(["--read-fraction", "0.25", "--read-floor", "1M", "--quiet-ms", "30", "--read-window", "3"])
-    want = {"read_fraction": 0.25, "read_floor": MiB, "read_window": 3, "quiet_ms": 30.0, "crc": put_crc.CRC_POLICY}
+    want = {"read_fraction": 0.25, "read_floor": MiB, "read_window": 3, "quiet_ms": 30.0,
+            "crc": StoreConfig().ssd_crc_policy}  # fmt: skip
     assert mixed.arbiter_settings(cfg) == want
     assert Arbiter(8 * MiB).read_slice_bytes == 2 * MiB and Arbiter(8 * MiB).quiet_s == 0.03
     assert Arbiter(8 * MiB).read_window_slices == 3
     assert mixed.arbiter_settings(mixed.parse_args([]))["read_fraction"] == 0.25  # no flags: left as they are
-    assert mixed.arbiter_settings(mixed.parse_args(["--crc-policy", "idle"]))["crc"] == "idle" == put_crc.CRC_POLICY
-    assert put_crc.CRC_WORKER and mixed.arbiter_settings(mixed.parse_args(["--crc-off"]))["crc"] == "no-worker"
-    assert not put_crc.CRC_WORKER
+
+    # the CRC flags reach every store through its config, nothing process-wide
+    def made(argv):
+        c = mixed.parse_args(argv)
+        return mixed.arbiter_settings(c)["crc"], mixed.store_config("/s", "on", 8 * MiB, 512 * MiB, c.crc_keys)
+
+    default = StoreConfig().ssd_crc_policy
+    crc, sc = made([])
+    assert (crc, sc.ssd_crc_policy, sc.ssd_crc_worker) == (default, default, True) and sc == StoreConfig(
+        ssd_storage_dir="/s", ssd_capacity_bytes=512 * MiB, ssd_durability_mode="strict", ssd_io_backend="io_uring")
+    crc, sc = made(["--crc-policy", "idle"])
+    assert (crc, sc.ssd_crc_policy, sc.ssd_crc_worker) == ("idle", "idle", True)
+    crc, sc = made(["--crc-off"])
+    assert (crc, sc.ssd_crc_worker) == ("no-worker", False)
     for bad in (["--read-fraction", "0"], ["--read-fraction", "1.5"], ["--read-floor", "0"], ["--quiet-ms", "-1"],
                 ["--crc-policy", "fast"], ["--read-window", "0"]):
         with pytest.raises(SystemExit):

@@ -1,7 +1,9 @@
 """tools/chaos_report.py --quick: the whole suite in about a minute, every must-be-zero figure 0.
 
 This is where crash survival (SIGKILL of the SGLang backend in every phase, both durability modes,
-with and without eviction), injected and real faults through the backend, the three-controller-
+with and without eviction, a rebuild of the index by one route in turn after the kills, every
+page checked against its acknowledged version), the version cases (a put killed between its
+records and its commit, then delete / re-put / clear, then every rebuild route), injected and real faults through the backend, the three-controller-
 thread soak with a follower, the bad-input checkers and the file-system hygiene checks are run and
 asserted, once: each part's own figures are checked below, not only the report's totals.
 Also checks the fuzzers' harness itself (tools/chaos_fuzz.py): a child that dies of SIGBUS, raises,
@@ -33,8 +35,8 @@ def test_chaos_report_quick(tmp_path):
     report = json.loads(out.read_text())
     figures = {k: v for k, v in report.items() if k not in ("details", "parts")}
     for k in ("kills", "kills_survived", "faults_injected", "bad_inputs_tried", "wrong_bytes",
-              "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds",
-              "metadata_damage_trials", "key_fuzz_cases", "archive_fuzz_cases", "crashes",
+              "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds", "versions_checked",
+              "resurrected", "stale_served", "metadata_damage_trials", "key_fuzz_cases", "archive_fuzz_cases", "crashes",
               "isolation_failures", "refused_to_serve"):
         assert k in figures, k
     fuzz = report["details"]
@@ -45,6 +47,10 @@ def test_chaos_report_quick(tmp_path):
     assert figures["crashes"] == 0, why
     assert figures["wrong_bytes"] == 0 and figures["lost_acknowledged"] == 0, why
     assert figures["hangs"] == 0 and figures["raised_from_v1"] == 0, why
+    assert figures["resurrected"] == 0 and figures["stale_served"] == 0, (why, fuzz.get("version_mix_ups"))
+    by_part = fuzz["versions_checked_by_part"]
+    assert by_part["crash"] > 1000 and by_part["versions"] > 1000 and by_part["soak"] > 100, by_part
+    assert figures["versions_checked"] == sum(by_part.values()), by_part
     assert figures["isolation_failures"] == 0, why
     assert figures["kills"] >= 16 and figures["kills_survived"] == figures["kills"]
     assert figures["faults_injected"] > 0 and figures["bad_inputs_tried"] > 100 and figures["soak_seconds"] > 0
@@ -52,6 +58,7 @@ def test_chaos_report_quick(tmp_path):
     assert figures["archive_fuzz_cases"] >= 50
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     _check_crash_parts(report["parts"]["crash"])
+    _check_version_part(report["parts"]["versions"])
     _check_fault_part(report["parts"]["faults"])
     _check_soak_part(report["parts"]["soak"])
     _check_bad_input_parts(report["parts"]["fuzz"], report["parts"]["hygiene"])
@@ -71,10 +78,25 @@ def _check_crash_parts(crash: list) -> None:
         assert c["raised_from_v1"] == 0 and c["hangs"] == 0, tag
         assert c["kills"] == (5 if c["evicting"] else 4) and c["kills_survived"] == c["kills"], tag
         assert c["existing_max"] > 0, tag  # the children did write between kills
+        assert c["versions_checked"] > 0 and c["stale_served"] == 0 and c["resurrected"] == 0, tag
         # kill 0 is always the parent's; the others die in their phase, or the parent kills them
         assert c["phases"].get("parent", 0) >= 1 and sum(c["phases"].values()) == c["kills"], tag
         if c["evicting"]:
             assert c["fill_failed_batches"] == 0, tag  # space freed by evictions and crashes is reused
+    # a plain reopen and every rebuild route came after some kill
+    routes = {r for c in crash for r in c["rebuilds"]}
+    assert routes == {"reopen", "power_loss", "index_lost", "index_damaged", "verify"}, routes
+
+
+def _check_version_part(vr: dict) -> None:
+    """Each (action, route) after the killed put: every key checked twice, no mix-up, the hazard
+    (the victims' records of the killed put) on disk before each case."""
+    assert vr["errors"] == [], vr["errors"]
+    assert sorted((c["action"], c["route"]) for c in vr["cases"]) == sorted(
+        (a, r) for a in ("mixed", "clear") for r in ("power_loss", "index_lost", "index_damaged", "verify"))
+    for c in vr["cases"]:
+        assert c["versions_checked"] > 400, c
+        assert (c["wrong_bytes"], c["stale_served"], c["resurrected"], c["lost_acknowledged"]) == (0, 0, 0, 0), c
 
 
 def _check_fault_part(fr: dict) -> None:
@@ -92,6 +114,7 @@ def _check_fault_part(fr: dict) -> None:
 def _check_soak_part(sr: dict) -> None:
     """SGLang's three controller threads, eviction under a tight cap and a follower process."""
     assert sr["errors"] == [] and sr["wrong_bytes"] == 0 and sr["hangs"] == 0 and sr["raised_from_v1"] == 0, sr
+    assert sr["stale_served"] == 0 and sr["versions_checked"] > 0, sr
     assert sr["calls"]["backup"] > 10 and sr["calls"]["io"] > 10 and sr["calls"]["hits"] > 0, sr
     assert sr["evictions"] > 0 and sr["bytes_used"] <= sr["capacity"], sr
     assert sr["follower"].get("hits", 0) > 0, sr["follower"]

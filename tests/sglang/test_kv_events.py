@@ -139,7 +139,8 @@ def test_eviction_removes_exactly_the_pages_that_left(node):
     assert len(removed) == len(set(removed))  # each page once, though both its objects went
     on_disk = {sglang_hash(k) for k, h in zip(keys, held(be, keys)) if h}
     announced = set(stored_hashes(frames))
-    assert announced == {sglang_hash(k) for k in keys}
+    # admission may decline a page (its put answers True, nothing stored, nothing announced)
+    assert on_disk <= announced <= {sglang_hash(k) for k in keys}
     assert set(removed) == announced - on_disk
     assert len(on_disk) < len(keys)
 

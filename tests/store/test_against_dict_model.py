@@ -1,4 +1,8 @@
-"""Property test: put/get/delete/evict/reopen against a dict model."""
+"""Property test: put/get/delete/re-put/evict/clear/reopen/rebuild against a dict model.
+
+Each put writes a new version of its key (support/versions.py: the bytes name key and version),
+so a store serving an older version, or one a delete or clear removed, fails the byte check. A put
+of a stored key is a dedup (the model keeps the first version); a re-put deletes first."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conftest import KiB, MiB, payload, small_config
+from conftest import KiB, MiB, small_config
+from support.version_crash import ROUTES, rebuild_by
+from support.versions import version_in, versioned
 from umbp_nvme.store.sync import SyncPageStore
 
 KEYS = st.sampled_from([f"k{i}" for i in range(24)])
@@ -27,7 +33,15 @@ class StoreModel(RuleBasedStateMachine):
         self.cfg = small_config(ssd_capacity_bytes=2 * MiB, ssd_segment_size_bytes=512 * KiB)
         self.store = SyncPageStore(self.dir, self.cfg)
         self.model: dict[str, bytes] = {}
+        self.version = 0
         self.evictions = 0
+
+    def _new(self, keys, size):
+        out = []
+        for k in keys:
+            self.version += 1
+            out.append(versioned(k, self.version, size))
+        return out
 
     def _sync_evictions(self):
         ev = self.store.stats()["evictions"]
@@ -38,12 +52,20 @@ class StoreModel(RuleBasedStateMachine):
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=6), size=SIZES)
     def put(self, keys, size):
-        data = [payload(k + str(size), size) for k in keys]
+        data = self._new(keys, size)
         res = self.store.put_many(keys, data)
         assert all(res)
         for k, d in zip(keys, data):
-            self.model.setdefault(k, bytes(d))  # a re-put keeps the first bytes
+            self.model.setdefault(k, bytes(d))  # a put of a stored key keeps the first bytes
         self._sync_evictions()
+
+    @rule(keys=st.lists(KEYS, min_size=1, max_size=6, unique=True), size=SIZES)
+    def reput(self, keys, size):
+        """New bytes under keys that may be stored: delete, then put a new version."""
+        self.store.delete_many(keys)
+        for k in keys:
+            self.model.pop(k, None)
+        self.put(keys, size)
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=8))
     def get(self, keys):
@@ -52,7 +74,9 @@ class StoreModel(RuleBasedStateMachine):
         for k, o, ok in zip(keys, outs, res):
             assert ok == (k in self.model), k
             if ok:
-                assert bytes(o[: len(self.model[k])]) == self.model[k]
+                want = self.model[k]
+                got = o[: len(want)]
+                assert bytes(got) == want, (k, "served version", version_in(k, got), "want", version_in(k, want))
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=4))
     def delete(self, keys):
@@ -67,6 +91,14 @@ class StoreModel(RuleBasedStateMachine):
         self.store.close()
         self.store = SyncPageStore(self.dir, self.cfg)
         self.evictions = 0  # stats count per open
+
+    @rule(route=st.sampled_from(ROUTES))
+    def rebuild(self, route):
+        """Every rebuild route brings back exactly what was stored: no older version, nothing removed."""
+        self.store.close()
+        rebuild_by(route, self.dir, self.cfg.ssd_capacity_bytes)
+        self.store = SyncPageStore(self.dir, self.cfg)
+        self.evictions = 0
 
     @precondition(lambda self: len(self.model) > 0)
     @rule()

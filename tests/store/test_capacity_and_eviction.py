@@ -36,7 +36,7 @@ async def test_bytes_on_disk_stay_under_capacity_and_space_is_reused(store_dir):
     keys = await fill(st, "k", 3 * cap // (64 * KiB), 64 * KiB)  # three times the capacity
     s = st.stats()
     assert disk_bytes(store_dir) <= cap
-    assert s["bytes_used"] <= 0.9 * cap and s["evictions"] > 0
+    assert s["bytes_used"] <= st.config.ssd_high_watermark * cap and s["evictions"] > 0
     assert s["objects"] * 64 * KiB == s["bytes_used"]
     present = await st.exists_many(keys)
     assert present[-1] and not present[0]  # LRU: the oldest went first
@@ -76,27 +76,29 @@ async def test_lru_keeps_recently_read_objects(store_dir):
     await st.close()
 
 
-async def test_prefix_aware_evicts_deepest_pages_with_all_their_components(store_dir):
-    cap = 4 * MiB
-    cfg = small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB, eviction_policy="prefix_aware",
-                       ssd_high_watermark=0.9, ssd_low_watermark=0.7)
-    st = await PageStore.open(store_dir, cfg)
-    # one chain of 28 pages, two components (k, v) per page, 64 KiB each = 3.5 MiB
-    pages = 28
-    keys = [f"h{p}_{c}" for p in range(pages) for c in "kv"]
-    depths = [p for p in range(pages) for _ in "kv"]
-    for lo in range(0, len(keys), 8):
-        ks = keys[lo : lo + 8]
-        assert await st.put_many(ks, [payload(k, 64 * KiB) for k in ks], depths=depths[lo : lo + 8]) == [True] * 8
-    # touch the deep pages: prefix_aware must still evict them before the shallow ones
-    await st.get_many(keys[-8:], [np.zeros(64 * KiB, np.uint8) for _ in range(8)])
-    await fill(st, "z", 4, 64 * KiB, depths=[0, 0, 1, 1])
-    present = await st.exists_many(keys)
-    n_present = sum(present)
-    assert 0 < n_present < len(keys)
-    assert present == [True] * n_present + [False] * (len(keys) - n_present)  # a clean prefix survives
-    assert n_present % 2 == 0  # k and v of a page leave together
-    await st.close()
+async def test_lru_evicts_the_deepest_pages_used_together_with_all_their_components(store_dir):
+    # "prefix_aware" names the same policy (deepest-first across the store lost to LRU, issue 26)
+    for policy in ("lru", "prefix_aware"):
+        cap = 4 * MiB
+        cfg = small_config(ssd_capacity_bytes=cap, ssd_segment_size_bytes=1 * MiB, eviction_policy=policy,
+                           ssd_high_watermark=0.9, ssd_low_watermark=0.7)
+        st = await PageStore.open(f"{store_dir}/{policy}", cfg)
+        # one chain of 28 pages, two components (k, v) per page, 64 KiB each = 3.5 MiB
+        pages = 28
+        keys = [f"h{p}_{c}" for p in range(pages) for c in "kv"]
+        depths = [p for p in range(pages) for _ in "kv"]
+        for lo in range(0, len(keys), 8):
+            ks = keys[lo : lo + 8]
+            assert await st.put_many(ks, [payload(k, 64 * KiB) for k in ks], depths=depths[lo : lo + 8]) == [True] * 8
+        # a prefix hit reads the whole chain: one use, so the deepest pages are the least needed
+        assert await st.get_many(keys, [np.zeros(64 * KiB, np.uint8) for _ in keys]) == [True] * len(keys)
+        await fill(st, "z", 4, 64 * KiB, depths=[0, 0, 1, 1])
+        present = await st.exists_many(keys)
+        n_present = sum(present)
+        assert 0 < n_present < len(keys)
+        assert present == [True] * n_present + [False] * (len(keys) - n_present)  # a clean prefix survives
+        assert n_present % 2 == 0  # k and v of a page leave together
+        await st.close()
 
 
 async def test_size_class_without_room_reclaims_a_whole_segment(store_dir):

@@ -35,10 +35,14 @@ def test_every_default_is_pinned():
         ssd_io_backend="io_uring",
         ssd_write_slice_bytes=8 * MiB,
         ssd_read_priority="on",
+        ssd_crc_worker=True,
+        ssd_crc_policy="nice",
+        ssd_crc_nice=19,
         ssd_durability_mode="strict",
-        ssd_high_watermark=0.9,
-        ssd_low_watermark=0.7,
+        ssd_high_watermark=0.98,
+        ssd_low_watermark=0.95,
         eviction_policy="lru",
+        admission_policy="auto",
         verify_crc=True,
         io_timeout_s=30.0,
         o_direct=True,
@@ -57,6 +61,7 @@ def test_every_default_is_pinned():
 # key -> (smallest accepted, largest refused below it)
 INT_MINIMA = {
     "ssd_queue_depth": (1, 0),
+    "ssd_crc_nice": (0, -1),
     "eviction_candidate_window": (0, -1),
     "dram_capacity_bytes": (0, -1),
     "ssd_copy_queue_depth": (0, -1),
@@ -159,6 +164,9 @@ def test_validate_accepts_every_boundary_set_by_hand():
         ("ssd_io_backend", "auto2", "ssd_io_backend must be one of: posix, io_uring, auto; got 'auto2'"),
         ("ssd_durability_mode", "fsync", "ssd_durability_mode must be 'strict' or 'relaxed', got 'fsync'"),
         ("eviction_policy", "fifo", "eviction_policy must be one of: lru, prefix_aware; got 'fifo'"),
+        ("ssd_crc_policy", "fast", "ssd_crc_policy must be one of: idle, batch, nice, normal; got 'fast'"),
+        ("ssd_crc_nice", 20, "ssd_crc_nice must be an integer in [0, 19], got 20"),
+        ("ssd_crc_nice", True, "ssd_crc_nice must be an integer in [0, 19], got True"),
     ],
 )
 def test_validate_names_the_field_and_value(field, value, message):
@@ -181,7 +189,8 @@ def test_every_environment_variable_reaches_its_field():
         "UMBP_SSD_SEGMENT_SIZE": str(MiB), "UMBP_SSD_IO_BACKEND": "POSIX", "UMBP_SSD_DURABILITY": "async",
         "UMBP_VERIFY_CRC": "no", "UMBP_SSD_QUEUE_DEPTH": "1", "UMBP_IO_TIMEOUT_S": "0.5", "UMBP_O_DIRECT": "false",
         "UMBP_GDS_STAGING": "on", "UMBP_SSD_WRITE_SLICE_BYTES": str(16 * MiB), "UMBP_SSD_READ_PRIORITY": "off",
-        "UMBP_SSD_REQUIRE_MOUNT": "yes",
+        "UMBP_SSD_REQUIRE_MOUNT": "yes", "UMBP_ADMISSION_POLICY": "second", "UMBP_SSD_CRC_WORKER": "off",
+        "UMBP_SSD_CRC_POLICY": " Idle ", "UMBP_SSD_CRC_NICE": "5",
     }
     assert set(env) == set(ENV_KEYS)
     cfg = load(env=env)
@@ -191,6 +200,8 @@ def test_every_environment_variable_reaches_its_field():
     assert (cfg.ssd_durability_mode, cfg.verify_crc, cfg.ssd_queue_depth) == ("relaxed", False, 1)
     assert (cfg.io_timeout_s, cfg.o_direct, cfg.gds_staging) == (0.5, False, True)
     assert (cfg.ssd_write_slice_bytes, cfg.ssd_read_priority, cfg.ssd_require_mount) == (16 * MiB, "off", True)
+    assert cfg.admission_policy == "second"
+    assert (cfg.ssd_crc_worker, cfg.ssd_crc_policy, cfg.ssd_crc_nice) == (False, "idle", 5)
     # extra_config overrides each one it names and leaves the others alone
     cfg = load({"o_direct": True, "ssd_queue_depth": 8}, env)
     assert (cfg.o_direct, cfg.ssd_queue_depth, cfg.verify_crc, cfg.io_timeout_s) == (True, 8, False, 0.5)

@@ -19,7 +19,7 @@ def test_defaults_without_env_or_extra():
     assert cfg.ssd_storage_dir == "/tmp/umbp_ssd"
     assert cfg.ssd_capacity_bytes == 32 * GiB
     assert cfg.ssd_segment_size_bytes == 256 * MiB
-    assert (cfg.ssd_high_watermark, cfg.ssd_low_watermark) == (0.9, 0.7)
+    assert (cfg.ssd_high_watermark, cfg.ssd_low_watermark) == (0.98, 0.95)
     assert cfg.ssd_durability_mode == "strict" and cfg.ssd_io_backend == "io_uring"
     assert cfg.ssd_enabled is True and cfg.dram_capacity_bytes == 4 * GiB
 
@@ -57,7 +57,7 @@ ENV_CASES = [
     ("UMBP_SSD_DIR", "/d", "ssd_storage_dir", "/d"),
     ("UMBP_SSD_CAPACITY", "1073741824", "ssd_capacity_bytes", GiB),
     ("UMBP_SSD_ENABLED", "0", "ssd_enabled", False),
-    ("UMBP_SSD_HIGH_WM", "0.95", "ssd_high_watermark", 0.95),
+    ("UMBP_SSD_HIGH_WM", "0.99", "ssd_high_watermark", 0.99),
     ("UMBP_SSD_LOW_WM", "0.5", "ssd_low_watermark", 0.5),
     ("UMBP_EVICTION_POLICY", "prefix_aware", "eviction_policy", "prefix_aware"),
     ("UMBP_DRAM_CAPACITY", "0", "dram_capacity_bytes", 0),

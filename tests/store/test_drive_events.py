@@ -17,7 +17,7 @@ from support.drive_stores import OBJ, degrade_by_eio, drive_roots
 from support.faults import FaultPlan
 from support.waits import until
 from umbp_nvme.kv_residency import Residency, attach
-from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store import PageStore
 
 SFX = ("_0_k", "_0_v")
 
@@ -73,7 +73,7 @@ def held(st, ps):
 async def writer(tmp_path, **kw):
     plan = FaultPlan()
     roots = drive_roots(tmp_path, 2)
-    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(), **kw)
+    st = await PageStore.open(roots, small_config(), engine_factory=plan.engine_factory(), **kw)
     ann = Announced()
     rz = ann.rz = Residency(ann, SFX)
     attach(NS(store=st), rz)
@@ -131,7 +131,7 @@ async def test_a_full_drive_keeps_its_pages_announced(tmp_path):
 
 async def test_a_drive_that_could_not_open_announces_its_pages_once_it_joins(tmp_path):
     roots = drive_roots(tmp_path, 2)
-    first = await MultiDriveStore.open(roots, small_config())
+    first = await PageStore.open(roots, small_config())
     ps = pages(30, "late")
     assert await put(first, ps) == [True] * 60
     on1 = {p for p, d in zip(ps, first.drive_of(objects(ps))[::2]) if d == 1}
@@ -140,7 +140,7 @@ async def test_a_drive_that_could_not_open_announces_its_pages_once_it_joins(tmp
     os.rename(os.path.dirname(roots[1]), parked)
     with open(os.path.dirname(roots[1]), "wb"):  # drive 1 cannot open (a writer would create a missing one)
         pass
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=0.05)
     ann = Announced()
     rz = ann.rz = Residency(ann, SFX)
     attach(NS(store=st), rz)

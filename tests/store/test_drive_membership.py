@@ -20,7 +20,7 @@ import numpy as np
 from conftest import ROOT, payload, small_config
 from support.faults import FaultPlan, FaultRule, on_files_under
 from support.waits import until
-from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store import PageStore
 
 OBJ = 16 << 10
 VERSIONS = ("v1", "v2")
@@ -59,7 +59,7 @@ async def _versions(st, keys) -> list[str | None]:
 
 async def _run_one(roots, keys_v1) -> dict[str, int]:
     """Run 1: a writer over ``roots`` puts ``keys_v1`` as v1; the drive of each key."""
-    st = await MultiDriveStore.open(roots, _cfg(roots))
+    st = await PageStore.open(roots, _cfg(roots))
     assert await _put(st, keys_v1, "v1") == [True] * len(keys_v1)
     where = dict(zip(keys_v1, st.drive_of(keys_v1)))
     await st.close()
@@ -90,11 +90,11 @@ async def test_a_key_re_put_while_its_drive_was_removed_is_served_new_once_the_d
     keys = _keys(30)
     where = await _run_one(roots, keys)
     on_a = [k for k in keys if where[k] == 0][:6]
-    st = await MultiDriveStore.open(roots[1:], _cfg(roots[1:]))  # run 2: drive A removed from the roots
+    st = await PageStore.open(roots[1:], _cfg(roots[1:]))  # run 2: drive A removed from the roots
     assert await _put(st, on_a, "v2") == [True] * 6
     assert await _versions(st, on_a) == ["v2"] * 6
     await st.close()
-    st = await MultiDriveStore.open(roots, _cfg(roots))  # run 3: A is back
+    st = await PageStore.open(roots, _cfg(roots))  # run 3: A is back
     assert await _versions(st, on_a) == ["v2"] * 6  # main served v1 (A first in root order)
     others = [k for k in keys if where[k] != 0]
     assert await _versions(st, others) == ["v1"] * len(others)  # the drives that stayed keep theirs
@@ -107,12 +107,12 @@ async def test_a_key_deleted_while_its_drive_was_removed_stays_deleted_once_the_
     where = await _run_one(roots, keys)
     on_a = [k for k in keys if where[k] == 0]
     reput, gone = on_a[:4], on_a[4:8]
-    st = await MultiDriveStore.open(roots[1:], _cfg(roots[1:]))  # run 2 without A
+    st = await PageStore.open(roots[1:], _cfg(roots[1:]))  # run 2 without A
     assert await _put(st, reput, "v2") == [True] * 4
     assert await st.delete_many(reput) == [True] * 4  # re-put, then deleted: acknowledged
     await st.delete_many(gone)  # only A had them: nothing to delete in this run's view
     await st.close()
-    st = await MultiDriveStore.open(roots, _cfg(roots))
+    st = await PageStore.open(roots, _cfg(roots))
     assert await _versions(st, reput + gone) == [None] * 8  # main served the v1 left on A
     assert st.exists_many_nowait(reput + gone) == [False] * 8
     await st.close()
@@ -123,11 +123,11 @@ async def test_a_clear_while_a_drive_was_removed_clears_it_once_it_is_back(tmp_p
     keys = _keys(30)
     await _run_one(roots, keys)
     fresh = _keys(10, "f")
-    st = await MultiDriveStore.open(roots[1:], _cfg(roots[1:]))
+    st = await PageStore.open(roots[1:], _cfg(roots[1:]))
     await st.clear()
     assert await _put(st, fresh, "v2") == [True] * 20
     await st.close()
-    st = await MultiDriveStore.open(roots, _cfg(roots))
+    st = await PageStore.open(roots, _cfg(roots))
     assert await _versions(st, keys) == [None] * len(keys)  # main served every page of A again
     assert await _versions(st, fresh) == ["v2"] * 20
     assert st.stats()["drives"][0]["objects"] == 0
@@ -140,7 +140,7 @@ async def test_drives_recorded_before_sessions_still_name_the_removed_drive(tmp_
     keys = _keys(30)
     where = await _run_one(roots, keys)
     on_a = [k for k in keys if where[k] == 0][:4]
-    st = await MultiDriveStore.open(roots[1:], _cfg(roots[1:]))
+    st = await PageStore.open(roots[1:], _cfg(roots[1:]))
     assert await _put(st, on_a, "v2") == [True] * 4
     await st.close()
     for r in roots:
@@ -149,7 +149,7 @@ async def test_drives_recorded_before_sessions_still_name_the_removed_drive(tmp_
             rec = json.load(f)
         with open(path, "w") as f:
             json.dump({k: v for k, v in rec.items() if k not in ("session", "members", "wrote")}, f)
-    st = await MultiDriveStore.open(roots, _cfg(roots))
+    st = await PageStore.open(roots, _cfg(roots))
     assert await _versions(st, on_a) == ["v2"] * 4
     assert st.stats()["drives"][0]["objects"] == 0  # cleared, not only outranked by the newer copies
     await st.close()
@@ -161,12 +161,12 @@ async def test_a_drive_back_without_the_drive_that_holds_the_new_copy_does_not_s
     keys = _keys(40)
     where = await _run_one(roots, keys)
     on_a = [k for k in keys if where[k] == 0]
-    st = await MultiDriveStore.open(roots[1:], _cfg(roots[1:]))
+    st = await PageStore.open(roots[1:], _cfg(roots[1:]))
     assert await _put(st, on_a, "v2") == [True] * len(on_a)
     on_b = [k for k, d in zip(on_a, st.drive_of(on_a)) if d == 0]  # drive 0 of this run is B
     assert on_b
     await st.close()
-    st = await MultiDriveStore.open([roots[0], roots[2]], _cfg(roots[1:]))
+    st = await PageStore.open([roots[0], roots[2]], _cfg(roots[1:]))
     assert set(await _versions(st, on_b)) == {None}  # main: v1 from A
     await st.close()
 
@@ -176,12 +176,12 @@ async def test_a_drive_whose_clear_fails_stays_out_until_a_probe_has_cleared_it(
     keys = _keys(30)
     where = await _run_one(roots, keys)
     on_a = [k for k in keys if where[k] == 0]
-    st = await MultiDriveStore.open(roots[1:], _cfg(roots[1:]))
+    st = await PageStore.open(roots[1:], _cfg(roots[1:]))
     assert await _put(st, on_a[:4], "v2") == [True] * 4
     await st.close()
     plan = FaultPlan()
     plan.set_rules([FaultRule("eio", ops=("write",), predicate=on_files_under(roots[0]))])  # its clear fails
-    st = await MultiDriveStore.open(roots, _cfg(roots), engine_factory=plan.engine_factory(), probe_interval_s=0.05)
+    st = await PageStore.open(roots, _cfg(roots), engine_factory=plan.engine_factory(), probe_interval_s=0.05)
     assert st.stats()["drives"][0]["state"] == "degraded"
     want = ["v2"] * 4 + [None] * (len(on_a) - 4)
     assert await _versions(st, on_a) == want
@@ -215,12 +215,12 @@ async def test_a_re_put_evicted_while_a_drive_could_not_open_does_not_bring_the_
     on_1 = [k for k in keys if where[k] == 1][:4]
     parked = str(tmp_path / "parked")
     _park(roots[1], parked)
-    st = await MultiDriveStore.open(roots, _cfg(roots), probe_interval_s=60)
+    st = await PageStore.open(roots, _cfg(roots), probe_interval_s=60)
     assert st.stats()["drives"][1]["state"] == "degraded"
     await _evicted_re_put(st, on_1)
     await st.close()
     _unpark(roots[1], parked)
-    st = await MultiDriveStore.open(roots, _cfg(roots), probe_interval_s=60)
+    st = await PageStore.open(roots, _cfg(roots), probe_interval_s=60)
     assert "v1" not in await _versions(st, on_1)  # main: v1 (its stale-copy check finds no other copy)
     await st.close()
 
@@ -232,7 +232,7 @@ async def test_a_drive_that_joins_after_writes_does_not_serve_a_page_they_replac
     on_1 = [k for k in keys if where[k] == 1][:4]
     parked = str(tmp_path / "parked")
     _park(roots[1], parked)
-    st = await MultiDriveStore.open(roots, _cfg(roots), probe_interval_s=0.05)
+    st = await PageStore.open(roots, _cfg(roots), probe_interval_s=0.05)
     await _evicted_re_put(st, on_1)
     _unpark(roots[1], parked)  # the probe opens it in this run
     assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 10)
@@ -246,12 +246,12 @@ async def test_a_drive_that_missed_only_a_session_without_writes_keeps_its_pages
     where = await _run_one(roots, keys)
     parked = str(tmp_path / "parked")
     _park(roots[1], parked)
-    st = await MultiDriveStore.open(roots, _cfg(roots), probe_interval_s=60)
+    st = await PageStore.open(roots, _cfg(roots), probe_interval_s=60)
     on_0 = [k for k in keys if where[k] == 0]
     assert await _versions(st, on_0) == ["v1"] * len(on_0)  # reads only
     await st.close()
     _unpark(roots[1], parked)
-    st = await MultiDriveStore.open(roots, _cfg(roots), probe_interval_s=60)
+    st = await PageStore.open(roots, _cfg(roots), probe_interval_s=60)
     assert await _versions(st, keys) == ["v1"] * len(keys)
     assert st.stats()["drives"][1]["objects"] == list(where.values()).count(1)
     await st.close()
@@ -265,10 +265,10 @@ async def test_a_reader_does_not_serve_a_drive_that_missed_a_session_until_a_wri
     keys = _keys(30)
     where = await _run_one(roots, keys)
     on_a = [k for k in keys if where[k] == 0]
-    st = await MultiDriveStore.open(roots[1:], _cfg(roots[1:]))
+    st = await PageStore.open(roots[1:], _cfg(roots[1:]))
     assert await _put(st, on_a[:4], "v2") == [True] * 4
     await st.close()
-    rd = await MultiDriveStore.open(roots, _cfg(roots), readonly=True, probe_interval_s=0.05)
+    rd = await PageStore.open(roots, _cfg(roots), readonly=True, probe_interval_s=0.05)
     assert rd.stats()["drives"][0]["state"] == "degraded"
     assert await _versions(rd, on_a) == ["v2"] * 4 + [None] * (len(on_a) - 4)  # main: v1 for all of them
     await asyncio.sleep(0.2)
@@ -285,9 +285,9 @@ async def _writer_in_a_child(roots) -> None:
     one index) that puts the pages f0000..f0009 as v1."""
     code = textwrap.dedent("""
         import asyncio, sys
-        from test_drive_membership import MultiDriveStore, _cfg, _keys, _put
+        from test_drive_membership import PageStore, _cfg, _keys, _put
         async def main(roots):
-            st = await MultiDriveStore.open(roots, _cfg(roots))
+            st = await PageStore.open(roots, _cfg(roots))
             assert await _put(st, _keys(10, "f"), "v1") == [True] * 20
             await st.close()
         asyncio.run(main(sys.argv[1:]))
@@ -303,7 +303,7 @@ async def test_a_key_on_two_drives_is_served_from_its_newest_copy_never_the_firs
     # two copies as a racing put leaves them: the same key written on each drive, v2 after v1;
     # one key has its newer copy on the first drive, the other on the second
     roots = _roots(tmp_path, 2)
-    st = await MultiDriveStore.open(roots, _cfg(roots))
+    st = await PageStore.open(roots, _cfg(roots))
     a, b = "keyA_0_k", "keyB_0_k"
     for key, older, newer in ((a, 0, 1), (b, 1, 0)):
         assert await _put(st.stores[older], [key], "v1") == [True]
@@ -314,6 +314,6 @@ async def test_a_key_on_two_drives_is_served_from_its_newest_copy_never_the_firs
     assert await _versions(st, [a]) == ["v2"]
     await st.close()
     for readonly in (False, True):  # the generations on disk still order them
-        st = await MultiDriveStore.open(roots, _cfg(roots), readonly=readonly)
+        st = await PageStore.open(roots, _cfg(roots), readonly=readonly)
         assert await _versions(st, [a, b]) == ["v2", "v2"]
         await st.close()

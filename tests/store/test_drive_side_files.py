@@ -2,7 +2,7 @@
 as untrusted: a FIFO in their place never blocks the open or `umbp-nvme stats`, and damage (nesting
 too deep for the parser, bytes that are not UTF-8, a JSON value that is not an object) is ignored
 like any other damage instead of raising out of the open (store/layout.read_json_or_none,
-owed_deletes._lines, cli._live_counters). Hangs are caught in a child by its timeout."""
+owed_deletes._lines, cli_drives.live_counters). Hangs are caught in a child by its timeout."""
 
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ def _child(*parts: str) -> subprocess.CompletedProcess:
 _PRELUDE = """
     import asyncio, os, sys, numpy as np
     from umbp_nvme.config import StoreConfig
-    from umbp_nvme.store.drives import open_store
+    from umbp_nvme.store import PageStore
     roots = {roots!r}
     cfg = StoreConfig(ssd_storage_dir=roots, ssd_capacity_bytes=8 << 20, ssd_segment_size_bytes=1 << 20,
                       ssd_durability_mode="relaxed", ssd_io_backend="posix")
     keys = [f"k{{i}}" for i in range(8)]
 
     async def reads():
-        s = await open_store(roots, cfg)
+        s = await PageStore.open(roots, cfg)
         try:
             bufs = [np.zeros(4096, np.uint8) for _ in keys]
             ok = await s.get_many(keys, bufs)
@@ -50,7 +50,7 @@ def _two_drive_store(tmp_path) -> list[str]:
     roots = [str(tmp_path / "d0"), str(tmp_path / "d1")]
     r = _child(_PRELUDE.format(roots=roots), """
         async def fill():
-            s = await open_store(roots, cfg)
+            s = await PageStore.open(roots, cfg)
             try:
                 assert all(await s.put_many(keys, [np.full(4096, i + 1, np.uint8) for i in range(len(keys))]))
             finally:

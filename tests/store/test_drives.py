@@ -22,7 +22,7 @@ from support.faults import FaultPlan, FaultRule, on_files_under as _on
 from umbp_nvme.config import load_config
 from umbp_nvme.store import PageStore, owed_deletes
 from umbp_nvme.store.drives import MultiDriveStore
-from umbp_nvme.store.placement import page_of
+from umbp_nvme.keys import page_of
 from support.waits import until
 
 OBJ = 16 << 10
@@ -144,7 +144,7 @@ async def test_removing_a_root_drops_exactly_its_pages_and_says_how_many(tmp_pat
 async def test_an_eio_drive_is_degraded_at_once_its_pages_miss_and_it_rejoins(tmp_path, caplog):
     roots = _roots(tmp_path, 2)
     plan = FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(),
+    st = await PageStore.open(roots, small_config(), engine_factory=plan.engine_factory(),
                                     probe_interval_s=0.1)  # fmt: skip
     keys = _keys(60)
     assert await _put(st, keys) == [True] * 120
@@ -190,7 +190,7 @@ async def test_an_eio_drive_is_degraded_at_once_its_pages_miss_and_it_rejoins(tm
 async def test_a_write_error_sends_later_puts_to_the_other_drive(tmp_path):
     roots = _roots(tmp_path, 2)
     plan = FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(), engine_factory=plan.engine_factory(),
+    st = await PageStore.open(roots, small_config(), engine_factory=plan.engine_factory(),
                                     probe_interval_s=60)  # fmt: skip
     plan.set_rules([FaultRule("errno", ops=("write",), errno=errno.EIO, predicate=_on(roots[1]))])
     keys = _keys(40)
@@ -241,7 +241,7 @@ async def test_a_drive_whose_directory_is_gone_or_replaced_is_degraded_and_rejoi
     # passing error. store_dir: the old probe saw a manifest. Both kept the drive healthy, taking new
     # pages into the files of a directory no longer at its root (lost at the next open).
     roots = _roots(tmp_path, 2)
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=0.05)
     keys = _keys(30)
     assert await _put(st, keys) == [True] * 60
     where = st.drive_of(keys)
@@ -287,7 +287,7 @@ async def test_a_full_drive_stops_taking_writes_but_keeps_serving_its_pages(tmp_
     try:
         roots = [os.path.join(small, "store"), os.path.join(big, "store")]
         cfg = small_config(ssd_capacity_bytes=32 << 20, ssd_segment_size_bytes=1 << 20)
-        st = await MultiDriveStore.open(roots, cfg, probe_interval_s=60)
+        st = await PageStore.open(roots, cfg, probe_interval_s=60)
         kept = []
         for b in range(12):
             ks = _keys(16, f"b{b}-")
@@ -325,7 +325,7 @@ async def test_a_hung_drive_holds_only_the_batch_that_touched_it(tmp_path):
 
     roots = _roots(tmp_path, 2)
     hooks = EngineHooks()
-    st = await MultiDriveStore.open(roots, small_config(io_timeout_s=0.3), engine_factory=hooks.engine_factory(),
+    st = await PageStore.open(roots, small_config(io_timeout_s=0.3), engine_factory=hooks.engine_factory(),
                                     probe_interval_s=0.05)  # fmt: skip
     keys = _keys(40)
     assert await _put(st, keys) == [True] * 80
@@ -390,7 +390,7 @@ async def test_a_drive_missing_at_open_joins_once_its_store_is_back(tmp_path):
     keys, where = await _filled(roots, 30)
     parked = str(tmp_path / "parked")
     os.rename(os.path.dirname(roots[1]), parked)  # drive 1 not mounted: its directory is not there
-    st = await MultiDriveStore.open(roots, small_config(), readonly=True, probe_interval_s=0.05)
+    st = await PageStore.open(roots, small_config(), readonly=True, probe_interval_s=0.05)
     row = st.stats()["drives"][1]
     assert row["state"] == "degraded" and "open failed" in row["reason"]
     res, wrong = await _get(st, keys)
@@ -425,7 +425,7 @@ async def test_deletes_and_re_puts_owed_by_a_degraded_drive_survive_a_restart(tm
     assert set(st.drive_of(reput)) == {0}
     await st.close()  # the drive still owes them: only the log on drive 0 remembers
 
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)  # drive 1 healthy again
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)  # drive 1 healthy again
     assert [r["state"] for r in st.stats()["drives"]] == ["healthy", "healthy"]
     res, wrong = await _get(st, deleted + kept)
     assert wrong == 0 and res == [False] * 6 + [True] * len(kept)
@@ -447,7 +447,7 @@ async def test_a_reader_hides_what_a_drive_owes_until_the_writer_applies_it(tmp_
     await st.delete_many(bad[:4])
     assert await st.put_many(bad[4:8], [payload(k + "v2", OBJ) for k in bad[4:8]]) == [True] * 4
     await st.close()
-    rd = await MultiDriveStore.open(roots, small_config(), readonly=True, probe_interval_s=60)
+    rd = await PageStore.open(roots, small_config(), readonly=True, probe_interval_s=60)
     res, wrong = await _get(rd, bad[:4] + bad[8:])
     assert wrong == 0 and res == [False] * 4 + [True] * (len(bad) - 8)
     outs = [np.zeros(OBJ, np.uint8) for _ in range(4)]
@@ -458,7 +458,7 @@ async def test_a_reader_hides_what_a_drive_owes_until_the_writer_applies_it(tmp_
 
 async def test_deletes_and_re_puts_made_while_a_drive_was_not_open_survive_a_restart(tmp_path):
     roots = _roots(tmp_path, 2)
-    st = await MultiDriveStore.open(roots, small_config())
+    st = await PageStore.open(roots, small_config())
     keys = _keys(40)
     assert await _put(st, keys) == [True] * 80
     bad = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
@@ -466,14 +466,14 @@ async def test_deletes_and_re_puts_made_while_a_drive_was_not_open_survive_a_res
     parked = str(tmp_path / "parked")
     os.rename(os.path.dirname(roots[1]), parked)  # drive 1 cannot open for a whole run
     open(os.path.dirname(roots[1]), "w").close()  # (a file where its directory should be)
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)
     assert st.stats()["drives"][1]["state"] == "degraded"
     await st.delete_many(bad[:3])
     assert await st.put_many(bad[3:6], [payload(k + "v2", OBJ) for k in bad[3:6]]) == [True] * 3
     await st.close()
     os.unlink(os.path.dirname(roots[1]))
     os.rename(parked, os.path.dirname(roots[1]))
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)
     res, wrong = await _get(st, bad[:3] + bad[6:])
     # drive 1 missed a session that wrote, so it came back cleared (drive_sessions.py): its other pages miss too
     assert wrong == 0 and res == [False] * (len(bad) - 3)
@@ -491,11 +491,11 @@ async def test_a_clear_while_a_drive_is_degraded_is_applied_by_it_after_a_restar
     assert await _put(st, fresh) == [True] * 20
     assert 1 not in st.drive_of(fresh)
     await st.close()
-    rd = await MultiDriveStore.open(roots, small_config(), readonly=True, probe_interval_s=60)
+    rd = await PageStore.open(roots, small_config(), readonly=True, probe_interval_s=60)
     res, wrong = await _get(rd, keys)  # a reader before the writer reopened: the cleared drive serves nothing
     assert res == [False] * len(keys) and wrong == 0
     await rd.close()
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)
     res, wrong = await _get(st, keys + fresh)
     assert wrong == 0 and res == [False] * len(keys) + [True] * 20
     assert st.stats()["drives"][1]["objects"] == 0 and st.stats()["drives"][1]["state"] == "healthy"
@@ -526,12 +526,12 @@ import numpy as np
 from conftest import payload, small_config
 from support.faults import FaultPlan, FaultRule
 from test_drives import OBJ, _keys, _on
-from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store import PageStore
 
 async def main(roots):
     plan = FaultPlan()
     cfg = small_config(ssd_durability_mode="strict")
-    st = await MultiDriveStore.open(roots, cfg, engine_factory=plan.engine_factory(), probe_interval_s=60)
+    st = await PageStore.open(roots, cfg, engine_factory=plan.engine_factory(), probe_interval_s=60)
     keys = _keys(40)
     assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
     bad = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
@@ -559,7 +559,7 @@ def test_owed_deletes_survive_a_sigkill_of_the_writer(tmp_path):
     bad = json.loads(p.stdout)
 
     async def check():
-        st = await MultiDriveStore.open(roots, small_config(ssd_durability_mode="strict"), probe_interval_s=60)
+        st = await PageStore.open(roots, small_config(ssd_durability_mode="strict"), probe_interval_s=60)
         res, wrong = await _get(st, bad[:4] + bad[8:])
         assert wrong == 0 and res == [False] * 4 + [True] * (len(bad) - 8)
         outs = [np.zeros(OBJ, np.uint8) for _ in range(4)]

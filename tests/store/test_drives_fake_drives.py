@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import payload, small_config
-from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store import PageStore
 from support.waits import until
 
 FAKE_DRIVES = "/work/shared/tools/fake-drives"
@@ -66,7 +66,7 @@ async def test_fake_drives_a_stalled_drive_is_skipped_then_rejoins_and_serves_it
             f.write(str(os.getpid()))  # into the capped cgroup: the stall applies to our I/O
         roots = [os.path.join(_ROOT, f"d{i}", "store") for i in range(3)]
         cfg = small_config(io_timeout_s=0.5, o_direct=True, ssd_io_backend="io_uring")
-        st = await MultiDriveStore.open(roots, cfg, probe_interval_s=0.2)
+        st = await PageStore.open(roots, cfg, probe_interval_s=0.2)
         keys = [f"s{i:03d}_0_{c}" for i in range(30) for c in "kv"]
         assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 60
         assert st.stats()["o_direct"]

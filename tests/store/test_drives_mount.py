@@ -18,7 +18,6 @@ from conftest import payload, small_config
 from umbp_nvme.config import load_config
 from umbp_nvme.errors import DriveNotMountedError
 from umbp_nvme.store import PageStore
-from umbp_nvme.store.drives import MultiDriveStore
 from umbp_nvme.store.mounts import drive_dirs, mount_above, unmounted_reason
 from support.waits import until
 
@@ -82,7 +81,7 @@ async def test_an_unmounted_drive_is_held_out_and_joins_once_mounted(tmp_path, m
     drives, roots = _drives(tmp_path, 2)
     mounted.add(drives[0])
     caplog.set_level(logging.WARNING, "umbp_nvme.store")
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=0.05)
     row = st.stats()["drives"][1]
     assert row["state"] == "degraded" and "looks unmounted" in row["reason"]
     warned = [r.getMessage() for r in caplog.records if "degraded" in r.getMessage()]
@@ -124,7 +123,7 @@ async def test_a_drive_with_its_store_mounted_late_serves_its_pages_again(tmp_pa
     os.rename(drives[1], parked)
     os.makedirs(drives[1])
     mounted.discard(drives[1])
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=0.05)
     assert "looks unmounted" in st.stats()["drives"][1]["reason"]
     res, wrong = await _get(st, keys)
     assert wrong == 0 and res == [d == 0 for d in where]  # its pages miss, the others are served
@@ -144,14 +143,14 @@ async def test_require_mount_holds_out_every_root_not_on_a_mounted_drive(tmp_pat
     drives, roots = _drives(tmp_path, 3)
     cfg = small_config(ssd_require_mount=True)
     with pytest.raises(DriveNotMountedError, match="ssd_require_mount"):
-        await MultiDriveStore.open(roots, cfg)  # no drive mounted: nothing to open
+        await PageStore.open(roots, cfg)  # no drive mounted: nothing to open
     assert [os.listdir(d) for d in drives] == [[], [], []]
     # a store on drive 2 that is not a mount point (made there before): the knob still refuses it
     st = await PageStore.open(roots[2], small_config(ssd_capacity_bytes=5 << 20))  # its share of 16 MiB
     await st.close()
     before = _files(drives[2])
     mounted.update(drives[:2])
-    st = await MultiDriveStore.open(roots, cfg, probe_interval_s=0.05)
+    st = await PageStore.open(roots, cfg, probe_interval_s=0.05)
     assert [r["state"] for r in st.stats()["drives"]] == ["healthy", "healthy", "degraded"]
     assert "ssd_require_mount" in st.stats()["drives"][2]["reason"]
     keys = _keys(30)
@@ -183,7 +182,7 @@ async def test_require_mount_on_a_single_root(tmp_path, mounted):
 
 async def test_plain_directories_and_a_single_root_are_never_held_out(tmp_path, mounted):
     _drives_, roots = _drives(tmp_path, 3)  # nothing mounted below /: tests, tmp
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.05)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=0.05)
     assert [r["state"] for r in st.stats()["drives"]] == ["healthy"] * 3
     keys = _keys(30)
     assert await _put(st, keys) == [True] * 60 and set(st.drive_of(keys)) == {0, 1, 2}

@@ -18,7 +18,6 @@ from support.drive_stores import degrade_by_eio, filled_writer
 from support.waits import until
 from support.paged import OBJ, get_checked, page_keys
 from umbp_nvme.store import PageStore, owed_deletes
-from umbp_nvme.store.drives import MultiDriveStore
 
 
 
@@ -101,14 +100,14 @@ async def test_owed_deletes_whose_commit_times_out_at_open_are_not_settled(tmp_p
     roots, st, _, gone, kept = await _owing_writer(tmp_path, 60)
     await st.close()
     stuck_deletes.add(roots[1])  # the open applies the owed deletes on drive 1: their commit times out
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)
     assert st.stats()["drives"][1]["state"] == "degraded"  # it owes deletes it could not apply
     res, wrong = await _get(st, gone)
     assert res == [False] * 4 and wrong == 0
     await st.close()
     assert owed_deletes.load(roots).keys.get(roots[1]) == set(gone)  # still owed
     stuck_deletes.clear()
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)
     res, wrong = await _get(st, gone + kept)
     assert wrong == 0 and res == [False] * 4 + [True] * len(kept)  # never served again
     assert [r["state"] for r in st.stats()["drives"]] == ["healthy", "healthy"]
@@ -127,7 +126,7 @@ async def test_the_probe_readmits_only_once_a_timed_out_owed_delete_is_committed
     stuck_deletes.clear()
     assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 10)
     await st.close()
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)
     res, wrong = await _get(st, gone + kept)
     assert wrong == 0 and res == [False] * 4 + [True] * len(kept)
     await st.close()

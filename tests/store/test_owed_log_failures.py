@@ -19,8 +19,7 @@ import pytest
 from conftest import payload, small_config
 from support.drive_stores import degrade_by_eio, filled_writer
 from support.waits import until
-from umbp_nvme.store import owed_deletes
-from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store import PageStore, owed_deletes
 
 OBJ = 16 << 10
 
@@ -80,7 +79,7 @@ async def test_a_delete_owed_durably_is_acknowledged_and_stays_deleted_after_a_r
 
 
 async def _first_four_gone_after_a_restart(roots, on1) -> None:
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)
     res, wrong = await _read(st, on1)
     assert wrong == 0 and res == [False] * 4 + [True] * (len(on1) - 4)
     await st.close()
@@ -117,7 +116,7 @@ async def test_no_acknowledged_delete_or_re_put_comes_back_wrong_after_a_restart
     del_ok = await st.delete_many(reput[:2])
     log_fails[0] = None
     await st.close()
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)
     for k, p_ok, d_ok in zip(reput, put_ok, del_ok + [False, False]):
         (hit,), wrong_v1 = await _read(st, [k])
         (_,), wrong_v2 = await _read(st, [k], "v2")
@@ -139,7 +138,7 @@ async def test_a_clear_no_log_records_for_a_degraded_drive_raises(tmp_path, log_
     log_fails[0] = None
     await st.clear()  # recorded now: returns
     await st.close()
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)
     res, _ = await _read(st, on1)
     assert res == [False] * len(on1)
     await st.close()
@@ -169,8 +168,7 @@ sys.path[:0] = [TESTS, os.path.join(TESTS, "store")]
 import numpy as np
 from conftest import payload, small_config
 from support.faults import FaultPlan, FaultRule, on_files_under
-from umbp_nvme.store import owed_deletes
-from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store import PageStore, owed_deletes
 
 OBJ = 16 << 10
 
@@ -179,7 +177,7 @@ def failing_append(root, entries):
 
 async def main(roots):
     plan = FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(ssd_durability_mode="strict"),
+    st = await PageStore.open(roots, small_config(ssd_durability_mode="strict"),
                                     engine_factory=plan.engine_factory(), probe_interval_s=60)
     keys = [f"p{i:04d}_0_{c}" for i in range(40) for c in "kv"]
     assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 80
@@ -212,7 +210,7 @@ def test_after_a_sigkill_no_delete_acknowledged_without_a_log_comes_back(tmp_pat
     deleted = dict(zip(on1[:2] + on1[4:8], del_ok))
 
     async def check():
-        st = await MultiDriveStore.open(roots, small_config(ssd_durability_mode="strict"), probe_interval_s=60)
+        st = await PageStore.open(roots, small_config(ssd_durability_mode="strict"), probe_interval_s=60)
         for i, k in enumerate(on1):
             (hit,), wrong_v1 = await _read(st, [k])
             (_,), wrong_v2 = await _read(st, [k], "v2")
@@ -285,7 +283,7 @@ async def test_a_hung_append_does_not_hold_the_later_owed_deletes_of_its_drive(t
     finally:
         release.set()
     await st.close()
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)
     res, wrong = await _read(st, on1[2:])
     assert wrong == 0 and res == [False] * 4 + [True] * (len(on1) - 6)
     await st.close()

@@ -15,7 +15,7 @@ from support.drive_stores import degrade_by_eio, filled_writer
 from support.faults import FaultRule, on_files_under as _on
 from support.waits import until
 from umbp_nvme.store import drive_probe, owed_deletes
-from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store import PageStore
 
 OBJ = 16 << 10
 
@@ -55,14 +55,14 @@ async def test_close_cancels_and_awaits_a_probe_under_way(tmp_path, monkeypatch)
 
 async def test_close_during_a_reopen_closes_the_store_the_probe_opened(tmp_path, monkeypatch, caplog):
     roots = [str(tmp_path / f"drive{i}" / "store") for i in range(2)]
-    st = await MultiDriveStore.open(roots, small_config())
+    st = await PageStore.open(roots, small_config())
     keys = _keys(20)
     assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * 40
     await st.close()
     parked = str(tmp_path / "parked")
     os.rename(os.path.dirname(roots[1]), parked)
     open(os.path.dirname(roots[1]), "w").close()  # (a file where its directory should be: it cannot open)
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=0.02)
+    st = await PageStore.open(roots, small_config(), probe_interval_s=0.02)
     assert st.stats()["drives"][1]["state"] == "degraded"
     entered = asyncio.Event()
 
@@ -79,7 +79,7 @@ async def test_close_during_a_reopen_closes_the_store_the_probe_opened(tmp_path,
     assert _others() == []
     monkeypatch.undo()
     caplog.set_level(logging.ERROR)
-    st = await MultiDriveStore.open(roots, small_config(), probe_interval_s=60)  # drive 1's lock was freed
+    st = await PageStore.open(roots, small_config(), probe_interval_s=60)  # drive 1's lock was freed
     assert [r["state"] for r in st.stats()["drives"]] == ["healthy", "healthy"]
     assert st.stats()["objects"] == 40
     await st.close()

@@ -71,6 +71,12 @@ def make_backend(store_dir: str, pool: HostPool | None = None, *, mla: bool = Fa
     return be
 
 
+def object_keys(be, pages: list[str]) -> list[str]:
+    """The object keys a backend stores these pages under (one per component, in page order)."""
+    sfx = be.scheme.v1_suffixes()
+    return [p + x for p in pages for x in sfx]
+
+
 def find_store_dirs(root: str) -> list[str]:
     """Directories under root that hold a store (a MANIFEST.json)."""
     out = []

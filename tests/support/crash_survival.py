@@ -1,6 +1,7 @@
 """Crash survival: a child process runs the backend and is SIGKILLed in a chosen phase (write,
-sync, index commit, eviction, or by the parent at a random time); the parent reopens the store and
-verifies every acknowledged page byte for byte (``crash_run``)."""
+sync, index commit, eviction, or by the parent at a random time); the parent reopens the store,
+after a rebuild of its index by one route in turn, and checks every page against the acknowledged
+state the ack log describes (``crash_run``; the version oracle: support/versions.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from dataclasses import dataclass
 
 from umbp_nvme.store.layout import segment_disk_bytes
 
-from .backends import find_store_dirs, make_backend
+from .backends import find_store_dirs, make_backend, object_keys
 from .host_pool import KiB, MiB, HostPool, page_key
+from .version_crash import ROUTES, rebuild_by
+from .versions import (OK, RESURRECTED, STALE, WRONG, AckLog, LogState, Tally, fill_page, history, page_versions,
+                       read_log, seal_after_kill)  # fmt: skip
 
 CRASH_PHASES = ("parent", "write-before", "write-after", "sync", "commit", "evict")
 _CTX = None
@@ -79,7 +83,9 @@ def _install_kill_hooks(spec: CrashSpec, rng: _random.Random):
 
 
 def crash_child(spec: CrashSpec, ready) -> None:
-    """The child: random batch_set_v1 / batch_get_v1 / batch_exists until it is killed."""
+    """The child: random puts (a new version for each page not stored), reads checked against the
+    model the ack log describes, deletes, a rare clear and batch_exists, until it is killed. Every
+    operation is logged before and after it runs (support/versions.py)."""
     import logging
 
     logging.getLogger("umbp_nvme").setLevel(logging.CRITICAL)  # the parent reports; keep stderr quiet
@@ -88,84 +94,99 @@ def crash_child(spec: CrashSpec, ready) -> None:
     pool = HostPool(page_num=2 * spec.batch, page_size=spec.page_size)
     be = make_backend(spec.root, pool, mode=spec.mode, capacity=spec.capacity, segment=spec.segment,
                       engine_factory=factory)  # fmt: skip
-    fd = os.open(spec.ack_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    past = read_log(spec.ack_path)
+    model, version = past.model, past.next_version
+    log = AckLog(spec.ack_path)
     universe = [page_key(i, spec.salt) for i in range(spec.universe)]
-    acked: list[str] = []
     ready.set()
     B = spec.batch
+    n_obj = len(be.scheme.v1_suffixes())
+
+    def delete(keys):
+        log.write([f"D{k}" for k in keys])
+        be.store.delete_many(object_keys(be, keys))
+        for k in keys:
+            model.delete_done(k)
+        log.write([f"-{k}" for k in keys])
+
     while True:
         r = rng.random()
-        if r < 0.6:
+        stored = [k for k in universe if model.allowed(k)]
+        if r < 0.55:
             keys = rng.sample(universe, B)
-            for p, k in enumerate(keys):
-                pool.fill(p, k)
-            old = [be.exists(k) for k in keys]  # a re-put keeps the old entry (and its LRU age)
+            objs = be.store.exists_many(object_keys(be, keys))
+            there = [sum(objs[i * n_obj : (i + 1) * n_obj]) for i in range(B)]
+            partial = [k for k, t in zip(keys, there) if 0 < t < n_obj]
+            if partial:  # new bytes need the old components gone (a put of a stored one is a dedup)
+                delete(partial)
+            vers = list(range(version, version + B))
+            version += B
+            held = [t == n_obj for t in there]  # stored whole: the put is a dedup
+            log.write([f"?{k} {v}" for k, v, t in zip(keys, vers, held) if not t])
+            for p, (k, v) in enumerate(zip(keys, vers)):
+                fill_page(pool, p, k, v)
+                if not held[p]:
+                    model.begin_put(k, v)
             res = be.batch_set_v1(keys, pool.indices(0, B))
-            ok = [k for k, good in zip(keys, res) if good]
-            lines = "".join(f"{'~' if o else '+'}{k}\n" for k, o, good in zip(keys, old, res) if good)
-            os.write(fd, (lines + "=\n").encode())  # one write per batch; "=": batch boundary
-            acked.extend(ok)
-        elif r < 0.9 and acked:
-            keys = rng.sample(acked, min(B, len(acked)))
+            # admission may decline a new page: its put answers True and stores nothing
+            # (docs/cache-policy.md), so it is owed nothing: logged as refused
+            now = [be.exists(k) for k in keys]
+            lines = []
+            for k, v, t, good, h in zip(keys, vers, held, res, now):
+                if good and (t or h):
+                    model.put_acked(k, v, wrote=not t)
+                    lines.append(f"{'~' if t else '+'}{k} {v}")
+                else:
+                    model.put_refused(k, v)
+                    lines.append(f"x{k} {v}")
+            log.write(lines + ["="])  # one write per batch; "=": batch boundary
+        elif r < 0.8 and stored:
+            keys = rng.sample(stored, min(B, len(stored)))
             pool.clear_pages(B, len(keys))
             res = be.batch_get_v1(keys, pool.indices(B, len(keys)))
-            bad = [k for p, (k, good) in enumerate(zip(keys, res)) if good and not pool.holds(B + p, k)]
-            os.write(fd, ("".join(f"!{k}\n" for k in bad) + "r\n").encode())  # "r": a read refreshed LRU
+            lines = []
+            for p, (k, good) in enumerate(zip(keys, res)):
+                if good:
+                    verdict = model.classify(k, page_versions(pool, B + p, k))
+                    if verdict != OK:
+                        lines.append({WRONG: "!", STALE: "S", RESURRECTED: "R"}[verdict] + k)
+            log.write([f"r{sum(res)}"] + lines)  # "r": a read refreshed LRU
+        elif r < 0.9 and stored:
+            delete(rng.sample(stored, min(4, len(stored))))
+        elif r < 0.905:
+            log.write(["C"])
+            model.begin_clear()
+            be.clear()
+            model.clear_done()
+            log.write(["c"])
         else:
             be.batch_exists(rng.sample(universe, B))
-
-
-@dataclass
-class Acks:
-    acked: set  # every page a batch_set_v1 acknowledged
-    last_batch: set  # pages the last acknowledged batch newly wrote (LRU cannot have evicted them)
-    child_wrong: int
-    reads_after_last: int
-
-
-def read_acks(path: str) -> Acks:
-    acked: set = set()
-    last: set = set()
-    cur: set = set()
-    wrong = reads = 0
-    try:
-        with open(path) as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    continue  # torn last line (a batch's lines are one write, so this is rare)
-                c = line[0]
-                if c in "+~":
-                    acked.add(line[1:-1])
-                    if c == "+":
-                        cur.add(line[1:-1])
-                elif c == "=":
-                    last, cur, reads = cur, set(), 0
-                elif c == "!":
-                    wrong += 1
-                elif c == "r":
-                    reads += 1
-    except FileNotFoundError:
-        pass
-    return Acks(acked, last, wrong, reads)
 
 
 @dataclass
 class VerifyResult:
     reopened: bool = False
     existing: int = 0
-    wrong_bytes: int = 0
     unreadable: int = 0
-    lost_acknowledged: int = 0
     over_capacity: int = 0
     raised: int = 0
     error: str = ""
+    tally: Tally = None
 
 
-def verify_store(spec: CrashSpec, acks: Acks, *, all_acks_must_exist: bool) -> VerifyResult:
-    """Reopen through the backend; every page batch_exists reports must read back exactly."""
-    v = VerifyResult()
+def verify_store(spec: CrashSpec, acks: LogState, *, all_acks_must_exist: bool) -> VerifyResult:
+    """Reopen through the backend; every page of the universe is checked against the acknowledged
+    state: what batch_exists reports must read back as an allowed version, and what it does not
+    report must not have been promised (every acknowledged page without eviction, the last batch's
+    pages under it)."""
+    v = VerifyResult(tally=Tally())
     pool = HostPool(page_num=64, page_size=spec.page_size)
     be = None
+    model = acks.model
+    if all_acks_must_exist:
+        durable = None  # every page the model says must exist
+    else:  # under eviction only the newest pages are sure to be kept; reads refresh others
+        durable = acks.last_batch if acks.reads_after_last <= 2 else set()
     try:
         be = make_backend(spec.root, pool, mode=spec.mode, capacity=spec.capacity, segment=spec.segment)
         v.reopened = True
@@ -173,11 +194,9 @@ def verify_store(spec: CrashSpec, acks: Acks, *, all_acks_must_exist: bool) -> V
         existing = [k for k in universe if be.batch_exists([k]) == 1]
         v.existing = len(existing)
         ex = set(existing)
-        if all_acks_must_exist:
-            must = acks.acked
-        else:  # under eviction only the newest pages are sure to be kept; reads refresh others
-            must = acks.last_batch if acks.reads_after_last <= 2 else set()
-        v.lost_acknowledged = len(must - ex)
+        for k in universe:
+            if k not in ex and k in model.keys:  # a key never written promises nothing
+                v.tally.check(model, k, None, durable=durable is None or k in durable)
         for i in range(0, len(existing), 64):
             chunk = existing[i : i + 64]
             pool.clear_pages(0, len(chunk), 0xEE)
@@ -190,10 +209,10 @@ def verify_store(spec: CrashSpec, acks: Acks, *, all_acks_must_exist: bool) -> V
             for p, (k, ok) in enumerate(zip(chunk, res)):
                 if not ok:
                     v.unreadable += 1
-                elif not pool.holds(p, k):
-                    v.wrong_bytes += 1
+                else:
+                    v.tally.check(model, k, page_versions(pool, p, k), durable=True)
         if not pool.guards_intact():
-            v.wrong_bytes += 1
+            v.tally.add(WRONG, "a write outside the pool")
         for d in find_store_dirs(spec.root):
             if segment_disk_bytes(d) > spec.capacity:
                 v.over_capacity += 1
@@ -236,7 +255,9 @@ def crash_run(
     max_child_s: float = 2.0,
     log=None,
 ) -> dict:
-    """``kills`` SIGKILLs of a child writer on one store directory, verified after each."""
+    """``kills`` SIGKILLs of a child writer on one store directory, verified after each. Kill i
+    reopens as it is (i % 5 == 0) or rebuilds the index first by one route (power loss, deleted,
+    damaged, ``verify --rebuild-index``), in turn."""
     ctx = mp_context()
     rng = _random.Random(seed)
     spec = CrashSpec(
@@ -251,10 +272,12 @@ def crash_run(
         salt=f"crash-{mode}-{seed}",
     )
     out = dict(kills=0, kills_survived=0, wrong_bytes=0, lost_acknowledged=0, unreadable=0, over_capacity=0,
-               raised_from_v1=0, hangs=0, phases={}, errors=[], existing_max=0, fill_failed_batches=0)
+               raised_from_v1=0, hangs=0, phases={}, errors=[], existing_max=0, fill_failed_batches=0,
+               versions_checked=0, stale_served=0, resurrected=0, rebuilds={}, examples=[], histories=[])  # fmt: skip
     phases = [p for p in CRASH_PHASES if not (p == "sync" and mode != "strict")]
     if not evicting:
         phases = [p for p in phases if p != "evict"]
+    seen_child = Tally()
     for i in range(kills):
         spec.seed = rng.randrange(1 << 30)
         spec.phase = phases[i % len(phases)]
@@ -278,23 +301,46 @@ def crash_run(
             out["errors"].append(f"kill {i}: child exit code {p.exitcode} (phase {spec.phase})")
         out["kills"] += 1
         out["phases"][died] = out["phases"].get(died, 0) + 1
-        acks = read_acks(spec.ack_path)
+        seal_after_kill(spec.ack_path)
+        acks = read_log(spec.ack_path)
+        route = ("reopen",) + ROUTES
+        route = route[i % len(route)]
+        out["rebuilds"][route] = out["rebuilds"].get(route, 0) + 1
+        try:
+            for d in find_store_dirs(spec.root) if route != "reopen" else ():
+                rebuild_by(route, d, spec.capacity)
+        except Exception as e:  # noqa: BLE001 - a route that cannot run is a failure of the kill
+            out["errors"].append(f"kill {i} ({died}): rebuild by {route} failed: {e!r}")
         v = verify_store(spec, acks, all_acks_must_exist=not evicting)
-        out["wrong_bytes"] += v.wrong_bytes + acks.child_wrong
-        out["lost_acknowledged"] += v.lost_acknowledged
+        t = v.tally
+        t.merge(_since(acks.child, seen_child))  # the log holds every child's reads so far
+        seen_child = acks.child
+        for f in ("wrong_bytes", "lost_acknowledged", "versions_checked", "stale_served", "resurrected"):
+            out[f] += getattr(t, f)
+        out["examples"] = (out["examples"] + t.examples)[:8]
+        for k in t.bad_keys[:2]:  # how the log saw the key, for the report
+            if len(out["histories"]) < 4:
+                out["histories"].append(dict(kill=i, died=died, route=route, key=k, log=history(spec.ack_path, k)))
         out["unreadable"] += v.unreadable
         out["over_capacity"] += v.over_capacity
         out["raised_from_v1"] += v.raised
         out["existing_max"] = max(out["existing_max"], v.existing)
-        if v.reopened and not (v.wrong_bytes or v.lost_acknowledged or v.unreadable or v.over_capacity or v.raised):
+        if v.reopened and not (t.bad() or v.unreadable or v.over_capacity or v.raised):
             out["kills_survived"] += 1
         elif v.error or not v.reopened:
             out["errors"].append(f"kill {i} ({died}): {v.error or 'reopen failed'}")
         if log:
-            log(f"  {mode} {'evict' if evicting else 'keep'} kill {i + 1}/{kills} ({died}): {v.existing} pages, "
-                f"wrong={v.wrong_bytes + acks.child_wrong} lost={v.lost_acknowledged} unreadable={v.unreadable}")
+            log(f"  {mode} {'evict' if evicting else 'keep'} kill {i + 1}/{kills} ({died}, {route}): {v.existing} pages, "
+                f"{t.figures()} unreadable={v.unreadable}")
     if evicting:
         failed, over = fill_test(spec)
         out["fill_failed_batches"] = failed
         out["over_capacity"] += int(over > 0)
     return out
+
+
+def _since(now: Tally, before: Tally) -> Tally:
+    d = Tally(examples=now.examples[len(before.examples) :])
+    for f in ("versions_checked", "wrong_bytes", "stale_served", "resurrected", "lost_acknowledged"):
+        setattr(d, f, getattr(now, f) - getattr(before, f))
+    return d

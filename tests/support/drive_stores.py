@@ -7,7 +7,7 @@ import numpy as np
 
 from conftest import payload, small_config
 from support.faults import FaultPlan, FaultRule, on_files_under
-from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store import PageStore
 
 OBJ = 16 << 10
 
@@ -23,8 +23,8 @@ def drive_roots(tmp_path, n: int) -> list[str]:
 async def filled_writer(tmp_path, pages: int, *, n: int = 2, probe_interval_s: float = 60, **config):
     """(roots, plan, writer, keys): ``pages`` pages written through a writer over ``n`` drives."""
     roots, plan = drive_roots(tmp_path, n), FaultPlan()
-    st = await MultiDriveStore.open(roots, small_config(**config), engine_factory=plan.engine_factory(),
-                                    probe_interval_s=probe_interval_s)  # fmt: skip
+    st = await PageStore.open(roots, small_config(**config), engine_factory=plan.engine_factory(),
+                              probe_interval_s=probe_interval_s)  # fmt: skip
     keys = page_keys(pages)
     assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * len(keys)
     return roots, plan, st, keys

@@ -1,5 +1,12 @@
 """Races: SGLang's three controller threads + eviction under a tight cap + a follower process
-(``soak_run``): no wrong byte, no hang, no raise, bounded RSS growth, no leaked thread."""
+(``soak_run``): no wrong byte, no stale version, no hang, no raise, bounded RSS growth, no leaked
+thread.
+
+Every page the backup thread writes anew (evicted or never stored) gets a new version
+(support/versions.py); it is the only writer, so it knows each page's current version exactly. A
+read must serve a version at least as new as the one current when it started (an older one is
+``stale_served``: an evicted page's bytes coming back); the follower, which cannot see the
+writer's versions, must never see a page's version go backwards."""
 
 from __future__ import annotations
 
@@ -9,9 +16,65 @@ import signal as _signal
 import threading as _threading
 import time as _time
 
-from .backends import Caller, make_backend
+from .backends import Caller, make_backend, object_keys
 from .crash_survival import mp_context
 from .host_pool import KiB, MiB, HostPool, page_key
+from .versions import fill_page, page_versions
+
+
+class VersionedCaller(Caller):
+    """A Caller whose pages carry versions: ``shared`` (key -> current version, and the lock) on
+    the writer's side; without it (a follower) each page's versions must only go forward."""
+
+    def __init__(self, be, pool, bound_s, shared=None):
+        super().__init__(be, pool, bound_s)
+        self.shared = shared
+        self.seen: dict = {}
+        self.stale = self.checked = 0
+
+    def set(self, keys, first_page=0) -> list:
+        cur, lock = self.shared
+        held = self.be.store.exists_many(object_keys(self.be, keys))  # MLA: one object a page; one writer
+        with lock:
+            cur["next"] += len(keys)
+            vers = [cur.get(k) if h else cur["next"] - i for i, (k, h) in enumerate(zip(keys, held))]
+        for p, (k, v) in enumerate(zip(keys, vers)):
+            fill_page(self.pool, first_page + p, k, v if v is not None else 0)
+        r = self._timed(self.be.batch_set_v1, keys, self.pool.indices(first_page, len(keys)))
+        r = r if isinstance(r, list) and len(r) == len(keys) else [False] * len(keys)
+        with lock:
+            for k, v, h, ok in zip(keys, vers, held, r):
+                if ok and not h:
+                    cur[k] = v
+        return r
+
+    def get(self, keys, first_page=0) -> list:
+        if self.shared is not None:
+            with self.shared[1]:
+                floor = [self.shared[0].get(k) for k in keys]
+        else:
+            floor = [self.seen.get(k) for k in keys]
+        self.pool.clear_pages(first_page, len(keys), 0xEE)
+        r = self._timed(self.be.batch_get_v1, keys, self.pool.indices(first_page, len(keys)))
+        if not isinstance(r, list) or len(r) != len(keys):
+            return [False] * len(keys)
+        for p, (k, ok, f) in enumerate(zip(keys, r, floor)):
+            if not ok:
+                continue
+            self.checked += 1
+            (v,) = page_versions(self.pool, first_page + p, k)
+            if v is None:
+                self.wrong += 1
+                self.errors.append(f"wrong bytes for page {k[:12]}")
+            elif f is not None and v < f:
+                self.stale += 1
+                self.errors.append(f"page {k[:12]} served version {v} after version {f}")
+            elif self.shared is None:
+                self.seen[k] = v
+        if not self.pool.guards_intact():
+            self.wrong += 1
+            self.errors.append("write outside the registered pool memory")
+        return r
 
 
 def _rss_bytes() -> int:
@@ -43,7 +106,7 @@ def soak_follower(root: str, seconds: float, result_q) -> None:
     try:
         be = make_backend(root, pool, mla=True, tp_rank=1, tp_size=2, **_soak_extra(root))
         rng = _random.Random(7)
-        c = Caller(be, pool, bound_s=30.0)
+        c = VersionedCaller(be, pool, bound_s=30.0)
         universe = [page_key(i, "soak") for i in range(SOAK_UNIVERSE)]
         end = _time.monotonic() + seconds
         while _time.monotonic() < end:
@@ -51,7 +114,8 @@ def soak_follower(root: str, seconds: float, result_q) -> None:
             r = c.get(keys)
             stats["hits"] += sum(r)
             c.exists(keys)
-        stats.update(calls=c.calls, wrong=c.wrong, raised=c.raised, hangs=c.hangs, max_s=round(c.max_s, 2))
+        stats.update(calls=c.calls, wrong=c.wrong, raised=c.raised, hangs=c.hangs, max_s=round(c.max_s, 2),
+                     stale=c.stale, checked=c.checked)  # fmt: skip
         # a set on a follower must answer True per page without writing (docs/sglang.md §6)
         r = be.batch_set_v1(universe[:4], pool.indices(0, 4))
         if r != [True] * 4:
@@ -73,7 +137,8 @@ def soak_run(root: str, *, seconds: float = 60.0, follower: bool = True, log=Non
     universe = [page_key(i, "soak") for i in range(SOAK_UNIVERSE)]
     stop = _threading.Event()
     last = {}
-    callers = {name: Caller(be, pool, bound_s=30.0) for name in ("exists", "io", "backup")}
+    shared = ({"next": 0}, _threading.Lock())  # page -> its current version; "next": the last handed out
+    callers = {name: VersionedCaller(be, pool, bound_s=30.0, shared=shared) for name in ("exists", "io", "backup")}
     counts = dict(exists=0, io=0, backup=0, hits=0, acked=0)
 
     def prefetch_exists():
@@ -158,6 +223,8 @@ def soak_run(root: str, *, seconds: float = 60.0, follower: bool = True, log=Non
     out = dict(
         soak_seconds=round(elapsed, 1),
         wrong_bytes=wrong,
+        stale_served=sum(c.stale for c in callers.values()) + int(fstats.get("stale", 0)),
+        versions_checked=sum(c.checked for c in callers.values()) + int(fstats.get("checked", 0)),
         raised_from_v1=raised,
         hangs=hangs,
         calls=counts,

@@ -19,6 +19,7 @@ Row format (JSON list of dicts): bench, system, op, object_bytes, queue_depth, g
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -29,6 +30,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
+from umbp_nvme.keys import KeyScheme
+
+
+def page_keys(tag: str, pages: int, start: int = 0) -> list[str]:
+    """v1 object keys as the backend composes them (keys.KeyScheme, TP rank 0 MHA: K and V per
+    page), page hashes made from ``tag``."""
+    hashes = [hashlib.sha256(f"{tag}/{i}".encode()).hexdigest() for i in range(start, start + pages)]
+    return KeyScheme().v1_keys(hashes)
+
 
 class Skip(Exception):
     """A system cannot run in this configuration (the message says why)."""

@@ -25,9 +25,10 @@ import time
 import numpy as np
 
 from umbp_nvme.config import StoreConfig
-from umbp_nvme.store.drives import MultiDriveStore, open_store
+from umbp_nvme.store.drives import MultiDriveStore
+from umbp_nvme.store.page_store import PageStore
 
-from .common import Sample, Stopwatch, make_row, paired_ratio
+from .common import Sample, Stopwatch, make_row, page_keys, paired_ratio
 
 BENCH = "store"
 
@@ -40,8 +41,6 @@ class Batches:
     """Keys and source bytes: object j of batch b holds slot j's random bytes, its first 8 bytes b."""
 
     def __init__(self, tag: str, size: int, n_obj: int, batches: int):
-        from .store import page_keys
-
         self.size, self.n_obj, self.n = size, n_obj, batches
         pages = n_obj // 2
         self.keys = [page_keys(f"{tag}/{size}/{b}", pages) for b in range(batches)]
@@ -81,7 +80,7 @@ def _dirs(roots: list[str], n: int, name: str) -> list[str]:
 async def _open(cfg, dirs: list[str], per_drive: int, **kw):
     seg = cfg.segment_bytes
     cap = len(dirs) * (-(-int(per_drive * 1.5 + 2 * seg) // seg) * seg)
-    return await open_store(dirs if len(dirs) > 1 else dirs[0], _config(cfg, dirs, cap, **kw))
+    return await PageStore.open(dirs if len(dirs) > 1 else dirs[0], _config(cfg, dirs, cap, **kw))
 
 
 async def one_round(cfg, roots: list[str], n: int, size: int, dst: np.ndarray, rnd: int) -> dict:

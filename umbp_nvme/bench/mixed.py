@@ -47,16 +47,14 @@ import time
 import numpy as np
 
 from ..buffers import AlignedBuffer
-from ..config import StoreConfig
+from ..config import CRC_POLICIES, StoreConfig
 from ..engine import arbiter as arbiter_mod
-from ..store import put_crc
 from ..store.sync import SyncPageStore
 from .common import WorkDir, finish, parse_bytes
 from .engine import phys_runs
+from .mixed_measure import SPACING_X, LoopProbe, loaded_gets, pct, row, solo_window
 
 PUT_BATCH = 48
-MAX_LOADED_S = 10.0  # a loaded phase runs more blocks of gets until a backup batch ends inside it
-SPACING_X = 4.0  # spaced gets: one call per 4x the idle back-to-back latency (~1/4 of read bandwidth)
 
 
 def parse_args(argv):
@@ -77,10 +75,11 @@ def parse_args(argv):
     p.add_argument("--read-floor", help="sweeps: the arbiter's READ_SLICE_FLOOR in bytes (default 2M)")
     p.add_argument("--read-window", type=int, help="sweeps: the arbiter's READ_WINDOW_SLICES (slices in flight beside reads)")
     p.add_argument("--quiet-ms", type=float, help="sweeps: the arbiter's READ_QUIET_S in ms (default 100)")
-    p.add_argument("--crc-policy", choices=put_crc.CRC_POLICIES,
-                   help="sweeps: CPU policy of the put CRC worker while reads are about (default put_crc.CRC_POLICY)")
+    p.add_argument("--crc-policy", choices=CRC_POLICIES,
+                   help="sweeps: ssd_crc_policy, the put CRC worker's CPU policy while reads are about "
+                   f"(default {StoreConfig.ssd_crc_policy})")
     p.add_argument("--crc-off", action="store_true",
-                   help="sweeps: no CRC worker (the old split: loop thread / default executor by batch size)")
+                   help="sweeps: ssd_crc_worker=false (the old split: loop thread / default executor by batch size)")
     p.add_argument("--memory", choices=("4k", "thp"), default="4k",
                    help="store path's buffers: 4k = plain mmap (default), thp = madvise(MADV_HUGEPAGE) (2 MiB runs)")
     p.add_argument("--fio", action="store_true", help="also run the fio anchor (needs fio)")
@@ -108,12 +107,16 @@ def parse_args(argv):
         p.error("--read-window must be >= 1")
     if cfg.quiet_ms is not None and cfg.quiet_ms < 0:
         p.error("--quiet-ms must be >= 0")
+    # the CRC flags as config keys: every store of the run gets them (the SGLang one: extra_config)
+    cfg.crc_keys = ({"ssd_crc_policy": cfg.crc_policy} if cfg.crc_policy else {}) | (
+        {"ssd_crc_worker": False} if cfg.crc_off else {})
     return cfg
 
 
 def arbiter_settings(cfg) -> dict:
     """Apply the sweep flags to the arbiter's module constants (read when a store's arbiter is
-    made, so before any store opens) and return the settings in force, for the rows."""
+    made, so before any store opens) and return the settings in force, for the rows (the CRC
+    flags go to each store's config: ``cfg.crc_keys``)."""
     if cfg.read_fraction is not None:
         arbiter_mod.READ_SLICE_FRACTION = cfg.read_fraction
     if cfg.read_floor is not None:
@@ -122,35 +125,9 @@ def arbiter_settings(cfg) -> dict:
         arbiter_mod.READ_WINDOW_SLICES = cfg.read_window
     if cfg.quiet_ms is not None:
         arbiter_mod.READ_QUIET_S = cfg.quiet_ms / 1e3
-    if cfg.crc_policy is not None:
-        put_crc.CRC_POLICY = cfg.crc_policy
-    if cfg.crc_off:
-        put_crc.CRC_WORKER = False
     return {"read_fraction": arbiter_mod.READ_SLICE_FRACTION, "read_floor": arbiter_mod.READ_SLICE_FLOOR,
             "read_window": arbiter_mod.READ_WINDOW_SLICES, "quiet_ms": round(arbiter_mod.READ_QUIET_S * 1e3, 3),
-            "crc": put_crc.CRC_POLICY if put_crc.CRC_WORKER else "no-worker"}  # fmt: skip
-
-
-def solo_window(marks: list, solo_s: float) -> tuple[float, float]:
-    """[t0, t1] of at least ``solo_s`` with a backup batch ended before it and one inside it (up to
-    5x longer while none has), so the backup's solo GB/s is never NaN for want of a batch end."""
-    while not marks:
-        time.sleep(0.01)
-    t0 = time.perf_counter()
-    time.sleep(solo_s)
-    while marks[-1][0] < t0 and time.perf_counter() - t0 < 5 * solo_s:
-        time.sleep(0.02)
-    return t0, time.perf_counter()
-
-
-def loaded_gets(marks: list, t1: float, gets) -> list[float]:
-    """Blocks of ``gets()`` until a backup batch has ended since ``t1`` (blocks start for up to
-    MAX_LOADED_S), so the backup's GB/s beside the gets spans at least one batch end."""
-    lat: list[float] = []
-    while True:
-        lat += gets()
-        if (marks and marks[-1][0] >= t1) or time.perf_counter() - t1 > MAX_LOADED_S:
-            return lat
+            "crc": "no-worker" if cfg.crc_off else cfg.crc_policy or StoreConfig.ssd_crc_policy}  # fmt: skip
 
 
 class ThpBuffer:
@@ -179,11 +156,11 @@ class ThpBuffer:
             pass
 
 
-def store_config(path: str, knob: str, slice_bytes: int, capacity: int) -> StoreConfig:
+def store_config(path: str, knob: str, slice_bytes: int, capacity: int, crc_keys: dict | None = None) -> StoreConfig:
     return StoreConfig(
         ssd_storage_dir=path, ssd_capacity_bytes=capacity, ssd_segment_size_bytes=256 << 20,
         ssd_durability_mode="strict", ssd_io_backend="io_uring",
-        ssd_read_priority=knob, ssd_write_slice_bytes=slice_bytes if knob == "on" else 0,
+        ssd_read_priority=knob, ssd_write_slice_bytes=slice_bytes if knob == "on" else 0, **(crc_keys or {}),
     )  # fmt: skip
 
 
@@ -191,10 +168,6 @@ def mean_runs(addr: int, nbytes: int, size: int) -> float | None:
     """Mean physically contiguous runs per ``size``-byte object of [addr, addr+nbytes) (None: not root)."""
     r = phys_runs("self", addr, nbytes, size)
     return None if r is None else round(r, 1)
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
 class PutStream:
@@ -242,36 +215,6 @@ class PutStream:
         return (bb - ba) / (tb - ta) / 1e9 if tb > ta else float("nan")
 
 
-class LoopProbe:
-    """Times a no-op hop onto the store's loop every 5 ms: how long a get's completion handling
-    could be kept waiting by other work on the loop (a put's CRC, index commit, ring submits)."""
-
-    def __init__(self, store: SyncPageStore):
-        self.loop = store._loop  # the SyncPageStore's private loop: a benchmark probe, not an API
-        self.lat: list[float] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="bench-loop-probe", daemon=True)
-
-    def _run(self) -> None:
-        import asyncio
-
-        async def nop():
-            return None
-
-        while not self.stop.wait(0.005):
-            t0 = time.perf_counter()
-            asyncio.run_coroutine_threadsafe(nop(), self.loop).result()
-            self.lat.append((time.perf_counter() - t0) * 1e3)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-
-
 def run_gets(store, keys: list[str], dst: AlignedBuffer, size: int, nget: int, calls: int,
              interval_s: float, rng: random.Random) -> list[float]:  # fmt: skip
     """Latency (ms) of ``calls`` get_many calls; every byte checked against the key's pattern."""
@@ -309,16 +252,6 @@ def prefill(store, size: int, n: int, src: AlignedBuffer) -> list[str]:
             raise RuntimeError("prefill put_many failed")
     src.array[:] = 0xA5
     return keys
-
-
-def row(system, op, size, nget, pattern, lat, **extra) -> dict:
-    r = {
-        "bench": "mixed", "system": system, "op": op, "object_bytes": size, "gets": nget, "pattern": pattern,
-        "p50_ms": round(pct(lat, 50), 2), "p90_ms": round(pct(lat, 90), 2), "p99_ms": round(pct(lat, 99), 2),
-        "runs": len(lat),
-    }  # fmt: skip
-    r.update(extra)
-    return r
 
 
 def cell(cfg, store, keys, dst, src, size: int, nget: int, pattern: str, interval: float, tag: str,
@@ -371,7 +304,7 @@ def bench_knob(cfg, directory: str, knob: str, notes: list[str]) -> list[dict]:
     src = make(PUT_BATCH * biggest)
     dst = make(max(cfg.gets) * biggest)
     src.array[:] = 0xA5
-    store = SyncPageStore(path, store_config(path, knob, cfg.slice, capacity))
+    store = SyncPageStore(path, store_config(path, knob, cfg.slice, capacity, cfg.crc_keys))
     system = f"umbp_{knob}"
     try:
         for size in cfg.sizes:

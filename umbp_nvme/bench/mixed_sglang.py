@@ -24,7 +24,7 @@ import numpy as np
 
 from ..keys import KeyScheme
 from .engine import phys_runs
-from .mixed import SPACING_X, LoopProbe, loaded_gets, pct, row, solo_window
+from .mixed_measure import SPACING_X, LoopProbe, loaded_gets, pct, row, solo_window
 
 SHAPES = {1 << 20: dict(page_size=16, layers=32, heads=8, head_dim=128), 4 << 20: dict(page_size=64, layers=32, heads=8, head_dim=128)}
 BACKUP_PAGES = 24  # 48 K/V objects per batch_set_v1
@@ -38,7 +38,8 @@ class Backend:
     """One backend on one host pool: pages [0, READ_PAGES) hold the read set, then the backup
     batch's pages, then the prefetch destination."""
 
-    def __init__(self, env, directory: str, size: int, max_get_pages: int, knob: str, slice_bytes: int):
+    def __init__(self, env, directory: str, size: int, max_get_pages: int, knob: str, slice_bytes: int,
+                 crc_keys: dict):
         from .hicache import Pool
 
         shape = SHAPES[size]
@@ -48,6 +49,7 @@ class Backend:
         config = env.storage_config(directory, extra={
             "ssd_capacity_bytes": 4 << 30, "ssd_segment_size_bytes": 256 << 20, "ssd_durability_mode": "strict",
             "ssd_io_backend": "io_uring", "ssd_read_priority": knob, "ssd_write_slice_bytes": slice_bytes,
+            **crc_keys,
         })  # fmt: skip
         self.backend = env.load_backend(config, self.pool.host)
         self.scheme = KeyScheme.from_storage_config(config)
@@ -204,7 +206,7 @@ def bench_sglang(cfg, directory: str, notes: list[str]) -> list[dict]:
                 continue
             page_counts = sorted({max(1, g // 2) for g in cfg.gets})
             be = Backend(env, os.path.join(directory, f"sglang-{knob}"), size, max(page_counts), knob,
-                         cfg.slice if knob == "on" else 0)  # fmt: skip
+                         cfg.slice if knob == "on" else 0, cfg.crc_keys)  # fmt: skip
             try:
                 for pages in page_counts:
                     calib = gets(be, pages, cfg.calls, 0.0, random.Random(1))

@@ -51,7 +51,6 @@ import argparse
 import asyncio
 import dataclasses
 import gc
-import hashlib
 import json
 import os
 import shutil
@@ -63,7 +62,8 @@ import time
 import numpy as np
 
 from .engine import HugePages, Memory
-from .common import Sample, Stopwatch, WorkDir, as_info, check_buffers, drop_caches, finish, make_row, paired_ratio, parse_bytes, print_table
+from .common import (Sample, Stopwatch, WorkDir, as_info, check_buffers, drop_caches, finish, make_row, page_keys,
+                     paired_ratio, parse_bytes, print_table)  # fmt: skip
 from . import nixl_posix
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES
@@ -157,16 +157,6 @@ def parse_args(argv):
 
 
 # -- keys and helpers --------------------------------------------------------------------------
-
-
-def page_keys(tag: str, pages: int, start: int = 0) -> list[str]:
-    """v1 object keys as the backend composes them: 64-hex page hash + "_0_k" / "_0_v"."""
-    out = []
-    for i in range(start, start + pages):
-        h = hashlib.sha256(f"{tag}/{i}".encode()).hexdigest()
-        out.append(h + "_0_k")
-        out.append(h + "_0_v")
-    return out
 
 
 def store_extents(store: PageStore, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -113,7 +114,7 @@ class DriveHealth:
             if self._busy[op] == 0:
                 self.busy_s[op] += time.perf_counter() - self._busy_from[op]
 
-    def check_counters(self, before: dict, after: dict, what: str) -> None:
+    def check_counters(self, before: Mapping, after: Mapping, what: str) -> None:
         """Degrade when the store counted failed ops during a call (EIO, ENOSPC on a write, ...)."""
         grown = {k: after.get(k, 0) - before.get(k, 0) for k in ERROR_COUNTERS}
         grown = {k: v for k, v in grown.items() if v > 0}
@@ -163,13 +164,14 @@ async def reads_back(st, h: DriveHealth) -> bool:
     if ext is None:
         return True
     buf = np.empty(ext.length, dtype=np.uint8)
-    before = dict(st._counters)
+    before = dict(st.counters())
     h.begin("probe")
     try:
         ok = (await st.get_many([key], [buf]))[0]
     finally:
         h.end("probe")
-    errors = any(st._counters.get(k, 0) > before.get(k, 0) for k in ("io_errors_read", "timeouts"))
+    after = st.counters()
+    errors = any(after.get(k, 0) > before.get(k, 0) for k in ("io_errors_read", "timeouts"))
     return bool(ok) and not errors
 
 

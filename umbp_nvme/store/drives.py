@@ -25,14 +25,16 @@ import dataclasses
 import logging
 import os
 
-from ..config import StoreConfig
+from ..config import StoreConfig, parse_roots
 from ..errors import (
     CapacityShrinkError, DriveNotMountedError, NamespaceMismatchError, ReadOnlyStoreError, StoreError,
     StoreLockedError, UnsafeStorePathError,
 )  # fmt: skip
+from ..keys import page_of as default_page_of
 from . import placement
 from .checks import begin_call
 from .clock import GenerationClock
+from .counters import COUNTERS
 from .drive_clock import newest
 from .drive_health import FULL, UNMOUNTED, DriveHealth
 from .drive_probe import DriveProbes
@@ -41,7 +43,6 @@ from .drive_sessions import SessionSteps
 from .drive_set import drive_capacities, note_drive_set, write_drive_set
 from .mapped import unusable_range
 from .mounts import unmounted_reason
-from .page_store import COUNTERS, PageStore
 
 log = logging.getLogger("umbp_nvme.store")
 
@@ -64,28 +65,31 @@ def _drive_failure(e: BaseException) -> bool:
 
 
 class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
-    """PageStore's calls over several roots. Create with ``await MultiDriveStore.open(roots, ...)``."""
+    """PageStore's calls over several roots. Create with ``await PageStore.open(roots, ...)``."""
 
     _closed_logged = False
 
     @classmethod
     async def open(
-        cls, roots, config: StoreConfig | None = None, *, readonly: bool = False, namespace: dict | None = None,
-        capacity_from_manifest: bool = False, shrink: bool = False, engine_factory=None, page_of=None,
-        probe_interval_s: float = PROBE_INTERVAL_S,
+        cls, roots, config: StoreConfig | None = None, *, open_drive, readonly: bool = False,
+        namespace: dict | None = None, capacity_from_manifest: bool = False, shrink: bool = False,
+        engine_factory=None, page_of=None, probe_interval_s: float = PROBE_INTERVAL_S,
     ) -> "MultiDriveStore":  # fmt: skip
-        """Open (a writer creates) one PageStore per root; see PageStore.open for the arguments.
+        """Open (a writer creates) one PageStore per root; PageStore.open calls this for several
+        roots (see it for the arguments), handing over ``open_drive(root, config, **kw)``, its
+        single-root open.
 
         A root that cannot be opened for a reason of its own (I/O error, missing, damaged) is a
         degraded drive and the others open; so is a root whose drive looks unmounted (mounts.py),
         which is not touched at all. A configuration error (namespace, lock, shrink) raises.
-        ``page_of(key) -> page hash`` (default placement.page_of) decides placement.
+        ``page_of(key) -> page hash`` (default keys.page_of) decides placement.
         """
         self = cls.__new__(cls)
         config = config or StoreConfig()
-        self.roots = [os.path.abspath(r) for r in placement.parse_roots(roots)]
+        self.roots = [os.path.abspath(r) for r in parse_roots(roots)]
         self.config, self.readonly, self._closed = config, readonly, False
-        self._page_of = page_of or placement.page_of
+        self._page_of = page_of or default_page_of
+        self._open_one = open_drive
         self._ids = [placement.drive_id(r) for r in self.roots]
         self.health = [DriveHealth(i, r) for i, r in enumerate(self.roots)]
         self.probe_interval_s = float(probe_interval_s)
@@ -99,12 +103,12 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
                              clock=None if readonly else GenerationClock())  # one clock: generations compare across drives
         self._caps, self._ranges = caps, []
         opened = await asyncio.gather(*(self._first_open(i) for i in range(len(self.roots))), return_exceptions=True)
-        self.stores: list[PageStore | None] = []
+        self.stores: list = []  # one PageStore per root, None while that drive is not open
         fatal = next((e for e in opened if isinstance(e, BaseException) and not _drive_failure(e)), None)
         if fatal is None and all(isinstance(e, BaseException) for e in opened):
             fatal = opened[0]
         if fatal is not None:
-            await asyncio.gather(*(s.close() for s in opened if isinstance(s, PageStore)), return_exceptions=True)
+            await asyncio.gather(*(s.close() for s in opened if not isinstance(s, BaseException)), return_exceptions=True)
             raise fatal
         for i, s in enumerate(opened):
             if isinstance(s, DriveNotMountedError):  # re-checked by the probe (drive_probe._reopen)
@@ -141,7 +145,7 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
     def _open_drive(self, i: int):
         r = self.roots[i]
         cfg = dataclasses.replace(self.config, ssd_storage_dir=r, ssd_capacity_bytes=self._caps[i])
-        return PageStore.open(r, cfg, **self._open_kw)
+        return self._open_one(r, cfg, **self._open_kw)
 
     # ----------------------------------------------------------------------------- routing
 
@@ -254,8 +258,8 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
 
     async def _on_drive(self, d: int, op: str, idx: list[int], results: list, call) -> None:
         st, h = self.stores[d], self.health[d]
-        before = dict(st._counters)
-        full_before = st._space_limit_segments is not None
+        before = dict(st.counters())
+        full_before = st.space_limit_segments is not None
         h.begin(op)
         timer = asyncio.get_running_loop().call_later(
             st.timeout_s, h.degrade, "stall", f"{op} of {len(idx)} objects had no completion within "
@@ -269,10 +273,10 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
         finally:
             timer.cancel()
             h.end(op)
-        if op == "put" and not full_before and st._space_limit_segments is not None:
+        if op == "put" and not full_before and st.space_limit_segments is not None:
             h.degrade(FULL, "its file system is full (ENOSPC)")  # its failed writes were the fullness
         else:
-            h.check_counters(before, st._counters, op)
+            h.check_counters(before, st.counters(), op)
         for j, ok in zip(idx, out):
             results[j] = bool(ok)
 
@@ -417,12 +421,3 @@ def merged_stats(per: list[dict], unrouted_gets: int) -> dict:
     out["gets"] = out.get("gets", 0) + unrouted_gets  # keys no drive had: misses nobody counted
     out["misses"] = out.get("misses", 0) + unrouted_gets
     return out
-
-
-async def open_store(path, config: StoreConfig | None = None, **kw):
-    """A PageStore for one root, a MultiDriveStore for several (see placement.parse_roots)."""
-    page_of = kw.pop("page_of", None)
-    roots = placement.parse_roots(path)
-    if len(roots) == 1:
-        return await PageStore.open(roots[0], config, **kw)
-    return await MultiDriveStore.open(roots, config, page_of=page_of, **kw)

@@ -27,29 +27,13 @@ import os
 import threading
 import time
 
-from . import index as _ix
+from ..errors import StoreError
+from .file_ident import file_id
+from .index import Index
 
 log = logging.getLogger("umbp_nvme.store")
 
 RETRY_S = 0.05  # a reopen that failed with the path unchanged is tried again at most this often
-
-
-def file_id(path: str) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of the file at ``path`` (symlinks followed, as LMDB does); None when it is missing."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def opened_id(path: str, before: tuple[int, int] | None, *, created: bool) -> tuple[int, int] | None:
-    """The identity of the file an ``lmdb.open`` of ``path`` just mapped, given ``file_id`` taken just
-    before it: the file at the path, when it was there all along or this open created it (a writer,
-    which holds the store's lock: nobody else replaces the file meanwhile); None when another
-    process replaced it during the open (the caller closes that environment and tries again)."""
-    after = file_id(path)
-    return after if before == after or (before is None and created) else None
 
 
 def _signature(path: str):
@@ -58,15 +42,6 @@ def _signature(path: str):
     except OSError:
         return None
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def held_id(ix) -> tuple[int, int] | None:
-    """The identity of the file ``ix`` (an index.Index) maps, from its environment's entry."""
-    with _ix._ENVS_LOCK:
-        for entry in (*_ix._ENVS.values(), *_ix._DETACHED):
-            if entry[0] is ix._env:
-                return entry[3]
-    return None
 
 
 def _marked(ix) -> bool:
@@ -86,7 +61,7 @@ class IndexWatch:
         self._path = store._index.path
         self._map_size = map_size
         self._lock = threading.Lock()
-        self._held = held_id(store._index)
+        self._held = store._index.file_identity()
         self._ready = False  # the held file was seen marked by its writer
         self._stale = False  # the path names another file now (it never names ours again)
         self._users: dict[int, int] = {}  # id(Index) -> lookups running on it
@@ -177,13 +152,13 @@ class IndexWatch:
         if self._failed is not None and self._failed[0] == sig and time.monotonic() - self._failed[1] < RETRY_S:
             return None
         try:
-            ix = _ix.Index(self._path, readonly=True, map_size=self._map_size, durable=False, wait_s=0.0)
-        except (OSError, _ix.StoreError) as e:
+            ix = Index(self._path, readonly=True, map_size=self._map_size, durable=False, wait_s=0.0)
+        except (OSError, StoreError) as e:
             self._failed = (sig, time.monotonic())
             log.info("%s: the index was replaced; its new file cannot be opened yet (%s)", self._path, e)
             return None
         self._failed = None
-        return ix, held_id(ix)
+        return ix, ix.file_identity()
 
     def close(self) -> None:
         """Close the handles besides ``store._index`` (the store closes that one): the new file's while

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..buffers import AlignedBuffer
 from ..keybytes import encode_key, key_error
-from . import staging
+from . import admit_gate, staging
 from .checks import Refusals, begin_call, plain_keys
 from .index import FLAG_CRC, REC_BYTES, REC_DTYPE
 from .staging import settle, wait_out
@@ -126,6 +126,8 @@ class GetPath:
         self._counters["gets"] += n
         self._counters["hits"] += hits
         self._counters["misses"] += n - hits
+        if hits:
+            admit_gate.used(self, keys, results)
         return results
 
     def exists_many_nowait(self, keys: list[str]) -> list[bool]:

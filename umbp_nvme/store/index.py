@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import IndexDamagedError, StoreError
 from ..keybytes import decode_keys
 from .index_check import _IndexFileDamage, check_index_file, check_own_file  # noqa: F401 - re-exported
-from . import follower
+from .file_ident import file_id, opened_id
 
 log = logging.getLogger("umbp_nvme.index")  # the name operators know; kept across the move
 
@@ -109,7 +109,7 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
     real = os.path.realpath(path)
     with _ENVS_LOCK:
         entry = _ENVS.get(real)
-        if entry is not None and entry[3] != follower.file_id(path):  # replaced by another process: never share it
+        if entry is not None and entry[3] != file_id(path):  # replaced by another process: never share it
             _DETACHED.append(_ENVS.pop(real))
             entry = None
         if entry is not None:
@@ -129,7 +129,7 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
         except FileNotFoundError:
             if readonly:
                 raise FileNotFoundError(f"no store index at {path}; a writer must create the store first") from None
-        before = follower.file_id(path)
+        before = file_id(path)
         env = lmdb.open(
             path,
             subdir=False,
@@ -146,7 +146,7 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
             metasync=durable,
             readahead=False,
         )
-        ident = follower.opened_id(path, before, created=not readonly)
+        ident = opened_id(path, before, created=not readonly)
         if ident is None:  # another process replaced the file during the open: which one LMDB maps is unknown
             env.close()
             raise _IndexFileDamage("replaced by its writer while it was being opened", 0)
@@ -405,6 +405,14 @@ class Index:
                 txn.cursor(db=self._objects).putmulti(puts, overwrite=True)
             if next_generation is not None:
                 txn.put(_META_NEXT_GEN, _U64.pack(next_generation), db=self._meta)
+
+    def file_identity(self) -> tuple[int, int] | None:
+        """(st_dev, st_ino) of the file this handle's environment maps (follower.py compares it to the path's)."""
+        with _ENVS_LOCK:
+            for entry in (*_ENVS.values(), *_DETACHED):
+                if entry[0] is self._env:
+                    return entry[3]
+        return None
 
     def writer_state(self) -> bytes | None:
         """What the last writer left: b"clean" after a clean close, b"open:<boot id>" while open."""

@@ -22,13 +22,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from ..config import StoreConfig, parse_roots
 from ..errors import ReadOnlyStoreError
 from ..keybytes import encode_key
 from .checks import begin_call
+from .counters import new_counters
 from .deletes import DeleteSteps
+from .drives import PROBE_INTERVAL_S, MultiDriveStore
 from .get_path import GetPath
 from .mapped import unusable_range
 from .memory import Ranges
@@ -49,11 +53,6 @@ class Extent(NamedTuple):
     length: int
     depth: int  # -1 when put without depths
 
-COUNTERS = (
-    "puts", "put_dedup", "put_failed", "gets", "hits", "misses", "crc_errors", "evictions", "deletes",
-    "bytes_written", "bytes_read", "timeouts",
-    "io_errors_read", "io_errors_write", "io_errors_sync",  # ops that failed with an errno, syncs that raised
-)  # fmt: skip
 
 
 class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, IoWaits, DeleteSteps):
@@ -64,6 +63,10 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     _space_limit_segments = None  # segments with files when one could not be created (ENOSPC)
     _space_retry_at = 0.0
     _rows = None  # writers: the row table (rows.py)
+    _alloc = None  # writers: the extent allocator (segments.py), set once the open has sized the segments
+    _clock = None  # writers: the generation clock (clock.py), set once the index is open
+    _watch = None  # read-only openers: the watch that follows a writer's index replacements (follower.py)
+    open_seconds: float | None = None  # how long the open took, once it succeeded
     _residency = None  # kv_residency.Residency: told which keys became visible / invisible (KV events)
 
     @classmethod
@@ -78,7 +81,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         shrink: bool = False,
         engine_factory=None,
         clock=None,
-    ) -> "PageStore":
+        page_of=None,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+    ) -> "PageStore | MultiDriveStore":
         """Open (a writer creates) the store at ``path``.
 
         Capacity (writers): the manifest records the ``ssd_capacity_bytes`` the store runs with.
@@ -90,7 +95,11 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         synced first, then the files) and records the new capacity.
 
         ``path`` may list several roots (a list, a JSON list, a comma-separated string): the
-        result is then a ``drives.MultiDriveStore`` with the same calls, one PageStore per drive.
+        result is then a ``drives.MultiDriveStore`` with the same calls, one PageStore per drive,
+        placing pages by ``page_of(key) -> page hash`` (default ``keys.page_of``) and probing
+        degraded drives every ``probe_interval_s``. This is the one place that decides how many
+        roots a path names; the drives are opened through ``_open_root``, handed to
+        MultiDriveStore so that drives.py does not import this module.
 
         ``engine_factory``: ``async (backend, queue_depth) -> IoEngine``, called once per engine
         (two for a writer: reads and writes); default ``engine.open_engine``. Tests and fault
@@ -110,16 +119,18 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         of a damaged index; a writer moves it aside instead), TypeError for a config that is not
         a StoreConfig, and OSError when the directory cannot be created or locked.
         """
-        if not isinstance(path, (str, os.PathLike)) or "," in os.fspath(path) or os.fspath(path).lstrip()[:1] == "[":
-            roots = parse_roots(path)
-            if len(roots) > 1:
-                from .drives import MultiDriveStore  # several roots: one PageStore per drive
+        kw = dict(readonly=readonly, namespace=namespace, capacity_from_manifest=capacity_from_manifest,
+                  shrink=shrink, engine_factory=engine_factory)  # fmt: skip
+        roots = parse_roots(path)  # a plain path is one root; an empty one is refused
+        if len(roots) > 1:
+            return await MultiDriveStore.open(roots, config, open_drive=cls._open_root, page_of=page_of,
+                                              probe_interval_s=probe_interval_s, **kw)  # fmt: skip
+        return await cls._open_root(roots[0], config, clock=clock, **kw)
 
-                return await MultiDriveStore.open(
-                    roots, config, readonly=readonly, namespace=namespace, shrink=shrink,
-                    capacity_from_manifest=capacity_from_manifest, engine_factory=engine_factory,
-                )  # fmt: skip
-            path = roots[0]
+    @classmethod
+    async def _open_root(cls, path, config, *, readonly, namespace, capacity_from_manifest, shrink, engine_factory,
+                         clock=None) -> "PageStore":  # fmt: skip
+        """Open one root (one drive): PageStore.open's single-directory half."""
         self = cls.__new__(cls)
         self._init_state()
         self._clock_given = clock
@@ -141,7 +152,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         self._late_writes = 0  # write batches that outlived io_timeout_s and still hold slots
         self._idle = asyncio.Event()
         self._idle.set()
-        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._counters = new_counters()
 
     async def close(self) -> None:
         """Wait for calls in flight, make everything durable (a clean close), release the lock.
@@ -180,7 +191,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         self._release_resources()
 
     def _release_resources(self) -> None:
-        clock = getattr(self, "_clock", None)
+        clock = self._clock
         if clock is not None and self._index is not None:
             clock.leave(self._index.set_generation_bound)
         for e in self._engines:
@@ -189,7 +200,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             except Exception:  # noqa: BLE001
                 pass
         self._engines = []
-        gate, self._gds_gate = getattr(self, "_gds_gate", None), None
+        gate, self._gds_gate = self._gds_gate, None
         if gate is not None:
             if gate.engine is not None and self._files is not None:
                 for f in list(self._files.files.values()):  # a precreate() may still be installing one
@@ -206,7 +217,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
                 self._index = None
             self._index_pool.shutdown(wait=False)
             self._index_pool = None
-        if getattr(self, "_watch", None) is not None:
+        if self._watch is not None:
             self._watch.close()  # a follower's other index handles (follower.py)
         if self._index is not None:
             self._index.close()
@@ -434,6 +445,15 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
 
     # ----------------------------------------------------------------------------- stats
 
+    def counters(self) -> Mapping[str, int]:
+        """The counters (counters.COUNTERS), live and read-only: ``dict(store.counters())`` is a snapshot."""
+        return MappingProxyType(self._counters)
+
+    @property
+    def space_limit_segments(self) -> int | None:
+        """Segments with files when the file system refused another (ENOSPC); None while it has room."""
+        return self._space_limit_segments
+
     def stats(self) -> dict:
         """Counters (puts, hits, misses, evictions, errors, ...) and state (capacity, objects, bytes
         used, engine, O_DIRECT, durability) as one dict of plain values. Never touches the disk."""
@@ -450,13 +470,13 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             verify_crc=self.verify_crc,
             engine=self._read_engine.capabilities.name if self._engines else None,
             o_direct=self._files.any_direct if self._files is not None else None,
-            open_seconds=round(self.open_seconds, 4) if hasattr(self, "open_seconds") else None,
+            open_seconds=None if self.open_seconds is None else round(self.open_seconds, 4),
             index_bytes=self._index.file_bytes() if self._index is not None else 0,
             stalled_ops=self._stalled_ops,
             late_completions=self._late_completions,
             stalled_wait_s=round(self._stalled_wait_s, 3),
         )
-        if not self.readonly and hasattr(self, "_alloc"):
+        if self._alloc is not None:  # a writer whose open built its allocator
             s.update(
                 objects=len(self._keys),
                 bytes_used=self._alloc.used_bytes,

@@ -1,7 +1,8 @@
-"""Which drive a page lives on: the page hash of a key, rendezvous hashing over drives.
+"""Which drive a page lives on: rendezvous hashing of its page hash over drives.
 
 All component objects of one page (K, V, side pools, every rank suffix) share the page hash, so
-they land on one drive and a lost drive costs whole pages. Rendezvous (highest random weight)
+they land on one drive and a lost drive costs whole pages. The page hash comes from the caller's
+``page_of`` (keys.page_of by default: key formats live in keys.py). Rendezvous (highest random weight)
 hashing (a per-drive lane of the page hash XOR the drive's salt) gives each page a stable order over the drives;
 drives.MultiDriveStore uses it to break ties when it spreads a batch evenly, and lookups search every drive, so a restart, an added drive
 or a page written while its drive was degraded is always found.
@@ -11,35 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
-
-from ..config import parse_roots  # noqa: F401 - the root list lives with the config that carries it
-
-_HASH_RE = re.compile(r"(?:^|_)([0-9a-fA-F]{64})(?=_|$)")  # SGLang page hashes are 64 hex digits
-_HEAD_RE = re.compile(r"[0-9a-fA-F]{64}(?=_|$)")  # the common case: the key starts with it
-FLAT_PREFIX = "flat_"
-
-
-def page_of(key: str, config_prefix: str | None = None) -> str:
-    """The page hash part of a component key (the part before the rank / MLA / pool suffixes).
-
-    A 64-hex-digit run is the page hash wherever it sits (side-pool keys carry a config prefix
-    in front of it); otherwise the config prefix and the legacy ``flat_`` prefix are removed
-    and the part before the first ``_`` is the page.
-    """
-    m = _HEAD_RE.match(key)
-    if m is not None:
-        return m.group(0)
-    m = _HASH_RE.search(key)
-    if m is not None:
-        return m.group(1)
-    if config_prefix and key.startswith(config_prefix + "_"):
-        key = key[len(config_prefix) + 1:]
-    if key.startswith(FLAT_PREFIX):
-        key = key[len(FLAT_PREFIX):]
-    head, _, _ = key.partition("_")
-    return head or key
-
 
 _LANES = 8  # independent 64-bit weights per page hash (one blake2b call gives all of them)
 

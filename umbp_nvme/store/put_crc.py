@@ -13,10 +13,12 @@ Jobs go to long-lived worker threads, one per policy while jobs come one at a ti
 closed store leaves no thread behind for long). A thread per job cost the loop 2-4 ms
 per put batch on a busy 2-core machine: ``Thread.start`` waits until the new thread has run, and
 that stall sat in front of every get arriving meanwhile (docs/benchmarks.md, "the loop's stalls").
-``CRC_POLICY`` says how the worker lowers its priority, chosen by measurement (docs/benchmarks.md):
-``idle`` = SCHED_IDLE, ``batch`` = SCHED_BATCH at nice ``CRC_NICE``, ``nice`` = nice ``CRC_NICE``,
-``normal`` = no change (a control for benchmarks). A thread id's policy is its own on Linux
-(``sched_setscheduler(0, ...)`` / ``setpriority(PRIO_PROCESS, tid, ...)`` from the thread).
+The store's config says whether the worker is used (``ssd_crc_worker``) and how it lowers its
+priority (``ssd_crc_policy``, chosen by measurement, docs/benchmarks.md): ``idle`` = SCHED_IDLE,
+``batch`` = SCHED_BATCH at nice ``ssd_crc_nice``, ``nice`` = nice ``ssd_crc_nice``, ``normal`` = no
+change (a control for benchmarks). The threads are shared by every store of the process, one pool
+per (policy, nice). A thread id's policy is its own on Linux (``sched_setscheduler(0, ...)`` /
+``setpriority(PRIO_PROCESS, tid, ...)`` from the thread).
 """
 
 from __future__ import annotations
@@ -28,17 +30,15 @@ import os
 import queue
 import threading
 
+from ..config import CRC_POLICIES
+
 log = logging.getLogger("umbp_nvme.store")
 
-CRC_POLICIES = ("idle", "batch", "nice", "normal")
-CRC_POLICY = "nice"  # read as each job's thread starts (bench mixed --crc-policy sets it first)
-CRC_NICE = 19
-CRC_WORKER = True  # False: the split by batch size alone, as before the worker (bench sweeps)
 IDLE_EXIT_S = 2.0  # a worker with no job for this long ends
 CRC_WORKERS_MAX = min(8, os.cpu_count() or 1)  # worker threads per policy at most
 
 
-def lower_priority(policy: str, nice: int = CRC_NICE) -> str:
+def lower_priority(policy: str, nice: int) -> str:
     """Lower the calling thread's CPU priority as ``policy`` says; returns what was applied
     ("normal" where the kernel refused: the CRC still runs, only without the lower priority)."""
     if policy not in CRC_POLICIES:
@@ -75,8 +75,8 @@ class _Workers:
     for it to run) when a job would otherwise wait, up to CRC_WORKERS_MAX (several drives' puts in
     one process checksum side by side); each ends after IDLE_EXIT_S without a job."""
 
-    def __init__(self, policy: str):
-        self.policy = policy
+    def __init__(self, policy: str, nice: int):
+        self.policy, self.nice = policy, nice
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.threads = 0
@@ -97,7 +97,7 @@ class _Workers:
 
     def _run(self) -> None:
         try:
-            applied = lower_priority(self.policy)
+            applied = lower_priority(self.policy, self.nice)
         except Exception:  # noqa: BLE001 - an unknown policy: run the queued jobs anyway, never strand them
             log.exception("CRC worker: policy %r not applied; it runs at normal priority", self.policy)
             applied = "normal"
@@ -127,7 +127,7 @@ class _Workers:
                 pass
 
 
-_workers: dict[str, _Workers] = {}
+_workers: dict[tuple[str, int], _Workers] = {}  # (policy, nice) -> its threads
 _workers_lock = threading.Lock()
 
 
@@ -141,14 +141,15 @@ def _forget_workers() -> None:
 os.register_at_fork(after_in_child=_forget_workers)
 
 
-def run_low(fn, *args) -> asyncio.Future:
-    """``fn(*args)`` on the low-priority worker; the future is resolved on the caller's loop once
-    ``fn`` has returned (so once it no longer reads the caller's memory)."""
+def run_low(fn, *args, policy: str, nice: int) -> asyncio.Future:
+    """``fn(*args)`` on a worker at CPU ``policy`` (and ``nice``); the future is resolved on the
+    caller's loop once ``fn`` has returned (so once it no longer reads the caller's memory)."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
     _Count.jobs += 1
+    key = (policy, nice)
     with _workers_lock:
-        worker = _workers.get(CRC_POLICY) or _workers.setdefault(CRC_POLICY, _Workers(CRC_POLICY))
+        worker = _workers.get(key) or _workers.setdefault(key, _Workers(policy, nice))
     worker.submit((loop, fut, fn, args))
     return fut
 
@@ -162,14 +163,15 @@ def _resolve(fut: asyncio.Future, res, exc) -> None:
         fut.set_result(res)
 
 
-def dispatch(arbiter, crc_many, src, nbytes, out, inline_max: int):
+def dispatch(arbiter, crc_many, src, nbytes, out, inline_max: int, config):
     """Start a put batch's CRCs (``crc_many(src, nbytes, out)``) where they cannot hold up a get.
 
     Returns the job's future, or None when the caller runs them on the loop thread (no reads
     about and at most ``inline_max`` bytes). ``arbiter``: the store's (None when slicing is off:
-    then, as with ``ssd_read_priority=off``, reads are not tracked and today's split stays)."""
-    if CRC_WORKER and arbiter is not None and arbiter.reads_about():
-        return run_low(crc_many, src, nbytes, out)
+    then, as with ``ssd_read_priority=off``, reads are not tracked and today's split stays).
+    ``config``: the store's StoreConfig (its ``ssd_crc_*`` settings)."""
+    if config.ssd_crc_worker and arbiter is not None and arbiter.reads_about():
+        return run_low(crc_many, src, nbytes, out, policy=config.ssd_crc_policy, nice=config.ssd_crc_nice)
     if int(nbytes.sum()) > inline_max:
         return asyncio.get_running_loop().run_in_executor(None, crc_many, src, nbytes, out)
     return None

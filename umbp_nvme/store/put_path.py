@@ -20,7 +20,7 @@ from .index import FLAG_CRC, REC_BYTES
 from .layout import SLOT_ALIGN_BYTES
 from .checks import Refusals, begin_call, plain_keys
 from .memory import int_arg
-from . import put_crc, staging
+from . import admit_gate, put_crc, staging
 from .staging import settle, wait_out
 
 log = logging.getLogger("umbp_nvme.store")
@@ -123,6 +123,7 @@ class PutPath:
             # before this batch evicts anything: SGLang re-puts the prefixes it keeps hot
             self._counters["put_dedup"] += len(again)
             self._rows.tick[again] = self._tick()
+            admit_gate.used(self, [self._rows.key[r] for r in again])
         if host[0]:
             todo, addrs, lens = host
             await self._write_objects(
@@ -218,6 +219,9 @@ class PutPath:
 
         ``todo``: int64 key index per object; ``addrs`` uint64, ``lens`` int64, one per object.
         """
+        todo, addrs, lens = admit_gate.screen(self, keys, todo, addrs, lens, results)  # admission (issue 26)
+        if not len(todo):
+            return
         segs, offs, failed_create = await self._reserve(lens)
         have = segs >= 0
         stuck = await self._retire_changed(segs[have], lens[have]) if have.any() else ()
@@ -274,7 +278,8 @@ class PutPath:
             # executor and a small one's on the loop once the write is submitted (below), as the
             # hand-off to a thread and back costs ~200 us of CPU. See put_crc.py.
             b.crc_out = np.empty(m, np.uint32)
-            b.crc_job = put_crc.dispatch(self._arbiter, self._crc32c_many, b.src, b.nbytes, b.crc_out, INLINE_CRC_BYTES)
+            b.crc_job = put_crc.dispatch(self._arbiter, self._crc32c_many, b.src, b.nbytes, b.crc_out,
+                                         INLINE_CRC_BYTES, self.config)
         if plan.bounced:
             # the thread owns the bounce buffer until it returns, even if our caller gives up
             await wait_out(loop.run_in_executor(None, plan.copy_in))

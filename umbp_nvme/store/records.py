@@ -210,12 +210,17 @@ class RecordAreas:
         touched: set[tuple[int, int]] = set()
         undo = []
         segs = np.asarray(segs, np.int64)
-        idx = slot_index(np.asarray(offs), np.asarray(lens))
+        lens = np.asarray(lens, np.int64)
+        idx = slot_index(np.asarray(offs), lens)
         for s in np.unique(segs).tolist():
             self._ensure(s)
             a = self.areas.get(s)
             if a is None:
-                continue
+                # a segment not used yet this session whose rows are all leaving: its area is built
+                # from the live rows, so it is empty in memory while its blocks on disk still hold
+                # these records; build it for their class, and the zeros below get written
+                m = np.flatnonzero(segs == s)[0]
+                a = self._area(s, int(-(-int(lens[m]) // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES))
             js = idx[segs == s]
             js = js[js < len(a)]
             av = a.view(_WHOLE)

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -38,11 +39,30 @@ class SpaceSteps:
             eff = self._effective_capacity()
             high = min(high, int(eff * self.config.ssd_high_watermark))
             low = min(low, int(eff * self.config.ssd_low_watermark))
+        # never above what the slots can hold: each segment's tail keeps its records (1/16 of a
+        # 4 KiB block per slot: 6 % of a segment of 4 KiB objects), so a high watermark near 1 over
+        # the raw capacity would never be reached and the allocator would run out first
+        slots = self._slot_capacity()
+        if high > slots:
+            high, low = slots, max(0, min(low, slots - (high - low)))
         if used + need_bytes <= high:
             return
         victims = eviction.victims(eviction.POLICIES[self.config.eviction_policy], self._rows, used + need_bytes - low)
         if victims:
             await self._drop_rows(victims, evicted=True)
+
+    def _slot_capacity(self) -> int:
+        """Bytes the segments' slots hold: a segment of a size class holds its slots, a free
+        one counts whole. Recounted when a segment is taken or given back."""
+        a = self._alloc
+        key = a.free_segments()
+        cached = getattr(self, "_slot_cap", None)
+        if cached is None or cached[0] != key:
+            total = 0
+            for cls, n in Counter(a.seg_class).items():
+                total += n * (a.slots(cls) * cls if cls else a.segment_bytes)
+            cached = self._slot_cap = (key, total)
+        return cached[1]
 
     def _try_grow(self) -> None:
         """Running below capacity after ENOSPC: create the next segment file if the file system

@@ -17,7 +17,7 @@ import threading
 import time
 
 from ..config import StoreConfig
-from .drives import MultiDriveStore, open_store
+from .drives import MultiDriveStore
 from .page_store import PageStore
 
 log = logging.getLogger("umbp_nvme.sync_store")  # the name operators know; kept across the move
@@ -58,7 +58,7 @@ class SyncPageStore:
         self.metrics = None  # a metrics.StoreWatch while exported: times each batch call
         try:
             self.store: PageStore | MultiDriveStore = self._call(
-                open_store(
+                PageStore.open(
                     path, config, readonly=readonly, namespace=namespace, page_of=page_of,
                     capacity_from_manifest=capacity_from_manifest, shrink=shrink, engine_factory=engine_factory,
                 )  # fmt: skip

@@ -1,0 +1,14 @@
+"""The counters every store keeps (``stats()`` reports them; ``drives.py`` sums them over drives)."""
+
+from __future__ import annotations
+
+COUNTERS = (
+    "puts", "put_dedup", "put_failed", "gets", "hits", "misses", "crc_errors", "evictions", "deletes",
+    "bytes_written", "bytes_read", "timeouts",
+    "io_errors_read", "io_errors_write", "io_errors_sync",  # ops that failed with an errno, syncs that raised
+)  # fmt: skip
+
+
+def new_counters() -> dict[str, int]:
+    """A store's counters at open: every name at 0."""
+    return dict.fromkeys(COUNTERS, 0)
