@@ -34,6 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .keys import hash_str_to_int64  # noqa: F401 - part of this module's interface (tests, bench)
+
 log = logging.getLogger(__name__)
 
 MEDIUM_DISK = "DISK"
@@ -54,12 +56,6 @@ KEYS = (
     "kv_events_endpoint", "kv_events_topic", "kv_events_replay_endpoint", "kv_events_queue_max",
     "kv_events_buffer_steps", "kv_events_reannounce", "kv_events_engine_endpoint",
 )  # fmt: skip
-
-
-def hash_str_to_int64(page_key: str) -> int:
-    """SGLang's event hash of a page key: its first 16 hex digits as a signed int64."""
-    v = int(page_key[:16], 16)
-    return v - (1 << 64) if v >= (1 << 63) else v
 
 
 def offset_endpoint_port(endpoint: Optional[str], dp_rank: int) -> Optional[str]:

@@ -26,7 +26,7 @@ from array import array
 from collections import OrderedDict, deque
 from typing import Optional
 
-from .kv_events import hash_str_to_int64
+from .keys import hash_str_to_int64
 
 log = logging.getLogger(__name__)
 
