@@ -247,6 +247,13 @@ class KeyScheme:
         return self.side_pool_keys(page_hashes, pool_name, registry.get(pool_name), rank_suffix)
 
 
+def hash_str_to_int64(page_key: str) -> int:
+    """SGLang's KV-event hash of a page key (``sglang.srt.mem_cache.utils.hash_str_to_int64``):
+    its first 16 hex digits as a signed int64."""
+    v = int(page_key[:16], 16)
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
 def page_of(key: str, config_prefix: str | None = None) -> str:
     """The page hash part of a component key (the part before the rank / MLA / pool suffixes).
 
@@ -372,9 +379,3 @@ def rank_subdir(storage_config: Any, env: Mapping[str, str] | None = None) -> st
         if u != 0:
             parts.append(f"rank{u}")
     return "_".join(parts)
-
-
-def hash_str_to_int64(page_key: str) -> int:
-    """SGLang's KV-event hash of a page key (kv_events.py): its first 16 hex digits as a signed int64."""
-    v = int(page_key[:16], 16)
-    return v - (1 << 64) if v >= (1 << 63) else v

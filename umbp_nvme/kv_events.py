@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .keys import hash_str_to_int64  # noqa: F401 - the event hash, re-exported for the relay's callers
+from .keys import hash_str_to_int64  # noqa: F401 - part of this module's interface (tests, bench)
 
 log = logging.getLogger(__name__)
 

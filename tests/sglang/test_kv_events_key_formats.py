@@ -17,7 +17,7 @@ from support.kv_sub import Sub, stored, stored_hashes
 ns = E.require_sglang()
 from sglang.srt.mem_cache.utils import hash_str_to_int64 as wheel_hash  # noqa: E402
 
-from umbp_nvme.store.placement import page_of  # noqa: E402
+from umbp_nvme.keys import page_of  # noqa: E402
 
 PAGES = 6
 

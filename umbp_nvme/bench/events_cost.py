@@ -50,11 +50,11 @@ class Backend:
         from ..sglang_stores import start_events, stop_events
 
         if on and self.be._publisher is None:
-            start_events(self.be, self.be.store)
+            start_events(self.be._seam, self.be.store)
             if self.be._publisher is None:
                 raise RuntimeError("the KV event publisher did not start (see the log)")
         elif not on and self.be._publisher is not None:
-            stop_events(self.be, self.be.store)
+            stop_events(self.be._seam, self.be.store)
 
     def round(self) -> tuple:
         """(put Sample, get Sample) of one round of new pages."""
