@@ -95,14 +95,9 @@ def _load_config(args):
 
 
 def _writer_config(args):
-    """_load_config for a command that opens the store as its writer: a capacity given on the
-    command line that the file system cannot hold is said at once (fs_room.py)."""
-    from .fs_room import warn_if_short
-
-    cfg = _load_config(args)
-    if _capacity_given(args):
-        warn_if_short(cfg.storage_roots, cfg.ssd_capacity_bytes)
-    return cfg
+    """_load_config for a command that opens the store as its writer (the open itself warns about a
+    capacity the file system cannot hold: store/fs_room.py)."""
+    return _load_config(args)
 
 
 def _capacity_given(args) -> bool:

@@ -19,7 +19,6 @@ from typing import Any
 
 from .buffers import address_of
 from .errors import NamespaceMismatchError, StoreDamagedError, StoreError
-from .fs_room import warn_if_short
 from .keys import FLAT_KEY_PREFIX
 from .store.layout import MANIFEST_FILE as MANIFEST  # a follower opens the leader's store once it exists
 
@@ -114,7 +113,6 @@ def open_main(seam, *, raise_errors: bool):
                 raise
             return None
     else:
-        warn_if_short(seam.store_dirs, seam.config.ssd_capacity_bytes)  # the server's capacity, before it opens
         store = SyncPageStore(
             _paths(seam.store_dirs), backup_config(seam.config), readonly=False, namespace=seam.namespace,
             engine_factory=seam.engine_factory, page_of=seam.page_of,

@@ -155,7 +155,7 @@ def test_sizes_are_binary_and_a_decimal_looking_unit_is_refused_with_the_exact_s
 
 
 def test_a_capacity_past_the_file_system_is_a_warning_naming_both_numbers(demo_store, tmp_path):
-    from umbp_nvme.fs_room import capacity_shortfall
+    from umbp_nvme.store.fs_room import capacity_shortfall
 
     d, _ = demo_store
     free = shutil.disk_usage(tmp_path).free
@@ -254,3 +254,14 @@ def test_bench_store_stall_without_the_fake_drives_tool_says_so_before_it_starts
         f"'{tmp_path / 'fake-drives'}' is not on PATH: give --stall-tool PATH or set FAKE_DRIVES (the drives come "
         "from `fake-drives up 4`)")
     assert os.listdir(tmp_path) == []
+
+
+async def test_the_python_api_warns_at_open_when_the_capacity_cannot_fit(tmp_path, caplog):
+    from umbp_nvme import PageStore, StoreConfig
+
+    cfg = StoreConfig(ssd_capacity_bytes=1 << 50, ssd_segment_size_bytes=256 << 20)
+    with caplog.at_level(logging.WARNING, logger="umbp_nvme"):
+        st = await PageStore.open(str(tmp_path / "s"), cfg)
+        await st.close()
+    warn = [r.getMessage() for r in caplog.records if "is more than the file system" in r.getMessage()]
+    assert len(warn) == 1 and warn[0].startswith(f"capacity {1 << 50} bytes = 1 PiB")

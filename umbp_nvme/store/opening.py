@@ -29,6 +29,7 @@ from .rebuild import boot_id
 from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
 from .mounts import check_mounted
 from .clock import GenerationClock
+from .fs_room import warn_if_short
 from .rows import RowTable
 from .segments import SegmentAllocator, SegmentFiles, segment_name
 
@@ -65,6 +66,8 @@ class OpenSteps:
             if not readonly:
                 self._lock_fd = layout.take_lock(self.path)
             self._open_manifest(cfg, namespace, capacity_from_manifest, shrink)
+            if not readonly:
+                warn_if_short([self.path], self.capacity_bytes)
             self._open_index()
             self._files = SegmentFiles(
                 self.path,

@@ -3,7 +3,8 @@
 A capacity past what the drive holds is accepted (the store shrinks its effective capacity when
 a segment file cannot be made, and keeps caching), but the operator should hear it at open, not
 from a full disk later: one WARNING naming both numbers and the fix. Several roots need nothing
-here: each drive's share is already capped to its file system (store/drive_set.py) with a WARNING.
+here: each drive's share is already capped to its file system (drive_set.py) with a WARNING.
+A writer's open calls it (opening.py), so the Python API, the CLI and the SGLang backend all say it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .sizes import format_bytes
+from ..sizes import format_bytes
 
 log = logging.getLogger("umbp_nvme.store")
 
@@ -19,8 +20,8 @@ log = logging.getLogger("umbp_nvme.store")
 def capacity_shortfall(root: str, capacity_bytes: int) -> str | None:
     """The warning for ``root`` when its file system cannot hold ``capacity_bytes`` (its free space
     plus the store's own segment files), else None; None too when the file system cannot be asked."""
-    from .store.layout import segment_disk_bytes
-    from .store.mounts import nearest_above
+    from .layout import segment_disk_bytes
+    from .mounts import nearest_above
 
     try:
         vfs = os.statvfs(nearest_above(root, os.path.exists))
