@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, payload, small_config
+from support import version_crash
 from support.faults import FaultPlan, FaultRule
-from umbp_nvme.maintenance import rebuild_index_dir
-from umbp_nvme.store import PageStore, layout
-from umbp_nvme.store.index import INDEX_FILE, Index
+from umbp_nvme.store import PageStore
+from umbp_nvme.store.index import INDEX_FILE
 from umbp_nvme.store.rebuild import rebuild_records
 
 OBJ = 4096  # 240 slots per 1 MiB segment: 240 objects fill segment 0
 SEG = 1 << 20
-ROUTES = ["power_loss", "index_lost", "index_damaged", "verify"]
+ROUTES = list(version_crash.ROUTES)
 
 
 def cfg(**kw):
@@ -41,6 +41,7 @@ import asyncio, os, signal, sys
 sys.path[:0] = [{root!r}, {tests!r}]
 import numpy as np
 from conftest import payload, small_config
+from support import version_crash
 from support.faults import FaultPlan, FaultRule
 from umbp_nvme.store import PageStore
 
@@ -84,18 +85,7 @@ def records_of(path: str, key: str) -> list[int]:
 
 
 def rebuild_by(route: str, path: str) -> None:
-    ipath = os.path.join(path, INDEX_FILE)
-    if route == "power_loss":  # the machine restarted under a writer: its index may be behind
-        ix = Index(ipath, readonly=False, map_size=layout.map_size_bytes(16 * SEG), durable=False)
-        ix.set_writer_state(b"open:another-boot")
-        ix.close()
-    elif route == "index_lost":
-        os.unlink(ipath)
-    elif route == "index_damaged":
-        with open(ipath, "r+b") as f:
-            f.write(os.urandom(os.path.getsize(ipath)))
-    else:
-        rebuild_index_dir(path)
+    version_crash.rebuild_by(route, path, 16 * SEG)
 
 
 async def get(path: str, keys: list[str]) -> list:
