@@ -119,3 +119,15 @@ def write(records: list[dict], path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+
+
+class HitRates:
+    """Block- and token-weighted prefix hit rates of a result with hit/total block and token counts."""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0

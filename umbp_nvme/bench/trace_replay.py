@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .trace_file import BLOCK_TOKENS, Trace
+from .trace_file import BLOCK_TOKENS, HitRates, Trace
 
 BATCH_PAGES = 128  # SGLang's STORAGE_BATCH_SIZE
 POISON = np.uint64(0xA5A5A5A5A5A5A5A5)
@@ -66,7 +66,7 @@ class Oracle:
 
 
 @dataclass
-class ReplayResult:
+class ReplayResult(HitRates):
     requests: int = 0
     total_blocks: int = 0
     hit_blocks: int = 0
@@ -82,14 +82,6 @@ class ReplayResult:
     held_samples: int = 0
     seconds: float = 0.0
     store: dict = field(default_factory=dict)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_blocks / self.total_blocks if self.total_blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
 
 
 class Replayer:

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .trace_file import BLOCK_TOKENS, Trace
+from .trace_file import BLOCK_TOKENS, HitRates, Trace
 
 NEVER = np.iinfo(np.int64).max
 
 
 @dataclass
-class SimResult:
+class SimResult(HitRates):
     policy: str
     capacity: int
     hit_blocks: int = 0
@@ -38,14 +38,6 @@ class SimResult:
     held_sum: int = 0  # sum over requests of blocks held after the request (for the mean)
     requests: int = 0
     extra: dict = field(default_factory=dict)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_blocks / self.total_blocks if self.total_blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
 
     @property
     def written_per_hit(self) -> float:
