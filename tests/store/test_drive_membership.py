@@ -171,7 +171,8 @@ async def test_a_drive_back_without_the_drive_that_holds_the_new_copy_does_not_s
     await st.close()
 
 
-async def test_a_drive_whose_clear_fails_stays_out_until_a_probe_has_cleared_it(tmp_path):
+async def _a_away_while_four_of_its_keys_are_reput(tmp_path):
+    """Run 1 on A,B,C puts v1 of 30 pages; run 2 on B,C re-puts 4 of A's as v2. (roots, A's keys)."""
     roots = _roots(tmp_path, 3)
     keys = _keys(30)
     where = await _run_one(roots, keys)
@@ -179,6 +180,11 @@ async def test_a_drive_whose_clear_fails_stays_out_until_a_probe_has_cleared_it(
     st = await PageStore.open(roots[1:], _cfg(roots[1:]))
     assert await _put(st, on_a[:4], "v2") == [True] * 4
     await st.close()
+    return roots, on_a
+
+
+async def test_a_drive_whose_clear_fails_stays_out_until_a_probe_has_cleared_it(tmp_path):
+    roots, on_a = await _a_away_while_four_of_its_keys_are_reput(tmp_path)
     plan = FaultPlan()
     plan.set_rules([FaultRule("eio", ops=("write",), predicate=on_files_under(roots[0]))])  # its clear fails
     st = await PageStore.open(roots, _cfg(roots), engine_factory=plan.engine_factory(), probe_interval_s=0.05)
@@ -261,13 +267,7 @@ async def test_a_drive_that_missed_only_a_session_without_writes_keeps_its_pages
 
 
 async def test_a_reader_does_not_serve_a_drive_that_missed_a_session_until_a_writer_cleared_it(tmp_path):
-    roots = _roots(tmp_path, 3)
-    keys = _keys(30)
-    where = await _run_one(roots, keys)
-    on_a = [k for k in keys if where[k] == 0]
-    st = await PageStore.open(roots[1:], _cfg(roots[1:]))
-    assert await _put(st, on_a[:4], "v2") == [True] * 4
-    await st.close()
+    roots, on_a = await _a_away_while_four_of_its_keys_are_reput(tmp_path)
     rd = await PageStore.open(roots, _cfg(roots), readonly=True, probe_interval_s=0.05)
     assert rd.stats()["drives"][0]["state"] == "degraded"
     assert await _versions(rd, on_a) == ["v2"] * 4 + [None] * (len(on_a) - 4)  # main: v1 for all of them
