@@ -114,7 +114,7 @@ async def _probe(scratch: str, config: StoreConfig, obj: int, seconds: float) ->
             return np.arange(per_batch, dtype=np.int64) * obj + s * nbytes
 
         async def w():
-            r = await eng.write_many(f.fd, offs(slots), addrs, lens)
+            r = await eng.write_many(f, offs(slots), addrs, lens)
             if strict:
                 await eng.sync(f.fd)
             state["written"] = min(slots, state["written"] + 1)
@@ -122,7 +122,7 @@ async def _probe(scratch: str, config: StoreConfig, obj: int, seconds: float) ->
 
         async def r_():
             # only what was written: unwritten (fallocated) extents read as zeros without I/O
-            r = await eng.read_many(f.fd, offs(state["written"]), addrs, lens)
+            r = await eng.read_many(f, offs(state["written"]), addrs, lens)
             return int(r[r > 0].sum())
 
         await w()  # warm-up, untimed, as for the store

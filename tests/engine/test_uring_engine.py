@@ -192,15 +192,15 @@ def _direct_data_file(path):
 
 
 async def test_misaligned_odirect_buffer_raises_value_error(engine, tmp_path):
-    f = _direct_data_file(tmp_path / "f")  # its alignment is known (engine/files.py): checked up front
+    f = _direct_data_file(tmp_path / "f")  # handed as the DataFile: its alignment comes with it
     with AlignedBuffer(2 * PAGE) as buf:
         buf.array[:] = 0x77
         with pytest.raises(ValueError, match=r"op 0: fd \d+ is O_DIRECT"):
-            await engine.read_many(f.fd, [0], [buf.address + 8], [PAGE])
+            await engine.read_many(f, [0], [buf.address + 8], [PAGE])
         assert engine.inflight == 0 and (buf.array == 0x77).all()
         # the engine stays usable
-        assert (await engine.write_many(f.fd, [0], [buf.address], [PAGE])).tolist() == [PAGE]
-        # an O_DIRECT fd the engine knows nothing of: the kernel refuses the op alone
+        assert (await engine.write_many(f, [0], [buf.address], [PAGE])).tolist() == [PAGE]
+        # a bare O_DIRECT fd carries no facts: the kernel refuses the op alone
         raw = open_direct(tmp_path / "f", os.O_RDWR)
         assert (await engine.read_many(raw, [0], [buf.address + 8], [PAGE])).tolist() == [-errno.EINVAL]
         assert (buf.array == 0x77).all()
@@ -215,7 +215,7 @@ async def test_misaligned_op_in_a_queued_batch_refuses_the_whole_batch(tmp_path)
         mem = buf.address + _u64(np.arange(20) * PAGE)
         mem[17] += 1
         with pytest.raises(ValueError, match="op 17"):
-            await e.write_many(f.fd, np.arange(20) * PAGE, mem, np.full(20, PAGE))
+            await e.write_many(f, np.arange(20) * PAGE, mem, np.full(20, PAGE))
         assert e.inflight == 0 and os.fstat(f.fd).st_size == 0
     e.close()
     f.close()
@@ -378,10 +378,11 @@ async def test_engine_is_usable_through_the_selector():
         e.close()
 
 
-def test_may_continue_uses_the_recorded_alignment_not_a_syscall(tmp_path, monkeypatch):
-    """The short-transfer retry decides from files.dio_facts: no fcntl on the completion path."""
+def test_may_continue_uses_the_facts_the_batch_came_with_not_a_syscall(tmp_path, monkeypatch):
+    """The short-transfer retry decides from the batch's FileFacts: no fcntl on the completion path."""
     import fcntl
 
+    from umbp_nvme.engine.files import PAGE_CACHE
     from umbp_nvme.engine.uring import _Batch
 
     def no_syscall(*a, **k):
@@ -389,18 +390,17 @@ def test_may_continue_uses_the_recorded_alignment_not_a_syscall(tmp_path, monkey
 
     monkeypatch.setattr(fcntl, "fcntl", no_syscall)
     f = _direct_data_file(tmp_path / "d")
-    plain = os.open(tmp_path / "p", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fds = np.array([f.fd, plain], dtype=np.int32)
-        offs = np.array([2 * f.align, 0], dtype=np.int64)
-        addrs = _u64([1 << 20, (1 << 20) + 3])  # never dereferenced: only the decision is tested
-        lens = np.array([4 * f.align, 4 * f.align], dtype=np.int64)
-        b = _Batch(0, 0, fds, offs, addrs, lens, None, None, 2)
+        fds = np.array([f.fd], dtype=np.int32)
+        offs = np.array([2 * f.align], dtype=np.int64)
+        addrs = _u64([1 << 20])  # never dereferenced: only the decision is tested
+        lens = np.array([4 * f.align], dtype=np.int64)
+        b = _Batch(0, 0, fds, f.facts, offs, addrs, lens, None, None, 1)
         assert b.may_continue(0, f.align)  # remainder aligned in file and memory: resubmit
         assert not b.may_continue(0, f.align + 512 if f.align > 512 else 100)  # O_DIRECT would refuse it
-        assert b.may_continue(1, 100)  # a page-cache fd takes any remainder
+        # the same fd handed without facts (a page-cache file as far as the engine knows): any remainder
+        assert _Batch(0, 0, fds, PAGE_CACHE, offs, addrs, lens, None, None, 1).may_continue(0, 100)
     finally:
-        os.close(plain)
         f.close()
 
 
@@ -411,7 +411,7 @@ async def test_short_read_at_eof_of_a_data_file(engine, tmp_path):
     with open(tmp_path / "f", "r+b") as w:
         w.write(data)
     with AlignedBuffer(2 * PAGE) as buf:
-        res = await engine.read_many(f.fd, [2 * PAGE], [buf.address], [2 * PAGE])
+        res = await engine.read_many(f, [2 * PAGE], [buf.address], [2 * PAGE])
         assert res.tolist() == [PAGE + 100]
         assert buf.array[: PAGE + 100].tobytes() == data[2 * PAGE :]
     f.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from umbp_nvme.store.segments import SegmentAllocator
 
@@ -52,13 +53,14 @@ def test_a_segment_being_opened_on_a_worker_is_not_answered_open_before_its_fd_i
     import threading
     import time
 
+    from umbp_nvme.engine.files import PAGE_CACHE
     from umbp_nvme.store.segments import SegmentFiles
 
     sf = SegmentFiles(str(tmp_path), 1 << 20, readonly=False, o_direct=False, n_segments=4)
     reading_fd = threading.Event()
 
     class SlowFile:
-        direct, align = False, 4096
+        direct, align, facts = False, 4096, PAGE_CACHE
 
         @property
         def fd(self):
@@ -102,3 +104,26 @@ def test_disk_bytes_while_a_worker_installs_a_segment(tmp_path):
     sf.files.pop(1)
     sf.files[0] = real
     sf.close()
+
+
+def test_a_batch_over_segments_hands_the_engines_the_facts_of_its_own_files(tmp_path):
+    """SegmentFiles.batch: the files of the batch's segments with their O_DIRECT facts; the one set
+    every segment shares, or, once a segment's differ, the merge over that batch's segments only."""
+    from umbp_nvme.engine.files import PAGE_CACHE, open_data_file
+    from umbp_nvme.store.segments import SegmentFiles
+
+    sf = SegmentFiles(str(tmp_path), 1 << 20, readonly=False, o_direct=True, n_segments=4)
+    try:
+        assert sf.ensure(0) and sf.ensure(2)
+        direct = sf.files[0].facts
+        if not sf.files[0].direct:
+            pytest.skip("O_DIRECT unsupported here")
+        got = sf.batch(np.array([2, 0, 2], np.int64))
+        assert got.fds.tolist() == [sf.files[2].fd, sf.files[0].fd, sf.files[2].fd] and got.facts == direct
+        # a segment the file system served buffered after all: only batches that touch it say so
+        sf._install(1, open_data_file(sf.path(1), create=True, size=1 << 20, direct=False))
+        assert sf.batch(np.array([0, 2], np.int64)).facts == direct
+        assert sf.batch(np.array([1], np.int64)).facts == PAGE_CACHE
+        assert sf.batch(np.array([0, 1], np.int64)).facts == direct.merge(PAGE_CACHE)
+    finally:
+        sf.close()

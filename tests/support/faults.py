@@ -242,7 +242,7 @@ class FaultyEngine:
         rules = self.plan.decide(op, b)
         kinds = {r.kind for r in rules if r is not None}
         if not kinds:
-            return await self._inner(op, b.fds, b.offsets, b.addrs, b.lengths)
+            return await self._inner(op, b.files(), b.offsets, b.addrs, b.lengths)
         if any(r is not None and r.kind == "kill" and r.when == "before" for r in rules):
             _kill_self()
         delay = max((r.delay_s for r in rules if r is not None and r.kind == "delay"), default=0.0)
@@ -275,7 +275,7 @@ class FaultyEngine:
                 flips.append(i)
         idx = np.flatnonzero(do)
         if len(idx):
-            sub = await self._inner(op, b.fds[idx], b.offsets[idx], b.addrs[idx], lens[idx])
+            sub = await self._inner(op, b.files(idx), b.offsets[idx], b.addrs[idx], lens[idx])
             res[idx] = sub
         for i, full in short_full.items():
             if res[i] > 0:

@@ -291,7 +291,7 @@ def _split(qd: int, tasks: int) -> list[int]:
     return [qd // k + (1 if i < qd % k else 0) for i in range(k)]
 
 
-async def run_engine(engine, fd: int, op: str, size: int, qd: int, base_addr: int, slots: int, cfg) -> Sample:
+async def run_engine(engine, fd, op: str, size: int, qd: int, base_addr: int, slots: int, cfg) -> Sample:
     submit = engine.read_many if op == "read" else engine.write_many
     per_task = _split(qd, cfg.tasks)
     rng = np.random.default_rng()
@@ -527,7 +527,7 @@ async def bench_cell(cfg, systems, mem, engines, data, path, op, size, qd, slots
                 fn = lambda a=buf.address: run_preadv_threads(data.fd, op, size, qd, a, slots, cfg)  # noqa: E731
             elif system in engines:
                 eng = engines[system]
-                fn = lambda e=eng, a=buf.address: run_engine(e, data.fd, op, size, qd, a, slots, cfg)  # noqa: E731
+                fn = lambda e=eng, a=buf.address: run_engine(e, data, op, size, qd, a, slots, cfg)  # noqa: E731
             else:
                 continue
             variants.append((label, system, kind, fn))

@@ -149,7 +149,7 @@ async def main_async(args) -> int:
                         if system == "kvikio_gds":
                             wall, cpu, res = await run_gds(engine, df.fd, dst_base, offsets, lengths, torch)
                         else:
-                            wall, cpu, res = await run_host(host, df.fd, dst, offsets, lengths, staging, halves,
+                            wall, cpu, res = await run_host(host, df, dst, offsets, lengths, staging, halves,
                                                             torch, qd)
                         bad = int(np.count_nonzero(res != size))
                         exact = bool(torch.equal(dst, ref))

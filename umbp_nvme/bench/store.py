@@ -69,6 +69,7 @@ from . import nixl_posix
 from umbp_nvme.buffers import HUGE_PAGE_BYTES
 from umbp_nvme.config import StoreConfig
 from umbp_nvme.engine import open_data_file, open_engine
+from umbp_nvme.engine.files import NO_FILES, Files
 from umbp_nvme.store.segments import segment_name
 from umbp_nvme.store import PageStore
 
@@ -175,14 +176,17 @@ class SegFds:
         self.directory = directory
         self.files: dict[int, object] = {}
 
-    def fds(self, segs: np.ndarray) -> np.ndarray:
+    def fds(self, segs: np.ndarray) -> Files:
+        """The batch's files with their O_DIRECT facts, as the store hands its own to the engine."""
         out = np.empty(len(segs), np.int32)
+        facts = NO_FILES
         for s in np.unique(segs).tolist():
             f = self.files.get(s)
             if f is None:
                 f = self.files[s] = open_data_file(os.path.join(self.directory, segment_name(s)))
             out[segs == s] = f.fd
-        return out
+            facts = facts.merge(f.facts)
+        return Files(out, facts)
 
     def close(self) -> None:
         for f in self.files.values():
@@ -262,16 +266,16 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
                     if (r != lens).any():
                         raise RuntimeError(f"raw write returned {int(r[r != lens][0])}")
                     if strict:
-                        await asyncio.gather(*(raw.sync(int(fd)) for fd in np.unique(fds).tolist()))
+                        await asyncio.gather(*(raw.sync(int(fd)) for fd in np.unique(fds.fds).tolist()))
             out["put", "umbp_uring"] = sw.sample(total * size, total)
             if nixl is not None:
                 for fds, _ in plan:
-                    nixl.register_files(fds, seg)
+                    nixl.register_files(fds.fds, seg)
                 with Stopwatch() as sw:
                     for fds, offs in plan:
-                        nixl.write_many(fds, offs, addrs, lens)
+                        nixl.write_many(fds.fds, offs, addrs, lens)
                         if strict:
-                            for fd in np.unique(fds).tolist():
+                            for fd in np.unique(fds.fds).tolist():
                                 os.fdatasync(int(fd))
                 out["put", "nixl_posix"] = sw.sample(total * size, total)
             # store get (cold: O_DIRECT)
@@ -291,7 +295,7 @@ async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -
             if nixl is not None:
                 with Stopwatch() as sw:
                     for fds, offs in plan:
-                        nixl.read_many(fds, offs, addrs, lens)
+                        nixl.read_many(fds.fds, offs, addrs, lens)
                 out["get", "nixl_posix"] = sw.sample(total * size, total)
             for b in range(k_batches):
                 await store.delete_many(keys[b])

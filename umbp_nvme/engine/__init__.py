@@ -22,13 +22,16 @@ import threading
 
 from .arbiter import Arbiter
 from .base import Capabilities, EngineClosed, EngineUnavailable, IoBatch, IoEngine
-from .files import DataFile, open_data_file
+from .files import PAGE_CACHE, DataFile, FileFacts, Files, open_data_file
 from .posix import PosixEngine
 from .priority import choose as choose_priorities
 
 __all__ = [
     "Capabilities",
     "DataFile",
+    "FileFacts",
+    "Files",
+    "PAGE_CACHE",
     "EngineClosed",
     "EngineUnavailable",
     "IoBatch",

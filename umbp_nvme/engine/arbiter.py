@@ -198,27 +198,27 @@ def slice_bounds(lengths: np.ndarray, slice_bytes: int) -> list[tuple[int, int]]
     return bounds
 
 
-async def write_sliced(run, arbiter: Arbiter | None, fds, offsets, addrs, lengths) -> np.ndarray:
-    """``run(fds, offs, addrs, lens)`` for the batch, in slices through the arbiter's window, each
-    cut to the size the window grants when its turn comes.
+async def write_sliced(run, arbiter: Arbiter | None, files, offsets, addrs, lengths) -> np.ndarray:
+    """``run(files, offs, addrs, lens)`` for the batch, in slices through the arbiter's window, each
+    cut to the size the window grants when its turn comes (every slice keeps the files' facts).
 
     Results are the same per-op array one ``run`` of the whole batch returns. A cancelled await
     returns only once every slice already submitted has ended (each ``run`` drains its own).
     """
     if arbiter is None or not arbiter.enabled:
-        return await run(fds, offsets, addrs, lengths)
+        return await run(files, offsets, addrs, lengths)
     try:
         lens = np.asarray(lengths, dtype=np.int64)
         total = int(lens.sum())
     except (TypeError, ValueError):
-        return await run(fds, offsets, addrs, lengths)  # run() reports what is wrong
+        return await run(files, offsets, addrs, lengths)  # run() reports what is wrong
     if total <= arbiter.read_slice_bytes:
         arbiter.settle(await arbiter.acquire(), total)
         try:
-            return await run(fds, offsets, addrs, lengths)
+            return await run(files, offsets, addrs, lengths)
         finally:
             arbiter.release(total)
-    b = IoBatch.of(fds, offsets, addrs, lengths)
+    b = IoBatch.of(files, offsets, addrs, lengths)
     out = np.zeros(len(b), dtype=RESULT_DTYPE)
     ends = np.cumsum(b.lengths)
     tasks: list[asyncio.Task] = []
@@ -227,7 +227,7 @@ async def write_sliced(run, arbiter: Arbiter | None, fds, offsets, addrs, length
     async def one(s: int, e: int, nbytes: int) -> None:
         nonlocal failed
         try:
-            out[s:e] = await run(b.fds[s:e], b.offsets[s:e], b.addrs[s:e], b.lengths[s:e])
+            out[s:e] = await run(b.files(slice(s, e)), b.offsets[s:e], b.addrs[s:e], b.lengths[s:e])
         except BaseException:
             failed = True  # stop cutting slices; gather below raises it
             raise

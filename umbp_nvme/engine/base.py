@@ -1,6 +1,8 @@
 """The IoEngine protocol: one batched submit in, one array of per-op results out.
 
-A batch is four parallel arrays (fd, file offset, memory address, length). Engines never
+A batch is four parallel arrays (fd, file offset, memory address, length); the fds come as
+``files.Files`` (fds and their ``FileFacts``), a ``DataFile``, or bare fds (page-cache files as
+far as the engine knows): what an engine knows of a file comes with it. Engines never
 see keys or Python buffer objects: the caller resolves those to raw addresses and keeps the
 memory alive until the awaited call returns. Results are int64 per op: the number of bytes
 transferred (== length on success; less only at end of file) or ``-errno`` for a failed op.
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from .files import PAGE_CACHE, FileFacts, Files, split_files
 
 FD_DTYPE = np.int32
 OFFSET_DTYPE = np.int64
@@ -52,9 +56,12 @@ class IoBatch:
     offsets: np.ndarray
     addrs: np.ndarray
     lengths: np.ndarray
+    facts: FileFacts = PAGE_CACHE  # of the batch's files, as the caller handed them
 
     @classmethod
-    def of(cls, fds, offsets, addrs, lengths) -> "IoBatch":
+    def of(cls, files, offsets, addrs, lengths) -> "IoBatch":
+        """``files``: ``Files``, a ``DataFile`` or bare fds (an int, or one per op)."""
+        fds, facts = split_files(files)
         n = len(offsets)
         fds_a = np.ascontiguousarray(np.broadcast_to(np.asarray(fds, dtype=FD_DTYPE), (n,)))
         b = cls(
@@ -62,6 +69,7 @@ class IoBatch:
             np.ascontiguousarray(offsets, dtype=OFFSET_DTYPE),
             np.ascontiguousarray(addrs, dtype=ADDR_DTYPE),
             np.ascontiguousarray(lengths, dtype=LENGTH_DTYPE),
+            facts,
         )
         if not (len(b.addrs) == len(b.lengths) == n):
             raise ValueError(
@@ -78,15 +86,20 @@ class IoBatch:
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def files(self, sel=slice(None)) -> Files:
+        """The files of ops ``sel`` with their facts, for handing a part of the batch on."""
+        return Files(self.fds[sel], self.facts)
+
 
 @runtime_checkable
 class IoEngine(Protocol):
     capabilities: Capabilities
 
-    async def read_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        """Read each extent into memory; returns int64 bytes-or-negative-errno per op."""
+    async def read_many(self, files, offsets, addrs, lengths) -> np.ndarray:
+        """Read each extent into memory; returns int64 bytes-or-negative-errno per op.
+        ``files``: ``Files``, a ``DataFile``, or bare fds (see ``IoBatch.of``)."""
 
-    async def write_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
+    async def write_many(self, files, offsets, addrs, lengths) -> np.ndarray:
         """Write each extent from memory; same result convention as read_many."""
 
     async def sync(self, fd: int, *, datasync: bool = True) -> None:

@@ -11,9 +11,13 @@
   redirectable), with O_CLOEXEC so forked workers do not inherit them; an open file must be a
   regular file owned by this user (fstat), or it is refused: another user's file is not ours to
   serve or overwrite.
-* Every O_DIRECT file's alignment is recorded by fd while it is open (``dio_facts``): the io_uring
-  engine checks each batch against it before any SQE is written and tells the ring which files
-  are page-cache files (their large copies go to io-wq), so the ring never asks the kernel.
+* What an engine must know of a file to submit to it without asking the kernel travels with the
+  file: ``DataFile.facts`` (a ``FileFacts``: O_DIRECT alignment, or a page-cache file). An engine is
+  handed the ``DataFile`` itself or a ``Files`` (a batch's fds and the strictest facts among them),
+  checks each batch against the facts before any SQE is written and sends large page-cache copies
+  to io-wq. There is no table keyed by fd: a closed file's number, reused by the next open, can
+  never lend it the old file's facts. A bare fd carries no facts: the engine treats it as a
+  page-cache file and the kernel refuses a misaligned op on it alone (EINVAL).
 * ``size`` preallocates with ``posix_fallocate`` so later writes do not allocate blocks on the
   hot path and ENOSPC shows up at open time, not mid-batch.
 """
@@ -28,8 +32,12 @@ import os
 import stat
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..buffers import DIO_ALIGN_BYTES
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +54,6 @@ _lock = threading.Lock()
 _no_direct_devices: set[int] = set()  # st_dev values whose file system refused O_DIRECT
 _libc = None
 _statx = None
-_dio: dict[int, tuple[int, int]] = {}  # fd -> (memory, offset) alignment of each open O_DIRECT DataFile
 
 
 def _statx_fn():
@@ -79,6 +86,52 @@ def dio_alignment(fd: int) -> tuple[int, int]:
     return mem, off
 
 
+@dataclass(frozen=True, slots=True)
+class FileFacts:
+    """What an engine needs to know of a file (or of the files of one batch) to submit to it.
+
+    ``mem_align``: an op's memory address must be a multiple of it; ``off_align``: its file offset
+    and length (both 1 for a page-cache file). ``buffered``: a page-cache file (among them), whose
+    large copies the io_uring engine hands to io-wq instead of running them inline."""
+
+    mem_align: int = 1
+    off_align: int = 1
+    buffered: bool = True
+
+    def merge(self, other: "FileFacts") -> "FileFacts":
+        """The facts of a batch over both: the strictest alignment; buffered if either is."""
+        if other == self:
+            return self
+        return FileFacts(
+            max(self.mem_align, other.mem_align), max(self.off_align, other.off_align), self.buffered or other.buffered
+        )
+
+
+PAGE_CACHE = FileFacts()  # a page-cache file, and what a bare fd is taken for: nothing known of it
+NO_FILES = FileFacts(1, 1, False)  # merge's identity: a batch without files
+
+
+class Files(NamedTuple):
+    """A batch's files as engines take them: ``fds`` (an int for every op, or int32 per op) and
+    ``facts``, true of every one of them (``FileFacts.merge`` of each file's)."""
+
+    fds: int | np.ndarray
+    facts: FileFacts
+
+
+def split_files(files) -> tuple:
+    """(fds, FileFacts) of what an engine was handed: ``Files``, a ``DataFile`` (refused once
+    closed: its number may already name another file) or bare fds (``PAGE_CACHE``)."""
+    t = type(files)
+    if t is Files:
+        return files
+    if t is DataFile:
+        if files.closed:
+            raise ValueError(f"data file {files.path} is closed")
+        return files.fd, files.facts
+    return files, PAGE_CACHE
+
+
 @dataclass
 class DataFile:
     fd: int
@@ -86,12 +139,12 @@ class DataFile:
     direct: bool  # opened with O_DIRECT: memory, offsets and lengths must be aligned to ``align``
     align: int  # bytes; the larger of the DIO memory and offset alignments (4096 when unknown)
     readonly: bool = False
+    facts: FileFacts = PAGE_CACHE  # what engines check ops on this file against
     _closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            _dio.pop(self.fd, None)  # before the number can be reused
             os.close(self.fd)
 
     @property
@@ -201,37 +254,11 @@ def open_data_file(
             _preallocate(fd, path, size)
         mem, off = dio_alignment(fd) if is_direct else (0, 0)
         align = max(mem, off) or DEFAULT_DIO_ALIGN_BYTES
-        f = DataFile(fd=fd, path=path, direct=is_direct, align=align, readonly=readonly)
-        if is_direct:
-            _dio[fd] = (mem or DEFAULT_DIO_ALIGN_BYTES, off or DEFAULT_DIO_ALIGN_BYTES)
-        return f
+        facts = FileFacts(mem or DEFAULT_DIO_ALIGN_BYTES, off or DEFAULT_DIO_ALIGN_BYTES, False) if is_direct else PAGE_CACHE
+        return DataFile(fd=fd, path=path, direct=is_direct, align=align, readonly=readonly, facts=facts)
     except BaseException:
         os.close(fd)
         raise
-
-
-def dio_facts(fds) -> tuple[int, int, bool]:
-    """(memory alignment, offset alignment, any page-cache file) for a batch's fds (an int or an
-    int32 array): the strictest alignment among its O_DIRECT DataFiles (1, 1 when none). An fd
-    not opened by ``open_data_file`` counts as a page-cache file; if it is O_DIRECT after all, the
-    kernel fails its misaligned ops alone with EINVAL."""
-    if isinstance(fds, int):
-        got = _dio.get(fds)
-        return (got[0], got[1], False) if got else (1, 1, True)
-    if len(fds) == 0:
-        return 1, 1, False
-    lo, hi = int(fds.min()), int(fds.max())
-    if lo == hi:
-        return dio_facts(lo)
-    mem = off = 1
-    buffered = False
-    for fd in set(fds.tolist()):
-        got = _dio.get(fd)
-        if got is None:
-            buffered = True
-        else:
-            mem, off = max(mem, got[0]), max(off, got[1])
-    return mem, off, buffered
 
 
 def _preallocate(fd: int, path: str, size: int) -> None:

@@ -175,15 +175,15 @@ class PosixEngine:
 
     # -- public API ---------------------------------------------------------------------------
 
-    async def read_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        batch = IoBatch.of(fds, offsets, addrs, lengths)
+    async def read_many(self, files, offsets, addrs, lengths) -> np.ndarray:
+        batch = IoBatch.of(files, offsets, addrs, lengths)
         return await timed_read(self._arbiter, self._submit(_read_full, batch, self._reads))
 
-    async def write_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await write_sliced(self._write_piece, self._arbiter, fds, offsets, addrs, lengths)
+    async def write_many(self, files, offsets, addrs, lengths) -> np.ndarray:
+        return await write_sliced(self._write_piece, self._arbiter, files, offsets, addrs, lengths)
 
-    async def _write_piece(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await self._submit(_write_full, IoBatch.of(fds, offsets, addrs, lengths), self._writes)
+    async def _write_piece(self, files, offsets, addrs, lengths) -> np.ndarray:
+        return await self._submit(_write_full, IoBatch.of(files, offsets, addrs, lengths), self._writes)
 
     def set_io_policy(self, priorities: IoPriorities, arbiter: Arbiter | None) -> None:
         """ioprio of the read and write workers (now and when started); the arbiter for writes."""

@@ -48,7 +48,7 @@ from .base import (
 )
 from .arbiter import Arbiter, timed_read, write_sliced
 from .priority import IoPriorities
-from .files import dio_facts
+from .files import PAGE_CACHE, FileFacts, Files, split_files
 from .uring_buffers import FixedBuffers
 
 log = logging.getLogger(__name__)
@@ -78,14 +78,15 @@ def _load_native():
 
 class _Batch:
     __slots__ = (
-        "op", "n", "fds", "offs", "addrs", "lens", "done", "next", "left", "fut", "slot",
+        "op", "n", "fds", "facts", "offs", "addrs", "lens", "done", "next", "left", "fut", "slot",
         "idx_map", "n_total", "abandoned", "drained", "retries",
     )  # fmt: skip
 
-    def __init__(self, op, slot, fds, offs, addrs, lens, fut, idx_map, n_total, n=None):
+    def __init__(self, op, slot, fds, facts: FileFacts, offs, addrs, lens, fut, idx_map, n_total, n=None):
         self.op = op
         self.slot = slot
         self.fds, self.offs, self.addrs, self.lens = fds, offs, addrs, lens  # fds: int or int32[]
+        self.facts = facts  # of the batch's files, as the caller handed them (files.Files)
         self.n = len(lens) if n is None else n
         self.done = np.zeros(self.n, dtype=RESULT_DTYPE)  # bytes so far, or -errno once failed
         self.next = 0  # first op not yet submitted
@@ -153,11 +154,13 @@ class _Batch:
     def may_continue(self, i: int, done: int) -> bool:
         """A remainder that starts unaligned on an O_DIRECT file would be refused: stop there.
 
-        Uses the alignment recorded when the file was opened (files.dio_facts), never a syscall;
-        an fd the store did not open counts as a page-cache file: if it is O_DIRECT after all, the
-        kernel refuses the remainder with EINVAL and the op keeps the bytes it moved."""
-        mem, off, buffered = dio_facts(self.fd(i))
-        return buffered or ((int(self.offs[i]) + done) % off == 0 and (int(self.addrs[i]) + done) % mem == 0)
+        Decided from the facts the batch's files came with, never a syscall. A batch with a
+        page-cache file (or bare fds) takes any remainder: if op i's file is O_DIRECT after all,
+        the kernel refuses the remainder with EINVAL and the op keeps the bytes it moved."""
+        f = self.facts
+        return f.buffered or (
+            (int(self.offs[i]) + done) % f.off_align == 0 and (int(self.addrs[i]) + done) % f.mem_align == 0
+        )
 
 
 class UringEngine:
@@ -202,12 +205,12 @@ class UringEngine:
 
     # ------------------------------------------------------------------ IoEngine
 
-    async def read_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await timed_read(self._arbiter, self._run(self._u.OP_READ, fds, offsets, addrs, lengths))
+    async def read_many(self, files, offsets, addrs, lengths) -> np.ndarray:
+        return await timed_read(self._arbiter, self._run(self._u.OP_READ, files, offsets, addrs, lengths))
 
-    async def write_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
+    async def write_many(self, files, offsets, addrs, lengths) -> np.ndarray:
         # through the arbiter's window in slices (reads first); whole when there is none
-        return await write_sliced(partial(self._run, self._u.OP_WRITE), self._arbiter, fds, offsets, addrs, lengths)
+        return await write_sliced(partial(self._run, self._u.OP_WRITE), self._arbiter, files, offsets, addrs, lengths)
 
     def set_io_policy(self, priorities: IoPriorities, arbiter: Arbiter | None) -> None:
         """ioprio stamped on later read / write SQEs; the arbiter that slices writes and times reads."""
@@ -219,7 +222,7 @@ class UringEngine:
         self._check_open()
         op = self._u.OP_FDATASYNC if datasync else self._u.OP_FSYNC
         z = np.zeros(1, dtype=np.int64)
-        b = self._new_batch(op, np.array([fd], dtype=np.int32), z, z.view(ADDR_DTYPE), z, None, 1)
+        b = self._new_batch(op, np.array([fd], dtype=np.int32), PAGE_CACHE, z, z.view(ADDR_DTYPE), z, None, 1)
         self._start(b, validate=False)
         res = int((await self._wait(b))[0])
         if res < 0:
@@ -289,12 +292,13 @@ class UringEngine:
         self._next_slot = (slot + 1) & 0x7FFFFFFF
         return slot
 
-    def _new_batch(self, op, fds, offs, addrs, lens, idx_map, n_total) -> _Batch:
-        return _Batch(op, self._new_slot(), fds, offs, addrs, lens, self._loop.create_future(), idx_map, n_total)
+    def _new_batch(self, op, fds, facts, offs, addrs, lens, idx_map, n_total) -> _Batch:
+        return _Batch(op, self._new_slot(), fds, facts, offs, addrs, lens, self._loop.create_future(), idx_map, n_total)
 
-    async def _run(self, op, fds, offsets, addrs, lengths) -> np.ndarray:
+    async def _run(self, op, files, offsets, addrs, lengths) -> np.ndarray:
         if self._closed:
             raise EngineClosed("io_uring engine is closed")
+        fds, facts = split_files(files)
         # Fast path: the whole batch fits in the ring now and the arrays already have the right
         # dtypes: hand them to C as they are. C validates everything before writing any SQE, so
         # a TypeError/ValueError means nothing was queued and the general path takes over.
@@ -306,11 +310,11 @@ class UringEngine:
         if 0 < n <= self._depth - ring.inflight and not self._queue and not self._retry:
             slot = self._new_slot()
             try:
-                q = self._submit(op, fds, offsets, addrs, lengths, ud_base=slot << _SLOT_SHIFT)
+                q = self._submit(op, fds, facts, offsets, addrs, lengths, ud_base=slot << _SLOT_SHIFT)
             except (TypeError, ValueError):
                 q = -1
             if q >= 0:
-                b = _Batch(op, slot, fds, offsets, addrs, lengths, self._loop.create_future(), None, n, n)
+                b = _Batch(op, slot, fds, facts, offsets, addrs, lengths, self._loop.create_future(), None, n, n)
                 self._batches[slot] = b
                 b.next = q
                 if q < n:  # SQ full of unconsumed SQEs: the rest waits for the pump
@@ -322,21 +326,20 @@ class UringEngine:
                 except asyncio.CancelledError:
                     await self._drain_after_cancel(b)
                     raise
-        return await self._run_general(op, fds, offsets, addrs, lengths)
+        return await self._run_general(op, Files(fds, facts), offsets, addrs, lengths)
 
-    def _submit(self, op, fds, offsets, addrs, lengths, *, ud_base: int, enter: bool = True) -> int:
+    def _submit(self, op, fds, facts: FileFacts, offsets, addrs, lengths, *, ud_base: int, enter: bool = True) -> int:
         """ring.submit with this engine's settings: user_data = ud_base + op index (slot << 32 | op),
-        the O_DIRECT alignment of the batch's files (files.dio_facts), F_ASYNC above async_min_bytes
-        for page-cache files, registered buffers found per op when there are any."""
-        mem, off, buffered = dio_facts(fds)
+        the O_DIRECT alignment the batch's files came with, F_ASYNC above async_min_bytes when
+        they include page-cache files, registered buffers found per op when there are any."""
         return self._ring.submit(
-            op, fds, offsets, addrs, lengths, async_min_bytes=self._async_min if buffered else 0, enter=enter,
-            ud_base=ud_base, auto_fixed=self._fixed_on, mem_align=mem, off_align=off,
+            op, fds, offsets, addrs, lengths, async_min_bytes=self._async_min if facts.buffered else 0, enter=enter,
+            ud_base=ud_base, auto_fixed=self._fixed_on, mem_align=facts.mem_align, off_align=facts.off_align,
         )  # fmt: skip
 
-    async def _run_general(self, op, fds, offsets, addrs, lengths) -> np.ndarray:
+    async def _run_general(self, op, files: Files, offsets, addrs, lengths) -> np.ndarray:
         self._check_open()
-        batch = IoBatch.of(fds, offsets, addrs, lengths)
+        batch = IoBatch.of(files, offsets, addrs, lengths)
         n = len(batch)
         if n == 0:
             return np.zeros(0, dtype=RESULT_DTYPE)
@@ -347,7 +350,7 @@ class UringEngine:
             if len(idx_map) == 0:
                 return np.zeros(n, dtype=RESULT_DTYPE)
             f, o, a, ln = f[idx_map], o[idx_map], a[idx_map], ln[idx_map]
-        b = self._new_batch(op, f, o, a, ln, idx_map, n)
+        b = self._new_batch(op, f, batch.facts, o, a, ln, idx_map, n)
         self._start(b, validate=True)
         return await self._wait(b)
 
@@ -355,9 +358,8 @@ class UringEngine:
         free = self._depth - self._ring.inflight
         if self._queue or self._retry or b.n > free:
             if validate:  # the whole batch is refused up front, before any of it is queued
-                mem, off, _ = dio_facts(b.fds)
                 self._ring.check(b.op, b.fds, b.offs, b.addrs, b.lens, self._fixed.index(b.addrs, b.lens),
-                                 mem_align=mem, off_align=off)  # fmt: skip
+                                 mem_align=b.facts.mem_align, off_align=b.facts.off_align)  # fmt: skip
             self._batches[b.slot] = b
             self._queue.append(b)
             self._pump()
@@ -365,7 +367,7 @@ class UringEngine:
         # Common case: the batch fits; submit() validates it and queues all of it or nothing.
         self._batches[b.slot] = b
         try:
-            q = self._submit(b.op, b.fds, b.offs, b.addrs, b.lens, ud_base=b.slot << _SLOT_SHIFT)
+            q = self._submit(b.op, b.fds, b.facts, b.offs, b.addrs, b.lens, ud_base=b.slot << _SLOT_SHIFT)
         except BaseException:
             del self._batches[b.slot]
             raise
@@ -445,11 +447,11 @@ class UringEngine:
         for j, (b, s, e) in enumerate(chunks):
             try:
                 q = self._submit(
-                    b.op, b.fds_slice(s, e), b.offs[s:e], b.addrs[s:e], b.lens[s:e],
+                    b.op, b.fds_slice(s, e), b.facts, b.offs[s:e], b.addrs[s:e], b.lens[s:e],
                     ud_base=(b.slot << _SLOT_SHIFT) + s, enter=j == last,
                 )  # fmt: skip
             except (ValueError, OSError) as exc:
-                # Validated when queued; only a changed fd (closed, reopened O_DIRECT) gets here.
+                # Validated when queued against these same facts: only the enter itself fails here.
                 self._fail_unsubmitted(b, s, exc)
                 continue
             if q < e - s:  # the ring was full after all: put the rest back in front
@@ -472,7 +474,7 @@ class UringEngine:
         """Submit the remainder of op i (after a short transfer, or again after EAGAIN)."""
         d = max(int(b.done[i]), 0)
         try:
-            self._submit(b.op, b.fd(i), *b.remainder(i, d), ud_base=(b.slot << _SLOT_SHIFT) + i)
+            self._submit(b.op, b.fd(i), b.facts, *b.remainder(i, d), ud_base=(b.slot << _SLOT_SHIFT) + i)
         except (ValueError, OSError) as exc:
             b.final(i, d if d else -(getattr(exc, "errno", None) or errno.EINVAL))
 
@@ -533,7 +535,7 @@ class UringEngine:
                     b.retries[i] = c + 1
                     self._retry.append((b, i))
                     return
-            # EINVAL on a remainder: an fd the store did not open was O_DIRECT after all (may_continue)
+            # EINVAL on a remainder: a file handed as page-cache (bare fd, mixed batch) was O_DIRECT (may_continue)
             b.final(i, done if r == -errno.EINVAL and done > 0 else r)
             return
         if b.op not in (self._u.OP_READ, self._u.OP_WRITE):

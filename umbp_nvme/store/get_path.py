@@ -397,7 +397,7 @@ class GetPath:
             raise asyncio.TimeoutError
         started = [todo.pop() for _ in range(min(k, len(todo)))]
         read = self._read_engine.read_many
-        io = [asyncio.ensure_future(read(self._files.fds[b.segs[lo:hi]], b.offs[lo:hi], plan.io_addr[lo:hi],
+        io = [asyncio.ensure_future(read(self._files.batch(b.segs[lo:hi]), b.offs[lo:hi], plan.io_addr[lo:hi],
                                          plan.io_len[lo:hi])) for lo, hi in started]  # fmt: skip
         for (lo, hi), task in zip(started, io):
             running[asyncio.ensure_future(self._wait_part(task, b.segs[lo:hi], deadline))] = (lo, hi, task)
@@ -432,7 +432,7 @@ class GetPath:
 
     async def _read_device_part(self, b: ReadBatch, route, lo: int, hi: int, good, verified) -> None:
         sl = slice(lo, hi)
-        fds = self._files.fds[b.segs[sl]]
+        fds = self._files.batch(b.segs[sl])
         ok, checked = await asyncio.wait_for(
             self._read_device(route, fds, b.offs[sl], b.dst[sl], b.lens[sl], b.crcs[sl], b.flags[sl]), self.timeout_s
         )

@@ -413,7 +413,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         dirty = self._areas.dirty_blocks()
         if dirty:
             dead = dict(self._areas.dead)
-            failed = await self._areas.write(self._write_engine, self._files.fds, dirty, self.timeout_s)
+            failed = await self._areas.write(self._write_engine, self._files, dirty, self.timeout_s)
             synced = await self._sync_all()
             ok = synced and ok and not failed
             if synced:

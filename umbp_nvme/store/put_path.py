@@ -263,7 +263,7 @@ class PutPath:
     async def _write(self, b: WriteBatch, refused) -> None:
         """Stage, checksum and write the batch; ``b.good`` says which objects are on the file."""
         files, segs, m = self._files, b.segs, len(b.todo)
-        fds = files.fds[segs]
+        fds = files.batch(segs)
         if b.route is None:
             # O_DIRECT needs aligned memory and whole blocks: stage the rest through a bounce buffer
             b.plan = staging.plan(self._bounce, files.direct[segs], files.align[segs], b.src, b.nbytes)

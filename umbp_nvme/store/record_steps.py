@@ -69,7 +69,7 @@ class RecordSteps:
             b.conf = conf
         touched = self._areas.put(recs)
         b.recorded[j] = True
-        failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)
+        failed = await self._areas.write(self._write_engine, self._files, touched, self.timeout_s)
         if failed:
             b.lost = np.isin(b.segs, list(failed))
             if not early:  # early: the data write's outcome is not known yet (_write reports)
@@ -109,7 +109,7 @@ class RecordSteps:
                     failed.add(s)
                     continue
             blocks = {(s, blk) for blk in a.dirty.get(s, ())}
-            if blocks and await a.write(self._write_engine, self._files.fds, blocks, self.timeout_s):
+            if blocks and await a.write(self._write_engine, self._files, blocks, self.timeout_s):
                 failed.add(s)
                 continue
             a.drop(s)
@@ -166,7 +166,7 @@ class RecordSteps:
         touched |= set(dead)
         if not touched:
             return undo
-        failed = await self._areas.write(self._write_engine, self._files.fds, touched, self.timeout_s)
+        failed = await self._areas.write(self._write_engine, self._files, touched, self.timeout_s)
         segs = sorted({s for s, _ in touched})
         if not failed and self.strict:
             done = await asyncio.gather(

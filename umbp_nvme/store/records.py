@@ -342,7 +342,7 @@ class RecordAreas:
             part = a[blk * PER_BLOCK : (blk + 1) * PER_BLOCK]
             out[: len(part) * RECORD_BYTES] = part.view(np.uint8)
 
-    async def write(self, engine, fds: np.ndarray, blocks: set[tuple[int, int]], timeout_s: float) -> set[int]:
+    async def write(self, engine, files, blocks: set[tuple[int, int]], timeout_s: float) -> set[int]:
         """Write the blocks (and the dirty ones of the same segments) from memory; returns the
         segments whose blocks did not all land. Waits for earlier writes of the same blocks."""
         self._place_confirms()
@@ -383,7 +383,7 @@ class RecordAreas:
                 run_n.append(SLOT_ALIGN_BYTES)
         lens = np.asarray(run_n, np.int64)
         task = asyncio.ensure_future(
-            engine.write_many(fds[np.asarray(run_s, np.int64)], np.asarray(run_o, np.int64),
+            engine.write_many(files.batch(np.asarray(run_s, np.int64)), np.asarray(run_o, np.int64),
                               np.asarray(run_a, np.uint64), lens)
         )  # fmt: skip
         self._tasks[task] = raw  # the image buffer lives until the kernel is done with it

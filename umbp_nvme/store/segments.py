@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from ..engine.files import DataFile, _preallocate, open_data_file
+from ..engine.files import NO_FILES, DataFile, Files, _preallocate, open_data_file
 from .layout import SLOT_ALIGN_BYTES, record_slots, segment_files, segment_name  # noqa: F401 - re-exported
 
 log = logging.getLogger("umbp_nvme.segments")  # the name operators know; kept across the move
@@ -287,6 +287,8 @@ class SegmentFiles:
         self.fds = np.full(n, -1, dtype=np.int32)
         self.direct = np.zeros(n, dtype=bool)
         self.align = np.full(n, SLOT_ALIGN_BYTES, dtype=np.int64)
+        self._facts = NO_FILES  # the facts of every open segment merged: what a batch hands the engines
+        self._mixed = False  # segments with different facts (a file system that refused O_DIRECT later)
         self._failed_errno: int | None = None
         self._lock = threading.Lock()  # ensure() also runs on a worker thread (precreate)
         self._precreating: set[int] = set()
@@ -374,8 +376,23 @@ class SegmentFiles:
         self.fds[i] = f.fd
         self.direct[i] = f.direct
         self.align[i] = max(f.align, 1)
+        self._mixed = self._mixed or (bool(self.files) and f.facts != self._facts)
+        self._facts = self._facts.merge(f.facts)
         # last: ensure() answers from `files` without the lock, so fds/direct/align must be set first
         self.files[i] = f
+
+    def batch(self, segs: np.ndarray) -> Files:
+        """The files of an engine batch over segments ``segs`` (int64[]) with their O_DIRECT facts:
+        the facts every open segment shares, or the ones of these segments when they differ."""
+        fds = self.fds[segs]
+        if not self._mixed:
+            return Files(fds, self._facts)
+        facts = NO_FILES
+        for s in np.unique(segs).tolist():
+            f = self.files.get(s)
+            if f is not None:
+                facts = facts.merge(f.facts)
+        return Files(fds, facts)
 
     @property
     def any_direct(self) -> bool | None:

@@ -61,11 +61,11 @@ class KvikioEngine:
 
     # ---- protocol
 
-    async def read_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await self._submit(_READ, IoBatch.of(fds, offsets, addrs, lengths))
+    async def read_many(self, files, offsets, addrs, lengths) -> np.ndarray:
+        return await self._submit(_READ, IoBatch.of(files, offsets, addrs, lengths))
 
-    async def write_many(self, fds, offsets, addrs, lengths) -> np.ndarray:
-        return await self._submit(_WRITE, IoBatch.of(fds, offsets, addrs, lengths))
+    async def write_many(self, files, offsets, addrs, lengths) -> np.ndarray:
+        return await self._submit(_WRITE, IoBatch.of(files, offsets, addrs, lengths))
 
     async def sync(self, fd: int, *, datasync: bool = True) -> None:
         # cuFile writes go through kvikio's own descriptors of the same inode: fdatasync on ours

@@ -104,7 +104,7 @@ async def _staged(op: int, host_engine, fds, offsets, dev_addrs, lengths, stagin
             dev, want = b.addrs[sel].tolist(), b.lengths[sel]
             if op == _WRITE:
                 await _in_thread(_to_host, dev, host, want.tolist(), io_lens[sel].tolist())
-            r = await transfer(b.fds[sel], b.offsets[sel], np.asarray(host, dtype=ADDR_DTYPE), io_lens[sel])
+            r = await transfer(b.files(sel), b.offsets[sel], np.asarray(host, dtype=ADDR_DTYPE), io_lens[sel])
             res[sel] = r = np.minimum(r, want)  # the bytes past the object are not the caller's
             moved = want.tolist() if op == _WRITE else np.maximum(r, 0).tolist()
             if with_crc:
