@@ -47,8 +47,20 @@ setup(
     ext_modules=[
         Extension(
             "umbp_nvme._uring",
-            sources=["native/uring.c", "native/crc32c.c"],
-            depends=["native/uring.h", "native/crc32c.h", "native/crc32c_consts.h"],
+            # one file per ring step, as liburing is split (native/uring_module.c says which holds what)
+            sources=[
+                "native/uring_module.c",
+                "native/uring_setup.c",
+                "native/uring_submit.c",
+                "native/uring_reap.c",
+                "native/uring_cancel.c",
+                "native/uring_register.c",
+                "native/uring_probe.c",
+                "native/uring_arrays.c",
+                "native/crc32c_module.c",
+                "native/crc32c.c",
+            ],
+            depends=["native/uring.h", "native/uring_internal.h", "native/crc32c.h", "native/crc32c_consts.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )
     ],
