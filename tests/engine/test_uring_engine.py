@@ -383,7 +383,7 @@ def test_may_continue_uses_the_facts_the_batch_came_with_not_a_syscall(tmp_path,
     import fcntl
 
     from umbp_nvme.engine.files import PAGE_CACHE
-    from umbp_nvme.engine.uring import _Batch
+    from umbp_nvme.engine.uring_batch import _Batch
 
     def no_syscall(*a, **k):
         raise AssertionError("fcntl called on the completion path")
