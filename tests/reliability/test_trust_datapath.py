@@ -339,7 +339,8 @@ class FifoReads:
 
     def stall(self) -> None:
         async def read(real, fds, offsets, addrs, lengths):
-            return await real(np.full_like(fds, self.rfd), offsets, addrs, lengths)
+            # the pipe as a bare fd: a page-cache file to the engine, as a FIFO is
+            return await real(np.full_like(fds.fds, self.rfd), offsets, addrs, lengths)
 
         self.hooks.read = read
 

@@ -334,7 +334,7 @@ async def test_a_hung_drive_holds_only_the_batch_that_touched_it(tmp_path):
     release, held = asyncio.Event(), []
 
     async def read(real, fds, *rest):
-        fd = int(np.asarray(fds).reshape(-1)[0])
+        fd = int(np.asarray(fds.fds).reshape(-1)[0])  # the store hands engines.files.Files
         if on1("read", fd, 0, 0):
             held.append(fd)
             while not release.is_set():  # the device does not let go before it is released
