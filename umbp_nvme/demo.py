@@ -20,7 +20,7 @@ import numpy as np
 
 from .buffers import AlignedBuffer
 from .config import StoreConfig
-from .keys import KeyScheme
+from .sglang.keys import KeyScheme
 
 PAGES_PER_BATCH = 128
 BATCHES = 2

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .keybytes import printable_key
-from .keys import KeyScheme
+from .sglang.keys import KeyScheme
 from .sources import SourceError, Summary, Unit
 
 

@@ -337,6 +337,7 @@ async def import_sources(
     ``store_path`` may list several roots (one per drive); a SOURCE that lists several (a
     multi-drive store, D0,D1,...) imports each drive's store."""
     from .config import parse_roots
+    from .sglang.keys import page_of
     from .store import PageStore
 
     # checked before anything is opened or allocated: a clear error, not a traceback from deep inside
@@ -374,8 +375,9 @@ async def import_sources(
                 ns = _merge_namespace(ns, a.namespace, src)
             else:
                 plan.append((src, kind, None))
+        # several roots: each page's objects on one drive, by SGLang's key formats (the keys we import)
         store = await PageStore.open(store_path, config, namespace=ns or None,
-                                     capacity_from_manifest=capacity_from_manifest)
+                                     capacity_from_manifest=capacity_from_manifest, page_of=page_of)
         try:
             target_ns = store.manifest.get("namespace") or {}
             expected = page_bytes or expected_page_bytes(target_ns, layout)

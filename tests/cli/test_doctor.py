@@ -108,7 +108,7 @@ def test_doctor_at_start_logs_one_block_that_checks_the_host_pool(tmp_path, capl
     import logging
 
     from support.standin_pools import Config, FakeMHAPool
-    from umbp_nvme.sglang_backend import UMBPNvmeStore
+    from umbp_nvme.sglang.backend import UMBPNvmeStore
 
     cfg = Config(str(tmp_path / "s"))
     cfg.extra_config["doctor_at_start"] = True

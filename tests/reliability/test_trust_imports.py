@@ -26,7 +26,7 @@ from support.cli_stores import make_store, read_store
 from umbp_nvme import cli
 from umbp_nvme.archive import _REC, _U32, REC_TAG, ArchiveError, ArchiveReader, ArchiveWriter, _crc32c
 from umbp_nvme.hicache_files import _file_read
-from umbp_nvme.keys import KeyScheme
+from umbp_nvme.sglang.keys import KeyScheme
 
 MiB = 1 << 20
 CFG = '{"ssd_segment_size_bytes": 1048576, "ssd_durability_mode": "relaxed"}'

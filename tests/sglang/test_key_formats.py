@@ -8,7 +8,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from umbp_nvme.keys import (
+from umbp_nvme.sglang.keys import (
     KeyScheme,
     PoolRegistry,
     UnregisteredPoolError,

@@ -22,7 +22,7 @@ from support.faults import FaultPlan, FaultRule, on_files_under as _on
 from umbp_nvme.config import load_config
 from umbp_nvme.store import PageStore, owed_deletes
 from umbp_nvme.store.drives import MultiDriveStore
-from umbp_nvme.keys import page_of
+from umbp_nvme.sglang.keys import page_of
 from support.waits import until
 
 OBJ = 16 << 10

@@ -11,7 +11,7 @@ from conftest import payload
 
 from umbp_nvme import cli
 from umbp_nvme.config import StoreConfig
-from umbp_nvme.keys import KeyScheme
+from umbp_nvme.sglang.keys import KeyScheme
 from umbp_nvme.maintenance import StoreReader
 from umbp_nvme.store import PageStore
 

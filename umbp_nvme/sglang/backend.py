@@ -39,13 +39,14 @@ from collections import deque
 from collections.abc import Mapping
 from typing import List
 
-from .config import StoreConfig, load_config, parse_bool
+from ..config import StoreConfig, load_config, parse_bool
 from .hits import v2_hits
-from . import kv_events, sglang_stores, sglang_transfers
+from . import kv_events, stores
 from .keys import KeyScheme, is_mla_follower, rank_subdir
-from .sglang_seam import Seam
+from .seam import Seam
+from .transfers import legacy_batch_get, legacy_batch_set, v1_io, v2_io
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("umbp_nvme.sglang_backend")  # the name SGLang users filter on (the module moved, the logger did not)
 
 # SGLang is optional: subclass its HiCacheStorage when it imports, a local stand-in otherwise.
 # UMBP_NVME_NO_SGLANG=1 forces the stand-in (tests of the no-SGLang path).
@@ -113,7 +114,7 @@ class UMBPNvmeStore(HiCacheStorage):
         side = "_".join(p for p in (sub, f"tp{tp_rank}_sidecar") if p)
         self.private_dirs = [os.path.join(r, side) for r in self.root_dirs]
         self.store_dir, self.private_dir = ",".join(self.store_dirs), ",".join(self.private_dirs)  # for messages
-        # everything the helpers (sglang_stores, sglang_transfers) read or change
+        # everything the helpers (stores.py, transfers.py) read or change
         self._seam = Seam(
             config=self.config, storage_config=storage_config, scheme=self.scheme, interface_v1=self.interface_v1,
             follower=self.is_mla_follower, store_dirs=self.store_dirs, private_dirs=self.private_dirs,
@@ -146,18 +147,31 @@ class UMBPNvmeStore(HiCacheStorage):
     def kv_anchor_is_logical(self) -> bool:
         return self._seam.logical_anchor
 
-    # Read by the KV-event tests (tests/sglang/test_kv_events.py).
+    # Read-only views for the benchmarks, tools and tests that watch the DISK KV events.
     @property
-    def _publisher(self):
+    def publisher(self):
+        """The KV-event publisher (kv_events.Publisher) while DISK events are published, else None."""
         return self._seam.publisher
 
     @property
-    def _residency(self):
+    def residency(self):
+        """The residency tracker (kv_residency.Residency) hooked into this rank's store, else None."""
         return self._seam.residency
 
     @property
-    def _v1_sfx(self) -> tuple[str, ...]:
+    def v1_suffixes(self) -> tuple[str, ...]:
+        """The KV anchor's per-page object suffixes: a page's objects are ``page_hash + suffix``."""
         return self._seam.v1_sfx
+
+    def set_kv_events(self, on: bool) -> bool:
+        """Start (as configured by ``kv_events_*``) or stop publishing DISK KV events for this
+        rank's open store; True when publishing afterwards. For benchmarks that compare both."""
+        store = self._seam.main
+        if on and self._seam.publisher is None and store is not None:
+            stores.start_events(self._seam, store)
+        elif not on and self._seam.publisher is not None:
+            stores.stop_events(self._seam, store)
+        return self._seam.publisher is not None
 
     # ------------------------------------------------------------------------- registration
 
@@ -171,16 +185,16 @@ class UMBPNvmeStore(HiCacheStorage):
         seam.logical_anchor = getattr(mem_pool_host, "kv_buffer", None) is None
         seam.envelope = bool(getattr(mem_pool_host, "stores_page_envelope", False))
         seam.v1_sfx = self.scheme.v1_suffixes(envelope=seam.envelope)
-        seam.namespace = sglang_stores.make_namespace(seam, mem_pool_host)
-        sglang_stores.add_ranges(seam, mem_pool_host)
+        seam.namespace = stores.make_namespace(seam, mem_pool_host)
+        stores.add_ranges(seam, mem_pool_host)
         with seam.lock:
-            sglang_stores.open_main(seam, raise_errors=True)
+            stores.open_main(seam, raise_errors=True)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         if not self.registry.register(host_pool_name, host_pool):
             return  # the KV anchor is never a side pool (docs/sglang.md §4)
         self.registered_pools[host_pool_name] = host_pool
-        sglang_stores.add_ranges(self._seam, host_pool)
+        stores.add_ranges(self._seam, host_pool)
 
     def on_host_pools_registered(self) -> None:
         log.info(
@@ -195,7 +209,7 @@ class UMBPNvmeStore(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         try:
             keys = _key_list(keys)
-            store = sglang_stores.main_store(self._seam)
+            store = stores.main_store(self._seam)
             if store is None or not keys:
                 return 0
             if not self.interface_v1:
@@ -227,7 +241,7 @@ class UMBPNvmeStore(HiCacheStorage):
             if self.kv_anchor_is_logical:
                 return [True] * n
             t0 = time.perf_counter()
-            results, nbytes = sglang_transfers.v1_io(self._seam, keys, host_indices, is_set=is_set,
+            results, nbytes = v1_io(self._seam, keys, host_indices, is_set=is_set,
                                                      extra_info=extra_info)  # fmt: skip
             if is_set:
                 self._record(self._backup_pgs, self._backup_bw, results, nbytes, t0)
@@ -248,7 +262,7 @@ class UMBPNvmeStore(HiCacheStorage):
         def component_keys(page_keys, transfer):
             pool = self.registry.get(transfer.name)  # raises "Unregistered UMBP hybrid pool: ..."
             ck, m = self.scheme.side_pool_keys(page_keys, transfer.name, pool)
-            current["store"] = sglang_stores.store_for_pool(self._seam, transfer.name, pool, for_write=False)
+            current["store"] = stores.store_for_pool(self._seam, transfer.name, pool, for_write=False)
             return ck, m
 
         def exists(component_keys_list):
@@ -264,10 +278,10 @@ class UMBPNvmeStore(HiCacheStorage):
         return result
 
     def batch_get_v2(self, transfers, extra_info=None) -> dict:
-        return sglang_transfers.v2_io(self._seam, transfers, is_set=False)
+        return v2_io(self._seam, transfers, is_set=False)
 
     def batch_set_v2(self, transfers, extra_info=None) -> dict:
-        return sglang_transfers.v2_io(self._seam, transfers, is_set=True)
+        return v2_io(self._seam, transfers, is_set=True)
 
     # ------------------------------------------------------------------------- legacy (flat pages)
 
@@ -276,7 +290,7 @@ class UMBPNvmeStore(HiCacheStorage):
         return self.batch_get([key], [target_location], sizes)[0]
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        return sglang_transfers.legacy_batch_get(self._seam, keys, target_locations, target_sizes)
+        return legacy_batch_get(self._seam, keys, target_locations, target_sizes)
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set(
@@ -287,10 +301,10 @@ class UMBPNvmeStore(HiCacheStorage):
         )
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        return sglang_transfers.legacy_batch_set(self._seam, keys, values, target_locations, target_sizes)
+        return legacy_batch_set(self._seam, keys, values, target_locations, target_sizes)
 
     def exists(self, key) -> bool:
-        store = sglang_stores.main_store(self._seam)
+        store = stores.main_store(self._seam)
         if store is None:
             return False
         if not self.interface_v1:
@@ -301,13 +315,13 @@ class UMBPNvmeStore(HiCacheStorage):
     # ------------------------------------------------------------------------- management
 
     def clear(self) -> None:
-        sglang_stores.clear_stores(self._seam)
+        stores.clear_stores(self._seam)
 
     def flush(self) -> bool:
-        return sglang_stores.flush_stores(self._seam)
+        return stores.flush_stores(self._seam)
 
     def close(self) -> None:
-        sglang_stores.close_stores(self._seam)
+        stores.close_stores(self._seam)
 
     def get_stats(self):
         """Pages and GB/s of each prefetch (batch_get_v1) and backup (batch_set_v1) since the last call."""
@@ -319,7 +333,7 @@ class UMBPNvmeStore(HiCacheStorage):
             metrics.backup_bandwidth.extend(self._backup_bw)
             for d in (self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw):
                 d.clear()
-        drives = sglang_stores.drive_rows(self._seam)
+        drives = stores.drive_rows(self._seam)
         if drives:  # several drives: each one's state, objects, bytes, GB/s, errors
             try:
                 metrics.drives = drives
@@ -329,7 +343,7 @@ class UMBPNvmeStore(HiCacheStorage):
 
     def store_stats(self) -> dict:
         """The underlying store's counters (objects, bytes, hits, evictions, ...)."""
-        return sglang_stores.store_stats(self._seam)
+        return stores.store_stats(self._seam)
 
     # ------------------------------------------------------------------------- internals
 
