@@ -11,7 +11,7 @@ import numpy as np
 
 from conftest import payload, small_config
 from support.faults import FaultPlan, FaultRule, on_files_under as _on
-from umbp_nvme.cli import main
+from umbp_nvme.cli.main import main
 from umbp_nvme.store import PageStore
 
 OBJ = 8 << 10

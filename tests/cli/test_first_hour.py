@@ -16,7 +16,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from umbp_nvme import cli
+import umbp_nvme.cli.main as cli
 from umbp_nvme.bench import BENCHES
 
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -107,7 +107,7 @@ assert libc.capget(ctypes.byref(hdr), data) == 0
 for d in data:
     d.eff &= ~0b110; d.perm &= ~0b110; d.inh &= ~0b110
 assert libc.capset(ctypes.byref(hdr), data) == 0
-from umbp_nvme.cli import main
+from umbp_nvme.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
