@@ -3,7 +3,7 @@
 One backend over one store backs pages up (``batch_set_v1`` of 128 pages with prefix keys, as
 the cache controller does) and reads them back (``batch_get_v1``), round after round, with its
 event publisher started for one round and stopped for the next (``kv_events_endpoint`` is set;
-sglang_stores.start_events / stop_events, untimed), in the order off on, on off, ...: the same
+the backend's ``set_kv_events``, untimed), in the order off on, on off, ...: the same
 files, the same process, drift and order effects cancel. Each round writes new pages and clears
 the store afterwards (untimed), or with ``evicting`` keeps it full so that every put evicts.
 Reported: GB/s medians per side and the ratio on / off taken round by round (issue 27: within
