@@ -10,9 +10,9 @@ import numpy as np
 from conftest import payload
 
 import umbp_nvme.cli.main as cli
+from umbp_nvme.cli.maintenance import StoreReader
 from umbp_nvme.config import StoreConfig
 from umbp_nvme.sglang.keys import KeyScheme
-from umbp_nvme.cli.maintenance import StoreReader
 from umbp_nvme.store import PageStore
 
 MiB = 1 << 20
