@@ -12,7 +12,7 @@ re-puts of stored keys).
 
 ``StoreConfig.admission_policy``: ``adaptive`` (admission.py's measured choice), ``all`` (write
 every object: LRU as before) or ``second`` (the fixed second-write doorkeeper); ``auto`` is
-``all`` here, and the SGLang backend opens its store with ``adaptive`` (sglang_stores.py), so a
+``all`` here, and the SGLang backend opens its store with ``adaptive`` (sglang/stores.py), so a
 direct PageStore user's put keeps meaning "stored until evicted".
 """
 

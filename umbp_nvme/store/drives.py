@@ -30,7 +30,6 @@ from ..errors import (
     CapacityShrinkError, DriveNotMountedError, NamespaceMismatchError, ReadOnlyStoreError, StoreError,
     StoreLockedError, UnsafeStorePathError,
 )  # fmt: skip
-from ..keys import page_of as default_page_of
 from . import placement
 from .checks import begin_call
 from .clock import GenerationClock
@@ -82,13 +81,13 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
         A root that cannot be opened for a reason of its own (I/O error, missing, damaged) is a
         degraded drive and the others open; so is a root whose drive looks unmounted (mounts.py),
         which is not touched at all. A configuration error (namespace, lock, shrink) raises.
-        ``page_of(key) -> page hash`` (default keys.page_of) decides placement.
+        ``page_of(key) -> page hash`` (default placement.key_page) decides placement.
         """
         self = cls.__new__(cls)
         config = config or StoreConfig()
         self.roots = [os.path.abspath(r) for r in parse_roots(roots)]
         self.config, self.readonly, self._closed = config, readonly, False
-        self._page_of = page_of or default_page_of
+        self._page_of = page_of or placement.key_page
         self._open_one = open_drive
         self._ids = [placement.drive_id(r) for r in self.roots]
         self.health = [DriveHealth(i, r) for i, r in enumerate(self.roots)]

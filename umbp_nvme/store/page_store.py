@@ -96,7 +96,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
 
         ``path`` may list several roots (a list, a JSON list, a comma-separated string): the
         result is then a ``drives.MultiDriveStore`` with the same calls, one PageStore per drive,
-        placing pages by ``page_of(key) -> page hash`` (default ``keys.page_of``) and probing
+        placing pages by ``page_of(key) -> page hash`` (default ``placement.key_page``) and probing
         degraded drives every ``probe_interval_s``. This is the one place that decides how many
         roots a path names; the drives are opened through ``_open_root``, handed to
         MultiDriveStore so that drives.py does not import this module.
