@@ -59,7 +59,7 @@ def begin_call(store, op: str, keys, buffers=None, depths=None, *, writes: bool 
         raise ValueError(f"{op} needs one buffer per key: {n} keys, {len(buffers)} buffers")
     if depths is not None and len(depths) != n:
         raise ValueError(f"{op} needs one depth per key: {n} keys, {len(depths)} depths")
-    if store._closed:
+    if store.closed:
         store._closed_call(op)
         return None
     return [False] * n

@@ -20,24 +20,22 @@ log = logging.getLogger("umbp_nvme.store")
 
 
 class DeleteSteps:
-    _drop_doubt: dict[int, str] | None = None  # row -> key of drops in doubt (set by _drop_rows)
-
     def _doubt_now(self, rows: list[int], keys: list[str]) -> None:
-        if self._drop_doubt is None:
-            self._drop_doubt = {}
-        self._drop_doubt.update(zip(rows, keys))
+        if self.writer.drop_doubt is None:
+            self.writer.drop_doubt = {}
+        self.writer.drop_doubt.update(zip(rows, keys))
 
     def _doubt_settled(self, rows: list[int]) -> None:
-        if self._drop_doubt:
+        if self.writer.drop_doubt:
             for r in rows:
-                self._drop_doubt.pop(r, None)
+                self.writer.drop_doubt.pop(r, None)
 
     async def _settle_doubts(self, *, closing: bool = True) -> None:
         """Finish the drops in doubt and settle the puts in doubt (put_doubt.py): at close, so the
         index the next open trusts agrees with the records, and when a put finds no room (their
         slots are not rows eviction can take)."""
-        if self._drop_doubt:
-            await self._drop_rows(list(self._drop_doubt), evicted=False)
+        if self.writer.drop_doubt:
+            await self._drop_rows(list(self.writer.drop_doubt), evicted=False)
         if not await self._put_doubt_retry() and closing:
             log.warning("%s: %d bytes of puts in doubt at close (the next open trusts the index)", self.path,
                         self.put_doubt_bytes())  # fmt: skip
@@ -52,7 +50,7 @@ class DeleteSteps:
         results = begin_call(self, "delete_many", keys, writes=True)
         if results is None:
             return [False] * len(keys)
-        if self._put_doubt and not self.put_doubt_keys().isdisjoint(k for k in keys if type(k) is str):
+        if self.writer.put_doubt and not self.put_doubt_keys().isdisjoint(k for k in keys if type(k) is str):
             await self._put_doubt_retry()  # settled first: a landed put is then deleted like any other
         rows, where = [], []
         seen = set()
@@ -61,12 +59,12 @@ class DeleteSteps:
                 seen.add(r)
                 rows.append(r)
                 where.append(i)
-        if self._drop_doubt:  # a delete of a key in doubt retries its drop
+        if self.writer.drop_doubt:  # a delete of a key in doubt retries its drop
             at: dict[str, int] = {}
             for i, k in enumerate(keys):
                 if type(k) is str:
                     at.setdefault(k, i)
-            for r, k in list(self._drop_doubt.items()):
+            for r, k in list(self.writer.drop_doubt.items()):
                 if k in at:
                     rows.append(r)
                     where.append(at[k])
@@ -79,8 +77,8 @@ class DeleteSteps:
         """Writers: per key, whether it is still stored, its delete is in doubt or a put of it is in
         doubt (put_doubt.py): a delete owed for such a key is not settled (drive_probe.py)."""
         held = self.exists_many_nowait(keys)
-        if not self._drop_doubt and not self._put_doubt:
+        if not self.writer.drop_doubt and not self.writer.put_doubt:
             return held
-        doubt = set(self._drop_doubt.values()) if self._drop_doubt else set()
+        doubt = set(self.writer.drop_doubt.values()) if self.writer.drop_doubt else set()
         doubt |= self.put_doubt_keys()  # a put in doubt may have landed
         return [h or (type(k) is str and k in doubt) for h, k in zip(held, keys)]

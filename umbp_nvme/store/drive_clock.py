@@ -29,8 +29,8 @@ def generation(st, key: str) -> int:
         if v is None or len(v) != REC_BYTES:
             return -1
         return int(np.frombuffer(v, dtype=REC_DTYPE)["generation"][0])
-    r = st._keys.get(key)
-    return -1 if r is None else int(st._rows.gen[r])
+    r = st.writer.keys.get(key)
+    return -1 if r is None else int(st.writer.rows.gen[r])
 
 
 def newest(stores, key: str, drives: list[int]) -> int:

@@ -157,9 +157,9 @@ class DriveHealth:
 
 async def reads_back(st, h: DriveHealth) -> bool:
     """One of the drive's objects reads back through its store (and engine) within io_timeout_s."""
-    if st.readonly or not st._keys:
+    if st.readonly or not st.writer.keys:
         return True  # nothing of ours to read: the directory answered
-    key = next(iter(st._keys))
+    key = next(iter(st.writer.keys))
     ext = st.locate([key])[0]
     if ext is None:
         return True

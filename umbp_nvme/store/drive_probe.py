@@ -253,7 +253,7 @@ class DriveProbes:
                 return
             try:
                 await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
-                same = await self._in_thread(d, _holds_lock_at, self.roots[d], st._lock_fd)
+                same = await self._in_thread(d, _holds_lock_at, self.roots[d], st.lock_fd)
             except (FileNotFoundError, NotADirectoryError):  # removed, or replaced by a file
                 h.degrade("gone", f"its directory {self.roots[d]} is gone (no {MANIFEST_FILE})")
                 return

@@ -123,9 +123,9 @@ class GetPath:
         finally:
             self._leave()
         n, hits = len(keys), sum(results)
-        self._counters["gets"] += n
-        self._counters["hits"] += hits
-        self._counters["misses"] += n - hits
+        self.state.counters["gets"] += n
+        self.state.counters["hits"] += hits
+        self.state.counters["misses"] += n - hits
         if hits:
             admit_gate.used(self, keys, results)
         return results
@@ -135,12 +135,12 @@ class GetPath:
 
         Thread-safe: dict reads are atomic under the GIL; LMDB read txns are per call. A key
         that cannot be stored (not a str, empty, no lossless bytes) is False alone."""
-        if self._closed:
+        if self.state.closed:
             self._closed_call("exists_many")
             return [False] * len(keys)
-        if self.readonly:
+        if self.writer is None:
             return [v is not None for v in self._index_lookup(keys)]
-        d = self._keys
+        d = self.writer.keys
         try:
             return [k in d for k in keys]
         except TypeError:  # an unhashable key
@@ -148,15 +148,15 @@ class GetPath:
 
     def exists_prefix_nowait(self, keys: list[str]) -> int:
         """``exists_prefix`` without the event loop: callable from any thread (reads the index directly)."""
-        if self._closed:
+        if self.state.closed:
             self._closed_call("exists_prefix")
             return 0
-        if self.readonly:
+        if self.writer is None:
             enc = self._index_keys(keys)
             if None in enc:
                 enc = enc[: enc.index(None)]
-            return self._watch.read(lambda ix: ix.exists_prefix(enc), 0)
-        d = self._keys
+            return self.state.watch.read(lambda ix: ix.exists_prefix(enc), 0)
+        d = self.writer.keys
         n = 0
         try:
             for k in keys:
@@ -186,7 +186,7 @@ class GetPath:
     def _index_keys(self, keys) -> list[bytes | None]:
         """Index key bytes per key; None for a key no index key can hold (not a str, empty, no
         lossless bytes, too long): that key alone is a miss."""
-        maxk = self._index.max_key_bytes
+        maxk = self.state.index.max_key_bytes
         if plain_keys(keys) and (not keys or max(map(len, keys)) <= maxk):
             return [k.encode() for k in keys]
         enc = []
@@ -199,16 +199,16 @@ class GetPath:
         """Readers: the index record per key (None: absent, or a key that cannot be stored)."""
         enc = self._index_keys(keys)
         if None not in enc:
-            return self._watch.records(enc)
-        found = iter(self._watch.records([b for b in enc if b is not None]))
+            return self.state.watch.records(enc)
+        found = iter(self.state.watch.records([b for b in enc if b is not None]))
         return [None if b is None else next(found) for b in enc]
 
     def _writer_rows(self, keys) -> list:
         """Writers: the row per key, None when absent (a key that is not a str is never present)."""
         try:
-            return list(map(self._keys.get, keys))
+            return list(map(self.writer.keys.get, keys))
         except TypeError:  # an unhashable key
-            get = self._keys.get
+            get = self.writer.keys.get
             return [get(k) if type(k) is str else None for k in keys]
 
     def _lookup_reader(self, keys: list[str]) -> ReadBatch | None:
@@ -230,12 +230,12 @@ class GetPath:
 
     def _lookup(self, keys) -> ReadBatch | None:
         """The stored objects among ``keys`` (None when there is none)."""
-        if self.readonly:
+        if self.writer is None:
             b = self._lookup_reader(keys)
             if b is None:
                 return None
             for s in np.unique(b.segs).tolist():
-                if not self._files.ensure(s):
+                if not self.state.files.ensure(s):
                     b.keep(b.segs != s)
             return b if len(b) else None
         rows_l = self._writer_rows(keys)
@@ -250,13 +250,13 @@ class GetPath:
                 return None
             idx = np.arange(len(keys), dtype=np.int64)
             rows = np.asarray(rows_l, np.int64)
-        t = self._rows
+        t = self.writer.rows
         return ReadBatch(idx, t.seg[rows], t.off[rows], t.len[rows], t.crc[rows], t.flags[rows], t.gen[rows], rows)
 
     def _destinations(self, b: ReadBatch, keys, buffers, refused) -> None:
         """Resolve the caller's buffer per object; keep the usable ones, host memory first, CUDA last."""
         m, n = len(b), len(keys)
-        pair = self._memory.resolve_pairs(buffers if m == n else [buffers[i] for i in b.idx.tolist()])
+        pair = self.state.memory.resolve_pairs(buffers if m == n else [buffers[i] for i in b.idx.tolist()])
         if pair is not None and not (pair[1] < b.lens).any():
             b.dst = pair[0]
             return
@@ -264,7 +264,7 @@ class GetPath:
         ok = np.ones(m, bool)
         devm = np.zeros(m, bool)
         for j, i in enumerate(b.idx.tolist()):
-            r = self._memory.resolve(buffers[i], writable=True)
+            r = self.state.memory.resolve(buffers[i], writable=True)
             if isinstance(r, str):
                 refused.add(keys[i], r)
                 ok[j] = False
@@ -301,7 +301,7 @@ class GetPath:
         if outcome is None:
             return  # timed out: counted and logged by _await_io
         good, verified = outcome
-        if self.readonly:
+        if self.writer is None:
             verified &= self._unchanged(b, keys)
         await self._account(b, keys, good, verified, results, refused)
 
@@ -310,13 +310,13 @@ class GetPath:
         m = len(b)
         rows = b.rows
         if rows is not None:
-            self._rows.pin(rows)
+            self.writer.rows.pin(rows)
         plan = None
         good = np.zeros(m, bool)
         verified = np.zeros(m, bool)
         try:
-            files = self._files
-            plan = staging.plan(self._bounce, files.direct[b.segs], files.align[b.segs], b.dst, b.lens, b.devm)
+            files = self.state.files
+            plan = staging.plan(self.state.bounce, files.direct[b.segs], files.align[b.segs], b.dst, b.lens, b.devm)
             jobs = [self._read_parts(b, plan, m_host, good, verified)] if m_host else []
             if route is not None:
                 jobs.append(self._read_device_part(b, route, m_host, m, good, verified))
@@ -342,9 +342,9 @@ class GetPath:
             # the engines wait for the kernel's completions; _read_parts waits for its parts and
             # workers): no read into these slots, the bounce or the caller's memory is in flight.
             if rows is not None:
-                self._rows.unpin(rows)
+                self.writer.rows.unpin(rows)
             if plan is not None:
-                plan.release(self._bounce)
+                plan.release(self.state.bounce)
         return good, verified
 
     async def _read_parts(self, b: ReadBatch, plan, m_host: int, good, verified) -> None:
@@ -396,8 +396,8 @@ class GetPath:
         if asyncio.get_running_loop().time() >= deadline:  # an earlier part stalled the window
             raise asyncio.TimeoutError
         started = [todo.pop() for _ in range(min(k, len(todo)))]
-        read = self._read_engine.read_many
-        io = [asyncio.ensure_future(read(self._files.fds[b.segs[lo:hi]], b.offs[lo:hi], plan.io_addr[lo:hi],
+        read = self.state.read_engine.read_many
+        io = [asyncio.ensure_future(read(self.state.files.fds[b.segs[lo:hi]], b.offs[lo:hi], plan.io_addr[lo:hi],
                                          plan.io_len[lo:hi])) for lo, hi in started]  # fmt: skip
         for (lo, hi), task in zip(started, io):
             running[asyncio.ensure_future(self._wait_part(task, b.segs[lo:hi], deadline))] = (lo, hi, task)
@@ -427,12 +427,12 @@ class GetPath:
         if not self.verify_crc:
             return ok
         got = np.empty(len(sel), np.uint32)
-        self._crc32c_many(b.dst[sel], b.lens[sel], got)
+        self.state.crc32c_many(b.dst[sel], b.lens[sel], got)
         return ok & ((got == b.crcs[sel]) | ((b.flags[sel] & FLAG_CRC) == 0))
 
     async def _read_device_part(self, b: ReadBatch, route, lo: int, hi: int, good, verified) -> None:
         sl = slice(lo, hi)
-        fds = self._files.fds[b.segs[sl]]
+        fds = self.state.files.fds[b.segs[sl]]
         ok, checked = await asyncio.wait_for(
             self._read_device(route, fds, b.offs[sl], b.dst[sl], b.lens[sl], b.crcs[sl], b.flags[sl]), self.timeout_s
         )
@@ -460,21 +460,21 @@ class GetPath:
             else:
                 for i in idx.tolist():
                     results[i] = True
-            self._counters["bytes_read"] += int(lens.sum())
+            self.state.counters["bytes_read"] += int(lens.sum())
         else:
             for i in idx[verified].tolist():
                 results[i] = True
-            self._counters["bytes_read"] += int(lens[verified].sum())
+            self.state.counters["bytes_read"] += int(lens[verified].sum())
         bad_crc = np.flatnonzero(good & ~verified).tolist()
-        writer = not self.readonly
+        writer = self.writer is not None
         if bad_crc and writer:
             bad_crc = await self._confirm_bad(b, bad_crc, keys, refused)
         if bad_crc:
-            self._counters["crc_errors"] += len(bad_crc)
+            self.state.counters["crc_errors"] += len(bad_crc)
             for j in bad_crc[:1]:
                 refused.add(keys[int(idx[j])], "checksum mismatch (entry dropped)" if writer else "checksum or generation mismatch")
         if writer:
-            rows, t = b.rows, self._rows
+            rows, t = b.rows, self.writer.rows
             if bad_crc:
                 drop = [
                     int(rows[j]) for j in bad_crc
@@ -516,7 +516,7 @@ class GetPath:
         """(complete, verified) per op for a read into CUDA memory."""
         from ..engine import gds
 
-        gate = self._gds_gate
+        gate = self.state.gds_gate
         verify = self.verify_crc
         got = None
         if route == "gds":
@@ -525,12 +525,12 @@ class GetPath:
                 got = await gds.device_crc32c_many(addrs, lens)
         else:
             # staging: O_DIRECT read of whole blocks into a host bounce, check, then copy to the device
-            blen, starts, bounce = staging.device_layout(self._bounce, lens)
+            blen, starts, bounce = staging.device_layout(self.state.bounce, lens)
             try:
                 host = np.uint64(bounce.address) + starts.astype(np.uint64)
-                res = await self._read_engine.read_many(fds, offs, host, blen)
+                res = await self.state.read_engine.read_many(fds, offs, host, blen)
                 ok = res >= lens
-                crc32c = self._crc32c
+                crc32c = self.state.crc32c
                 host_l, len_l = host.tolist(), lens.tolist()
                 good_l = ok.tolist()
 
@@ -547,7 +547,7 @@ class GetPath:
                 checked = await wait_out(asyncio.get_running_loop().run_in_executor(None, check_and_copy))
                 return ok, np.asarray(checked, bool)
             finally:
-                self._bounce.put(bounce)
+                self.state.bounce.put(bounce)
         ok = res >= lens
         checked = ok.copy()
         if got is not None:

@@ -18,10 +18,6 @@ log = logging.getLogger("umbp_nvme.store")
 
 
 class IoWaits:
-    _stalled_ops = 0  # ops that outlived io_timeout_s (the call waited for the kernel)
-    _late_completions = 0  # of those, ended since (== stalled_ops when none is in flight)
-    _stalled_wait_s = 0.0  # longest wait past io_timeout_s
-
     async def _await_io(self, task: asyncio.Future, what: str, segs: np.ndarray, timeout_s: float | None = None):
         """The engine's result for ``task``, or None when it outlived io_timeout_s.
 
@@ -41,8 +37,8 @@ class IoWaits:
                 return
             stalled_at = time.monotonic()
             n = len(segs)
-            self._counters["timeouts"] += 1
-            self._stalled_ops += n
+            self.state.counters["timeouts"] += 1
+            self.state.stalled_ops += n
             u = np.unique(segs)
             names = ", ".join(segment_name(int(x)) for x in u[:4].tolist()) + (" ..." if len(u) > 4 else "")
             log.error(
@@ -56,7 +52,7 @@ class IoWaits:
             res = await task
             out = res[0] if type(res) is tuple else res  # the device write path returns (res, crcs)
             if isinstance(out, np.ndarray) and out.min(initial=0) < 0:
-                self._counters[f"io_errors_{what}"] += int(np.count_nonzero(out < 0))
+                self.state.counters[f"io_errors_{what}"] += int(np.count_nonzero(out < 0))
             return res
         except asyncio.CancelledError:
             me = asyncio.current_task()
@@ -69,5 +65,5 @@ class IoWaits:
         finally:
             h.cancel()
             if stalled_at is not None and task.done():
-                self._late_completions += len(segs)
-                self._stalled_wait_s = max(self._stalled_wait_s, time.monotonic() - stalled_at)
+                self.state.late_completions += len(segs)
+                self.state.stalled_wait_s = max(self.state.stalled_wait_s, time.monotonic() - stalled_at)
