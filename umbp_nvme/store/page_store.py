@@ -470,6 +470,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             self.writer.residency = residency
 
     def detach_residency(self) -> None:
+        """Stop telling a residency tracker about keys (``attach_residency(None)``)."""
         self.attach_residency(None)
 
     @property
