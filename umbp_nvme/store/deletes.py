@@ -12,8 +12,10 @@ settled on a drive that may still serve it after a restart.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
+from ..keybytes import encode_key
 from .checks import begin_call
 
 log = logging.getLogger("umbp_nvme.store")
@@ -82,3 +84,77 @@ class DeleteSteps:
         doubt = set(self.writer.drop_doubt.values()) if self.writer.drop_doubt else set()
         doubt |= self.put_doubt_keys()  # a put in doubt may have landed
         return [h or (type(k) is str and k in doubt) for h, k in zip(held, keys)]
+
+    async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
+        """Durably remove rows' keys from the index, then free their slots. Caller holds no lock.
+        True: dropped; False: nothing dropped (no tombstone landed), the rows serve again; else the
+        drop is in doubt (deletes.py: the commit outlived io_timeout_s, was cancelled, or failed
+        after the tombstones landed): hidden, not acknowledged, retried by delete_many, an eviction
+        or close()."""
+        w = self.writer
+        if not rows:
+            return True
+        keys = [w.rows.key[r] for r in rows]
+        was_live = [(r, k) for r, k in zip(rows, keys) if w.keys.get(k) == r]
+        for _, k in was_live:
+            del w.keys[k]  # invisible to new readers first: nothing new pins these rows
+        if w.residency is not None:
+            w.residency.hidden([k for _, k in was_live])
+        w.rows.live[rows] = False
+        dels = dict.fromkeys(k for k in keys if k not in w.keys)  # a key put again since a drop in doubt stays
+        ok = None  # not known: a commit that outlived io_timeout_s (or a cancelled call) may still land
+        try:
+            async with w.commit_lock:
+                if await self._tombstone(rows) is None:
+                    ok = False
+                else:  # keys decoded from bytes: always encode
+                    ok = await self._commit(deletes=[encode_key(k) for k in dels])
+                    if ok and w.put_doubt:  # every earlier commit has landed or failed
+                        self._put_doubt_settle()
+                    # the tombstones landed but the index still holds the keys: serving them again
+                    # would answer from a record a rebuild no longer has (the page is gone after a
+                    # restart): the drop stays hidden and in doubt, and a retry finishes it
+                    ok = ok or None
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if ok is None:  # in doubt: the slots stay out of use, not acknowledged, retried by a delete
+                self._doubt_now(rows, keys)
+        if ok:
+            self._doubt_settled(rows)
+            w.rows.release(rows)
+            self.state.counters["evictions" if evicted else "deletes"] += len(rows)
+            if evicted and w.drop_doubt:  # then the drops in doubt, apart: their slots come back
+                await self._drop_rows(list(w.drop_doubt), evicted=False)
+            return True
+        if ok is False:  # nothing committed: the entries stand, keep serving them (rows in doubt stay so)
+            orphans = []
+            for r, k in was_live:
+                if k not in w.keys:
+                    w.keys[k] = r
+                    w.rows.live[r] = True
+                else:
+                    orphans.append(r)  # re-put meanwhile: the index holds the new record, not this one
+            w.rows.release(orphans)
+            if w.residency is not None:
+                w.residency.shown([k for r, k in was_live if w.keys.get(k) == r])
+        return False
+
+    async def clear(self) -> None:
+        """Drop every entry durably and free all space (slots being read are freed after the read)."""
+        w = self.writer
+        if begin_call(self, "clear", (), writes=True) is None:
+            return
+        async with w.commit_lock:
+            rows = list(w.keys.values())
+            gone = list(w.keys) if w.residency is not None else ()
+            # also with no rows: records of puts that never published must not outlive the clear
+            if await self._tombstone(rows) is None:
+                raise OSError(f"{self.path}: clear could not clear the records in the segments; nothing was dropped")
+            w.keys.clear()
+            if gone:
+                w.residency.hidden(gone)
+            w.rows.live[rows] = False
+            self.state.index.drop_all(next_generation=w.clock.now + 1)
+            w.rows.release(rows)
+            self.state.counters["deletes"] += len(rows)

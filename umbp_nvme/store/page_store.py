@@ -30,15 +30,16 @@ from typing import NamedTuple
 
 from ..config import StoreConfig, parse_roots
 from ..errors import ReadOnlyStoreError
-from ..keybytes import encode_key
-from .checks import begin_call
 from .deletes import DeleteSteps
+from .flushing import FlushSteps
 from .drives import PROBE_INTERVAL_S, MultiDriveStore
 from .get_path import GetPath
+from .lookups import Lookups
 from .mapped import unusable_range
 from .opening import OpenSteps
 from .put_doubt import PutDoubt
 from .put_path import PutPath
+from .put_publish import PutPublish
 from .record_steps import RecordSteps
 from .space import SpaceSteps
 from .state import OpenFacts, StoreState, WriterState
@@ -55,7 +56,9 @@ class Extent(NamedTuple):
 
 
 
-class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, IoWaits, DeleteSteps):
+class PageStore(
+    OpenSteps, SpaceSteps, PutPath, PutPublish, PutDoubt, RecordSteps, Lookups, GetPath, IoWaits, DeleteSteps, FlushSteps
+):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
     def __init__(self, state: StoreState, writer: WriterState | None) -> None:
@@ -289,7 +292,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     def _tick(self) -> int:
         return self.writer.clock.tick()
 
-    # ----------------------------------------------------------------------------- index commits
+    # ----------------------------------------------------------------------------- index commits (deletes.py drops rows)
 
     async def _commit(self, puts=(), deletes=()) -> bool:
         """One index transaction, not synced: the records in the segments are the durable truth
@@ -300,141 +303,6 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         except Exception as e:  # noqa: BLE001 - lmdb.Error (ENOSPC, MapFull) becomes a failed batch
             log.error("%s: index commit of %d puts / %d deletes failed: %s", self.path, len(puts), len(deletes), e)
             return False
-
-    async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
-        """Durably remove rows' keys from the index, then free their slots. Caller holds no lock.
-        True: dropped; False: nothing dropped (no tombstone landed), the rows serve again; else the
-        drop is in doubt (deletes.py: the commit outlived io_timeout_s, was cancelled, or failed
-        after the tombstones landed): hidden, not acknowledged, retried by delete_many, an eviction
-        or close()."""
-        w = self.writer
-        if not rows:
-            return True
-        keys = [w.rows.key[r] for r in rows]
-        was_live = [(r, k) for r, k in zip(rows, keys) if w.keys.get(k) == r]
-        for _, k in was_live:
-            del w.keys[k]  # invisible to new readers first: nothing new pins these rows
-        if w.residency is not None:
-            w.residency.hidden([k for _, k in was_live])
-        w.rows.live[rows] = False
-        dels = dict.fromkeys(k for k in keys if k not in w.keys)  # a key put again since a drop in doubt stays
-        ok = None  # not known: a commit that outlived io_timeout_s (or a cancelled call) may still land
-        try:
-            async with w.commit_lock:
-                if await self._tombstone(rows) is None:
-                    ok = False
-                else:  # keys decoded from bytes: always encode
-                    ok = await self._commit(deletes=[encode_key(k) for k in dels])
-                    if ok and w.put_doubt:  # every earlier commit has landed or failed
-                        self._put_doubt_settle()
-                    # the tombstones landed but the index still holds the keys: serving them again
-                    # would answer from a record a rebuild no longer has (the page is gone after a
-                    # restart): the drop stays hidden and in doubt, and a retry finishes it
-                    ok = ok or None
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            if ok is None:  # in doubt: the slots stay out of use, not acknowledged, retried by a delete
-                self._doubt_now(rows, keys)
-        if ok:
-            self._doubt_settled(rows)
-            w.rows.release(rows)
-            self.state.counters["evictions" if evicted else "deletes"] += len(rows)
-            if evicted and w.drop_doubt:  # then the drops in doubt, apart: their slots come back
-                await self._drop_rows(list(w.drop_doubt), evicted=False)
-            return True
-        if ok is False:  # nothing committed: the entries stand, keep serving them (rows in doubt stay so)
-            orphans = []
-            for r, k in was_live:
-                if k not in w.keys:
-                    w.keys[k] = r
-                    w.rows.live[r] = True
-                else:
-                    orphans.append(r)  # re-put meanwhile: the index holds the new record, not this one
-            w.rows.release(orphans)
-            if w.residency is not None:
-                w.residency.shown([k for r, k in was_live if w.keys.get(k) == r])
-        return False
-
-    async def clear(self) -> None:
-        """Drop every entry durably and free all space (slots being read are freed after the read)."""
-        w = self.writer
-        if begin_call(self, "clear", (), writes=True) is None:
-            return
-        async with w.commit_lock:
-            rows = list(w.keys.values())
-            gone = list(w.keys) if w.residency is not None else ()
-            # also with no rows: records of puts that never published must not outlive the clear
-            if await self._tombstone(rows) is None:
-                raise OSError(f"{self.path}: clear could not clear the records in the segments; nothing was dropped")
-            w.keys.clear()
-            if gone:
-                w.residency.hidden(gone)
-            w.rows.live[rows] = False
-            self.state.index.drop_all(next_generation=w.clock.now + 1)
-            w.rows.release(rows)
-            self.state.counters["deletes"] += len(rows)
-
-    async def flush(self) -> bool:
-        """fdatasync every segment and the index. True when all of it is durable."""
-        if self.state.closed:
-            self._closed_call("flush")
-            return False
-        if self.writer is None:
-            return True
-        return await self._flush()
-
-    async def flush_for_close(self) -> bool:
-        """``flush`` that never raises (close uses it): True when data, records and index are durable."""
-        # a clean close leaves data, records (all confirmed) and index durable
-        try:
-            return await self._flush()
-        except Exception as e:  # noqa: BLE001 - closing must not raise for a flush
-            log.warning("%s: flush at close failed: %s", self.path, e)
-            return False
-
-    async def _flush(self) -> bool:
-        """Data durable, then every record confirmed and its block written, then synced again."""
-        w = self.writer
-        t = w.rows
-        # only this session's puts can be unconfirmed (strict ones were confirmed at publish)
-        live = (t.live[: t.n] & (t.gen[: t.n] > w.open_clock)).nonzero()[0] if t is not None else []
-        snap = (t.seg[live].copy(), t.off[live].copy(), t.len[live].copy(), t.gen[live].copy()) if len(live) else None
-        ok = await self._sync_all()
-        if ok and snap is not None:
-            w.areas.confirm(*snap)
-        dirty = w.areas.dirty_blocks()
-        if dirty:
-            dead = dict(w.areas.dead)
-            failed = await w.areas.write(w.write_engine, self.state.files.fds, dirty, self.timeout_s)
-            synced = await self._sync_all()
-            ok = synced and ok and not failed
-            if synced:
-                w.areas.forget_dead(dead, set(self.state.files.files) - failed)
-        try:
-            await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(w.index_pool, self.state.index.sync), self.timeout_s
-            )
-        except Exception as e:  # noqa: BLE001
-            log.error("%s: index sync failed: %s", self.path, e)
-            ok = False
-        return ok
-
-    async def _sync_all(self) -> bool:
-        # all segments at once: a slow disk costs one io_timeout_s, not one per segment
-        segs = list(self.state.files.files)
-        done = await asyncio.gather(
-            *(asyncio.wait_for(self.writer.write_engine.sync(int(self.state.files.fds[s])), self.timeout_s) for s in segs),
-            return_exceptions=True,
-        )
-        ok = True
-        for s, r in zip(segs, done):
-            if isinstance(r, BaseException):
-                log.error("%s: fdatasync of segment %d failed: %r", self.path, s, r)
-                if isinstance(r, OSError) and not isinstance(r, TimeoutError):  # a timeout is counted apart
-                    self.state.counters["io_errors_sync"] += 1
-                ok = False
-        return ok
 
     # ----------------------------------------------------------------------------- stats
 
