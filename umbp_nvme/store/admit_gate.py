@@ -14,6 +14,9 @@ re-puts of stored keys).
 every object: LRU as before) or ``second`` (the fixed second-write doorkeeper); ``auto`` is
 ``all`` here, and the SGLang backend opens its store with ``adaptive`` (sglang_stores.py), so a
 direct PageStore user's put keeps meaning "stored until evicted".
+
+Reads: state.config (admission_policy), writer.high_bytes, writer.admission. Changes:
+writer.admission (made at the first put), state.counters (put_declined).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Per-key checks shared by the put and get paths, and the one log line per call for refused keys."""
+"""Per-key checks shared by the put and get paths, and the one log line per call for refused keys.
+
+Reads: the store's ``readonly`` and ``closed`` (writer, state.closed). Changes: nothing (a closed
+store's ``_closed_call`` logs once).
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,10 @@ so it is kept *in doubt*: its slots stay out of use, it is not acknowledged, a l
 key or the next eviction retries it (tombstone and commit again: both idempotent), and until one lands
 ``delete_pending`` reports the key, so an owed delete (drive_probe.py, owed_deletes.py) is not
 settled on a drive that may still serve it after a restart.
+
+Reads: writer.commit_lock, writer.clock, writer.put_doubt. Changes: writer.keys, writer.rows
+(dropped, released), writer.drop_doubt, state.index (commits), writer.areas (tombstones,
+record_steps.py), state.counters; tells writer.residency.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ That needs one clock: the writer opens every drive on one ``clock.GenerationCloc
 (``PageStore.open(clock=...)``), so generations order puts across drives, and every drive's
 persisted bound covers them all. Readers draw nothing: they compare the generations the writer
 recorded in LMDB.
+
+Reads: each drive store's writer.keys and writer.rows (writers) or its index lookups (readers).
+Changes: nothing.
 """
 
 from __future__ import annotations

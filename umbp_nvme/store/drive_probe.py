@@ -6,6 +6,9 @@ directory, one object read back, its owed deletes applied) before it serves agai
 could not open is opened once its store is back. Deletes a degraded drive owes are recorded in
 owed_deletes.py's log on the healthy drives before they are acknowledged, and applied at the next
 open when the process ended first.
+
+Reads: the drive stores through their public calls (lock_fd, stats, delete_pending, ...). Changes:
+the MultiDriveStore's own fields (stores, health, probes).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ drive's PageStore which keys became visible there; what a router sees is the who
 - a drive that serves again (re-admitted by the probe, or opened late) is hooked again and its
   pages reported shown (BlockStored), after its owed deletes and clears were applied;
 - the re-announcement takes only the keys of drives that serve (``served_keys``).
+
+Reads: the drive stores' keys(). Changes: each drive store's writer.residency (attach_residency /
+detach_residency), the MultiDriveStore's _residency.
 """
 
 from __future__ import annotations

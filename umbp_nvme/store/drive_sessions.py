@@ -23,6 +23,9 @@ back on the recorded roots: a drive is behind when another drive's record omits 
 record names that drive (it was removed and that drive went on without it).
 
 What it cannot see: a session run only on drives that are all absent or unreadable now.
+
+Reads: the drive stores through their public calls. Changes: the MultiDriveStore's own fields
+(sessions, DRIVES.json).
 """
 
 from __future__ import annotations

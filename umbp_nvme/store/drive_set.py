@@ -6,6 +6,8 @@ recorded set and is not configured now was removed: its pages are gone from this
 open says so once, with the count recorded at the last close. The remaining drives open as usual
 (removing a drive never refuses the rest); a removed drive added back is cleared before it
 serves (it missed the sessions run without it).
+
+Reads: the drive stores' object counts. Changes: nothing of a PageStore (the drive set's files).
 """
 
 from __future__ import annotations

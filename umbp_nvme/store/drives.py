@@ -16,6 +16,9 @@ once that drive's PageStore call has ended (the trust rule: the kernel may still
 caller's memory until then); the drive is marked degraded when the call outlives io_timeout_s,
 so every later batch skips it without waiting. A background probe re-admits a degraded drive
 once no call of ours is in flight on it and one of its objects reads back.
+
+Reads: its drive stores through their public calls. Changes: its own fields only (no PageStore's
+state).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ goes through ``IndexWatch.read``, which applies three rules:
 
 A failed open is tried again when the path's stat (identity, size, mtime) changes, each LMDB
 commit changes it, or after ``RETRY_S``, so a follower never spins on opening a file.
+
+Reads: a reader's state.index and state.closed. Changes: state.index (swapped for the writer's new
+file once marked).
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ unpin -> [readers: recheck the generation] -> account.
 A writer pins the rows it reads so no eviction reuses their slots meanwhile. A reader in another
 process cannot pin: it checks the CRC and that each key still has the generation it looked up
 once the read is done. A mixin of PageStore.
+
+Reads: state.files, state.read_engine, state.memory, state.crc32c*, state.verify_crc,
+state.gds_gate, writer.rows. Changes: writer.rows (pins while reading, recency of hits),
+state.bounce (borrowed, given back), state.counters; drops damaged entries (deletes.py).
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 The steps run in that order (``_open``); any failure releases what was taken. The on-disk rules
 they apply live in layout.py; this module applies them to one store and logs what it repaired.
+
+Reads: what it set. Changes: every field of StoreState and WriterState it builds (settings, lock,
+manifest, index, segment files, rows, allocator, clock, record areas, engines), through OpenFacts
+between steps.
 """
 
 from __future__ import annotations

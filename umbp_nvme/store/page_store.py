@@ -17,6 +17,10 @@ one holds the public calls that are not puts or gets, and index commits; waits.p
 Reads never wait behind writes: reads and writes go to two engine instances (two rings or two
 thread pools), and at most ``opening.WRITE_BATCHES_IN_FLIGHT`` put batches submit at a time, so
 the device queue always has room for reads.
+
+Reads: all of it (stats). Changes: state.closed and what close() releases (engines, files, index,
+lock, bounce, gds gate), state.memory (register_memory), state.inflight and state.idle (calls),
+writer.residency.
 """
 
 from __future__ import annotations

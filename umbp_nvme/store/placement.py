@@ -6,6 +6,8 @@ they land on one drive and a lost drive costs whole pages. The page hash comes f
 hashing (a per-drive lane of the page hash XOR the drive's salt) gives each page a stable order over the drives;
 drives.MultiDriveStore uses it to break ties when it spreads a batch evenly, and lookups search every drive, so a restart, an added drive
 or a page written while its drive was degraded is always found.
+
+State: none (hashing).
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ object whose record is there unchanged is adopted (its slot keeps its right byte
 one (not landed, or overwritten by a later put of its key) gives its record and slot back.
 Nothing answered True depends on it, and nothing of it is served until its bytes are known.
 A batch cancelled before its commit began is known not to have landed: its slots go back at once.
+
+Reads: state.index, writer.keys, writer.commit_lock. Changes: writer.put_doubt, writer.alloc (slots
+given back), writer.areas (records cleared or confirmed); adopted objects become rows
+(put_publish.py).
 """
 
 from __future__ import annotations

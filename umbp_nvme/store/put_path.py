@@ -4,6 +4,10 @@
 An entry is visible only after its bytes are on the file. Every key is checked before any slot
 is reserved: nothing can fail once the write is submitted, so a bad key fails alone and never
 frees slots the device still owns. A mixin of PageStore.
+
+Reads: state.files, state.memory, state.arbiter, state.crc32c*, state.index, state.gds_gate,
+writer.keys, writer.write_engine, writer.write_sem. Changes: writer.alloc (slots, through space.py),
+writer.rows (recency of re-puts), state.bounce (borrowed, given back), state.counters.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The store's use of the records in its segments (records.py): a put batch's records, giving
 back the records of slots that go back unpublished, tombstones for deletes, the areas at open,
 and the rebuild of the index at open (rebuild.py). A mixin of PageStore.
+
+Reads: state.files, writer.rows, writer.write_engine, OpenFacts at open. Changes: writer.areas
+(records, tombstones), state.index (a rebuild at open), state.manifest (migration).
 """
 
 from __future__ import annotations

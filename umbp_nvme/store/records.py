@@ -17,6 +17,8 @@ A record says ``CONFIRMED`` only in images written after its data's fdatasync co
 rebuild trusts confirmed records and checks the data CRC of the others (the last batch or so
 per segment after a crash). Confirmations ride along with the next write to the segment, and
 flush/close write the rest.
+
+State: its own (the record areas in memory); a writer's is writer.areas.
 """
 
 from __future__ import annotations

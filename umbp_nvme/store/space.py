@@ -2,6 +2,10 @@
 configured capacity while the file system refuses new segment files (ENOSPC).
 
 A mixin of PageStore: it works on the store's allocator, segment files and rows.
+
+Reads: writer.high_bytes, writer.low_bytes, writer.rows, writer.put_doubt, writer.drop_doubt,
+state.config. Changes: writer.alloc (slots), state.files (new segment files),
+writer.space_limit_segments, writer.space_retry_at, writer.slot_cap; evicts through deletes.py.
 """
 
 from __future__ import annotations

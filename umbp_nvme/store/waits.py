@@ -1,6 +1,9 @@
 """Waiting for the engine: every wait on I/O ends only once the kernel has let go of the memory.
 
 A mixin of PageStore (the put and get paths call ``_await_io``); it counts and logs stalls.
+
+Reads: state.timeout_s. Changes: state.counters (timeouts, io_errors_*), state.stalled_ops,
+state.late_completions, state.stalled_wait_s.
 """
 
 from __future__ import annotations
