@@ -1,6 +1,6 @@
 """Deletes: ``delete_many``, and drops in doubt (a mixin of PageStore).
 
-A drop (page_store._drop_rows: a delete, an eviction, a bad CRC) whose index commit outlived
+A drop (``_drop_rows`` below: a delete, an eviction, a bad CRC) whose index commit outlived
 io_timeout_s may land later, or never; one whose commit failed after its tombstones (the cleared
 records in the segments) landed is half done on disk: served again, it would answer from a record
 a rebuild no longer has. Both are treated alike. Its keys are already hidden (no new reader pins their rows),
@@ -20,7 +20,6 @@ import asyncio
 import logging
 
 from ..keybytes import encode_key
-from .checks import begin_call
 
 log = logging.getLogger("umbp_nvme.store")
 
@@ -53,7 +52,7 @@ class DeleteSteps:
         still be there: a later delete retries it), or the store is closed. A key given twice answers
         True once. Raises ReadOnlyStoreError on a store opened read-only.
         """
-        results = begin_call(self, "delete_many", keys, writes=True)
+        results = self._begin_call("delete_many", keys, writes=True)
         if results is None:
             return [False] * len(keys)
         if self.writer.put_doubt and not self.put_doubt_keys().isdisjoint(k for k in keys if type(k) is str):
@@ -147,7 +146,7 @@ class DeleteSteps:
     async def clear(self) -> None:
         """Drop every entry durably and free all space (slots being read are freed after the read)."""
         w = self.writer
-        if begin_call(self, "clear", (), writes=True) is None:
+        if self._begin_call("clear", (), writes=True) is None:
             return
         async with w.commit_lock:
             rows = list(w.keys.values())

@@ -138,7 +138,7 @@ class SessionSteps:
         return True
 
     async def _clear_missed(self, d: int, st) -> None:
-        n = st._object_count()
+        n = st.object_count()
         await st.clear()
         if n > 0:
             log.warning("drive %s missed a writer session (removed from the roots or not open) or writes made "

@@ -96,7 +96,7 @@ def write_drive_set(roots: list[str], stores: list, healthy=None, health=None, s
     counts = {}
     for r, st in zip(roots, stores):
         if st is not None:
-            counts[r] = st._object_count()
+            counts[r] = st.object_count()
     rec = {"roots": list(roots), "objects": counts, **(session or {})}
     if health is not None:
         rec["health"] = dict(zip(roots, health))

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..buffers import AlignedBuffer
 from . import admit_gate, staging
-from .checks import Refusals, begin_call
+from .checks import Refusals
 from .index import FLAG_CRC
 from .lookups import ReadBatch
 from .staging import settle, wait_out
@@ -94,7 +94,7 @@ class GetPath:
 
         Raises ValueError when ``buffers`` does not have one entry per key.
         """
-        results = begin_call(self, "get_many", keys, buffers)
+        results = self._begin_call("get_many", keys, buffers)
         if results is None:
             return [False] * len(keys)
         self._enter()

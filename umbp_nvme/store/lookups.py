@@ -111,6 +111,18 @@ class Lookups:
         found = iter(self.state.watch.records([b for b in enc if b is not None]))
         return [None if b is None else next(found) for b in enc]
 
+    def generation_of(self, key: str) -> int:
+        """The generation of ``key``'s object here (it orders puts, also across the drives of one
+        writer: drive_clock.py); -1 when it is absent."""
+        w = self.writer
+        if w is None:
+            v = self._index_lookup([key])[0]
+            if v is None or len(v) != REC_BYTES:
+                return -1
+            return int(np.frombuffer(v, dtype=REC_DTYPE)["generation"][0])
+        r = w.keys.get(key)
+        return -1 if r is None else int(w.rows.gen[r])
+
     def _writer_rows(self, keys) -> list:
         """Writers: the row per key, None when absent (a key that is not a str is never present)."""
         try:

@@ -96,7 +96,7 @@ class OpenSteps:
             st.path,
             "read-only" if readonly else "writer",
             "strict" if st.strict else "relaxed",
-            self._object_count(),
+            self.object_count(),
             st.open_seconds,
             st.read_engine.capabilities.name,
         )

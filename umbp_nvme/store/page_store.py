@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from ..config import StoreConfig, parse_roots
 from ..errors import ReadOnlyStoreError
+from .checks import CallChecks
 from .deletes import DeleteSteps
 from .flushing import FlushSteps
 from .drives import PROBE_INTERVAL_S, MultiDriveStore
@@ -61,7 +62,8 @@ class Extent(NamedTuple):
 
 
 class PageStore(
-    OpenSteps, SpaceSteps, PutPath, PutPublish, PutDoubt, RecordSteps, Lookups, GetPath, IoWaits, DeleteSteps, FlushSteps
+    CallChecks, OpenSteps, SpaceSteps, PutPath, PutPublish, PutDoubt, RecordSteps, Lookups, GetPath, IoWaits,
+    DeleteSteps, FlushSteps,
 ):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
@@ -285,7 +287,8 @@ class PageStore(
             )
         return await self.state.gds_gate.route()
 
-    def _object_count(self) -> int:
+    def object_count(self) -> int:
+        """Objects stored: a writer counts its rows, a read-only opener asks the index (-1 when it cannot tell)."""
         if self.writer is None:
             try:
                 return self.state.watch.read(lambda ix: ix.count(), -1)
@@ -389,7 +392,7 @@ class PageStore(
                 effective_capacity_bytes=self._effective_capacity(),
             )
         else:
-            s.update(objects=self._object_count())
+            s.update(objects=self.object_count())
         return s
 
     # ----------------------------------------------------------------------------- in-flight tracking

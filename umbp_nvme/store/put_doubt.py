@@ -1,7 +1,7 @@
 """Put batches in doubt (a mixin of PageStore).
 
 A put batch whose index commit outlived io_timeout_s, or whose call was cancelled during it, may
-have landed or not (put_path._publish). It is answered False and kept *in doubt*: its slots stay
+have landed or not (put_publish.py). It is answered False and kept *in doubt*: its slots stay
 out of use (a reader in another process may see a landed entry), its keys are not served here,
 and ``delete_pending`` reports them. LMDB runs one write transaction at a time, so once a later
 commit of ours has returned, the one in doubt has landed or failed: the next commit (a put, a

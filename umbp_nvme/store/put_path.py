@@ -21,7 +21,7 @@ import numpy as np
 from ..engine.base import errno_name
 from ..keybytes import encode_key, key_error
 from .layout import SLOT_ALIGN_BYTES
-from .checks import Refusals, begin_call, plain_keys
+from .checks import Refusals, plain_keys
 from .memory import int_arg
 from . import admit_gate, put_crc, staging
 from .staging import settle, wait_out
@@ -77,7 +77,7 @@ class PutPath:
         Raises ReadOnlyStoreError on a store opened read-only and ValueError when ``buffers`` or
         ``depths`` do not have one entry per key.
         """
-        results = begin_call(self, "put_many", keys, buffers, depths, writes=True)
+        results = self._begin_call("put_many", keys, buffers, depths, writes=True)
         if results is None:
             return [False] * len(keys)
         n = len(keys)

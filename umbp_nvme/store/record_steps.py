@@ -100,8 +100,7 @@ class RecordSteps:
         changed = []
         cls = (-(-np.asarray(lens, np.int64) // layout.SLOT_ALIGN_BYTES)) * layout.SLOT_ALIGN_BYTES
         for s in np.unique(segs).tolist():
-            a._ensure(s)
-            old = a.cls.get(s)
+            old = a.size_class(s)
             if old is not None and old != int(cls[np.flatnonzero(segs == s)[0]]):
                 changed.append(s)
         failed = set()

@@ -164,6 +164,11 @@ class RecordAreas:
         if recs is not None and len(recs):
             self.put(recs)
 
+    def size_class(self, seg: int) -> int | None:
+        """The size class segment ``seg``'s area holds records for (its records loaded first); None: no area."""
+        self._ensure(seg)
+        return self.cls.get(seg)
+
     def _area(self, seg: int, cls: int) -> np.ndarray:
         self._ensure(seg)
         a = self.areas.get(seg)

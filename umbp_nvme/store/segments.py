@@ -380,6 +380,11 @@ class SegmentFiles:
         self.files[i] = f
 
     @property
+    def failed_errno(self) -> int | None:
+        """The errno of the last segment file that could not be created (None: none failed)."""
+        return self._failed_errno
+
+    @property
     def any_direct(self) -> bool | None:
         if not self.files:
             return None

@@ -89,7 +89,7 @@ class SpaceSteps:
                 log.warning(
                     "%s: the file system has no room for segment %d (%s); running with the %d segments it has "
                     "(%d MiB of the configured %d MiB), evicting within them; trying to grow again every %.0f s",
-                    self.path, have, errno_name(-(getattr(self.state.files, "_failed_errno", None) or errno.EIO)),
+                    self.path, have, errno_name(-(self.state.files.failed_errno or errno.EIO)),
                     have, have * self.segment_bytes >> 20, self.writer.alloc.capacity_bytes >> 20, GROW_RETRY_S,
                 )  # fmt: skip
         elif lim is not None and tried and have > lim:
