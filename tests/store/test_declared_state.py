@@ -87,3 +87,30 @@ def test_every_field_is_declared_with_a_default():
     for cls in (StoreState, WriterState, OpenFacts):
         for f in dataclasses.fields(cls):
             assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, (cls, f.name)
+
+
+def test_no_method_of_the_store_sets_an_attribute_of_its_own_but_the_declared_two():
+    # the runtime check above sees the paths it runs; this one reads every method of every class
+    # PageStore is made of (a GPU or fault path sets nothing undeclared either)
+    import ast
+    import inspect
+
+    found = []
+    for cls in PageStore.__mro__:
+        if cls is object:
+            continue
+        tree = ast.parse(inspect.getsource(inspect.getmodule(cls)))
+        for node in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__):
+            for n in ast.walk(node):
+                if (isinstance(n, ast.Attribute) and isinstance(n.ctx, (ast.Store, ast.Del))
+                        and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr not in DECLARED):  # fmt: skip
+                    found.append(f"{cls.__name__}.{n.attr} (line {n.lineno})")
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("setattr", "delattr") \
+                        and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "self":  # fmt: skip
+                    found.append(f"{cls.__name__}: {n.func.id} (line {n.lineno})")
+            for n in node.body:  # class-level state shared by every instance (a property is not state)
+                is_property = isinstance(n.value, ast.Call) and getattr(n.value.func, "id", None) == "property" \
+                    if isinstance(n, ast.Assign) else False  # fmt: skip
+                if isinstance(n, (ast.Assign, ast.AnnAssign)) and not is_property:
+                    found.append(f"{cls.__name__}: class attribute at line {n.lineno}")
+    assert found == [], found
