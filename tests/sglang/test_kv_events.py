@@ -311,7 +311,7 @@ def test_only_tp_rank_0_publishes_for_an_mha_tp_group(tmp_path):
             made.append(be)
         assert made[0].publisher is not None and made[0].residency is not None
         assert made[1].publisher is None and made[1].residency is None
-        assert made[1].store.store._residency is None
+        assert made[1].store.store.residency is None
     finally:
         for be in made:
             be.close()
@@ -321,7 +321,7 @@ def test_events_are_off_without_an_endpoint(tmp_path):
     be = UMBPNvmeStore(Config(str(tmp_path / "s")), {})
     be.register_mem_pool_host(FakeMHAPool(pages=16, token_bytes=OBJ // PAGE))
     try:
-        assert be.publisher is None and be.store.store._residency is None
+        assert be.publisher is None and be.store.store.residency is None
         assert put(be, keys_of(2, "off")) == [True, True]
     finally:
         be.close()
@@ -389,7 +389,7 @@ def test_a_store_over_two_drives_announces_and_removes_each_page_once(tmp_path):
     be = open_backend(tmp_path, ssd_storage_dir=json.dumps(roots))
     sub = Sub(f"ipc://{tmp_path}/ev", be.publisher)
     try:
-        assert len([s for s in be.store.store.stores if s is not None and s._residency is be.residency]) == 2
+        assert len([s for s in be.store.store.stores if s is not None and s.residency is be.residency]) == 2
         sub.sync()
         keys = keys_of(8, "two")
         assert put(be, keys) == [True] * 8

@@ -210,23 +210,17 @@ def drives_of(top) -> list:
 
 
 def attach(sync_store, residency: Residency) -> None:
-    """Hook ``residency`` into every PageStore of a writer's store (see PageStore._residency); a
+    """Hook ``residency`` into every PageStore of a writer's store (PageStore.attach_residency); a
     multi-drive store hooks the drives that serve reads and follows them (store/drive_residency.py)."""
     top = sync_store.store
     residency.exists = top.exists_many_nowait
     residency.keys = getattr(top, "served_keys", top.keys)
     residency.single = not hasattr(top, "stores")
-    if hasattr(top, "attach_residency"):
-        top.attach_residency(residency)
-    else:
-        top._residency = residency
+    top.attach_residency(residency)
 
 
 def detach(sync_store) -> None:
     top = getattr(sync_store, "store", None)
     if top is None:
         return
-    if hasattr(top, "detach_residency"):
-        top.detach_residency()
-    else:
-        top._residency = None
+    top.detach_residency()

@@ -16,6 +16,9 @@ once that drive's PageStore call has ended (the trust rule: the kernel may still
 caller's memory until then); the drive is marked degraded when the call outlives io_timeout_s,
 so every later batch skips it without waiting. A background probe re-admits a degraded drive
 once no call of ours is in flight on it and one of its objects reads back.
+
+Reads: its drive stores through their public calls. Changes: its own fields only (no PageStore's
+state).
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from ..errors import (
     StoreLockedError, UnsafeStorePathError,
 )  # fmt: skip
 from . import placement
-from .checks import begin_call
 from .clock import GenerationClock
 from .counters import COUNTERS
+from .checks import CallChecks
 from .drive_clock import newest
 from .drive_health import FULL, UNMOUNTED, DriveHealth
 from .drive_probe import DriveProbes
@@ -63,7 +66,7 @@ def _drive_failure(e: BaseException) -> bool:
     return isinstance(e, (OSError, StoreError)) and not isinstance(e, _CONFIG_ERRORS)
 
 
-class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
+class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
     """PageStore's calls over several roots. Create with ``await PageStore.open(roots, ...)``."""
 
     _closed_logged = False
@@ -209,7 +212,7 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
     # ----------------------------------------------------------------------------- data calls
 
     async def put_many(self, keys: list[str], buffers: list, *, depths: list[int] | None = None) -> list[bool]:
-        results = begin_call(self, "put_many", keys, buffers, depths, writes=True)
+        results = self._begin_call("put_many", keys, buffers, depths, writes=True)
         if results is None:
             return [False] * len(keys)
         self._writes += 1
@@ -232,7 +235,7 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
         return results
 
     async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
-        results = begin_call(self, "get_many", keys, buffers)
+        results = self._begin_call("get_many", keys, buffers)
         if results is None:
             return [False] * len(keys)
         route = self._holders(keys, self._mask("read"))
@@ -298,7 +301,7 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
     async def delete_many(self, keys: list[str]) -> list[bool]:
         """Delete on every drive; a degraded drive owes the delete and applies it before it rejoins.
         True only when the delete is durable everywhere: deleted, or owed in a log on disk."""
-        results = begin_call(self, "delete_many", keys, writes=True)
+        results = self._begin_call("delete_many", keys, writes=True)
         if results is None:
             return [False] * len(keys)
         self._writes += 1
@@ -313,7 +316,7 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
         return [ok and not (type(k) is str and k in kept) for ok, k in zip(results, keys)]
 
     async def clear(self) -> None:
-        if begin_call(self, "clear", (), writes=True) is None:
+        if self._begin_call("clear", (), writes=True) is None:
             return
         self._writes += 1
         live, owed = [], []

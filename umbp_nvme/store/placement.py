@@ -8,6 +8,8 @@ format beyond that: the SGLang adapter passes sglang/keys.py's ``page_of`` (conf
 hashing (a per-drive lane of the page hash XOR the drive's salt) gives each page a stable order over the drives;
 drives.MultiDriveStore uses it to break ties when it spreads a batch evenly, and lookups search every drive, so a restart, an added drive
 or a page written while its drive was degraded is always found.
+
+State: none (hashing).
 """
 
 from __future__ import annotations
