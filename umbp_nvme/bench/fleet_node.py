@@ -179,8 +179,7 @@ class Node:
         if self.pub is None:
             return {"last_seq": None}
         self.pub.flush(60)
-        buf = self.pub._buffer
-        return {"last_seq": buf[-1][0] if buf else None}
+        return {"last_seq": self.pub.last_seq}
 
     def op_stats(self) -> dict:
         st = self.be.store_stats()["store"]

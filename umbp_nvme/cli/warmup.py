@@ -175,7 +175,7 @@ class Importer:
         self._pending: set[str] = set()
         # what the store takes, checked before staging memory is sized for a unit
         self.max_object_bytes = max_object_bytes(store)
-        self.max_key_bytes = getattr(getattr(store, "_index", None), "max_key_bytes", None) or 511
+        self.max_key_bytes = store.max_key_bytes
 
     def _refusal(self, u: Unit) -> str | None:
         """Why the store cannot take this unit (checked before anything is allocated or read)."""

@@ -415,6 +415,11 @@ class Publisher:
 
     # --- lifecycle
 
+    @property
+    def last_seq(self) -> int | None:
+        """The sequence number of the newest batch sent (None before the first)."""
+        return self._buffer[-1][0] if self._buffer else None
+
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued (and re-announced) has been sent (tests, close)."""
         deadline = time.monotonic() + timeout_s

@@ -156,6 +156,10 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
         return sum(s.capacity_bytes for s in self.stores if s is not None)
 
     @property
+    def max_key_bytes(self) -> int:
+        return min((s.max_key_bytes for s in self.stores if s is not None), default=511)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

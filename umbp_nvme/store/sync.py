@@ -233,6 +233,11 @@ class SyncPageStore:
         self._call(self.store.clear())
 
     @property
+    def loop(self):
+        """The event loop the store runs on (its own thread): for probes that time it (bench mixed)."""
+        return self._loop
+
+    @property
     def readonly(self) -> bool:
         """True for a follower opened read-only."""
         return self.store.readonly
