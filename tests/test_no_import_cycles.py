@@ -1,6 +1,8 @@
 """No import cycle inside umbp_nvme/ (issue 28): every ``import`` / ``from ... import`` anywhere in
 a module (top level, inside functions, under ``if TYPE_CHECKING``) is an edge to the module it
-names; a cycle among them fails the test and is listed.
+names; a cycle among them fails the test and is listed. The same edges show the layers: the core
+(``store/``, ``engine/``) imports none of the folders that serve callers (``sglang/``, ``cli/``,
+``bench/``, the ``sglang_backend`` alias).
 
 A ``from pkg import name`` is an edge to ``pkg.name`` when that is a module (a compiled extension
 included), else to ``pkg``. The implicit import of a parent package that every submodule import
@@ -108,6 +110,38 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def import_graph(package_dir: str, package: str) -> dict[str, set[str]]:
     mods = modules(package_dir, package)
     return {name: imports_of(name, path, mods) for name, path in mods.items()}
+
+
+CORE = ("store", "engine")
+EDGES = ("sglang", "cli", "bench", "sglang_backend")
+
+
+def upward_imports(graph: dict[str, set[str]], package: str) -> list[str]:
+    """``a -> b`` for every import of an edge folder (EDGES) by a core module (CORE)."""
+    def under(name: str, folders) -> bool:
+        return any(name == f"{package}.{f}" or name.startswith(f"{package}.{f}.") for f in folders)
+
+    return sorted(f"{a} -> {b}" for a, bs in graph.items() if under(a, CORE) for b in bs if under(b, EDGES))
+
+
+def test_the_store_and_the_engines_import_nothing_of_the_sglang_adapter_the_cli_or_the_benchmarks():
+    graph = import_graph(PACKAGE_DIR, "umbp_nvme")
+    assert any(n.startswith("umbp_nvme.sglang.") for n in graph) and any(n.startswith("umbp_nvme.cli.") for n in graph)
+    assert not upward_imports(graph, "umbp_nvme"), "core modules import an edge:\n" + "\n".join(upward_imports(graph, "umbp_nvme"))
+
+
+def test_the_layer_check_finds_an_upward_import_at_function_level(tmp_path):
+    pkg = tmp_path / "pkg"
+    for d in ("store", "engine", "sglang", "cli"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("")
+    (pkg / "store" / "a.py").write_text("from ..config import x\ndef f():\n    from ..sglang import keys\n")
+    (pkg / "sglang" / "keys.py").write_text("import pkg.engine.b\n")  # downward: allowed
+    (pkg / "engine" / "b.py").write_text("import pkg.cli.main\n")
+    (pkg / "cli" / "main.py").write_text("")
+    assert upward_imports(import_graph(str(pkg), "pkg"), "pkg") == ["pkg.engine.b -> pkg.cli.main", "pkg.store.a -> pkg.sglang.keys"]
 
 
 def test_no_import_cycles_inside_the_package():

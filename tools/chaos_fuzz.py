@@ -225,7 +225,7 @@ def job_open(job) -> dict:
 
 def job_cli(job) -> dict:
     """umbp-nvme ARGV in this child; the exit code is the CLI's. Optionally check a store afterwards."""
-    from umbp_nvme import cli
+    import umbp_nvme.cli.main as cli
 
     if job.get("rlimit_as"):
         import resource
@@ -568,12 +568,12 @@ def zygote_main(work: str) -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     import numpy  # noqa: F401
     import lmdb  # noqa: F401
-    import umbp_nvme.archive  # noqa: F401
-    import umbp_nvme.cli  # noqa: F401
-    import umbp_nvme.maintenance  # noqa: F401
+    import umbp_nvme.cli.archive  # noqa: F401
+    import umbp_nvme.cli.main  # noqa: F401
+    import umbp_nvme.cli.maintenance  # noqa: F401
     import umbp_nvme.store  # noqa: F401
-    import umbp_nvme.replay  # noqa: F401
-    import umbp_nvme.warmup  # noqa: F401
+    import umbp_nvme.cli.replay  # noqa: F401
+    import umbp_nvme.cli.warmup  # noqa: F401
 
     os.makedirs(work, exist_ok=True)
     proto = os.fdopen(os.dup(1), "w", buffering=1)

@@ -15,7 +15,7 @@ import json, subprocess, sys, time, hashlib, socket, tempfile, urllib.request
 import numpy as np
 sys.path.insert(0, "tests")  # the stand-in host pool and config
 from support.standin_pools import Config, FakeMHAPool, PAGE
-from umbp_nvme.sglang_backend import UMBPNvmeStore, HiCacheStorageExtraInfo
+from umbp_nvme.sglang.backend import UMBPNvmeStore, HiCacheStorageExtraInfo
 from sglang.srt.disaggregation import kv_events as W
 from sglang.srt.mem_cache.utils import hash_str_to_int64 as H
 
@@ -54,11 +54,11 @@ try:
     time.sleep(0.5)
     engine.publish(W.KVEventBatch(ts=time.time(), events=[W.BlockRemoved(block_hashes=[H(k) for k in keys], medium="GPU")]))
     time.sleep(1.0)
-    print("stats", be._publisher.stats, be._publisher.relay.stats)
+    print("stats", be.publisher.stats, be.publisher.relay.stats)
     dump = http("GET", "/dump")
     print("dump", json.dumps(dump)[:1500])
     print("query", http("POST", "/query", {"token_ids": toks, "model_name": "m"}))
-    be.store.delete_many([keys[2] + be._v1_sfx[0]])
+    be.store.delete_many([keys[2] + be.v1_suffixes[0]])
     time.sleep(1.0)
     print("query after delete", http("POST", "/query", {"token_ids": toks, "model_name": "m"}))
     be.close(); engine.shutdown()

@@ -30,7 +30,7 @@ _EXPORTS = {
     "SyncPageStore": ".store.sync",
     "StoreConfig": ".config",
     "load_config": ".config",
-    "UMBPNvmeStore": ".sglang_backend",
+    "UMBPNvmeStore": ".sglang.backend",
     "StoreError": ".errors",
     "StoreLockedError": ".errors",
     "NamespaceMismatchError": ".errors",
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects
         StoreError,
         StoreLockedError,
     )
-    from .sglang_backend import UMBPNvmeStore
+    from .sglang.backend import UMBPNvmeStore
     from .store.page_store import PageStore
     from .store.sync import SyncPageStore
 

@@ -313,10 +313,11 @@ def _histogram_family(name: str, rows):
 class StoreWatch:
     """One watched SyncPageStore: its labels, I/O error counts and latency histogram children."""
 
-    def __init__(self, owner: "Metrics", sync_store, labels: dict):
+    def __init__(self, owner: "Metrics", sync_store, labels: dict, extra=None):
         self.owner = owner
         self.sync_store = sync_store
         self.labels = dict(labels)
+        self.extra = extra  # () -> {stats key: value} kept outside the store (the KV events' counters)
         cfg = getattr(sync_store.store, "config", None)
         self.asked_engine = getattr(cfg, "ssd_io_backend", None)
         self.asked_o_direct = getattr(cfg, "o_direct", None)
@@ -335,6 +336,11 @@ class StoreWatch:
         except Exception as e:  # noqa: BLE001 - a scrape never fails for one busy or closed store
             log.debug("umbp_nvme metrics: stats of %s unavailable: %r", getattr(self.sync_store, "path", "?"), e)
             return []
+        if self.extra is not None:
+            try:
+                stats = {**stats, **self.extra()}
+            except Exception as e:  # noqa: BLE001 - the store's own samples still go out
+                log.debug("umbp_nvme metrics: extra counters unavailable: %r", e)
         return samples_from_stats(stats, asked_engine=self.asked_engine, asked_o_direct=self.asked_o_direct)
 
 
@@ -364,11 +370,13 @@ class Metrics:
         if not self.multiprocess:
             self.registry.register(_Collector(self))
 
-    def watch(self, sync_store, labels: dict | None = None) -> StoreWatch:
-        """Start exporting ``sync_store`` (and timing its calls: ``sync_store.metrics`` is set)."""
+    def watch(self, sync_store, labels: dict | None = None, extra=None) -> StoreWatch:
+        """Start exporting ``sync_store`` (and timing its calls: ``sync_store.metrics`` is set);
+        ``extra() -> {stats key: value}``: counters its owner keeps outside the store, exported
+        with its stats (the SGLang backend's KV-event counters)."""
         lab = {k: "" for k in LABELS}
         lab.update({k: str(v) for k, v in (labels or {}).items() if k in LABELS})
-        w = StoreWatch(self, sync_store, lab)
+        w = StoreWatch(self, sync_store, lab, extra)
         with self._lock:
             self._watches.append(w)
         sync_store.metrics = w

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from umbp_nvme.archive import MAGIC, ArchiveError, ArchiveReader, ArchiveWriter
+from umbp_nvme.cli.archive import MAGIC, ArchiveError, ArchiveReader, ArchiveWriter
 
 
 def _archive(records, namespace=None) -> bytes:

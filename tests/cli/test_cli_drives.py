@@ -4,14 +4,16 @@ recorded), verify, inspect, export -> warmup round trip, byte-exact."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 
 import numpy as np
 
 from conftest import payload, small_config
+from support.cli_stores import make_store
 from support.faults import FaultPlan, FaultRule, on_files_under as _on
-from umbp_nvme.cli import main
+from umbp_nvme.cli.main import main
 from umbp_nvme.store import PageStore
 
 OBJ = 8 << 10
@@ -83,6 +85,31 @@ def test_export_then_warmup_moves_a_two_drive_store_byte_exact(tmp_path, capsys)
 
     res, ok, spread = asyncio.run(check())
     assert res == [True] * 40 and ok and min(spread) > 0
+
+
+def test_warmup_into_two_drives_places_whole_pages_by_sglang_key_formats(tmp_path, capsys):
+    # side-pool keys carry a config prefix before the page hash: the store's own default page (the
+    # text before the first '_') would put them all on one drive; warm-up places by sglang/keys.page_of
+    hashes = [hashlib.sha256(f"w{i}".encode()).hexdigest() for i in range(16)]
+    keys = [f"tag_org-model_{h}_0_{c}" for h in hashes for c in ("swa_k", "swa_v", "mamba_temporal")]
+    src = str(tmp_path / "src")
+    make_store(src, {k: payload(k, OBJ).tobytes() for k in keys})
+    dest = [str(tmp_path / f"n{i}" / "store") for i in range(2)]
+    assert main(["warmup", "--store", ",".join(dest), src]) == 0
+    capsys.readouterr()
+
+    async def check():
+        st = await PageStore.open(dest, small_config(), capacity_from_manifest=True)
+        where = st.drive_of(keys)
+        outs = [np.zeros(OBJ, np.uint8) for _ in keys]
+        res = await st.get_many(keys, outs)
+        await st.close()
+        return where, res, all(np.array_equal(o, payload(k, OBJ)) for o, k in zip(outs, keys))
+
+    where, res, same = asyncio.run(check())
+    assert res == [True] * len(keys) and same
+    assert all(len(set(where[i : i + 3])) == 1 for i in range(0, len(keys), 3))  # each page's objects together
+    assert sorted(set(where)) == [0, 1]  # and the pages spread over both drives
 
 
 def test_stats_prometheus_over_two_drives_is_one_exposition_with_a_series_per_drive(tmp_path, capsys):

@@ -24,7 +24,7 @@ def _child(code: str) -> subprocess.CompletedProcess:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return _child(f"import sys; from umbp_nvme import cli; sys.exit(cli.main({list(args)!r}))")
+    return _child(f"import sys; import umbp_nvme.cli.main as cli; sys.exit(cli.main({list(args)!r}))")
 
 
 def _store_with_fifo(tmp_path, name: str) -> tuple[str, dict]:

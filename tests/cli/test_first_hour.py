@@ -16,7 +16,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from umbp_nvme import cli
+import umbp_nvme.cli.main as cli
 from umbp_nvme.bench import BENCHES
 
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -107,7 +107,7 @@ assert libc.capget(ctypes.byref(hdr), data) == 0
 for d in data:
     d.eff &= ~0b110; d.perm &= ~0b110; d.inh &= ~0b110
 assert libc.capset(ctypes.byref(hdr), data) == 0
-from umbp_nvme.cli import main
+from umbp_nvme.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -178,13 +178,13 @@ def test_the_sglang_backend_warns_at_open_when_the_capacity_cannot_fit(tmp_path,
     os.environ["UMBP_NVME_NO_SGLANG"] = "1"  # the stand-in base class: no SGLang needed
     try:
         spec = importlib.util.spec_from_file_location(
-            "umbp_nvme._sglang_backend_first_hour", os.path.join(ROOT, "umbp_nvme", "sglang_backend.py"))
+            "umbp_nvme.sglang._backend_first_hour", os.path.join(ROOT, "umbp_nvme", "sglang", "backend.py"))
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
     finally:
         del os.environ["UMBP_NVME_NO_SGLANG"]
-        sys.modules.pop("umbp_nvme._sglang_backend_first_hour", None)
+        sys.modules.pop("umbp_nvme.sglang._backend_first_hour", None)
     cfg = Config(str(tmp_path / "s"))
     cfg.extra_config.update(ssd_capacity_bytes="1PiB", ssd_segment_size_bytes="256MiB")
     with caplog.at_level(logging.WARNING, logger="umbp_nvme.store"):

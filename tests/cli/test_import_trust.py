@@ -1,6 +1,6 @@
 """What the CLI's import and replay paths take from the operator and the sources is checked before
 it is used: absurd throttles and timeouts are clear rc-2 errors, not a run that never ends or a
-traceback (umbp_nvme/warmup.py, replay.py, cli.py)."""
+traceback (umbp_nvme/cli/warmup.py, replay.py, main.py)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import pytest
 from conftest import ROOT
 from support.cli_stores import CAP, items, make_store, read_store, run_cli
 
-from umbp_nvme import cli
-from umbp_nvme.archive import ArchiveReader, ArchiveWriter
+import umbp_nvme.cli.main as cli
+from umbp_nvme.cli.archive import ArchiveReader, ArchiveWriter
 from umbp_nvme.keybytes import printable_key
-from umbp_nvme.warmup import TokenBucket
+from umbp_nvme.cli.warmup import TokenBucket
 
 
 def _cli(*args: str, timeout: float = 60, stdin=None) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import ROOT
 
-from umbp_nvme import cli
+import umbp_nvme.cli.main as cli
 
 SUBCOMMANDS = ("warmup", "export", "stats", "verify", "compact", "inspect", "bench", "demo")
 

@@ -8,7 +8,7 @@ import os
 import numpy as np
 from support.cli_stores import CAP, _cfg, items, make_store, read_store, run_cli
 
-from umbp_nvme.maintenance import StoreReader, classify_key
+from umbp_nvme.cli.maintenance import StoreReader, classify_key
 from umbp_nvme.store.segments import segment_name
 from umbp_nvme.store.sync import SyncPageStore
 

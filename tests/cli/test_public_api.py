@@ -55,12 +55,33 @@ def test_every_name_in___all___resolves_and_an_unknown_name_is_an_attribute_erro
 def test_the_sglang_backend_class_comes_on_first_use_only():
     out = _run(
         "import sys, umbp_nvme\n"
-        "before = 'umbp_nvme.sglang_backend' in sys.modules\n"
+        "before = 'umbp_nvme.sglang.backend' in sys.modules\n"
         "cls = umbp_nvme.UMBPNvmeStore\n"
         "print(before, cls.__module__, cls.__name__)",
         UMBP_NVME_NO_SGLANG="1",
     )
-    assert out == "False umbp_nvme.sglang_backend UMBPNvmeStore"
+    assert out == "False umbp_nvme.sglang.backend UMBPNvmeStore"
+
+
+def test_the_module_path_sglang_configs_name_loads_the_backend_class():
+    # SGLang's dynamic loader: import_module(module_path), then getattr(class_name)
+    out = _run(
+        "import importlib, umbp_nvme\n"
+        "alias = importlib.import_module('umbp_nvme.sglang_backend')\n"
+        "cls = getattr(alias, 'UMBPNvmeStore')\n"
+        "print(cls is umbp_nvme.UMBPNvmeStore, cls.__module__, sorted(n for n in vars(alias) if not n.startswith('__')))",
+        UMBP_NVME_NO_SGLANG="1",
+    )
+    assert out == "True umbp_nvme.sglang.backend ['UMBPNvmeStore']"
+
+
+def test_the_key_scheme_imports_without_the_backend():
+    out = _run(
+        "import sys, umbp_nvme.sglang.keys\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'torch', 'lmdb'}),"
+        " 'umbp_nvme.sglang.backend' in sys.modules, 'umbp_nvme.store' in sys.modules)"
+    )
+    assert out == "[] False False"
 
 
 def _public_methods(cls):

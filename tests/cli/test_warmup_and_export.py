@@ -13,10 +13,10 @@ import pytest
 from conftest import ROOT, payload
 from support.cli_stores import CAP, _cfg, items, make_store, read_store, run_cli
 
-from umbp_nvme import cli
-from umbp_nvme.hicache_files import FileBackendLayout
-from umbp_nvme.maintenance import StoreReader
-from umbp_nvme.warmup import TokenBucket
+import umbp_nvme.cli.main as cli
+from umbp_nvme.cli.hicache_files import FileBackendLayout
+from umbp_nvme.cli.maintenance import StoreReader
+from umbp_nvme.cli.warmup import TokenBucket
 
 # --- HiCacheFile directories ------------------------------------------------------------------
 
@@ -123,7 +123,7 @@ def test_export_of_selected_keys_and_to_stdout(tmp_path, capsys):
     rc, out, err = run_cli(capsys, "export", "--store", a, "--out", arc, "--keys", str(kf), "--json")
     s = json.loads(out)
     assert rc == 1 and s["exported"] == 3 and s["missing"] == 1  # exit 1: a key was asked for and is not there
-    from umbp_nvme.archive import ArchiveReader
+    from umbp_nvme.cli.archive import ArchiveReader
 
     with open(arc, "rb") as f:
         assert sorted(k for k, v, ok in ArchiveReader(f)) == sorted(keys)

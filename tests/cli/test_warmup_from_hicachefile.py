@@ -13,7 +13,7 @@ from support import sglang_env as se
 
 NS = se.require_sglang()
 
-from umbp_nvme import cli  # noqa: E402
+import umbp_nvme.cli.main as cli  # noqa: E402
 
 
 def _hicache_file(directory: str, *, is_mla: bool):

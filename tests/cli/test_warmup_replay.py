@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from umbp_nvme import cli
+import umbp_nvme.cli.main as cli
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):

@@ -252,7 +252,7 @@ def test_warmup_arguments_out_of_range_are_errors_naming_them(tmp_path, small_so
 def test_an_extra_config_that_is_not_an_object_of_named_keys_is_a_value_error(tmp_path, extra):
     """Were: ValueError 'dictionary update sequence ...', TypeError, AttributeError."""
     from support.backends import storage_config
-    from umbp_nvme.sglang_backend import UMBPNvmeStore
+    from umbp_nvme.sglang.backend import UMBPNvmeStore
 
     cfg = storage_config({})
     cfg.extra_config = extra
@@ -265,7 +265,7 @@ def test_an_extra_config_that_is_not_an_object_of_named_keys_is_a_value_error(tm
 def test_the_backends_own_switches_take_booleans_only(tmp_path, key, value):
     """Were read with bool(): [1] turned interface_v1 on, "maybe" turned it off, silently."""
     from support.backends import backend_extra, storage_config
-    from umbp_nvme.sglang_backend import UMBPNvmeStore
+    from umbp_nvme.sglang.backend import UMBPNvmeStore
 
     with pytest.raises(ValueError, match=key):
         UMBPNvmeStore(storage_config(backend_extra(str(tmp_path / "s"), **{key: value})), {})
@@ -275,7 +275,7 @@ def test_the_backends_own_switches_take_booleans_only(tmp_path, key, value):
                                        (False, False)])
 def test_the_backends_switches_keep_their_boolean_spellings(tmp_path, value, on):
     from support.backends import backend_extra, storage_config
-    from umbp_nvme.sglang_backend import UMBPNvmeStore
+    from umbp_nvme.sglang.backend import UMBPNvmeStore
 
     be = UMBPNvmeStore(storage_config(backend_extra(str(tmp_path / "s"), interface_v1=value)), {})
     assert be.interface_v1 is on

@@ -23,10 +23,10 @@ import pytest
 from conftest import ROOT, payload
 from support.cli_stores import make_store, read_store
 
-from umbp_nvme import cli
-from umbp_nvme.archive import _REC, _U32, REC_TAG, ArchiveError, ArchiveReader, ArchiveWriter, _crc32c
-from umbp_nvme.hicache_files import _file_read
-from umbp_nvme.keys import KeyScheme
+import umbp_nvme.cli.main as cli
+from umbp_nvme.cli.archive import _REC, _U32, REC_TAG, ArchiveError, ArchiveReader, ArchiveWriter, _crc32c
+from umbp_nvme.cli.hicache_files import _file_read
+from umbp_nvme.sglang.keys import KeyScheme
 
 MiB = 1 << 20
 CFG = '{"ssd_segment_size_bytes": 1048576, "ssd_durability_mode": "relaxed"}'
@@ -38,7 +38,7 @@ ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPAT
 # (ru_maxrss would carry the parent's peak across fork and exec).
 _CLI_RSS = (
     "import sys\n"
-    "from umbp_nvme import cli\n"
+    "import umbp_nvme.cli.main as cli\n"
     "try:\n"
     "    rc = cli.main(sys.argv[1:])\n"
     "finally:\n"
@@ -406,7 +406,7 @@ def test_replay_timeout_bounds_a_reply_that_drips_in(tmp_path):
 
 
 def test_parse_reply_accepts_only_generate_replies():
-    from umbp_nvme.replay import BadReply, parse_reply
+    from umbp_nvme.cli.replay import BadReply, parse_reply
 
     for raw in (b"[1]", b'{"meta_info":"x"}', b"1e999", b"\xff\xfe", b"[]", b'{"meta_info":{"cached_tokens":true}}',
                 b"[" * 100000 + b"]" * 100000, b'{"meta_info":{"prompt_tokens":' + b"9" * 4000 + b"}}",
@@ -443,7 +443,7 @@ def test_export_temp_file_is_private_unpredictable_and_never_follows_a_planted_s
 
 
 def test_export_temp_names_differ_and_are_created_exclusively(tmp_path):
-    from umbp_nvme.archive import open_for_write
+    from umbp_nvme.cli.archive import open_for_write
 
     out = str(tmp_path / "x.umbparc")
     f1, t1 = open_for_write(out)

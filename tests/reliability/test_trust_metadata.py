@@ -32,7 +32,7 @@ from umbp_nvme.errors import (
     UnsafeStorePathError,
 )
 from umbp_nvme.store.index import FLAG_KEYCRC, INDEX_FILE, REC_DTYPE, Index, check_index_file, key_crcs
-from umbp_nvme.maintenance import StoreReader, verify_records
+from umbp_nvme.cli.maintenance import StoreReader, verify_records
 from umbp_nvme.store.segments import SegmentAllocator, segment_name
 from umbp_nvme.store import MANIFEST_FILE, PageStore, read_manifest
 
@@ -89,7 +89,7 @@ _CHILD = textwrap.dedent(
     from conftest import payload, small_config, MiB
     from umbp_nvme.store import PageStore
     from umbp_nvme.errors import IndexDamagedError
-    from umbp_nvme.maintenance import StoreReader, verify_records
+    from umbp_nvme.cli.maintenance import StoreReader, verify_records
 
     template, work, trials = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     OBJ = 4096

@@ -16,7 +16,7 @@ ns = E.require_sglang()
 torch = ns.torch
 
 from umbp_nvme.errors import NamespaceMismatchError  # noqa: E402
-from umbp_nvme.sglang_backend import UMBPNvmeStore  # noqa: E402
+from umbp_nvme.sglang.backend import UMBPNvmeStore  # noqa: E402
 
 LAYOUTS = ["page_first", "page_first_direct", "page_head"]
 

@@ -21,8 +21,8 @@ from support.standin_pools import PAGE, Config, FakeMHAPool, FakeSidePool
 
 @pytest.fixture(scope="module")
 def mod():
-    path = os.path.join(os.path.dirname(umbp_nvme.__file__), "sglang_backend.py")
-    name = "umbp_nvme._sglang_backend_without_sglang"
+    path = os.path.join(os.path.dirname(umbp_nvme.__file__), "sglang", "backend.py")
+    name = "umbp_nvme.sglang._backend_without_sglang"  # in the package: its relative imports resolve
     old = os.environ.get("UMBP_NVME_NO_SGLANG")
     os.environ["UMBP_NVME_NO_SGLANG"] = "1"
     try:
@@ -46,7 +46,7 @@ def hashes(n, salt="h"):
 
 
 def test_it_subclasses_the_local_stand_in(mod):
-    from umbp_nvme._hicache_standin import HiCacheStorage
+    from umbp_nvme.sglang._hicache_standin import HiCacheStorage
 
     assert mod.HAVE_SGLANG is False
     assert issubclass(mod.UMBPNvmeStore, HiCacheStorage)
@@ -84,7 +84,7 @@ def test_side_pools_and_the_unregistered_pool_error_without_sglang(mod, tmp_path
     backend.register_mem_host_pool_v2(side, "mamba_like")
     keys = hashes(2)
     side.buf[:] = 7
-    from umbp_nvme._hicache_standin import PoolTransfer
+    from umbp_nvme.sglang._hicache_standin import PoolTransfer
 
     res = backend.batch_set_v2([PoolTransfer(name="mamba_like", host_indices=np.arange(2), keys=keys)])
     assert res == {"mamba_like": [True, True]}
@@ -120,7 +120,7 @@ def test_pool_ranges_skip_device_tensors():
     memory goes through GDS; registered as host memory a put would checksum it on the CPU)."""
     import numpy as np
 
-    from umbp_nvme.sglang_stores import pool_ranges
+    from umbp_nvme.sglang.stores import pool_ranges
 
     class DeviceTensor:
         is_cuda = True

@@ -14,7 +14,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from umbp_nvme.keys import KeyScheme, dp_rank_hint, is_mla_follower, rank_subdir, unique_rank
+from umbp_nvme.sglang.keys import KeyScheme, dp_rank_hint, is_mla_follower, rank_subdir, unique_rank
 
 H = "ab12"
 SIZES = (1, 2, 3, 4)
@@ -435,7 +435,7 @@ def test_multiplier_counts_the_objects_of_a_page():
 
 
 def test_component_keys_pass_the_rank_suffix_through():
-    from umbp_nvme.keys import PoolRegistry
+    from umbp_nvme.sglang.keys import PoolRegistry
 
     reg = PoolRegistry()
     reg.register("indexer", Pool())
@@ -449,7 +449,7 @@ def test_component_keys_pass_the_rank_suffix_through():
 
 
 def test_registry_items_are_a_snapshot_of_name_pool_pairs():
-    from umbp_nvme.keys import PoolRegistry
+    from umbp_nvme.sglang.keys import PoolRegistry
 
     reg = PoolRegistry()
     a, b = Pool(), Pool()
@@ -463,7 +463,7 @@ def test_registry_items_are_a_snapshot_of_name_pool_pairs():
 
 
 def test_unregistered_pool_messages_in_full():
-    from umbp_nvme.keys import UnregisteredPoolError
+    from umbp_nvme.sglang.keys import UnregisteredPoolError
 
     assert str(UnregisteredPoolError("swa", ["mamba"])) == (
         "Unregistered UMBP hybrid pool: swa. Registered pools: mamba. "

@@ -8,12 +8,13 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from umbp_nvme.keys import (
+from umbp_nvme.sglang.keys import (
     KeyScheme,
     PoolRegistry,
     UnregisteredPoolError,
     is_mla_follower,
     make_config_prefix,
+    page_of,
     pool_name_str,
     rank_subdir,
     unique_rank,
@@ -364,3 +365,11 @@ def test_with_sglang_storage_config_when_installed():
     assert is_mla_follower(mla) is True
     assert is_mla_follower(make(is_mla_model=True, tp_rank=0, tp_size=2)) is False
     assert rank_subdir(make(tp_rank=1, tp_size=2), {}) == "tp1"
+
+
+def test_page_of_finds_the_page_hash_behind_prefixes_and_suffixes():
+    h64 = "0123456789abcdef" * 4
+    assert page_of("abc_0_k") == page_of("abc_0_v") == page_of("abc__k") == page_of("abc_1_2_k") == "abc"
+    assert page_of("flat_abc_0") == "abc"
+    assert page_of("tag_org-model_abc_0_swa_k", "tag_org-model") == "abc"
+    assert page_of(f"tag_org-model_{h64}_0_mamba_temporal") == page_of(f"{h64}_0_k") == h64

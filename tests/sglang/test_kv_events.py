@@ -21,7 +21,7 @@ from conftest import damage_object
 from support.kv_sub import Sub, removed_hashes, stored, stored_hashes
 from support.standin_pools import PAGE, Config, FakeMHAPool
 from umbp_nvme.metrics import samples_from_stats
-from umbp_nvme.sglang_backend import HiCacheStorageExtraInfo, UMBPNvmeStore
+from umbp_nvme.sglang.backend import HiCacheStorageExtraInfo, UMBPNvmeStore
 
 wheel_utils = pytest.importorskip("sglang.srt.mem_cache.utils")
 sglang_hash = wheel_utils.hash_str_to_int64
@@ -49,7 +49,7 @@ def open_backend(tmp_path, pool=None, *, name="s", **extra):
 @pytest.fixture
 def node(tmp_path):
     be = open_backend(tmp_path)
-    sub = Sub(f"ipc://{tmp_path}/ev", be._publisher)
+    sub = Sub(f"ipc://{tmp_path}/ev", be.publisher)
     sub.sync()
     yield be, sub
     sub.close()
@@ -105,12 +105,12 @@ class HalfRefusedPool(FakeMHAPool):
 
 def test_a_failed_put_announces_nothing_and_its_half_page_is_never_removed(tmp_path):
     be = open_backend(tmp_path, HalfRefusedPool(pages=16, token_bytes=OBJ // PAGE))
-    sub = Sub(f"ipc://{tmp_path}/ev", be._publisher)
+    sub = Sub(f"ipc://{tmp_path}/ev", be.publisher)
     try:
         sub.sync()
         keys = keys_of(3, "f")
         assert put(be, keys) == [True, False, True]
-        assert be.store.exists_many([keys[1] + be._v1_sfx[0]]) == [True]  # its K landed alone
+        assert be.store.exists_many([keys[1] + be.v1_suffixes[0]]) == [True]  # its K landed alone
         frames = sub.upto_now()
         assert stored_hashes(frames) == [sglang_hash(keys[0]), sglang_hash(keys[2])]
         be.clear()
@@ -150,7 +150,7 @@ def test_deleting_one_object_removes_its_page_once(node):
     keys = keys_of(3, "d")
     put(be, keys)
     sub.upto_now()
-    k_sfx, v_sfx = be._v1_sfx
+    k_sfx, v_sfx = be.v1_suffixes
     assert be.store.delete_many([keys[1] + v_sfx]) == [True]
     assert removed_hashes(sub.upto_now()) == [sglang_hash(keys[1])]
     assert be.store.delete_many([keys[1] + k_sfx]) == [True]  # the page was already gone
@@ -164,7 +164,7 @@ def test_a_page_dropped_for_a_bad_crc_is_removed(node):
     be.flush()
     sub.upto_now()
     page_store = be.store.store
-    damage_object(page_store.path, page_store, keys[0] + be._v1_sfx[1], 100, b"\x00\xff\x00\xff")
+    damage_object(page_store.path, page_store, keys[0] + be.v1_suffixes[1], 100, b"\x00\xff\x00\xff")
     assert be.batch_get_v1(keys, idx(2)) == [False, True]
     assert removed_hashes(sub.upto_now()) == [sglang_hash(keys[0])]
 
@@ -211,10 +211,10 @@ def test_replay_returns_the_live_frames_from_the_asked_sequence(node, tmp_path):
 def test_a_reopened_store_announces_what_it_holds_above_the_old_sequence(tmp_path):
     keys = keys_of(5, "o")
     be = open_backend(tmp_path)
-    sub = Sub(f"ipc://{tmp_path}/ev", be._publisher)
+    sub = Sub(f"ipc://{tmp_path}/ev", be.publisher)
     sub.sync()
     put(be, keys)
-    be.store.delete_many([keys[4] + be._v1_sfx[0]])
+    be.store.delete_many([keys[4] + be.v1_suffixes[0]])
     sub.upto_now()
     last = int.from_bytes(sub.frames[-1][1], "big")
     sub.close()
@@ -222,7 +222,7 @@ def test_a_reopened_store_announces_what_it_holds_above_the_old_sequence(tmp_pat
 
     be = open_backend(tmp_path)
     try:
-        assert be._publisher.flush(60)
+        assert be.publisher.flush(60)
         # what a subscriber that saw `last` asks for once it sees the next sequence
         frames = replay(f"ipc://{tmp_path}/replay", last + 1)
         assert frames and int.from_bytes(frames[0][1], "big") > last
@@ -235,8 +235,8 @@ def test_a_reopened_store_announces_what_it_holds_above_the_old_sequence(tmp_pat
 
 def test_a_full_queue_drops_and_counts_and_never_blocks_a_batch_set(tmp_path):
     be = open_backend(tmp_path, kv_events_queue_max=1)
-    sub = Sub(f"ipc://{tmp_path}/ev", be._publisher)
-    pub = be._publisher
+    sub = Sub(f"ipc://{tmp_path}/ev", be.publisher)
+    pub = be.publisher
     try:
         sub.sync()
         gate = threading.Event()
@@ -259,7 +259,7 @@ def test_a_full_queue_drops_and_counts_and_never_blocks_a_batch_set(tmp_path):
         gate.set()
         assert pub.flush(60)  # the queue drains, then the re-announcement goes out
         # the drops schedule a re-announcement of what the store holds
-        assert set(keys) <= {p for p, _, _ in be._residency.snapshot()}
+        assert set(keys) <= {p for p, _, _ in be.residency.snapshot()}
         announced = set(stored_hashes(sub.upto_now()))
         assert {sglang_hash(k) for k in keys} <= announced
     finally:
@@ -286,7 +286,7 @@ def test_a_dp_rank_publishes_on_the_base_port_plus_its_rank(tmp_path):
     cfg.extra_config.update(kv_events_endpoint=f"tcp://*:{base}", kv_events_topic="node-a")
     be = UMBPNvmeStore(cfg, {})
     be.register_mem_pool_host(FakeMHAPool(pages=16, token_bytes=OBJ // PAGE))
-    sub = Sub(f"tcp://127.0.0.1:{base + 1}", be._publisher, topic=b"node-a")
+    sub = Sub(f"tcp://127.0.0.1:{base + 1}", be.publisher, topic=b"node-a")
     try:
         sub.sync()
         put(be, keys_of(1, "dp"))
@@ -309,9 +309,9 @@ def test_only_tp_rank_0_publishes_for_an_mha_tp_group(tmp_path):
             be = UMBPNvmeStore(cfg, {})
             be.register_mem_pool_host(FakeMHAPool(pages=16, token_bytes=OBJ // PAGE))
             made.append(be)
-        assert made[0]._publisher is not None and made[0]._residency is not None
-        assert made[1]._publisher is None and made[1]._residency is None
-        assert made[1].store.store._residency is None
+        assert made[0].publisher is not None and made[0].residency is not None
+        assert made[1].publisher is None and made[1].residency is None
+        assert made[1].store.store.residency is None
     finally:
         for be in made:
             be.close()
@@ -321,7 +321,7 @@ def test_events_are_off_without_an_endpoint(tmp_path):
     be = UMBPNvmeStore(Config(str(tmp_path / "s")), {})
     be.register_mem_pool_host(FakeMHAPool(pages=16, token_bytes=OBJ // PAGE))
     try:
-        assert be._publisher is None and be.store.store._residency is None
+        assert be.publisher is None and be.store.store.residency is None
         assert put(be, keys_of(2, "off")) == [True, True]
     finally:
         be.close()
@@ -351,7 +351,7 @@ def test_the_engines_stream_is_relayed_and_gives_disk_pages_their_token_ids(tmp_
     W = pytest.importorskip("sglang.srt.disaggregation.kv_events")
     engine = W.ZmqEventPublisher(attn_dp_rank=0, endpoint=f"ipc://{tmp_path}/engine")
     be = open_backend(tmp_path, kv_events_engine_endpoint=f"ipc://{tmp_path}/engine")
-    sub = Sub(f"ipc://{tmp_path}/ev", be._publisher)
+    sub = Sub(f"ipc://{tmp_path}/ev", be.publisher)
     try:
         sub.sync()
 
@@ -369,11 +369,11 @@ def test_the_engines_stream_is_relayed_and_gives_disk_pages_their_token_ids(tmp_
             gpu = [e for e in stored(sub.upto_now()) if e["medium"] == "GPU"]
         assert gpu[0]["block_hashes"] == [sglang_hash(keys[0]), sglang_hash(keys[1])]
         assert put(be, keys) == [True] * 3
-        assert be._publisher.flush(60)  # page 2 waits for its tokens, then is skipped
+        assert be.publisher.flush(60)  # page 2 waits for its tokens, then is skipped
         disk = [e for e in stored(sub.upto_now()) if e["medium"] == "DISK"]
         assert [h for e in disk for h in e["block_hashes"]] == [sglang_hash(keys[0]), sglang_hash(keys[1])]
         assert [t for e in disk for t in e["token_ids"]] == tokens[0] + tokens[1]
-        assert be._publisher.stats["skipped_no_tokens"] == 1
+        assert be.publisher.stats["skipped_no_tokens"] == 1
         seqs = [int.from_bytes(f[1], "big") for f in sub.frames]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # one ordered stream for both sources
     finally:
@@ -387,9 +387,9 @@ def test_a_store_over_two_drives_announces_and_removes_each_page_once(tmp_path):
 
     roots = [str(tmp_path / "d0"), str(tmp_path / "d1")]
     be = open_backend(tmp_path, ssd_storage_dir=json.dumps(roots))
-    sub = Sub(f"ipc://{tmp_path}/ev", be._publisher)
+    sub = Sub(f"ipc://{tmp_path}/ev", be.publisher)
     try:
-        assert len([s for s in be.store.store.stores if s is not None and s._residency is be._residency]) == 2
+        assert len([s for s in be.store.store.stores if s is not None and s.residency is be.residency]) == 2
         sub.sync()
         keys = keys_of(8, "two")
         assert put(be, keys) == [True] * 8

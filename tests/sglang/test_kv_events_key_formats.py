@@ -17,7 +17,7 @@ from support.kv_sub import Sub, stored, stored_hashes
 ns = E.require_sglang()
 from sglang.srt.mem_cache.utils import hash_str_to_int64 as wheel_hash  # noqa: E402
 
-from umbp_nvme.keys import page_of  # noqa: E402
+from umbp_nvme.sglang.keys import page_of  # noqa: E402
 
 PAGES = 6
 
@@ -34,7 +34,7 @@ def backed_up(backend, pool, hashes, prefix):
 
 def kv_pages_held(backend) -> set[str]:
     """Pages of which the store holds every KV-anchor object, from its own keys."""
-    sfx = backend._v1_sfx
+    sfx = backend.v1_suffixes
     keys = set(backend.store.store.keys())
     pages = {page_of(k) for k in keys}
     return {p for p in pages if all(p + s in keys for s in sfx)}
@@ -65,7 +65,7 @@ def test_announced_hashes_are_the_wheels_hashes_of_the_pages_the_store_holds(tmp
     cfg = CASES[case]
     pool = E.mla_pool() if cfg.get("is_mla") else E.mha_pool()
     backend = E.load_backend(E.storage_config(str(tmp_path / "s"), extra=events_on(tmp_path), **cfg), pool.host)
-    sub = Sub(f"ipc://{tmp_path}/ev", backend._publisher)
+    sub = Sub(f"ipc://{tmp_path}/ev", backend.publisher)
     try:
         sub.sync()
         hashes = E.page_hashes(PAGES + 2, seed=7)
@@ -74,7 +74,7 @@ def test_announced_hashes_are_the_wheels_hashes_of_the_pages_the_store_holds(tmp
         check(backend, sub, pages, prefix)
         # the format under test: page key, then this case's rank / PP / MLA suffix
         # (_0_k _0_v; tp: _0_k; pp: _0_0_k; MLA: __k, one object)
-        assert {k[64:] for k in backend.store.store.keys()} == set(backend._v1_sfx)
+        assert {k[64:] for k in backend.store.store.keys()} == set(backend.v1_suffixes)
     finally:
         sub.close()
         backend.close()
@@ -84,14 +84,14 @@ def test_the_other_ranks_of_a_tp_group_write_their_own_keys_and_announce_nothing
     pools = [E.mha_pool(), E.mha_pool()]
     ranks = [E.load_backend(E.storage_config(str(tmp_path / "s"), tp_rank=r, tp_size=2, extra=events_on(tmp_path)),
                             pools[r].host) for r in range(2)]  # fmt: skip
-    sub = Sub(f"ipc://{tmp_path}/ev", ranks[0]._publisher)
+    sub = Sub(f"ipc://{tmp_path}/ev", ranks[0].publisher)
     try:
         sub.sync()
         hashes = E.page_hashes(PAGES, seed=9)
         for r in (1, 0):
             backed_up(ranks[r], pools[r], hashes, [])
-        assert ranks[1]._publisher is None
-        assert kv_pages_held(ranks[1]) == set(hashes) and ranks[1]._v1_sfx != ranks[0]._v1_sfx
+        assert ranks[1].publisher is None
+        assert kv_pages_held(ranks[1]) == set(hashes) and ranks[1].v1_suffixes != ranks[0].v1_suffixes
         assert stored_hashes(sub.upto_now()) == [wheel_hash(h) for h in hashes]  # rank 0's pages, once
     finally:
         sub.close()
@@ -107,7 +107,7 @@ def test_side_pool_objects_announce_nothing_and_the_kv_pages_are_the_wheels_hash
     kv, swa, mamba = E.mha_pool(), E.swa_pool(), E.mamba_pool()
     backend = E.load_backend(E.storage_config(str(tmp_path / "s"), extra=events_on(tmp_path)), kv.host,
                              {"swa": swa.host, "mamba": mamba.host})  # fmt: skip
-    sub = Sub(f"ipc://{tmp_path}/ev", backend._publisher)
+    sub = Sub(f"ipc://{tmp_path}/ev", backend.publisher)
     try:
         sub.sync()
         hashes = E.page_hashes(PAGES, seed=11)

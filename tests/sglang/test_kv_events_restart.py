@@ -13,7 +13,7 @@ from test_kv_events import keys_of, open_backend, put, replay, sglang_hash
 
 def test_an_idle_publisher_sends_empty_batches_that_continue_the_sequence(tmp_path):
     be = open_backend(tmp_path)
-    sub = Sub(f"ipc://{tmp_path}/ev", be._publisher)
+    sub = Sub(f"ipc://{tmp_path}/ev", be.publisher)
     try:
         sub.sync()
         put(be, keys_of(2, "hb"))
@@ -35,7 +35,7 @@ def test_a_subscriber_that_joins_after_every_event_still_learns_of_them(tmp_path
     be = open_backend(tmp_path)
     try:
         put(be, keys)
-        assert be._publisher.flush(60)
+        assert be.publisher.flush(60)
         ctx = zmq.Context()
         s = ctx.socket(zmq.SUB)
         s.setsockopt(zmq.SUBSCRIBE, b"")
@@ -58,7 +58,7 @@ def reopened(tmp_path, keys, **extra):
     put(be, keys)
     be.close()
     be = open_backend(tmp_path, **extra)
-    assert be._publisher.flush(60)
+    assert be.publisher.flush(60)
     return be
 
 
@@ -66,7 +66,7 @@ def test_a_replay_from_before_the_buffer_is_served_by_the_buffered_re_announceme
     keys = keys_of(5, "buf")
     be = reopened(tmp_path, keys)
     try:
-        pub = be._publisher
+        pub = be.publisher
         assert pub.stats["reannounced_pages"] == 5
         frames = replay(f"ipc://{tmp_path}/replay", 1)  # a subscriber of the previous run
         dec = msgspec.msgpack.Decoder()
@@ -81,7 +81,7 @@ def test_a_replay_from_before_the_buffer_re_announces_once_the_re_announcement_l
     keys = keys_of(5, "gone")
     be = reopened(tmp_path, keys, kv_events_buffer_steps=2)
     try:
-        pub = be._publisher
+        pub = be.publisher
         for i in range(3):  # three more batches push the re-announcement out of a 2-batch buffer
             put(be, keys_of(1, f"more{i}"))
             assert pub.flush(60)

@@ -15,9 +15,9 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from umbp_nvme.kv_events import Encoder, hash_str_to_int64, offset_endpoint_port
-from umbp_nvme.kv_residency import Residency
-from umbp_nvme.keys import KeyScheme
+from umbp_nvme.sglang.kv_events import Encoder, hash_str_to_int64, offset_endpoint_port
+from umbp_nvme.sglang.kv_residency import Residency
+from umbp_nvme.sglang.keys import KeyScheme
 
 wheel_utils = pytest.importorskip("sglang.srt.mem_cache.utils")
 wheel_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from umbp_nvme.kv_residency import Residency
+from umbp_nvme.sglang.kv_residency import Residency
 
 SFX = ("_0_k", "_0_v")
 PAGES = [hashlib.sha256(f"o{i}".encode()).hexdigest() for i in range(6)]

@@ -12,9 +12,9 @@ import pytest
 
 from support.kv_sub import Sub, stored
 from support.standin_pools import PAGE
-from umbp_nvme.kv_events import hash_str_to_int64 as H
-from umbp_nvme.kv_relay import parents_first
-from umbp_nvme.kv_tokens import FILE_NAME, TokenLog
+from umbp_nvme.sglang.kv_events import hash_str_to_int64 as H
+from umbp_nvme.sglang.kv_relay import parents_first
+from umbp_nvme.sglang.kv_tokens import FILE_NAME, TokenLog
 
 
 def pages(n, salt):
@@ -100,7 +100,7 @@ def test_a_record_damaged_after_the_open_costs_only_its_page(tmp_path):
 
 
 def test_the_log_is_bounded_in_pages_and_rewritten_once_mostly_dead(tmp_path, monkeypatch):
-    import umbp_nvme.kv_tokens as kt
+    import umbp_nvme.sglang.kv_tokens as kt
 
     monkeypatch.setattr(kt, "COMPACT_SLACK_BYTES", 0)
     path = tmp_path / FILE_NAME
@@ -154,7 +154,7 @@ def test_a_restarted_relay_backend_re_announces_its_pages_with_the_tokens_and_pa
     keys = keys_of(4, "restart")
     toks = [[7000 + 10 * i + t for t in range(PAGE)] for i in range(4)]
     be = open_backend(tmp_path, kv_events_engine_endpoint=engine_ep)
-    sub = Sub(f"ipc://{tmp_path}/ev", be._publisher)
+    sub = Sub(f"ipc://{tmp_path}/ev", be.publisher)
     try:
         sub.sync()
         sub.sync_engine(lambda p: engine.publish(W.KVEventBatch(
@@ -165,10 +165,10 @@ def test_a_restarted_relay_backend_re_announces_its_pages_with_the_tokens_and_pa
         while not [e for e in stored(sub.upto_now()) if e["medium"] == "GPU"]:
             pass
         assert put(be, keys) == [True] * 4
-        assert be._publisher.flush(60)
+        assert be.publisher.flush(60)
         disk = [e for e in stored(sub.upto_now()) if e["medium"] == "DISK"]
         assert [t for e in disk for t in e["token_ids"]] == sum(toks, [])
-        assert be.store.delete_many([keys[3] + be._v1_sfx[0]]) == [True]
+        assert be.store.delete_many([keys[3] + be.v1_suffixes[0]]) == [True]
         sub.upto_now()
         last = int.from_bytes(sub.frames[-1][1], "big")
     finally:
@@ -179,14 +179,14 @@ def test_a_restarted_relay_backend_re_announces_its_pages_with_the_tokens_and_pa
 
     be = open_backend(tmp_path, kv_events_engine_endpoint=engine_ep)  # no engine now
     try:
-        assert be._publisher.flush(60)
+        assert be.publisher.flush(60)
         dec = msgspec.msgpack.Decoder()
         events = [e for *_, p in replay(f"ipc://{tmp_path}/replay", last + 1) for e in dec.decode(p)[1]]
         disk = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "DISK"]
         assert [h for e in disk for h in e["block_hashes"]] == [H(k) for k in keys[:3]]
         assert [t for e in disk for t in e["token_ids"]] == sum(toks[:3], [])
         assert disk[0]["parent_block_hash"] is None
-        assert be._publisher.stats["skipped_no_tokens"] == 0
-        assert be._publisher.tokens.log.stats["token_pages_kept"] == 3
+        assert be.publisher.stats["skipped_no_tokens"] == 0
+        assert be.publisher.tokens.log.stats["token_pages_kept"] == 3
     finally:
         be.close()

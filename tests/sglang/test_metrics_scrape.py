@@ -126,7 +126,7 @@ def test_a_forced_posix_engine_and_a_buffered_store_show_as_fallbacks(store_dir,
 
 
 def test_stats_prometheus_prints_the_families_of_a_store_on_disk(store_dir, capsys):
-    from umbp_nvme.cli import main
+    from umbp_nvme.cli.main import main
 
     with SyncPageStore(store_dir, small_config()) as sync:
         ks = [f"k{i}" for i in range(5)]

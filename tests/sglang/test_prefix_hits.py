@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umbp_nvme.hits import (
+from umbp_nvme.sglang.hits import (
     ALL_PAGES,
     BLOCK_GROUPS,
     TRAILING_PAGES,
@@ -183,7 +183,7 @@ def test_umbp_final_can_land_in_a_hole_restorable_does_not():
 def test_length_mismatch_is_a_miss_that_keeps_earlier_hits(caplog):
     w = world_with(indexer=(1, "111"), swa=(1, "111"))
     w.short_pools = frozenset({"swa"})
-    with caplog.at_level(logging.ERROR, logger="umbp_nvme.hits"):
+    with caplog.at_level(logging.ERROR, logger="umbp_nvme.sglang.hits"):
         result = run(w, 3, 3, [T("indexer"), T("swa")])
     assert result == V2Hits(0, {"kv": 3, "indexer": 3}, [])
     assert "treating the storage prefix as a miss" in caplog.text
@@ -331,7 +331,7 @@ def test_leading_true():
 
 def test_with_sglang_types_when_installed():
     hs = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
-    from umbp_nvme.keys import KeyScheme, PoolRegistry
+    from umbp_nvme.sglang.keys import KeyScheme, PoolRegistry
 
     scheme = KeyScheme.from_storage_config(NS(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, is_mla_model=False,
                                               model_name="m", extra_config={}))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace as NS
 
-from umbp_nvme.hits import BLOCK_GROUPS, TRAILING_PAGES, V2Hits, v2_hits
+from umbp_nvme.sglang.hits import BLOCK_GROUPS, TRAILING_PAGES, V2Hits, v2_hits
 
 
 def world(flags: dict[str, str], short: frozenset = frozenset()):
@@ -61,7 +61,7 @@ def test_block_groups_without_group_pages_needs_whole_blocks():
 
 
 def test_size_mismatch_error_names_the_pool_and_the_counts(caplog):
-    with caplog.at_level(logging.ERROR, logger="umbp_nvme.hits"):
+    with caplog.at_level(logging.ERROR, logger="umbp_nvme.sglang.hits"):
         result = run({"swa": "111"}, 3, 3, [NS(name="swa")], short=frozenset({"swa"}))
     assert result == V2Hits(0, {"kv": 3}, [])
     assert [r.getMessage() for r in caplog.records] == [
@@ -71,7 +71,7 @@ def test_size_mismatch_error_names_the_pool_and_the_counts(caplog):
 
 
 def test_unknown_policy_error_names_policy_and_pool(caplog):
-    with caplog.at_level(logging.ERROR, logger="umbp_nvme.hits"):
+    with caplog.at_level(logging.ERROR, logger="umbp_nvme.sglang.hits"):
         assert run({"swa": "111"}, 3, 3, [NS(name="swa", hit_policy="sideways")]) == V2Hits(0, {"kv": 3}, [])
     assert [r.getMessage() for r in caplog.records] == [
         "umbp_nvme: unknown hit policy 'sideways' for pool swa; treating it as a miss"

@@ -100,7 +100,7 @@ def test_a_failing_drive_under_the_backend_costs_only_its_pages_and_rejoins(tmp_
     import time
 
     from support.faults import FaultPlan, FaultRule
-    from umbp_nvme.sglang_backend import UMBPNvmeStore
+    from umbp_nvme.sglang.backend import UMBPNvmeStore
 
     roots = _roots(tmp_path)
     plan = FaultPlan()

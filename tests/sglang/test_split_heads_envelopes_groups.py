@@ -12,7 +12,7 @@ torch = ns.torch
 
 from test_backend_on_real_wheel import hit_pages, transfer
 
-from umbp_nvme import hits as H
+from umbp_nvme.sglang import hits as H
 from umbp_nvme.store.layout import read_manifest
 
 

@@ -64,7 +64,7 @@ async def test_all_auto_and_a_cold_adaptive_store_write_every_page(store_dir):
 
 def test_the_sglang_backend_store_is_adaptive_unless_configured_otherwise():
     from umbp_nvme.config import StoreConfig
-    from umbp_nvme.sglang_stores import backup_config
+    from umbp_nvme.sglang.stores import backup_config
 
     assert StoreConfig().admission_policy == "auto"
     assert backup_config(StoreConfig()).admission_policy == "adaptive"

@@ -16,7 +16,7 @@ from conftest import payload, small_config
 from support.drive_stores import OBJ, degrade_by_eio, drive_roots
 from support.faults import FaultPlan
 from support.waits import until
-from umbp_nvme.kv_residency import Residency, attach
+from umbp_nvme.sglang.kv_residency import Residency, attach
 from umbp_nvme.store import PageStore
 
 SFX = ("_0_k", "_0_v")

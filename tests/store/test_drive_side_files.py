@@ -2,7 +2,7 @@
 as untrusted: a FIFO in their place never blocks the open or `umbp-nvme stats`, and damage (nesting
 too deep for the parser, bytes that are not UTF-8, a JSON value that is not an object) is ignored
 like any other damage instead of raising out of the open (store/layout.read_json_or_none,
-owed_deletes._lines, cli_drives.live_counters). Hangs are caught in a child by its timeout."""
+owed_deletes._lines, cli/drives.live_counters). Hangs are caught in a child by its timeout."""
 
 from __future__ import annotations
 
@@ -112,6 +112,6 @@ def test_damaged_owed_log_lines_are_skipped_and_the_intact_ones_applied(tmp_path
 def test_stats_ignores_a_published_counters_file_that_is_not_an_object(tmp_path, kind, text):
     roots = _two_drive_store(tmp_path)
     _replace(os.path.join(roots[0], "STATS.json"), kind, text)  # old: hang, TypeError, TypeError, RecursionError
-    r = _child(f"import sys; from umbp_nvme import cli; sys.exit(cli.main(['stats', '--store', {roots[0]!r}]))")
+    r = _child(f"import sys; import umbp_nvme.cli.main as cli; sys.exit(cli.main(['stats', '--store', {roots[0]!r}]))")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "counters     none published" in r.stdout

@@ -20,13 +20,11 @@ from conftest import payload, small_config
 from support.drive_stores import degrade_by_eio, filled_writer
 from support.faults import FaultPlan, FaultRule, on_files_under as _on
 from umbp_nvme.config import load_config
-from umbp_nvme.store import PageStore, owed_deletes
+from umbp_nvme.store import PageStore, owed_deletes, placement
 from umbp_nvme.store.drives import MultiDriveStore
-from umbp_nvme.keys import page_of
 from support.waits import until
 
 OBJ = 16 << 10
-H64 = "0123456789abcdef" * 4
 
 
 def _keys(pages: int, tag: str = "p") -> list[str]:
@@ -69,11 +67,18 @@ def test_roots_parse_from_a_json_list_a_comma_string_and_a_list():
             load_config({"ssd_storage_dir": bad})
 
 
-def test_page_of_finds_the_page_hash_behind_prefixes_and_suffixes():
-    assert page_of("abc_0_k") == page_of("abc_0_v") == page_of("abc__k") == page_of("abc_1_2_k") == "abc"
-    assert page_of("flat_abc_0") == "abc"
-    assert page_of("tag_org-model_abc_0_swa_k", "tag_org-model") == "abc"
-    assert page_of(f"tag_org-model_{H64}_0_mamba_temporal") == page_of(f"{H64}_0_k") == H64
+def test_without_a_page_of_a_keys_page_is_its_text_before_the_first_underscore():
+    assert placement.key_page("p7_0_k") == placement.key_page("p7_0_v") == placement.key_page("p7__k") == "p7"
+    assert placement.key_page("whole") == "whole" and placement.key_page("_x_k") == "_x_k"
+
+
+async def test_the_callers_page_of_decides_which_objects_share_a_drive(tmp_path):
+    st = await PageStore.open(_roots(tmp_path, 2), small_config(), page_of=lambda k: k[-1])  # pages "k" and "v"
+    keys = _keys(20)
+    assert await _put(st, keys) == [True] * len(keys)
+    where = st.drive_of(keys)
+    assert len(set(where[0::2])) == 1 and len(set(where[1::2])) == 1 and where[0] != where[1]
+    await st.close()
 
 
 async def test_placement_spreads_pages_keeps_components_together_and_survives_reopen(tmp_path):

@@ -230,7 +230,7 @@ async def test_a_lookup_on_the_old_file_while_another_reopened_is_answered_from_
     # and another lookup reopens; the first must not answer from what it read
     await _first_writer(store_dir)
     follower = await PageStore.open(store_dir, small_config(), readonly=True)
-    watch = follower._watch
+    watch = follower.state.watch
     keys = [k.encode() for k in GONE]
     w = Writer(store_dir)
     read_on = []

@@ -268,7 +268,7 @@ async def test_public_manifest_and_lock_helpers(store_dir, tmp_path):
     await st.close()
     assert lock_holder(store_dir) is None
     assert lock_holder(str(tmp_path / "empty")) is None
-    import umbp_nvme.maintenance as maint
+    import umbp_nvme.cli.maintenance as maint
 
     assert maint.read_manifest is read_manifest and maint.lock_holder is lock_holder  # no copies
 

@@ -162,17 +162,17 @@ async def test_puts_beside_a_read_checksum_on_the_worker_and_verify(store_dir):
                        ssd_crc_policy="batch")  # not the default: the store's own config reaches the worker
     st = await PageStore.open(store_dir, cfg)
     try:
-        assert st._arbiter is not None
+        assert st.state.arbiter is not None
         sizes = {"s": [200 * KiB + 7 * i for i in range(10)], "l": [1 * MiB] * 20}  # inline-sized and large
         data = {t: ([f"{t}{i}" for i in range(len(n))], [payload(f"{t}{i}", x) for i, x in enumerate(n)])
                 for t, n in sizes.items()}  # fmt: skip
         jobs = put_crc._Count.jobs
-        st._arbiter.read_started()  # as a get in flight would
+        st.state.arbiter.read_started()  # as a get in flight would
         try:
             for keys, vals in data.values():
                 assert await st.put_many(keys, vals) == [True] * len(keys)
         finally:
-            st._arbiter.read_done()
+            st.state.arbiter.read_done()
         assert put_crc._Count.jobs == jobs + 2 and put_crc._Count.applied == "batch"
         for keys, vals in data.values():  # every stored CRC is its object's: all verify
             outs = [np.zeros(len(v), np.uint8) for v in vals]

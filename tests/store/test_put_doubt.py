@@ -164,13 +164,13 @@ async def test_a_put_cancelled_waiting_for_the_commit_lock_frees_its_slots_at_on
     root = str(tmp_path / "store")
     st = await PageStore.open(root, small_config())
     a = _keys(2, "a")
-    async with st._commit_lock:  # another commit holds the lock: this put never reaches its commit
+    async with st.writer.commit_lock:  # another commit holds the lock: this put never reaches its commit
         task = asyncio.ensure_future(_put(st, a))
         for _ in range(200):
             await asyncio.sleep(0.01)
-            if st._commit_lock._waiters:
+            if st.writer.commit_lock._waiters:
                 break
-        assert st._commit_lock._waiters, "the put never waited for the commit lock"
+        assert st.writer.commit_lock._waiters, "the put never waited for the commit lock"
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -60,7 +60,7 @@ def backend_extra(store_dir: str, *, mode: str = "strict", capacity: int = 64 * 
 def make_backend(store_dir: str, pool: HostPool | None = None, *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
                  engine_factory=None, **extra_kw):  # fmt: skip
     """UMBPNvmeStore built the way SGLang's dynamic loader builds it: cls(config, {}), then register."""
-    from umbp_nvme.sglang_backend import UMBPNvmeStore
+    from umbp_nvme.sglang.backend import UMBPNvmeStore
 
     be = UMBPNvmeStore(
         storage_config(backend_extra(store_dir, **extra_kw), mla=mla, tp_rank=tp_rank, tp_size=tp_size), {},

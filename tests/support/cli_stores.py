@@ -9,10 +9,10 @@ import hashlib
 import numpy as np
 from conftest import payload
 
-from umbp_nvme import cli
+import umbp_nvme.cli.main as cli
+from umbp_nvme.cli.maintenance import StoreReader
 from umbp_nvme.config import StoreConfig
-from umbp_nvme.keys import KeyScheme
-from umbp_nvme.maintenance import StoreReader
+from umbp_nvme.sglang.keys import KeyScheme
 from umbp_nvme.store import PageStore
 
 MiB = 1 << 20

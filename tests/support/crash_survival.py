@@ -29,7 +29,7 @@ def mp_context():
     global _CTX
     if _CTX is None:
         ctx = _mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["support.crash_survival", "support.soak", "umbp_nvme.sglang_backend", "umbp_nvme.store"])
+        ctx.set_forkserver_preload(["support.crash_survival", "support.soak", "umbp_nvme.sglang.backend", "umbp_nvme.store"])
         _CTX = ctx
     return _CTX
 

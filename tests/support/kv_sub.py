@@ -14,7 +14,7 @@ import itertools
 import msgspec
 import zmq
 
-from umbp_nvme.kv_events import hash_str_to_int64
+from umbp_nvme.sglang.kv_events import hash_str_to_int64
 
 RECV_TIMEOUT_MS = 60_000  # only to turn a hang into a failure
 

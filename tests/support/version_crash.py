@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from umbp_nvme.config import StoreConfig
-from umbp_nvme.maintenance import rebuild_index_dir
+from umbp_nvme.cli.maintenance import rebuild_index_dir
 from umbp_nvme.store import PageStore, layout
 from umbp_nvme.store.index import INDEX_FILE, Index
 from umbp_nvme.store.rebuild import rebuild_records

@@ -40,8 +40,8 @@ MODULES: dict[str, tuple[float, list[str]]] = {
     "segments": (0.90, ["tests/store/test_segment_allocator.py", "tests/store/test_allocator_contract.py"]),
 }
 
-# where each module lives under umbp_nvme/ (the allocator moved into the store package)
-PATHS = {"segments": "store/segments"}
+# where each module lives under umbp_nvme/ (the allocator in the store package, keys and hits in the SGLang adapter)
+PATHS = {"segments": "store/segments", "keys": "sglang/keys", "hits": "sglang/hits"}
 
 # mutmut statuses that count as detected; "survived", "no tests", "not checked" ... do not.
 # Mutants outside the scored part of a module (reported, not scored): segments.py's SegmentFiles

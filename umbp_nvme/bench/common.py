@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from umbp_nvme.keys import KeyScheme
+from umbp_nvme.sglang.keys import KeyScheme
 
 
 def page_keys(tag: str, pages: int, start: int = 0) -> list[str]:

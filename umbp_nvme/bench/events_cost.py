@@ -3,7 +3,7 @@
 One backend over one store backs pages up (``batch_set_v1`` of 128 pages with prefix keys, as
 the cache controller does) and reads them back (``batch_get_v1``), round after round, with its
 event publisher started for one round and stopped for the next (``kv_events_endpoint`` is set;
-sglang_stores.start_events / stop_events, untimed), in the order off on, on off, ...: the same
+the backend's ``set_kv_events``, untimed), in the order off on, on off, ...: the same
 files, the same process, drift and order effects cancel. Each round writes new pages and clears
 the store afterwards (untimed), or with ``evicting`` keeps it full so that every put evicts.
 Reported: GB/s medians per side and the ratio on / off taken round by round (issue 27: within
@@ -28,7 +28,7 @@ PAGE_TOKENS = 64
 
 class Backend:
     def __init__(self, directory: str, object_bytes: int, calls: int, durability: str, evicting: bool = False):
-        from ..sglang_backend import UMBPNvmeStore
+        from ..sglang.backend import UMBPNvmeStore
 
         shutil.rmtree(directory, ignore_errors=True)
         rnd = calls * PAGES_PER_CALL * 2 * object_bytes
@@ -47,18 +47,12 @@ class Backend:
         self._round = 0
 
     def events(self, on: bool) -> None:
-        from ..sglang_stores import start_events, stop_events
-
-        if on and self.be._publisher is None:
-            start_events(self.be._seam, self.be.store)
-            if self.be._publisher is None:
-                raise RuntimeError("the KV event publisher did not start (see the log)")
-        elif not on and self.be._publisher is not None:
-            stop_events(self.be._seam, self.be.store)
+        if self.be.set_kv_events(on) != on:
+            raise RuntimeError("the KV event publisher did not start (see the log)")
 
     def round(self) -> tuple:
         """(put Sample, get Sample) of one round of new pages."""
-        from ..sglang_backend import HiCacheStorageExtraInfo
+        from ..sglang.backend import HiCacheStorageExtraInfo
 
         P = PAGES_PER_CALL
         keys = [hashlib.sha256(f"{self._round}/{i}".encode()).hexdigest() for i in range(self.calls * P)]
@@ -75,8 +69,8 @@ class Backend:
                 ok -= sum(self.be.batch_get_v1(keys[i : i + P], self.idx, HiCacheStorageExtraInfo(prefix_keys=keys[:i])))
         if ok != 0 and not self.evicting:  # evicting: a page read after later ones were written may be gone
             raise RuntimeError(f"{ok} pages not read back")
-        if self.be._publisher is not None:
-            self.be._publisher.flush(60)  # its queue drained before the next round, untimed
+        if self.be.publisher is not None:
+            self.be.publisher.flush(60)  # its queue drained before the next round, untimed
         if not self.evicting:
             self.be.clear()
         return put.sample(nbytes, len(keys) * 2), get.sample(nbytes, len(keys) * 2)

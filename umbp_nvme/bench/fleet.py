@@ -90,7 +90,7 @@ class NodeProc:
         return self.call("backup", conv=conv, pages=pages)["stored"]
 
     def held(self) -> set[int]:
-        from ..kv_events import hash_str_to_int64
+        from ..sglang.keys import hash_str_to_int64
 
         keys = list(self.keys)
         got = self.call("held", keys=keys)["held"]
@@ -208,7 +208,7 @@ class Fleet:
         return {"rows": self.rows, "query": self._query(tokens, keys), "stats": stats, "scenario": sc}
 
     def _query(self, tokens: list[int], keys: list[str]) -> dict:
-        from ..kv_events import hash_str_to_int64
+        from ..sglang.keys import hash_str_to_int64
 
         hashes = [hash_str_to_int64(k) for k in keys]
         ours = {}

@@ -89,7 +89,7 @@ class Engine:
         import msgspec
         import zmq
 
-        from ..kv_events import event_types
+        from ..sglang.kv_events import event_types
 
         self.stored, self.removed, self.batch, _ = event_types()
         self._enc = msgspec.msgpack.Encoder()
@@ -105,13 +105,13 @@ class Engine:
         self.seq += 1
 
     def gpu_stored(self, keys: list[str], parent: str | None, tokens: list[int]) -> None:
-        from ..kv_events import hash_str_to_int64 as h
+        from ..sglang.keys import hash_str_to_int64 as h
 
         self.publish([self.stored(block_hashes=[h(k) for k in keys], parent_block_hash=None if parent is None else h(parent),
                                   token_ids=tokens, block_size=self.page_tokens, lora_id=None, medium="GPU")])  # fmt: skip
 
     def gpu_removed(self, keys: list[str]) -> None:
-        from ..kv_events import hash_str_to_int64 as h
+        from ..sglang.keys import hash_str_to_int64 as h
 
         self.publish([self.removed(block_hashes=[h(k) for k in keys], medium="GPU")])
 
@@ -120,7 +120,7 @@ class Node:
     def __init__(self, args):
         import zmq
 
-        from ..sglang_backend import UMBPNvmeStore
+        from ..sglang.backend import UMBPNvmeStore
 
         self.ctx = zmq.Context()
         self.page_tokens = args.page_tokens
@@ -136,7 +136,7 @@ class Node:
         self.be = UMBPNvmeStore(StorageConfig(extra), {})
         self.pool = HostPool(POOL_PAGES, args.page_tokens, args.object_bytes)
         self.be.register_mem_pool_host(self.pool)
-        self.pub = self.be._publisher
+        self.pub = self.be.publisher
         if self.pub is not None:
             self._engine_joined()
 
@@ -149,7 +149,7 @@ class Node:
             time.sleep(0.02)
 
     def op_backup(self, conv: str, pages: int) -> dict:
-        from ..sglang_backend import HiCacheStorageExtraInfo
+        from ..sglang.backend import HiCacheStorageExtraInfo
 
         tokens, keys = conversation(conv, pages, self.page_tokens)
         pt = self.page_tokens
@@ -165,8 +165,8 @@ class Node:
 
     def op_delete(self, conv: str, pages: int, first: int, last: int | None = None) -> dict:
         _, keys = conversation(conv, pages, self.page_tokens)
-        objs = [k + s for k in keys[first:last] for s in self.be._v1_sfx]
-        return {"deleted": sum(self.be.store.delete_many(objs)) // len(self.be._v1_sfx)}
+        objs = [k + s for k in keys[first:last] for s in self.be.v1_suffixes]
+        return {"deleted": sum(self.be.store.delete_many(objs)) // len(self.be.v1_suffixes)}
 
     def op_clear(self) -> dict:
         self.be.clear()
@@ -179,8 +179,7 @@ class Node:
         if self.pub is None:
             return {"last_seq": None}
         self.pub.flush(60)
-        buf = self.pub._buffer
-        return {"last_seq": buf[-1][0] if buf else None}
+        return {"last_seq": self.pub.last_seq}
 
     def op_stats(self) -> dict:
         st = self.be.store_stats()["store"]

@@ -43,7 +43,7 @@ class LoopProbe:
     could be kept waiting by other work on the loop (a put's CRC, index commit, ring submits)."""
 
     def __init__(self, store):
-        self.loop = store._loop  # the SyncPageStore's private loop: a benchmark probe, not an API
+        self.loop = store.loop
         self.lat: list[float] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bench-loop-probe", daemon=True)

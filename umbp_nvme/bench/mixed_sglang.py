@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from ..keys import KeyScheme
+from ..sglang.keys import KeyScheme
 from .engine import phys_runs
 from .mixed_measure import SPACING_X, LoopProbe, loaded_gets, pct, row, solo_window
 

@@ -107,7 +107,7 @@ def open_backend(kind: str, directory: str, pages: int, object_bytes: int, extra
         return HostSide(backend, host, indices, flat, int(host.kv_buffer.data_ptr()), object_bytes, keep=bundle)
     if kind != "standin":
         raise ValueError(f"pool kind {kind!r}: expected sglang or standin")
-    from ..sglang_backend import UMBPNvmeStore
+    from ..sglang.backend import UMBPNvmeStore
 
     host = StandinPool(pages, object_bytes)
     config = types.SimpleNamespace(

@@ -158,7 +158,7 @@ class Replayer:
         """extra_info as the controller builds it: the page keys in front of this call's pages."""
         if self._above is None:
             return None
-        from ..sglang_backend import HiCacheStorageExtraInfo
+        from ..sglang.backend import HiCacheStorageExtraInfo
 
         return HiCacheStorageExtraInfo(prefix_keys=self._above + before)
 
@@ -200,7 +200,7 @@ class Replayer:
 
     def _backup(self, blocks: list[int], keys: list[str], res: ReplayResult, hit_keys: list[str]) -> None:
         store = self.be.store
-        sfx = self.be._v1_sfx
+        sfx = self.be.v1_suffixes
         for s in range(0, len(keys), BATCH_PAGES):
             bb, kk = blocks[s : s + BATCH_PAGES], keys[s : s + BATCH_PAGES]
             objs = [k + x for k in kk for x in sfx]

@@ -2,6 +2,8 @@
 
 ``from umbp_nvme.store import PageStore, read_manifest, MANIFEST_FILE, LOCK_FILE, lock_holder`` is
 the public surface; ``SyncPageStore`` is in ``umbp_nvme.store.sync``.
+
+State: none (re-exports).
 """
 
 from .layout import (

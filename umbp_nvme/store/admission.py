@@ -24,6 +24,9 @@ Per batch the real decision is numpy (hashing, the doorkeeper bitmaps, a class l
 per-page Python work is on the sample only (about ``SHADOW_PAGES`` pages per rule in all). The
 state is in memory: after a restart the store admits everything until the miniatures have seen
 enough traffic to say otherwise, i.e. it starts as a cold LRU.
+
+State: its own (the sampled miniature LRUs); the store keeps one as writer.admission
+(admit_gate.py).
 """
 
 from __future__ import annotations

@@ -12,8 +12,11 @@ re-puts of stored keys).
 
 ``StoreConfig.admission_policy``: ``adaptive`` (admission.py's measured choice), ``all`` (write
 every object: LRU as before) or ``second`` (the fixed second-write doorkeeper); ``auto`` is
-``all`` here, and the SGLang backend opens its store with ``adaptive`` (sglang_stores.py), so a
+``all`` here, and the SGLang backend opens its store with ``adaptive`` (sglang/stores.py), so a
 direct PageStore user's put keeps meaning "stored until evicted".
+
+Reads: state.config (admission_policy), writer.high_bytes, writer.admission. Changes:
+writer.admission (made at the first put), state.counters (put_declined).
 """
 
 from __future__ import annotations
@@ -32,16 +35,17 @@ def _ids(keys) -> np.ndarray:
 
 def _policy(store, lens: np.ndarray, n_pages: int):
     """The store's Admission (made at its first put, when object sizes are known); None for ``all``."""
-    pol = getattr(store, "_admission", None)
+    w = store.writer
+    pol = w.admission
     if pol is not None or store.config.admission_policy in ("all", "auto"):
         return pol
     per_page = max(1, round(len(lens) / max(1, n_pages)))
     page_bytes = int(size_classes(lens).mean()) * per_page
-    pol = admission.Admission(max(1, int(store._high_bytes) // max(1, page_bytes)))
+    pol = admission.Admission(max(1, int(w.high_bytes) // max(1, page_bytes)))
     if store.config.admission_policy == "second":
         pol.fix("second")
-    store._admission = pol
-    store._counters.setdefault("put_declined", 0)
+    w.admission = pol
+    store.state.counters.setdefault("put_declined", 0)
     return pol
 
 
@@ -62,13 +66,14 @@ def screen(store, keys, todo: np.ndarray, addrs: np.ndarray, lens: np.ndarray, r
     drop = np.flatnonzero(~keep)
     for j in drop.tolist():
         results[int(todo[j])] = True
-    store._counters["put_declined"] += len(drop)
+    store.state.counters["put_declined"] += len(drop)
     return todo[keep], addrs[keep], lens[keep]
 
 
 def used(store, keys, mask=None) -> None:
     """Keys asked for and present (``mask``: which of ``keys``; all when None)."""
-    pol = getattr(store, "_admission", None)
+    w = store.writer
+    pol = None if w is None else w.admission  # a read-only opener admits nothing
     if pol is None:
         return
     ks = keys if mask is None else [k for k, m in zip(keys, mask) if m]

@@ -1,4 +1,8 @@
-"""Per-key checks shared by the put and get paths, and the one log line per call for refused keys."""
+"""Per-key checks shared by the put and get paths, and the one log line per call for refused keys.
+
+Reads: the store's ``readonly`` and ``closed`` (writer, state.closed). Changes: nothing (a closed
+store's ``_closed_call`` logs once, setting state.closed_logged).
+"""
 
 from __future__ import annotations
 
@@ -48,18 +52,21 @@ def encode_all(keys, idx=None) -> list[bytes]:
         return [encode_key(k) for k in keys] if idx is None else [encode_key(keys[i]) for i in idx]
 
 
-def begin_call(store, op: str, keys, buffers=None, depths=None, *, writes: bool = False) -> list[bool] | None:
-    """What every batch call of a store (one drive or several) checks first: a write on a
-    read-only store and mismatched argument lengths raise; a closed store answers once (its
-    ``_closed_call``) and gives None. Otherwise the call's results, all False so far."""
-    if writes and store.readonly:
-        raise ReadOnlyStoreError(f"store {store.path} was opened read-only; {op} is not allowed")
-    n = len(keys)
-    if buffers is not None and len(buffers) != n:
-        raise ValueError(f"{op} needs one buffer per key: {n} keys, {len(buffers)} buffers")
-    if depths is not None and len(depths) != n:
-        raise ValueError(f"{op} needs one depth per key: {n} keys, {len(depths)} depths")
-    if store._closed:
-        store._closed_call(op)
-        return None
-    return [False] * n
+class CallChecks:
+    """What every batch call of a store (one drive: PageStore; several: drives.MultiDriveStore)
+    checks first; a mixin of both, which give it ``readonly``, ``closed``, ``path`` and ``_closed_call``."""
+
+    def _begin_call(self, op: str, keys, buffers=None, depths=None, *, writes: bool = False) -> list[bool] | None:
+        """A write on a read-only store and mismatched argument lengths raise; a closed store answers
+        once (its ``_closed_call``) and gives None. Otherwise the call's results, all False so far."""
+        if writes and self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only; {op} is not allowed")
+        n = len(keys)
+        if buffers is not None and len(buffers) != n:
+            raise ValueError(f"{op} needs one buffer per key: {n} keys, {len(buffers)} buffers")
+        if depths is not None and len(depths) != n:
+            raise ValueError(f"{op} needs one depth per key: {n} keys, {len(depths)} depths")
+        if self.closed:
+            self._closed_call(op)
+            return None
+        return [False] * n

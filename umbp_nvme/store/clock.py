@@ -9,6 +9,9 @@ a rebuild (index lost) starts above every sound record in the segments (rebuild.
 
 One clock may serve several stores (the drives of one writer): generations then order puts
 across drives, and every store's persisted bound covers the values all of them hand out.
+
+State: its own (the clock's now and bound); a writer's is writer.clock, shared by the drives of one
+writer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The counters every store keeps (``stats()`` reports them; ``drives.py`` sums them over drives)."""
+"""The counters every store keeps (``stats()`` reports them; ``drives.py`` sums them over drives).
+
+State: none (the names; each store's live dict is state.counters).
+"""
 
 from __future__ import annotations
 

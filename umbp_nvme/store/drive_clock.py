@@ -9,28 +9,20 @@ That needs one clock: the writer opens every drive on one ``clock.GenerationCloc
 (``PageStore.open(clock=...)``), so generations order puts across drives, and every drive's
 persisted bound covers them all. Readers draw nothing: they compare the generations the writer
 recorded in LMDB.
+
+Reads: each drive store's generations (``PageStore.generation_of``). Changes: nothing.
 """
 
 from __future__ import annotations
 
 import logging
 
-import numpy as np
-
-from .index import REC_BYTES, REC_DTYPE
-
 log = logging.getLogger("umbp_nvme.store")
 
 
 def generation(st, key: str) -> int:
     """The generation of ``key``'s copy on ``st`` (-1 when it has none)."""
-    if st.readonly:
-        v = st._index_lookup([key])[0]
-        if v is None or len(v) != REC_BYTES:
-            return -1
-        return int(np.frombuffer(v, dtype=REC_DTYPE)["generation"][0])
-    r = st._keys.get(key)
-    return -1 if r is None else int(st._rows.gen[r])
+    return st.generation_of(key)
 
 
 def newest(stores, key: str, drives: list[int]) -> int:

@@ -6,6 +6,9 @@ without waiting, writes go to the other drives, exists stops reporting its pages
 keeps serving reads (its pages are intact), only writes avoid it. One WARNING per change of state
 names the drive and the reason. ``drives.MultiDriveStore`` probes degraded drives and re-admits
 them; this module keeps the state and the two probe steps it runs on a drive (read back, owed deletes).
+
+Reads: a drive store's counters() and, to probe, writer.keys and a get through its public calls.
+Changes: only its own DriveHealth.
 """
 
 from __future__ import annotations
@@ -157,9 +160,9 @@ class DriveHealth:
 
 async def reads_back(st, h: DriveHealth) -> bool:
     """One of the drive's objects reads back through its store (and engine) within io_timeout_s."""
-    if st.readonly or not st._keys:
+    if st.readonly or not st.writer.keys:
         return True  # nothing of ours to read: the directory answered
-    key = next(iter(st._keys))
+    key = next(iter(st.writer.keys))
     ext = st.locate([key])[0]
     if ext is None:
         return True

@@ -6,6 +6,9 @@ directory, one object read back, its owed deletes applied) before it serves agai
 could not open is opened once its store is back. Deletes a degraded drive owes are recorded in
 owed_deletes.py's log on the healthy drives before they are acknowledged, and applied at the next
 open when the process ended first.
+
+Reads: the drive stores through their public calls (lock_fd, stats, delete_pending, ...). Changes:
+the MultiDriveStore's own fields (stores, health, probes).
 """
 
 from __future__ import annotations
@@ -253,7 +256,7 @@ class DriveProbes:
                 return
             try:
                 await self._in_thread(d, os.stat, os.path.join(self.roots[d], MANIFEST_FILE))
-                same = await self._in_thread(d, _holds_lock_at, self.roots[d], st._lock_fd)
+                same = await self._in_thread(d, _holds_lock_at, self.roots[d], st.lock_fd)
             except (FileNotFoundError, NotADirectoryError):  # removed, or replaced by a file
                 h.degrade("gone", f"its directory {self.roots[d]} is gone (no {MANIFEST_FILE})")
                 return

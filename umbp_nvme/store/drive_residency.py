@@ -10,6 +10,9 @@ drive's PageStore which keys became visible there; what a router sees is the who
 - a drive that serves again (re-admitted by the probe, or opened late) is hooked again and its
   pages reported shown (BlockStored), after its owed deletes and clears were applied;
 - the re-announcement takes only the keys of drives that serve (``served_keys``).
+
+Reads: the drive stores' keys(). Changes: each drive store's writer.residency (attach_residency /
+detach_residency), the MultiDriveStore's _residency.
 """
 
 from __future__ import annotations
@@ -22,20 +25,25 @@ log = logging.getLogger("umbp_nvme.store")
 class DriveResidency:
     _residency = None  # kv_residency.Residency, when KV events are published
 
+    @property
+    def residency(self):
+        """The kv_residency.Residency the drives that serve reads tell; None when none is."""
+        return self._residency
+
     def attach_residency(self, residency) -> None:
         self._residency = residency
         for d, h in enumerate(self.health):
             h.on_readable = self._readable_changed
             st = self.stores[d]
             if st is not None:
-                st._residency = residency if h.readable else None
+                st.attach_residency(residency if h.readable else None)
 
     def detach_residency(self) -> None:
         self._residency = None
         for h, st in zip(self.health, self.stores):
             h.on_readable = None
             if st is not None:
-                st._residency = None
+                st.detach_residency()
 
     def served_keys(self) -> list[str]:
         """Every published key on the drives that serve reads (a snapshot)."""
@@ -55,8 +63,8 @@ class DriveResidency:
             log.debug("drive %d: its keys for the KV events: %r", d, e)
             return
         if readable:
-            st._residency = rz
+            st.attach_residency(rz)
             rz.shown(keys)
         else:
-            st._residency = None
+            st.detach_residency()
             rz.hidden(keys)

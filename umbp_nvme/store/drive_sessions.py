@@ -23,6 +23,9 @@ back on the recorded roots: a drive is behind when another drive's record omits 
 record names that drive (it was removed and that drive went on without it).
 
 What it cannot see: a session run only on drives that are all absent or unreadable now.
+
+Reads: the drive stores through their public calls. Changes: the MultiDriveStore's own fields
+(sessions, DRIVES.json).
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ class SessionSteps:
         return True
 
     async def _clear_missed(self, d: int, st) -> None:
-        n = st._object_count()
+        n = st.object_count()
         await st.clear()
         if n > 0:
             log.warning("drive %s missed a writer session (removed from the roots or not open) or writes made "

@@ -6,6 +6,8 @@ recorded set and is not configured now was removed: its pages are gone from this
 open says so once, with the count recorded at the last close. The remaining drives open as usual
 (removing a drive never refuses the rest); a removed drive added back is cleared before it
 serves (it missed the sessions run without it).
+
+Reads: the drive stores' object counts. Changes: nothing of a PageStore (the drive set's files).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def write_drive_set(roots: list[str], stores: list, healthy=None, health=None, s
     counts = {}
     for r, st in zip(roots, stores):
         if st is not None:
-            counts[r] = st._object_count()
+            counts[r] = st.object_count()
     rec = {"roots": list(roots), "objects": counts, **(session or {})}
     if health is not None:
         rec["health"] = dict(zip(roots, health))

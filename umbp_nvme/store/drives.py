@@ -16,6 +16,9 @@ once that drive's PageStore call has ended (the trust rule: the kernel may still
 caller's memory until then); the drive is marked degraded when the call outlives io_timeout_s,
 so every later batch skips it without waiting. A background probe re-admits a degraded drive
 once no call of ours is in flight on it and one of its objects reads back.
+
+Reads: its drive stores through their public calls. Changes: its own fields only (no PageStore's
+state).
 """
 
 from __future__ import annotations
@@ -30,11 +33,10 @@ from ..errors import (
     CapacityShrinkError, DriveNotMountedError, NamespaceMismatchError, ReadOnlyStoreError, StoreError,
     StoreLockedError, UnsafeStorePathError,
 )  # fmt: skip
-from ..keys import page_of as default_page_of
 from . import placement
-from .checks import begin_call
 from .clock import GenerationClock
 from .counters import COUNTERS
+from .checks import CallChecks
 from .drive_clock import newest
 from .drive_health import FULL, UNMOUNTED, DriveHealth
 from .drive_probe import DriveProbes
@@ -64,7 +66,7 @@ def _drive_failure(e: BaseException) -> bool:
     return isinstance(e, (OSError, StoreError)) and not isinstance(e, _CONFIG_ERRORS)
 
 
-class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
+class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
     """PageStore's calls over several roots. Create with ``await PageStore.open(roots, ...)``."""
 
     _closed_logged = False
@@ -82,13 +84,13 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
         A root that cannot be opened for a reason of its own (I/O error, missing, damaged) is a
         degraded drive and the others open; so is a root whose drive looks unmounted (mounts.py),
         which is not touched at all. A configuration error (namespace, lock, shrink) raises.
-        ``page_of(key) -> page hash`` (default keys.page_of) decides placement.
+        ``page_of(key) -> page hash`` (default placement.key_page) decides placement.
         """
         self = cls.__new__(cls)
         config = config or StoreConfig()
         self.roots = [os.path.abspath(r) for r in parse_roots(roots)]
         self.config, self.readonly, self._closed = config, readonly, False
-        self._page_of = page_of or default_page_of
+        self._page_of = page_of or placement.key_page
         self._open_one = open_drive
         self._ids = [placement.drive_id(r) for r in self.roots]
         self.health = [DriveHealth(i, r) for i, r in enumerate(self.roots)]
@@ -154,6 +156,10 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
         return sum(s.capacity_bytes for s in self.stores if s is not None)
 
     @property
+    def max_key_bytes(self) -> int:
+        return min((s.max_key_bytes for s in self.stores if s is not None), default=511)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -210,7 +216,7 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
     # ----------------------------------------------------------------------------- data calls
 
     async def put_many(self, keys: list[str], buffers: list, *, depths: list[int] | None = None) -> list[bool]:
-        results = begin_call(self, "put_many", keys, buffers, depths, writes=True)
+        results = self._begin_call("put_many", keys, buffers, depths, writes=True)
         if results is None:
             return [False] * len(keys)
         self._writes += 1
@@ -233,7 +239,7 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
         return results
 
     async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
-        results = begin_call(self, "get_many", keys, buffers)
+        results = self._begin_call("get_many", keys, buffers)
         if results is None:
             return [False] * len(keys)
         route = self._holders(keys, self._mask("read"))
@@ -299,7 +305,7 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
     async def delete_many(self, keys: list[str]) -> list[bool]:
         """Delete on every drive; a degraded drive owes the delete and applies it before it rejoins.
         True only when the delete is durable everywhere: deleted, or owed in a log on disk."""
-        results = begin_call(self, "delete_many", keys, writes=True)
+        results = self._begin_call("delete_many", keys, writes=True)
         if results is None:
             return [False] * len(keys)
         self._writes += 1
@@ -314,7 +320,7 @@ class MultiDriveStore(DriveProbes, SessionSteps, DriveResidency):
         return [ok and not (type(k) is str and k in kept) for ok, k in zip(results, keys)]
 
     async def clear(self) -> None:
-        if begin_call(self, "clear", (), writes=True) is None:
+        if self._begin_call("clear", (), writes=True) is None:
             return
         self._writes += 1
         live, owed = [], []

@@ -4,6 +4,8 @@ A policy is a function ``(rows, candidates, slot_bytes, bytes_needed) -> rows to
 fewest candidates, in its order, whose slots add up to ``bytes_needed``. ``POLICIES`` is the table
 ``StoreConfig.eviction_policy`` names into. ``reclaim_segment`` picks a whole segment to empty
 when a size class has no free slot anywhere.
+
+Reads: the writer's rows handed in (writer.rows). Changes: nothing (the store drops what it picks).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Which file a path names: (st_dev, st_ino), taken around an LMDB open (index.py) and after
-each lookup of a read-only store (follower.py), so a file replaced by its writer is noticed."""
+each lookup of a read-only store (follower.py), so a file replaced by its writer is noticed.
+
+State: none.
+"""
 
 from __future__ import annotations
 

@@ -18,6 +18,9 @@ goes through ``IndexWatch.read``, which applies three rules:
 
 A failed open is tried again when the path's stat (identity, size, mtime) changes, each LMDB
 commit changes it, or after ``RETRY_S``, so a follower never spins on opening a file.
+
+Reads: a reader's state.index and state.closed. Changes: state.index (swapped for the writer's new
+file once marked).
 """
 
 from __future__ import annotations
@@ -54,14 +57,14 @@ def _marked(ix) -> bool:
 
 
 class IndexWatch:
-    """The index a read-only store answers from (``store._index``), kept on the file at the path."""
+    """The index a read-only store answers from (``state.index``), kept on the file at the path."""
 
-    def __init__(self, store, map_size: int):
-        self._store = store
-        self._path = store._index.path
+    def __init__(self, state, map_size: int):
+        self._state = state  # the store's StoreState (state.py): its index is swapped here
+        self._path = state.index.path
         self._map_size = map_size
         self._lock = threading.Lock()
-        self._held = store._index.file_identity()
+        self._held = state.index.file_identity()
         self._ready = False  # the held file was seen marked by its writer
         self._stale = False  # the path names another file now (it never names ours again)
         self._users: dict[int, int] = {}  # id(Index) -> lookups running on it
@@ -95,7 +98,7 @@ class IndexWatch:
     def _take(self):
         """(current index, its file's identity) with one more lookup on it; None unless it is current and marked."""
         with self._lock:
-            ix = self._store._index
+            ix = self._state.index
             if self._stale or not self._ready or ix is None or self._held is None:
                 return None
             self._users[id(ix)] = self._users.get(id(ix), 0) + 1
@@ -115,8 +118,8 @@ class IndexWatch:
     def _advance(self) -> bool:
         """Bring the store onto the marked file at the path; whether it is there now."""
         with self._lock:
-            old = self._store._index
-            if old is None or self._store._closed:
+            old = self._state.index
+            if old is None or self._state.closed:
                 return False
             now = file_id(self._path)
             if not self._stale and (self._held is None or now != self._held):
@@ -133,7 +136,7 @@ class IndexWatch:
             # kept open until marked: opening checks every page of the file first (~0.2 s for 1 M objects)
             if self._pending is None or not _marked(self._pending[0]):
                 return False
-            self._store._index, self._held = self._pending
+            self._state.index, self._held = self._pending
             self._pending = None
             self._stale, self._ready = False, True
             busy = id(old) in self._users
@@ -161,7 +164,7 @@ class IndexWatch:
         return ix, ix.file_identity()
 
     def close(self) -> None:
-        """Close the handles besides ``store._index`` (the store closes that one): the new file's while
+        """Close the handles besides ``state.index`` (the store closes that one): the new file's while
         it waits for its mark, old ones a lookup still held."""
         with self._lock:
             left = [p[0] for p in (self._pending,) if p is not None] + self._retired

@@ -5,6 +5,8 @@ a segment file cannot be made, and keeps caching), but the operator should hear 
 from a full disk later: one WARNING naming both numbers and the fix. Several roots need nothing
 here: each drive's share is already capped to its file system (drive_set.py) with a WARNING.
 A writer's open calls it (opening.py), so the Python API, the CLI and the SGLang backend all say it.
+
+State: none (statvfs of the roots).
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ unpin -> [readers: recheck the generation] -> account.
 A writer pins the rows it reads so no eviction reuses their slots meanwhile. A reader in another
 process cannot pin: it checks the CRC and that each key still has the generation it looked up
 once the read is done. A mixin of PageStore.
+
+Reads: state.files, state.read_engine, state.memory, state.crc32c*, state.verify_crc,
+state.gds_gate, writer.rows. Changes: writer.rows (pins while reading, recency of hits),
+state.bounce (borrowed, given back), state.counters; drops damaged entries (deletes.py).
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ import logging
 import numpy as np
 
 from ..buffers import AlignedBuffer
-from ..keybytes import encode_key, key_error
 from . import admit_gate, staging
-from .checks import Refusals, begin_call, plain_keys
-from .index import FLAG_CRC, REC_BYTES, REC_DTYPE
+from .checks import Refusals
+from .index import FLAG_CRC
+from .lookups import ReadBatch
 from .staging import settle, wait_out
 
 log = logging.getLogger("umbp_nvme.store")
@@ -73,28 +77,6 @@ def read_parts(lens: np.ndarray) -> tuple[list[int], int]:
     return bounds, len(bounds) - 1
 
 
-class ReadBatch:
-    """The objects one get_many reads: key index, extent, checks and destination per object."""
-
-    FIELDS = ("idx", "segs", "offs", "lens", "crcs", "flags", "gens", "rows", "dst", "devm")
-    __slots__ = FIELDS
-
-    def __init__(self, idx, segs, offs, lens, crcs, flags, gens, rows=None):
-        self.idx, self.segs, self.offs, self.lens, self.crcs, self.flags, self.gens, self.rows = (
-            idx, segs, offs, lens, crcs, flags, gens, rows,
-        )  # fmt: skip
-        self.dst = self.devm = None
-
-    def keep(self, sel) -> None:
-        for name in self.FIELDS:
-            a = getattr(self, name)
-            if a is not None:
-                setattr(self, name, a[sel])
-
-    def __len__(self) -> int:
-        return len(self.idx)
-
-
 class GetPath:
     async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
         """Read the object of ``keys[i]`` into ``buffers[i]``; one bool per key, True on a verified hit.
@@ -112,7 +94,7 @@ class GetPath:
 
         Raises ValueError when ``buffers`` does not have one entry per key.
         """
-        results = begin_call(self, "get_many", keys, buffers)
+        results = self._begin_call("get_many", keys, buffers)
         if results is None:
             return [False] * len(keys)
         self._enter()
@@ -123,140 +105,17 @@ class GetPath:
         finally:
             self._leave()
         n, hits = len(keys), sum(results)
-        self._counters["gets"] += n
-        self._counters["hits"] += hits
-        self._counters["misses"] += n - hits
+        self.state.counters["gets"] += n
+        self.state.counters["hits"] += hits
+        self.state.counters["misses"] += n - hits
         if hits:
             admit_gate.used(self, keys, results)
         return results
 
-    def exists_many_nowait(self, keys: list[str]) -> list[bool]:
-        """``exists_many`` without the event loop: callable from any thread (reads the index directly).
-
-        Thread-safe: dict reads are atomic under the GIL; LMDB read txns are per call. A key
-        that cannot be stored (not a str, empty, no lossless bytes) is False alone."""
-        if self._closed:
-            self._closed_call("exists_many")
-            return [False] * len(keys)
-        if self.readonly:
-            return [v is not None for v in self._index_lookup(keys)]
-        d = self._keys
-        try:
-            return [k in d for k in keys]
-        except TypeError:  # an unhashable key
-            return [type(k) is str and k in d for k in keys]
-
-    def exists_prefix_nowait(self, keys: list[str]) -> int:
-        """``exists_prefix`` without the event loop: callable from any thread (reads the index directly)."""
-        if self._closed:
-            self._closed_call("exists_prefix")
-            return 0
-        if self.readonly:
-            enc = self._index_keys(keys)
-            if None in enc:
-                enc = enc[: enc.index(None)]
-            return self._watch.read(lambda ix: ix.exists_prefix(enc), 0)
-        d = self._keys
-        n = 0
-        try:
-            for k in keys:
-                if k not in d:
-                    break
-                n += 1
-        except TypeError:  # an unhashable key is absent: the prefix ends there
-            pass
-        return n
-
-    async def exists_many(self, keys: list[str]) -> list[bool]:
-        """Per key, whether ``get_many`` would find it now (True) or it is absent (False).
-
-        A key that cannot be stored (not a str, empty, too long) is False alone; a closed store answers
-        all False. Never raises for a key; reads only the index (no data I/O).
-        """
-        return self.exists_many_nowait(keys)
-
-    async def exists_prefix(self, keys: list[str]) -> int:
-        """How many of ``keys``, from the first on, are stored: the index of the first absent key.
-
-        SGLang's prefix match: ``keys`` are a page sequence's keys in order. 0 when the first is absent,
-        the store is closed, or a key cannot be stored. Never raises for a key; reads only the index.
-        """
-        return self.exists_prefix_nowait(keys)
-
-    def _index_keys(self, keys) -> list[bytes | None]:
-        """Index key bytes per key; None for a key no index key can hold (not a str, empty, no
-        lossless bytes, too long): that key alone is a miss."""
-        maxk = self._index.max_key_bytes
-        if plain_keys(keys) and (not keys or max(map(len, keys)) <= maxk):
-            return [k.encode() for k in keys]
-        enc = []
-        for k in keys:
-            b = encode_key(k) if key_error(k) is None else None
-            enc.append(b if b is not None and len(b) <= maxk else None)
-        return enc
-
-    def _index_lookup(self, keys) -> list[bytes | None]:
-        """Readers: the index record per key (None: absent, or a key that cannot be stored)."""
-        enc = self._index_keys(keys)
-        if None not in enc:
-            return self._watch.records(enc)
-        found = iter(self._watch.records([b for b in enc if b is not None]))
-        return [None if b is None else next(found) for b in enc]
-
-    def _writer_rows(self, keys) -> list:
-        """Writers: the row per key, None when absent (a key that is not a str is never present)."""
-        try:
-            return list(map(self._keys.get, keys))
-        except TypeError:  # an unhashable key
-            get = self._keys.get
-            return [get(k) if type(k) is str else None for k in keys]
-
-    def _lookup_reader(self, keys: list[str]) -> ReadBatch | None:
-        """Readers: records from LMDB for the present keys."""
-        vals = self._index_lookup(keys)
-        idx = [i for i, v in enumerate(vals) if v is not None and len(v) == REC_BYTES]
-        if not idx:
-            return None
-        recs = np.frombuffer(b"".join(vals[i] for i in idx), dtype=REC_DTYPE)
-        return ReadBatch(
-            np.asarray(idx, np.int64),
-            recs["segment"].astype(np.int64),
-            recs["offset"].astype(np.int64),
-            recs["length"].astype(np.int64),
-            recs["crc"].astype(np.uint32),
-            recs["flags"].astype(np.uint32),
-            recs["generation"].astype(np.uint64),
-        )
-
-    def _lookup(self, keys) -> ReadBatch | None:
-        """The stored objects among ``keys`` (None when there is none)."""
-        if self.readonly:
-            b = self._lookup_reader(keys)
-            if b is None:
-                return None
-            for s in np.unique(b.segs).tolist():
-                if not self._files.ensure(s):
-                    b.keep(b.segs != s)
-            return b if len(b) else None
-        rows_l = self._writer_rows(keys)
-        if None in rows_l:
-            idx_l = [i for i, r in enumerate(rows_l) if r is not None]
-            if not idx_l:
-                return None
-            idx = np.asarray(idx_l, np.int64)
-            rows = np.asarray([rows_l[i] for i in idx_l], np.int64)
-        else:
-            if not len(keys):
-                return None
-            idx = np.arange(len(keys), dtype=np.int64)
-            rows = np.asarray(rows_l, np.int64)
-        t = self._rows
-        return ReadBatch(idx, t.seg[rows], t.off[rows], t.len[rows], t.crc[rows], t.flags[rows], t.gen[rows], rows)
-
     def _destinations(self, b: ReadBatch, keys, buffers, refused) -> None:
         """Resolve the caller's buffer per object; keep the usable ones, host memory first, CUDA last."""
         m, n = len(b), len(keys)
-        pair = self._memory.resolve_pairs(buffers if m == n else [buffers[i] for i in b.idx.tolist()])
+        pair = self.state.memory.resolve_pairs(buffers if m == n else [buffers[i] for i in b.idx.tolist()])
         if pair is not None and not (pair[1] < b.lens).any():
             b.dst = pair[0]
             return
@@ -264,7 +123,7 @@ class GetPath:
         ok = np.ones(m, bool)
         devm = np.zeros(m, bool)
         for j, i in enumerate(b.idx.tolist()):
-            r = self._memory.resolve(buffers[i], writable=True)
+            r = self.state.memory.resolve(buffers[i], writable=True)
             if isinstance(r, str):
                 refused.add(keys[i], r)
                 ok[j] = False
@@ -301,7 +160,7 @@ class GetPath:
         if outcome is None:
             return  # timed out: counted and logged by _await_io
         good, verified = outcome
-        if self.readonly:
+        if self.writer is None:
             verified &= self._unchanged(b, keys)
         await self._account(b, keys, good, verified, results, refused)
 
@@ -310,13 +169,13 @@ class GetPath:
         m = len(b)
         rows = b.rows
         if rows is not None:
-            self._rows.pin(rows)
+            self.writer.rows.pin(rows)
         plan = None
         good = np.zeros(m, bool)
         verified = np.zeros(m, bool)
         try:
-            files = self._files
-            plan = staging.plan(self._bounce, files.direct[b.segs], files.align[b.segs], b.dst, b.lens, b.devm)
+            files = self.state.files
+            plan = staging.plan(self.state.bounce, files.direct[b.segs], files.align[b.segs], b.dst, b.lens, b.devm)
             jobs = [self._read_parts(b, plan, m_host, good, verified)] if m_host else []
             if route is not None:
                 jobs.append(self._read_device_part(b, route, m_host, m, good, verified))
@@ -342,9 +201,9 @@ class GetPath:
             # the engines wait for the kernel's completions; _read_parts waits for its parts and
             # workers): no read into these slots, the bounce or the caller's memory is in flight.
             if rows is not None:
-                self._rows.unpin(rows)
+                self.writer.rows.unpin(rows)
             if plan is not None:
-                plan.release(self._bounce)
+                plan.release(self.state.bounce)
         return good, verified
 
     async def _read_parts(self, b: ReadBatch, plan, m_host: int, good, verified) -> None:
@@ -396,8 +255,8 @@ class GetPath:
         if asyncio.get_running_loop().time() >= deadline:  # an earlier part stalled the window
             raise asyncio.TimeoutError
         started = [todo.pop() for _ in range(min(k, len(todo)))]
-        read = self._read_engine.read_many
-        io = [asyncio.ensure_future(read(self._files.batch(b.segs[lo:hi]), b.offs[lo:hi], plan.io_addr[lo:hi],
+        read = self.state.read_engine.read_many
+        io = [asyncio.ensure_future(read(self.state.files.batch(b.segs[lo:hi]), b.offs[lo:hi], plan.io_addr[lo:hi],
                                          plan.io_len[lo:hi])) for lo, hi in started]  # fmt: skip
         for (lo, hi), task in zip(started, io):
             running[asyncio.ensure_future(self._wait_part(task, b.segs[lo:hi], deadline))] = (lo, hi, task)
@@ -427,29 +286,17 @@ class GetPath:
         if not self.verify_crc:
             return ok
         got = np.empty(len(sel), np.uint32)
-        self._crc32c_many(b.dst[sel], b.lens[sel], got)
+        self.state.crc32c_many(b.dst[sel], b.lens[sel], got)
         return ok & ((got == b.crcs[sel]) | ((b.flags[sel] & FLAG_CRC) == 0))
 
     async def _read_device_part(self, b: ReadBatch, route, lo: int, hi: int, good, verified) -> None:
         sl = slice(lo, hi)
-        fds = self._files.batch(b.segs[sl])
+        fds = self.state.files.batch(b.segs[sl])
         ok, checked = await asyncio.wait_for(
             self._read_device(route, fds, b.offs[sl], b.dst[sl], b.lens[sl], b.crcs[sl], b.flags[sl]), self.timeout_s
         )
         good[sl] = ok
         verified[sl] = checked
-
-    def _unchanged(self, b: ReadBatch, keys) -> np.ndarray:
-        """Readers: which keys still have the generation looked up (another process may have
-        evicted and reused the slot while we read it)."""
-        m = len(b)
-        after = self._lookup_reader([keys[i] for i in b.idx.tolist()])
-        now = np.zeros(m, np.uint64)
-        present = np.zeros(m, bool)
-        if after is not None:
-            now[after.idx] = after.gens
-            present[after.idx] = True
-        return present & (now == b.gens)
 
     async def _account(self, b: ReadBatch, keys, good, verified, results, refused) -> None:
         """Results and counters; a writer drops entries whose bytes failed the CRC and stamps hits."""
@@ -460,21 +307,21 @@ class GetPath:
             else:
                 for i in idx.tolist():
                     results[i] = True
-            self._counters["bytes_read"] += int(lens.sum())
+            self.state.counters["bytes_read"] += int(lens.sum())
         else:
             for i in idx[verified].tolist():
                 results[i] = True
-            self._counters["bytes_read"] += int(lens[verified].sum())
+            self.state.counters["bytes_read"] += int(lens[verified].sum())
         bad_crc = np.flatnonzero(good & ~verified).tolist()
-        writer = not self.readonly
+        writer = self.writer is not None
         if bad_crc and writer:
             bad_crc = await self._confirm_bad(b, bad_crc, keys, refused)
         if bad_crc:
-            self._counters["crc_errors"] += len(bad_crc)
+            self.state.counters["crc_errors"] += len(bad_crc)
             for j in bad_crc[:1]:
                 refused.add(keys[int(idx[j])], "checksum mismatch (entry dropped)" if writer else "checksum or generation mismatch")
         if writer:
-            rows, t = b.rows, self._rows
+            rows, t = b.rows, self.writer.rows
             if bad_crc:
                 drop = [
                     int(rows[j]) for j in bad_crc
@@ -516,7 +363,7 @@ class GetPath:
         """(complete, verified) per op for a read into CUDA memory."""
         from ..engine import gds
 
-        gate = self._gds_gate
+        gate = self.state.gds_gate
         verify = self.verify_crc
         got = None
         if route == "gds":
@@ -525,12 +372,12 @@ class GetPath:
                 got = await gds.device_crc32c_many(addrs, lens)
         else:
             # staging: O_DIRECT read of whole blocks into a host bounce, check, then copy to the device
-            blen, starts, bounce = staging.device_layout(self._bounce, lens)
+            blen, starts, bounce = staging.device_layout(self.state.bounce, lens)
             try:
                 host = np.uint64(bounce.address) + starts.astype(np.uint64)
-                res = await self._read_engine.read_many(fds, offs, host, blen)
+                res = await self.state.read_engine.read_many(fds, offs, host, blen)
                 ok = res >= lens
-                crc32c = self._crc32c
+                crc32c = self.state.crc32c
                 host_l, len_l = host.tolist(), lens.tolist()
                 good_l = ok.tolist()
 
@@ -547,7 +394,7 @@ class GetPath:
                 checked = await wait_out(asyncio.get_running_loop().run_in_executor(None, check_and_copy))
                 return ok, np.asarray(checked, bool)
             finally:
-                self._bounce.put(bounce)
+                self.state.bounce.put(bounce)
         ok = res >= lens
         checked = ok.copy()
         if got is not None:

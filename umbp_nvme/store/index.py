@@ -10,6 +10,8 @@ One record (``REC_DTYPE``, 48 bytes little endian) per key in the ``objects`` da
 
 LMDB must not be opened twice in one process (closing a second handle drops the first one's
 POSIX locks), so environments are shared per process through ``_ENVS`` with a reference count.
+
+State: its own (the LMDB environment); a store's is state.index.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ SIGBUS, a page of the wrong type an assertion (abort), a scribbled node size a w
 (``walk``) maps the file itself and walks every page of its trees (``_walk_pages``), and raises
 ``_IndexFileDamage`` with the reason instead of letting LMDB crash the process. ``index.py`` runs
 it before every ``lmdb.open`` and re-exports ``check_index_file`` and ``check_own_file``.
+
+State: none (reads the index file).
 """
 
 from __future__ import annotations

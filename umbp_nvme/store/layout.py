@@ -5,6 +5,8 @@ layout, namespace, capacity), ``index.lmdb`` (key -> record, see index.py) and `
 segment files of ``segment_bytes`` each (see segments.py). This module names those files, parses
 segment file names, reads and checks the manifest, takes the lock, checks the directory is safe,
 and states the capacity rules. Nothing here keeps state.
+
+State: none (the files of a store directory).
 """
 
 from __future__ import annotations

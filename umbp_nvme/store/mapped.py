@@ -8,6 +8,8 @@ does not raise: SGLang registers every tensor a pool exposes, and one it never h
 (address, nbytes) must not stop the server. /proc/self/maps is read once per registration, never
 on the data path. Memory unmapped or protected after it was
 registered is the caller's use-after-free and is not caught here.
+
+State: none (/proc/self/maps).
 """
 
 from __future__ import annotations

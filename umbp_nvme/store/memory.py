@@ -5,6 +5,8 @@ engine or staging), or an ``(address, nbytes)`` pair inside a range the caller r
 ``PageStore.register_memory``. ``Ranges`` keeps the registered ranges and resolves buffers
 against them: one at a time (``resolve``, with the reason when refused) or a whole batch of pairs
 in a few numpy ops (``resolve_pairs``, the SGLang backend's hot path).
+
+State: its own (registered ranges); a store's is state.memory.
 """
 
 from __future__ import annotations

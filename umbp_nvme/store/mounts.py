@@ -15,6 +15,8 @@ time (tests replace it).
   A root's drive directory is the root less the trailing path all roots share (``/mnt/nvme1`` for
   ``/mnt/nvme0/hicache`` and ``/mnt/nvme1/hicache``; the root itself when they share none). Plain
   directories (tests, tmp), a single root and a root that holds a store are never held out by it.
+
+State: none.
 """
 
 from __future__ import annotations

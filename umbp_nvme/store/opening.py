@@ -2,6 +2,10 @@
 
 The steps run in that order (``_open``); any failure releases what was taken. The on-disk rules
 they apply live in layout.py; this module applies them to one store and logs what it repaired.
+
+Reads: what it set. Changes: every field of StoreState and WriterState it builds (settings, lock,
+manifest, index, segment files, rows, allocator, clock, record areas, engines), through OpenFacts
+between steps.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .mounts import check_mounted
 from .clock import GenerationClock
 from .fs_room import warn_if_short
 from .rows import RowTable
+from .state import OpenFacts
 from .segments import SegmentAllocator, SegmentFiles, segment_name
 
 log = logging.getLogger("umbp_nvme.store")
@@ -50,117 +55,117 @@ def _crc32c_fn():
 
 
 class OpenSteps:
-    """PageStore's open path (a mixin: these steps fill in the store's state)."""
-
-    _arbiter = None  # the engines' shared Arbiter once open (None: slicing off); put_crc asks it about reads
+    """PageStore's open path (a mixin): these steps fill in the store's state (state.py)."""
 
     async def _open(
-        self, path, cfg: StoreConfig, readonly: bool, namespace: dict | None, capacity_from_manifest: bool = False,
-        shrink: bool = False, engine_factory=None,
+        self, path, cfg: StoreConfig, namespace: dict | None, capacity_from_manifest: bool, shrink: bool,
+        engine_factory, o: OpenFacts,
     ) -> None:  # fmt: skip
         t0 = time.perf_counter()
-        self._check_config(cfg, readonly)
+        st, w = self.state, self.writer
+        readonly = w is None
+        self._check_config(cfg)
         try:
             check_mounted(path, cfg.ssd_require_mount)  # before anything is created there
-            self.path = layout.prepare_dir(path, readonly=readonly)
-            if not readonly:
-                self._lock_fd = layout.take_lock(self.path)
-            self._open_manifest(cfg, namespace, capacity_from_manifest, shrink)
-            if not readonly:
-                warn_if_short([self.path], self.capacity_bytes)
-            self._open_index()
-            self._files = SegmentFiles(
-                self.path,
-                self.segment_bytes,
+            st.path = layout.prepare_dir(path, readonly=readonly)
+            if w is not None:
+                w.lock_fd = layout.take_lock(st.path)
+            self._open_manifest(cfg, namespace, capacity_from_manifest, shrink, o)
+            if w is not None:
+                warn_if_short([st.path], st.capacity_bytes)
+            self._open_index(o)
+            st.files = SegmentFiles(
+                st.path,
+                st.segment_bytes,
                 readonly=readonly,
                 o_direct=bool(cfg.o_direct),
-                n_segments=max(1, self.capacity_bytes // self.segment_bytes),
+                n_segments=max(1, st.capacity_bytes // st.segment_bytes),
             )
-            if not readonly:
-                self._load_writer_state()
-                self._index_pool = ThreadPoolExecutor(1, thread_name_prefix="umbp-index")
-                self._write_sem = asyncio.Semaphore(WRITE_BATCHES_IN_FLIGHT)
-                self._commit_lock = asyncio.Lock()
+            if w is not None:
+                self._load_writer_state(o)
+                w.index_pool = ThreadPoolExecutor(1, thread_name_prefix="umbp-index")
+                w.write_sem = asyncio.Semaphore(WRITE_BATCHES_IN_FLIGHT)
+                w.commit_lock = asyncio.Lock()
             await self._open_engines(engine_factory or open_engine)
         except BaseException:
             self._release_resources()
             raise
-        self.open_seconds = time.perf_counter() - t0
+        st.open_seconds = time.perf_counter() - t0
         log.info(
             "opened store %s (%s, %s, %d objects, %.3f s, engine %s)",
-            self.path,
+            st.path,
             "read-only" if readonly else "writer",
-            "strict" if self.strict else "relaxed",
-            self._object_count(),
-            self.open_seconds,
-            self._read_engine.capabilities.name,
+            "strict" if st.strict else "relaxed",
+            self.object_count(),
+            st.open_seconds,
+            st.read_engine.capabilities.name,
         )
 
-    def _check_config(self, cfg: StoreConfig, readonly: bool) -> None:
+    def _check_config(self, cfg: StoreConfig) -> None:
         # a StoreConfig was checked when it was made (config.py): nothing to check again here
         if not isinstance(cfg, StoreConfig):
             raise TypeError(f"config must be a StoreConfig (config.load_config makes one), got {type(cfg).__name__}")
-        self.config = cfg
-        self.readonly = readonly
-        self.strict = cfg.ssd_durability_mode == "strict"  # aliases were mapped by StoreConfig
-        self.verify_crc = bool(cfg.verify_crc)
-        self.timeout_s = float(cfg.io_timeout_s)
-        self._crc32c, self._crc32c_many = _crc32c_fn()
+        st = self.state
+        st.config = cfg
+        st.strict = cfg.ssd_durability_mode == "strict"  # aliases were mapped by StoreConfig
+        st.verify_crc = bool(cfg.verify_crc)
+        st.timeout_s = float(cfg.io_timeout_s)
+        st.crc32c, st.crc32c_many = _crc32c_fn()
 
     async def _open_engines(self, factory) -> None:
         """Two engines for a writer (reads never queue behind writes), one for a reader."""
-        qd = int(self.config.ssd_queue_depth)
-        self._read_engine = await factory(self.config.ssd_io_backend, qd)
-        self._engines.append(self._read_engine)
-        if not self.readonly:
-            self._write_engine = await factory(self.config.ssd_io_backend, qd)
-            self._engines.append(self._write_engine)
-        cfg = self.config  # reads first: ioprio per direction, one write slice in flight while reads run
-        self._arbiter = apply_io_policy(self._engines, read_priority=cfg.ssd_read_priority, write_slice_bytes=cfg.ssd_write_slice_bytes)
+        st, cfg = self.state, self.config
+        qd = int(cfg.ssd_queue_depth)
+        st.read_engine = await factory(cfg.ssd_io_backend, qd)
+        st.engines.append(st.read_engine)
+        if self.writer is not None:
+            self.writer.write_engine = await factory(cfg.ssd_io_backend, qd)
+            st.engines.append(self.writer.write_engine)
+        # reads first: ioprio per direction, one write slice in flight while reads run
+        st.arbiter = apply_io_policy(st.engines, read_priority=cfg.ssd_read_priority, write_slice_bytes=cfg.ssd_write_slice_bytes)
 
-    def _open_manifest(self, cfg: StoreConfig, namespace: dict | None, capacity_from_manifest: bool = False,
-                       shrink: bool = False) -> None:  # fmt: skip
+    def _open_manifest(self, cfg: StoreConfig, namespace: dict | None, capacity_from_manifest: bool, shrink: bool,
+                       o: OpenFacts) -> None:  # fmt: skip
         if namespace is not None and not isinstance(namespace, dict):
             raise TypeError(f"namespace must be a dict of JSON values, got {type(namespace).__name__}")
         layout.check_namespace_fits(namespace)
-        self._shrink_from = None  # (old capacity, old segment count) while a permitted shrink runs
-        self._manifest_created = False  # this open wrote a new manifest (no index records to trust yet)
+        readonly = self.writer is None
         mpath = os.path.join(self.path, MANIFEST_FILE)
         damage = None
         try:
             m = layout.read_manifest_or_none(self.path)
         except ManifestDamagedError as e:
-            if self.readonly:
+            if readonly:
                 raise
             m, damage = None, str(e)
-        if m is None and damage is None and not self.readonly and (
+        if m is None and damage is None and not readonly and (
             layout.segment_files_extent(self.path) or os.path.lexists(os.path.join(self.path, INDEX_FILE))
         ):
             damage = f"{mpath} is missing but the directory holds store files"
         if m is None:
-            if self.readonly:
+            if readonly:
                 raise FileNotFoundError(f"{self.path} has no {MANIFEST_FILE}; it is not a store (open it for writing first)")
             m = layout.new_manifest(cfg.ssd_capacity_bytes, cfg.ssd_segment_size_bytes, namespace)
             if damage is not None:
                 m = self._recover_manifest(mpath, m, damage)
                 shrink = True  # the files' extent is a guess: fit it to the capacity asked for, never refuse
             else:
-                self._manifest_created = True
+                o.manifest_created = True
             layout.write_manifest(mpath, m)
         else:
             stored = m.get("namespace") or {}
             layout.check_namespace(self.path, stored, namespace)
-            if not stored and namespace and not self.readonly:
+            if not stored and namespace and not readonly:
                 m["namespace"] = namespace  # first declaration on a store created without one
                 layout.write_manifest(mpath, m)
-        self.manifest = m
-        self.segment_bytes = int(m["layout"]["segment_bytes"])
-        if self.segment_bytes != cfg.ssd_segment_size_bytes and not self.readonly:
+        self.state.manifest = m
+        self.state.segment_bytes = int(m["layout"]["segment_bytes"])
+        if self.segment_bytes != cfg.ssd_segment_size_bytes and not readonly:
             log.info("%s keeps its segment size of %d bytes (config asks %d)", self.path, self.segment_bytes, cfg.ssd_segment_size_bytes)
-        if self.readonly:
-            self.capacity_bytes = layout.recorded_capacity_bytes(m) or int(cfg.ssd_capacity_bytes)
+        if readonly:
+            self.state.capacity_bytes = layout.recorded_capacity_bytes(m) or int(cfg.ssd_capacity_bytes)
             return
-        self.capacity_bytes, self._shrink_from = layout.writer_capacity(
+        self.state.capacity_bytes, o.shrink_from = layout.writer_capacity(
             self.path, m, self.segment_bytes, int(cfg.ssd_capacity_bytes), capacity_from_manifest, shrink
         )
 
@@ -190,8 +195,8 @@ class OpenSteps:
             self.path, damage, f"moved it to {dest}" if dest else "writing a new one", seg, source,
         )  # fmt: skip
         return m
-    def _open_index(self) -> None:
-        """Open index.lmdb; a writer also reads every record (``self._scan``).
+    def _open_index(self, o: OpenFacts) -> None:
+        """Open index.lmdb; a writer also reads every record (``o.scan``).
 
         The index is a cache of the records in the segments (records.py): a writer that finds it
         missing, damaged, or possibly behind (the machine restarted while a writer had it open:
@@ -202,13 +207,11 @@ class OpenSteps:
         """
         ipath = os.path.join(self.path, INDEX_FILE)
         map_size = layout.map_size_bytes(self.capacity_bytes)
-        self._scan = None
-        self._rebuilt = None
-        self._unclean = False
+        readonly = self.writer is None
         records = layout.has_records(self.manifest)
-        self._migrate = not self.readonly and not records
+        o.migrate = not readonly and not records
         why = None
-        if not self.readonly and not self._manifest_created and not os.path.lexists(ipath):
+        if not readonly and not o.manifest_created and not os.path.lexists(ipath):
             why = f"the store index {ipath} is missing"
             if not records:
                 log.error("%s: %s; starting with an empty index (the objects it listed are lost; their space is "
@@ -218,42 +221,42 @@ class OpenSteps:
             lock = ipath + "-lock"
             if os.path.lexists(lock):
                 os.unlink(lock)
-            self._rebuild_from_segments(ipath, map_size, why)
+            self._rebuild_from_segments(ipath, map_size, why, o)
             return
         try:
-            self._index = Index(ipath, readonly=self.readonly, map_size=map_size, durable=False)
-            if self.readonly:
-                self._watch = IndexWatch(self, map_size)  # every lookup follows the writer's replacements
+            self.state.index = Index(ipath, readonly=readonly, map_size=map_size, durable=False)
+            if readonly:
+                self.state.watch = IndexWatch(self.state, map_size)  # every lookup follows the writer's replacements
                 return
-            self._scan = self._index.scan()
-            self._scan_next_gen = self._index.next_generation()
-            state = self._index.writer_state()
-            if self._index.scan_damage is not None:
-                why = why or f"the store index {ipath} is damaged ({self._index.scan_damage})"
+            o.scan = self.state.index.scan()
+            o.scan_next_gen = self.state.index.next_generation()
+            state = self.state.index.writer_state()
+            if self.state.index.scan_damage is not None:
+                why = why or f"the store index {ipath} is damaged ({self.state.index.scan_damage})"
                 if not records:
-                    self._rebuild_index(ipath, map_size)
+                    self._rebuild_index(ipath, map_size, o)
                     why = None
             elif records and state is not None and state != b"clean":
-                self._unclean = True
+                o.unclean = True
                 if state != b"open:" + boot_id():
                     why = why or f"the store index {ipath} may be behind its segments (the machine restarted " \
                                  "while a writer had it open)"
             if why is None:
-                self._index.set_writer_state(b"open:" + boot_id())
+                self.state.index.set_writer_state(b"open:" + boot_id())
                 return
         except IndexDamagedError as e:
-            if self.readonly:
+            if readonly:
                 raise
-            if self._index is not None:
-                self._index.close()
-                self._index = None
+            if self.state.index is not None:
+                self.state.index.close()
+                self.state.index = None
             why = f"the store index {ipath} is damaged ({e})"
             if not records:
-                self._reset_index(ipath, map_size, e)
+                self._reset_index(ipath, map_size, e, o)
                 return
-        self._rebuild_from_segments(ipath, map_size, why)
+        self._rebuild_from_segments(ipath, map_size, why, o)
 
-    def _reset_index(self, ipath: str, map_size: int, reason) -> None:
+    def _reset_index(self, ipath: str, map_size: int, reason, o: OpenFacts) -> None:
         """A store without records: a damaged index is moved aside and the writer starts empty."""
         try:
             dest = quarantine(ipath)
@@ -266,33 +269,33 @@ class OpenSteps:
             "space is reused)",
             self.path, reason, dest,
         )  # fmt: skip
-        self._index = Index(ipath, readonly=False, map_size=map_size, durable=False)
-        self._scan = self._index.scan()
+        self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False)
+        o.scan = self.state.index.scan()
         # generations keep growing across the reset: a follower still reading the old index
         # can never match a new record's generation to an old one
-        self._scan_next_gen = time.time_ns() // 1000
-        self._index.set_writer_state(b"open:" + boot_id())
+        o.scan_next_gen = time.time_ns() // 1000
+        self.state.index.set_writer_state(b"open:" + boot_id())
 
-    def _rebuild_index(self, ipath: str, map_size: int) -> None:
+    def _rebuild_index(self, ipath: str, map_size: int, o: OpenFacts) -> None:
         """The scan found damaged nodes (and left their keys out): move the file aside and write
         a new index holding every record that scanned clean, so nothing intact is lost and no
         damaged node stays where a later lookup or delete could land on it."""
-        reason = self._index.scan_damage
-        keys, recs = self._scan
-        self._index.close()
-        self._index = None
+        reason = self.state.index.scan_damage
+        keys, recs = o.scan
+        self.state.index.close()
+        self.state.index = None
         try:
             dest = quarantine(ipath)
         except OSError as e:
             raise StoreError(
                 f"store index {ipath} is damaged ({reason}) and cannot be moved aside ({e.strerror or e}); remove it"
             ) from None
-        self._index = Index(ipath, readonly=False, map_size=map_size, durable=False)
+        self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False)
         blob = recs.tobytes()
         puts = [(encode_key(k), blob[i * REC_BYTES : (i + 1) * REC_BYTES]) for i, k in enumerate(keys)]
         try:
-            self._index.commit(puts=puts, next_generation=self._scan_next_gen)
-            self._index.set_writer_state(b"open:" + boot_id())
+            self.state.index.commit(puts=puts, next_generation=o.scan_next_gen)
+            self.state.index.set_writer_state(b"open:" + boot_id())
         except lmdb.Error as e:
             raise wrap_lmdb_error(ipath, e, f"rebuilding it from {len(keys)} intact records") from None
         log.error(
@@ -300,59 +303,59 @@ class OpenSteps:
             self.path, ipath, reason, dest, len(keys),
         )  # fmt: skip
 
-    def _load_writer_state(self) -> None:
+    def _load_writer_state(self, o: OpenFacts) -> None:
         gc_was_enabled = gc.isenabled()
         gc.disable()  # a million fresh dict entries and strs would trigger useless full collections
         try:
-            self._load_writer_state_nogc()
+            self._load_writer_state_nogc(o)
         finally:
             if gc_was_enabled:
                 gc.enable()
 
 
-    def _load_writer_state_nogc(self) -> None:
+    def _load_writer_state_nogc(self, o: OpenFacts) -> None:
         n_segments = self.capacity_bytes // self.segment_bytes
         if n_segments == 0:
             raise ValueError(
                 f"ssd_capacity_bytes={self.capacity_bytes} is smaller than this store's segment size "
                 f"({self.segment_bytes} bytes)"
             )
-        self._alloc = SegmentAllocator(n_segments, self.segment_bytes, records=True)
-        self._high_bytes = int(self._alloc.capacity_bytes * self.config.ssd_high_watermark)
-        self._low_bytes = int(self._alloc.capacity_bytes * self.config.ssd_low_watermark)
-        keys, recs = self._scan
-        self._scan = None
+        self.writer.alloc = SegmentAllocator(n_segments, self.segment_bytes, records=True)
+        self.writer.high_bytes = int(self.writer.alloc.capacity_bytes * self.config.ssd_high_watermark)
+        self.writer.low_bytes = int(self.writer.alloc.capacity_bytes * self.config.ssd_low_watermark)
+        keys, recs = o.scan
+        o.scan = None
         if len(keys):
-            keys, recs = self._drop_unreadable(keys, recs, n_segments)
-        if self._shrink_from is not None:
+            keys, recs = self._drop_unreadable(keys, recs, n_segments, o)
+        if o.shrink_from is not None:
             # durable order: index entries gone (and synced) first, then the files, then the record
-            self._index.sync()
-            self._files.unlink_beyond(n_segments)
+            self.state.index.sync()
+            self.state.files.unlink_beyond(n_segments)
             self.manifest["ssd_capacity_bytes"] = self.capacity_bytes
             layout.write_manifest(os.path.join(self.path, MANIFEST_FILE), self.manifest)
             log.warning(
                 "%s: shrunk to ssd_capacity_bytes=%d (%d segments)", self.path, self.capacity_bytes, n_segments
             )
-            self._shrink_from = None
-        self._rows = RowTable(keys, recs, self._alloc.free)
-        self._keys = self._rows.index  # key -> row (the same dict)
-        self._load_records(keys, recs)
-        self._start_clock(int(recs["generation"].max()) if len(keys) else 0)
+            o.shrink_from = None
+        self.writer.rows = RowTable(keys, recs, self.writer.alloc.free)
+        self.writer.keys = self.writer.rows.index  # key -> row (the same dict)
+        self._load_records(keys, recs, o)
+        self._start_clock(int(recs["generation"].max()) if len(keys) else 0, o)
 
-    def _start_clock(self, gen_max: int) -> None:
+    def _start_clock(self, gen_max: int, o: OpenFacts) -> None:
         """Join the generation clock (clock.py) above everything this store may hold: the index's
         next generation, the bound persisted before the last session used its values, its records."""
-        bound = self._index.generation_bound()
-        for what, v in (("next generation", self._scan_next_gen), ("generation bound", bound)):
+        bound = self.state.index.generation_bound()
+        for what, v in (("next generation", o.scan_next_gen), ("generation bound", bound)):
             if v >= GENERATION_MAX:
                 log.error("%s: the index's %s %d is damaged; continuing after its records' highest", self.path,
                           what, v)  # fmt: skip
-        floor = max(v for v in (self._scan_next_gen, bound, gen_max + 1, time.time_ns() // 1000) if v < GENERATION_MAX)
-        self._clock = self._clock_given or GenerationClock()
-        self._clock.join(floor, self._index.set_generation_bound)
-        self._open_clock = self._clock.now  # records of objects put before this open are confirmed on disk
+        floor = max(v for v in (o.scan_next_gen, bound, gen_max + 1, time.time_ns() // 1000) if v < GENERATION_MAX)
+        self.writer.clock = o.clock_given or GenerationClock()
+        self.writer.clock.join(floor, self.state.index.set_generation_bound)
+        self.writer.open_clock = self.writer.clock.now  # records of objects put before this open are confirmed on disk
 
-    def _drop_unreadable(self, keys: list, recs: np.ndarray, n_segments: int):
+    def _drop_unreadable(self, keys: list, recs: np.ndarray, n_segments: int, o: OpenFacts):
         """(keys, records) the allocator accepts and whose bytes are on disk; the rest deleted from the index.
 
         A record whose segment file is gone (ENOENT) or too short for its extent cannot be read
@@ -360,8 +363,8 @@ class OpenSteps:
         rather than destroy the index over it.
         """
         segs = recs["segment"]
-        shrunk = int((segs >= n_segments).sum()) if self._shrink_from is not None else 0
-        keep = self._alloc.rebuild(segs, recs["offset"], recs["length"], recs["generation"])
+        shrunk = int((segs >= n_segments).sum()) if o.shrink_from is not None else 0
+        keep = self.writer.alloc.rebuild(segs, recs["offset"], recs["length"], recs["generation"])
         # generations count puts: one near 2**64 is damage and would overflow the clock
         keep &= recs["generation"] < GENERATION_MAX
         kk = np.flatnonzero(keep)
@@ -381,7 +384,7 @@ class OpenSteps:
             log.warning(
                 "%s: shrinking from ssd_capacity_bytes=%d to %d (%d -> %d segments): evicting %d objects "
                 "stored in the removed segments",
-                self.path, self._shrink_from[0], self.capacity_bytes, self._shrink_from[1], n_segments, shrunk,
+                self.path, o.shrink_from[0], self.capacity_bytes, o.shrink_from[1], n_segments, shrunk,
             )  # fmt: skip
         if len(drop) > shrunk:
             log.warning(
@@ -390,13 +393,13 @@ class OpenSteps:
                 self.path, len(drop) - shrunk,
             )  # fmt: skip
         try:
-            self._index.commit(deletes=drop)
+            self.state.index.commit(deletes=drop)
         except lmdb.Error as e:
-            raise wrap_lmdb_error(self._index.path, e, f"deleting {len(drop)} records at open") from None
+            raise wrap_lmdb_error(self.state.index.path, e, f"deleting {len(drop)} records at open") from None
         idx = np.flatnonzero(keep)
         keys = [keys[i] for i in idx.tolist()]
         recs = recs[idx]
-        self._alloc.rebuild(recs["segment"], recs["offset"], recs["length"], recs["generation"])
+        self.writer.alloc.rebuild(recs["segment"], recs["offset"], recs["length"], recs["generation"])
         return keys, recs
     def _segment_size(self, s: int) -> int | None:
         """Size of segment file s; None when it is gone. Raises StoreError for any other failure."""
@@ -419,7 +422,7 @@ class OpenSteps:
     def _open_segment_for_load(self, s: int) -> None:
         """Open segment s, which holds records; any failure refuses the open (nothing is dropped)."""
         try:
-            self._files.open_existing(s)
+            self.state.files.open_existing(s)
         except OSError as e:
             p = os.path.join(self.path, segment_name(s))
             raise StoreError(

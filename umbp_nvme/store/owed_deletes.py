@@ -18,6 +18,8 @@ open of the writer.
 Why a log on the other drives rather than tombstones on the owing one: the owing drive is the one
 that cannot be written. A torn last line (a crash while appending) is ignored; the delete it
 recorded had not returned.
+
+State: its own (the owed-deletes log of a drive); the MultiDriveStore keeps one per drive.
 """
 
 from __future__ import annotations

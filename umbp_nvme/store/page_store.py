@@ -8,13 +8,19 @@ only after the delete of its old entry is committed (durable eviction) and no re
 flight here (pins). A reader in another process cannot pin, so it checks the CRC and that the
 key still has the generation it looked up once the read is done.
 
-Opening (opening.py), room for a put (space.py, eviction.py), the row table (rows.py), caller
-memory (memory.py) and bounce staging (staging.py) each have their module; this one holds the
-store's state, its public calls that are not puts or gets, and index commits; waits.py the I/O wait.
+The store's state is declared in state.py (``StoreState`` every store has, ``WriterState`` only a
+writer has: ``self.writer is None`` on a read-only opener); the instance holds those two and
+nothing else. Opening (opening.py), room for a put (space.py, eviction.py), the row table
+(rows.py), caller memory (memory.py) and bounce staging (staging.py) each have their module; this
+one holds the public calls that are not puts or gets, and index commits; waits.py the I/O wait.
 
 Reads never wait behind writes: reads and writes go to two engine instances (two rings or two
 thread pools), and at most ``opening.WRITE_BATCHES_IN_FLIGHT`` put batches submit at a time, so
 the device queue always has room for reads.
+
+Reads: all of it (stats). Changes: state.closed and what close() releases (engines, files, index,
+lock, bounce, gds gate), state.memory (register_memory), state.inflight and state.idle (calls),
+writer.residency.
 """
 
 from __future__ import annotations
@@ -28,20 +34,20 @@ from typing import NamedTuple
 
 from ..config import StoreConfig, parse_roots
 from ..errors import ReadOnlyStoreError
-from ..keybytes import encode_key
-from .checks import begin_call
-from .counters import new_counters
+from .checks import CallChecks
 from .deletes import DeleteSteps
+from .flushing import FlushSteps
 from .drives import PROBE_INTERVAL_S, MultiDriveStore
 from .get_path import GetPath
+from .lookups import Lookups
 from .mapped import unusable_range
-from .memory import Ranges
 from .opening import OpenSteps
 from .put_doubt import PutDoubt
 from .put_path import PutPath
+from .put_publish import PutPublish
 from .record_steps import RecordSteps
 from .space import SpaceSteps
-from .staging import BouncePool
+from .state import OpenFacts, StoreState, WriterState
 from .waits import IoWaits
 
 log = logging.getLogger("umbp_nvme.store")
@@ -55,19 +61,29 @@ class Extent(NamedTuple):
 
 
 
-class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, IoWaits, DeleteSteps):
+class PageStore(
+    CallChecks, OpenSteps, SpaceSteps, PutPath, PutPublish, PutDoubt, RecordSteps, Lookups, GetPath, IoWaits,
+    DeleteSteps, FlushSteps,
+):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
-    # Per-instance once set; class defaults so every open path has them.
-    _closed_logged = False  # the one log line for calls after close()
-    _space_limit_segments = None  # segments with files when one could not be created (ENOSPC)
-    _space_retry_at = 0.0
-    _rows = None  # writers: the row table (rows.py)
-    _alloc = None  # writers: the extent allocator (segments.py), set once the open has sized the segments
-    _clock = None  # writers: the generation clock (clock.py), set once the index is open
-    _watch = None  # read-only openers: the watch that follows a writer's index replacements (follower.py)
-    open_seconds: float | None = None  # how long the open took, once it succeeded
-    _residency = None  # kv_residency.Residency: told which keys became visible / invisible (KV events)
+    def __init__(self, state: StoreState, writer: WriterState | None) -> None:
+        """The store's whole state (state.py); ``writer`` is None on a read-only opener. The open
+        steps (opening.py) fill it in: create a store with ``await PageStore.open(...)``."""
+        self.state = state
+        self.writer = writer
+
+    # the public settings, read-only (the state holds them)
+    path = property(lambda self: self.state.path, doc="The store directory.")
+    config = property(lambda self: self.state.config, doc="The StoreConfig the store runs with.")
+    readonly = property(lambda self: self.writer is None, doc="Opened read-only (a follower).")
+    strict = property(lambda self: self.state.strict, doc="Strict durability: fdatasync before a put answers.")
+    verify_crc = property(lambda self: self.state.verify_crc, doc="Gets check each object's CRC32C.")
+    timeout_s = property(lambda self: self.state.timeout_s, doc="io_timeout_s.")
+    manifest = property(lambda self: self.state.manifest, doc="MANIFEST.json as read (and updated) at open.")
+    segment_bytes = property(lambda self: self.state.segment_bytes, doc="Bytes per segment file.")
+    capacity_bytes = property(lambda self: self.state.capacity_bytes, doc="The capacity the store runs with.")
+    open_seconds = property(lambda self: self.state.open_seconds, doc="How long the open took; None before it succeeded.")
 
     @classmethod
     async def open(
@@ -96,7 +112,7 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
 
         ``path`` may list several roots (a list, a JSON list, a comma-separated string): the
         result is then a ``drives.MultiDriveStore`` with the same calls, one PageStore per drive,
-        placing pages by ``page_of(key) -> page hash`` (default ``keys.page_of``) and probing
+        placing pages by ``page_of(key) -> page hash`` (default ``placement.key_page``) and probing
         degraded drives every ``probe_interval_s``. This is the one place that decides how many
         roots a path names; the drives are opened through ``_open_root``, handed to
         MultiDriveStore so that drives.py does not import this module.
@@ -131,59 +147,42 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
     async def _open_root(cls, path, config, *, readonly, namespace, capacity_from_manifest, shrink, engine_factory,
                          clock=None) -> "PageStore":  # fmt: skip
         """Open one root (one drive): PageStore.open's single-directory half."""
-        self = cls.__new__(cls)
-        self._init_state()
-        self._clock_given = clock
-        await self._open(path, config or StoreConfig(), readonly, namespace, capacity_from_manifest, shrink,
-                         engine_factory)  # fmt: skip
+        self = cls(StoreState(), None if readonly else WriterState())
+        await self._open(path, config or StoreConfig(), namespace, capacity_from_manifest, shrink, engine_factory,
+                         OpenFacts(clock_given=clock))  # fmt: skip
         return self
-
-    def _init_state(self) -> None:
-        self._closed = False
-        self._lock_fd = -1
-        self._index = None
-        self._files = None
-        self._engines = []
-        self._index_pool = None
-        self._bounce = BouncePool()
-        self._gds_gate = None  # opened on the first CUDA buffer (engine/gds/)
-        self._memory = Ranges()  # registered (address, nbytes) ranges
-        self._inflight = 0
-        self._late_writes = 0  # write batches that outlived io_timeout_s and still hold slots
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._counters = new_counters()
 
     async def close(self) -> None:
         """Wait for calls in flight, make everything durable (a clean close), release the lock.
 
         Idempotent; never raises for an I/O problem (logged). Calls after close answer False / 0.
         """
-        if self._closed:
+        st, w = self.state, self.writer
+        if st.closed:
             return
-        self._closed = True
-        if self._inflight:
+        st.closed = True
+        if st.inflight:
             try:
-                await asyncio.wait_for(self._idle.wait(), self.timeout_s)
+                await asyncio.wait_for(st.idle.wait(), self.timeout_s)
             except asyncio.TimeoutError:
                 # every call ends once the kernel gave back its memory (see _await_io); closing
                 # the engines before that would let a late completion land in freed memory
-                log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, self._inflight)
-                await self._idle.wait()
-        if not self.readonly and self._index is not None:
+                log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, st.inflight)
+                await st.idle.wait()
+        if w is not None and st.index is not None:
             await self._settle_doubts()
             if await self.flush_for_close():
                 try:
-                    self._index.set_writer_state(b"clean")
+                    st.index.set_writer_state(b"clean")
                 except Exception as e:  # noqa: BLE001 - the next open checks the records instead
                     log.warning("%s: cannot record the clean close: %s", self.path, e)
-            if not await self._areas.settle(self.timeout_s):
+            if not await w.areas.settle(self.timeout_s):
                 log.warning("%s: record block writes outlived io_timeout_s at close", self.path)
-        if self._index_pool is not None and self._index is not None:
+        if w is not None and w.index_pool is not None and st.index is not None:
             # close the index after whatever is queued on its thread, and wait for it (bounded):
             # a reopen in this process right after close() must not share the closing handle
-            ix, self._index = self._index, None
-            fut = asyncio.get_running_loop().run_in_executor(self._index_pool, ix.close)
+            ix, st.index = st.index, None
+            fut = asyncio.get_running_loop().run_in_executor(w.index_pool, ix.close)
             try:
                 await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
             except asyncio.TimeoutError:
@@ -191,49 +190,49 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         self._release_resources()
 
     def _release_resources(self) -> None:
-        clock = self._clock
-        if clock is not None and self._index is not None:
-            clock.leave(self._index.set_generation_bound)
-        for e in self._engines:
+        """Close what the open took (also after a failed open: any field may still be unset)."""
+        st, w = self.state, self.writer
+        if w is not None and w.clock is not None and st.index is not None:
+            w.clock.leave(st.index.set_generation_bound)
+        for e in st.engines:
             try:
                 e.close()
             except Exception:  # noqa: BLE001
                 pass
-        self._engines = []
-        gate, self._gds_gate = self._gds_gate, None
+        st.engines = []
+        gate, st.gds_gate = st.gds_gate, None
         if gate is not None:
-            if gate.engine is not None and self._files is not None:
-                for f in list(self._files.files.values()):  # a precreate() may still be installing one
+            if gate.engine is not None and st.files is not None:
+                for f in list(st.files.files.values()):  # a precreate() may still be installing one
                     gate.engine.forget_fd(f.fd)
             gate.close()
-        if self._files is not None:
-            self._files.close()
-        if self._index_pool is not None:
+        if st.files is not None:
+            st.files.close()
+        if w is not None and w.index_pool is not None:
             # A commit stuck on a slow fsync must not block the loop thread: the index closes on
             # its own thread after whatever is queued there (the env is refcounted per process,
             # so a reopen meanwhile shares it safely).
-            if self._index is not None:
-                self._index_pool.submit(self._index.close)
-                self._index = None
-            self._index_pool.shutdown(wait=False)
-            self._index_pool = None
-        if self._watch is not None:
-            self._watch.close()  # a follower's other index handles (follower.py)
-        if self._index is not None:
-            self._index.close()
-            self._index = None
-        self._bounce.close()
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = -1
-        self._closed = True
+            if st.index is not None:
+                w.index_pool.submit(st.index.close)
+                st.index = None
+            w.index_pool.shutdown(wait=False)
+            w.index_pool = None
+        if st.watch is not None:
+            st.watch.close()  # a follower's other index handles (follower.py)
+        if st.index is not None:
+            st.index.close()
+            st.index = None
+        st.bounce.close()
+        if w is not None and w.lock_fd >= 0:
+            os.close(w.lock_fd)  # releases the flock
+            w.lock_fd = -1
+        st.closed = True
 
     @property
     def closed(self) -> bool:
         """True once ``close()`` has started (or the open failed)."""
-        return self._closed
+        return self.state.closed
 
-    # ----------------------------------------------------------------------------- memory
     # ----------------------------------------------------------------------------- memory
 
     def register_memory(self, address: int, nbytes: int) -> bool:
@@ -243,9 +242,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         if why is not None:
             log.error("%s: %s; not registered: buffers inside it are refused", self.path, why)
             return False
-        ranges = self._memory.add(address, nbytes)
+        ranges = self.state.memory.add(address, nbytes)
         fixed = False
-        for e in self._engines:
+        for e in self.state.engines:
             try:
                 fixed = bool(e.register_buffers(ranges)) or fixed
             except Exception as ex:  # noqa: BLE001 - registration is an optimisation
@@ -254,13 +253,13 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
 
     def registered_memory(self) -> list[tuple[int, int]]:
         """The registered ranges as (address, nbytes), sorted by address."""
-        return [(a, b - a) for a, b in self._memory.ranges]
+        return [(a, b - a) for a, b in self.state.memory.ranges]
 
     def keys(self) -> list[str]:
         """Writers: every published key (a snapshot)."""
-        if self.readonly:
+        if self.writer is None:
             raise ReadOnlyStoreError(f"store {self.path} was opened read-only; keys() needs the writer's rows")
-        return list(self._keys)
+        return list(self.writer.keys)
 
     def locate(self, keys) -> list[Extent | None]:
         """Writers: where each key's object lives (segment, offset, length, depth); None when absent.
@@ -268,9 +267,9 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         For tools and tests that look at the files themselves (the bench's raw engine comparison,
         corruption tests); the store's calls never need it.
         """
-        if self.readonly:
+        if self.writer is None:
             raise ReadOnlyStoreError(f"store {self.path} was opened read-only; locate needs the writer's rows")
-        t = self._rows
+        t = self.writer.rows
         out = []
         for r in self._writer_rows(keys):
             out.append(None if r is None else Extent(int(t.seg[r]), int(t.off[r]), int(t.len[r]), int(t.depth[r])))
@@ -280,184 +279,79 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
         """'gds' | 'staging'; raises EngineUnavailable (the caller reports per-key False)."""
         from ..engine import gds
 
-        if self._gds_gate is None:
-            self._gds_gate = gds.GdsGate(
+        if self.state.gds_gate is None:
+            self.state.gds_gate = gds.GdsGate(
                 queue_depth=int(self.config.ssd_queue_depth),
                 probe_dir=self.path,
                 staging=self.config.gds_staging,
             )
-        return await self._gds_gate.route()
+        return await self.state.gds_gate.route()
 
-    def _object_count(self) -> int:
-        if self.readonly:
+    def object_count(self) -> int:
+        """Objects stored: a writer counts its rows, a read-only opener asks the index (-1 when it cannot tell)."""
+        if self.writer is None:
             try:
-                return self._watch.read(lambda ix: ix.count(), -1)
+                return self.state.watch.read(lambda ix: ix.count(), -1)
             except Exception:  # noqa: BLE001
                 return -1
-        return len(self._keys)
+        return len(self.writer.keys)
 
     def _tick(self) -> int:
-        return self._clock.tick()
+        return self.writer.clock.tick()
 
-    # ----------------------------------------------------------------------------- index commits
+    # ----------------------------------------------------------------------------- index commits (deletes.py drops rows)
 
     async def _commit(self, puts=(), deletes=()) -> bool:
         """One index transaction, not synced: the records in the segments are the durable truth
         (records.py), so it runs inline."""
         try:
-            self._index.commit(puts, deletes, next_generation=self._clock.now + 1)
+            self.state.index.commit(puts, deletes, next_generation=self.writer.clock.now + 1)
             return True
         except Exception as e:  # noqa: BLE001 - lmdb.Error (ENOSPC, MapFull) becomes a failed batch
             log.error("%s: index commit of %d puts / %d deletes failed: %s", self.path, len(puts), len(deletes), e)
             return False
 
-    async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
-        """Durably remove rows' keys from the index, then free their slots. Caller holds no lock.
-        True: dropped; False: nothing dropped (no tombstone landed), the rows serve again; else the
-        drop is in doubt (deletes.py: the commit outlived io_timeout_s, was cancelled, or failed
-        after the tombstones landed): hidden, not acknowledged, retried by delete_many, an eviction
-        or close()."""
-        if not rows:
-            return True
-        keys = [self._rows.key[r] for r in rows]
-        was_live = [(r, k) for r, k in zip(rows, keys) if self._keys.get(k) == r]
-        for _, k in was_live:
-            del self._keys[k]  # invisible to new readers first: nothing new pins these rows
-        if self._residency is not None:
-            self._residency.hidden([k for _, k in was_live])
-        self._rows.live[rows] = False
-        dels = dict.fromkeys(k for k in keys if k not in self._keys)  # a key put again since a drop in doubt stays
-        ok = None  # not known: a commit that outlived io_timeout_s (or a cancelled call) may still land
-        try:
-            async with self._commit_lock:
-                if await self._tombstone(rows) is None:
-                    ok = False
-                else:  # keys decoded from bytes: always encode
-                    ok = await self._commit(deletes=[encode_key(k) for k in dels])
-                    if ok and self._put_doubt:  # every earlier commit has landed or failed
-                        self._put_doubt_settle()
-                    # the tombstones landed but the index still holds the keys: serving them again
-                    # would answer from a record a rebuild no longer has (the page is gone after a
-                    # restart): the drop stays hidden and in doubt, and a retry finishes it
-                    ok = ok or None
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            if ok is None:  # in doubt: the slots stay out of use, not acknowledged, retried by a delete
-                self._doubt_now(rows, keys)
-        if ok:
-            self._doubt_settled(rows)
-            self._rows.release(rows)
-            self._counters["evictions" if evicted else "deletes"] += len(rows)
-            if evicted and self._drop_doubt:  # then the drops in doubt, apart: their slots come back
-                await self._drop_rows(list(self._drop_doubt), evicted=False)
-            return True
-        if ok is False:  # nothing committed: the entries stand, keep serving them (rows in doubt stay so)
-            orphans = []
-            for r, k in was_live:
-                if k not in self._keys:
-                    self._keys[k] = r
-                    self._rows.live[r] = True
-                else:
-                    orphans.append(r)  # re-put meanwhile: the index holds the new record, not this one
-            self._rows.release(orphans)
-            if self._residency is not None:
-                self._residency.shown([k for r, k in was_live if self._keys.get(k) == r])
-        return False
-
-    async def clear(self) -> None:
-        """Drop every entry durably and free all space (slots being read are freed after the read)."""
-        if begin_call(self, "clear", (), writes=True) is None:
-            return
-        async with self._commit_lock:
-            rows = list(self._keys.values())
-            gone = list(self._keys) if self._residency is not None else ()
-            # also with no rows: records of puts that never published must not outlive the clear
-            if await self._tombstone(rows) is None:
-                raise OSError(f"{self.path}: clear could not clear the records in the segments; nothing was dropped")
-            self._keys.clear()
-            if gone:
-                self._residency.hidden(gone)
-            self._rows.live[rows] = False
-            self._index.drop_all(next_generation=self._clock.now + 1)
-            self._rows.release(rows)
-            self._counters["deletes"] += len(rows)
-
-    async def flush(self) -> bool:
-        """fdatasync every segment and the index. True when all of it is durable."""
-        if self._closed:
-            self._closed_call("flush")
-            return False
-        if self.readonly:
-            return True
-        return await self._flush()
-
-    async def flush_for_close(self) -> bool:
-        """``flush`` that never raises (close uses it): True when data, records and index are durable."""
-        # a clean close leaves data, records (all confirmed) and index durable
-        try:
-            return await self._flush()
-        except Exception as e:  # noqa: BLE001 - closing must not raise for a flush
-            log.warning("%s: flush at close failed: %s", self.path, e)
-            return False
-
-    async def _flush(self) -> bool:
-        """Data durable, then every record confirmed and its block written, then synced again."""
-        t = self._rows
-        # only this session's puts can be unconfirmed (strict ones were confirmed at publish)
-        live = (t.live[: t.n] & (t.gen[: t.n] > self._open_clock)).nonzero()[0] if t is not None else []
-        snap = (t.seg[live].copy(), t.off[live].copy(), t.len[live].copy(), t.gen[live].copy()) if len(live) else None
-        ok = await self._sync_all()
-        if ok and snap is not None:
-            self._areas.confirm(*snap)
-        dirty = self._areas.dirty_blocks()
-        if dirty:
-            dead = dict(self._areas.dead)
-            failed = await self._areas.write(self._write_engine, self._files, dirty, self.timeout_s)
-            synced = await self._sync_all()
-            ok = synced and ok and not failed
-            if synced:
-                self._areas.forget_dead(dead, set(self._files.files) - failed)
-        try:
-            await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(self._index_pool, self._index.sync), self.timeout_s
-            )
-        except Exception as e:  # noqa: BLE001
-            log.error("%s: index sync failed: %s", self.path, e)
-            ok = False
-        return ok
-
-    async def _sync_all(self) -> bool:
-        # all segments at once: a slow disk costs one io_timeout_s, not one per segment
-        segs = list(self._files.files)
-        done = await asyncio.gather(
-            *(asyncio.wait_for(self._write_engine.sync(int(self._files.fds[s])), self.timeout_s) for s in segs),
-            return_exceptions=True,
-        )
-        ok = True
-        for s, r in zip(segs, done):
-            if isinstance(r, BaseException):
-                log.error("%s: fdatasync of segment %d failed: %r", self.path, s, r)
-                if isinstance(r, OSError) and not isinstance(r, TimeoutError):  # a timeout is counted apart
-                    self._counters["io_errors_sync"] += 1
-                ok = False
-        return ok
-
     # ----------------------------------------------------------------------------- stats
 
     def counters(self) -> Mapping[str, int]:
         """The counters (counters.COUNTERS), live and read-only: ``dict(store.counters())`` is a snapshot."""
-        return MappingProxyType(self._counters)
+        return MappingProxyType(self.state.counters)
+
+    @property
+    def lock_fd(self) -> int:
+        """The fd holding the store directory's flock; -1 on a read-only opener or once closed."""
+        return -1 if self.writer is None else self.writer.lock_fd
+
+    @property
+    def max_key_bytes(self) -> int:
+        """The longest key the index takes, in bytes (LMDB's limit)."""
+        return self.state.index.max_key_bytes
+
+    @property
+    def residency(self):
+        """The kv_residency.Residency told which keys become visible / invisible; None when none is."""
+        return None if self.writer is None else self.writer.residency
+
+    def attach_residency(self, residency) -> None:
+        """Tell ``residency`` (kv_residency.Residency; None: nobody) which keys this writer shows and
+        hides from now on (KV events). A read-only opener shows nothing: ignored there."""
+        if self.writer is not None:
+            self.writer.residency = residency
+
+    def detach_residency(self) -> None:
+        """Stop telling a residency tracker about keys (``attach_residency(None)``)."""
+        self.attach_residency(None)
 
     @property
     def space_limit_segments(self) -> int | None:
         """Segments with files when the file system refused another (ENOSPC); None while it has room."""
-        return self._space_limit_segments
+        return None if self.writer is None else self.writer.space_limit_segments
 
     def stats(self) -> dict:
         """Counters (puts, hits, misses, evictions, errors, ...) and state (capacity, objects, bytes
         used, engine, O_DIRECT, durability) as one dict of plain values. Never touches the disk."""
-        s = dict(self._counters)
+        w = self.writer
+        s = dict(self.state.counters)
         s.update(
             path=self.path,
             readonly=self.readonly,
@@ -468,49 +362,49 @@ class PageStore(OpenSteps, SpaceSteps, PutPath, PutDoubt, RecordSteps, GetPath, 
             low_watermark=self.config.ssd_low_watermark,
             eviction_policy=self.config.eviction_policy,
             verify_crc=self.verify_crc,
-            engine=self._read_engine.capabilities.name if self._engines else None,
-            o_direct=self._files.any_direct if self._files is not None else None,
+            engine=self.state.read_engine.capabilities.name if self.state.engines else None,
+            o_direct=self.state.files.any_direct if self.state.files is not None else None,
             open_seconds=None if self.open_seconds is None else round(self.open_seconds, 4),
-            index_bytes=self._index.file_bytes() if self._index is not None else 0,
-            stalled_ops=self._stalled_ops,
-            late_completions=self._late_completions,
-            stalled_wait_s=round(self._stalled_wait_s, 3),
+            index_bytes=self.state.index.file_bytes() if self.state.index is not None else 0,
+            stalled_ops=self.state.stalled_ops,
+            late_completions=self.state.late_completions,
+            stalled_wait_s=round(self.state.stalled_wait_s, 3),
         )
-        if self._alloc is not None:  # a writer whose open built its allocator
+        if w is not None and w.alloc is not None:  # a writer whose open built its allocator
             s.update(
-                objects=len(self._keys),
-                bytes_used=self._alloc.used_bytes,
-                usable_bytes=self._alloc.capacity_bytes,
-                segments=self._alloc.n_segments,
-                segments_free=self._alloc.free_segments(),
-                segment_files=len(self._files.files),
-                disk_bytes=self._files.disk_bytes(),
-                size_classes=self._alloc.class_counts(),
-                pinned_slots=self._rows.pinned_count(),
-                late_writes=self._late_writes,
+                objects=len(w.keys),
+                bytes_used=w.alloc.used_bytes,
+                usable_bytes=w.alloc.capacity_bytes,
+                segments=w.alloc.n_segments,
+                segments_free=w.alloc.free_segments(),
+                segment_files=len(self.state.files.files),
+                disk_bytes=self.state.files.disk_bytes(),
+                size_classes=w.alloc.class_counts(),
+                pinned_slots=w.rows.pinned_count(),
+                late_writes=w.late_writes,
                 puts_in_doubt_bytes=self.put_doubt_bytes(),
                 effective_capacity_bytes=self._effective_capacity(),
             )
         else:
-            s.update(objects=self._object_count())
+            s.update(objects=self.object_count())
         return s
 
     # ----------------------------------------------------------------------------- in-flight tracking
 
     def _closed_call(self, op: str) -> None:
         """Calls after close() answer False / 0 without touching files; one line says so."""
-        if not self._closed_logged:
-            self._closed_logged = True
+        if not self.state.closed_logged:
+            self.state.closed_logged = True
             log.warning("%s: %s after close(); every call now answers False / 0 (logged once)", self.path, op)
 
     def _enter(self) -> None:
-        self._inflight += 1
-        self._idle.clear()
+        self.state.inflight += 1
+        self.state.idle.clear()
 
     def _leave(self) -> None:
-        self._inflight -= 1
-        if not self._inflight:
-            self._idle.set()
+        self.state.inflight -= 1
+        if not self.state.inflight:
+            self.state.idle.set()
 
     async def __aenter__(self):
         """``async with await PageStore.open(...) as store:`` closes the store on exit."""

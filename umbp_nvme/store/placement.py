@@ -2,10 +2,14 @@
 
 All component objects of one page (K, V, side pools, every rank suffix) share the page hash, so
 they land on one drive and a lost drive costs whole pages. The page hash comes from the caller's
-``page_of`` (keys.page_of by default: key formats live in keys.py). Rendezvous (highest random weight)
+``page_of``; without one, ``key_page`` (a key's text before its first ``_``). The store knows no key
+format beyond that: the SGLang adapter passes sglang/keys.py's ``page_of`` (config prefixes, legacy
+``flat_`` keys), as the CLI's warm-up does. Rendezvous (highest random weight)
 hashing (a per-drive lane of the page hash XOR the drive's salt) gives each page a stable order over the drives;
 drives.MultiDriveStore uses it to break ties when it spreads a batch evenly, and lookups search every drive, so a restart, an added drive
 or a page written while its drive was degraded is always found.
+
+State: none (hashing).
 """
 
 from __future__ import annotations
@@ -14,6 +18,12 @@ import hashlib
 import os
 
 _LANES = 8  # independent 64-bit weights per page hash (one blake2b call gives all of them)
+
+
+def key_page(key: str) -> str:
+    """The page of ``key`` when the caller gives no ``page_of``: its text before the first ``_``
+    (``p7_0_k`` and ``p7_0_v`` -> ``p7``), the whole key when it has none."""
+    return key.partition("_")[0] or key
 
 
 def page_weights(page: str, n: int) -> list[int]:

@@ -19,6 +19,9 @@ priority (``ssd_crc_policy``, chosen by measurement, docs/benchmarks.md): ``idle
 change (a control for benchmarks). The threads are shared by every store of the process, one pool
 per (policy, nice). A thread id's policy is its own on Linux (``sched_setscheduler(0, ...)`` /
 ``setpriority(PRIO_PROCESS, tid, ...)`` from the thread).
+
+Reads: state.arbiter (reads in flight) and the config's CRC worker settings, handed in. Changes: no
+store state (the process's worker pools, shared by every store).
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@
 An entry is visible only after its bytes are on the file. Every key is checked before any slot
 is reserved: nothing can fail once the write is submitted, so a bad key fails alone and never
 frees slots the device still owns. A mixin of PageStore.
+
+Reads: state.files, state.memory, state.arbiter, state.crc32c*, state.index, state.gds_gate,
+writer.keys, writer.write_engine, writer.write_sem. Changes: writer.alloc (slots, through space.py),
+writer.rows (recency of re-puts), state.bounce (borrowed, given back), state.counters.
 """
 
 from __future__ import annotations
@@ -16,9 +20,8 @@ import numpy as np
 
 from ..engine.base import errno_name
 from ..keybytes import encode_key, key_error
-from .index import FLAG_CRC, REC_BYTES
 from .layout import SLOT_ALIGN_BYTES
-from .checks import Refusals, begin_call, plain_keys
+from .checks import Refusals, plain_keys
 from .memory import int_arg
 from . import admit_gate, put_crc, staging
 from .staging import settle, wait_out
@@ -74,7 +77,7 @@ class PutPath:
         Raises ReadOnlyStoreError on a store opened read-only and ValueError when ``buffers`` or
         ``depths`` do not have one entry per key.
         """
-        results = begin_call(self, "put_many", keys, buffers, depths, writes=True)
+        results = self._begin_call("put_many", keys, buffers, depths, writes=True)
         if results is None:
             return [False] * len(keys)
         n = len(keys)
@@ -85,8 +88,8 @@ class PutPath:
             log.exception("%s: put_many failed", self.path)
         finally:
             self._leave()
-        self._counters["puts"] += sum(results)
-        self._counters["put_failed"] += n - sum(results)
+        self.state.counters["puts"] += sum(results)
+        self.state.counters["put_failed"] += n - sum(results)
         return results
 
     @staticmethod
@@ -121,9 +124,9 @@ class PutPath:
         host, dev, again, dups = self._sort_puts(keys, buffers, depths, plain, bad_depth, results, refused)
         if again:
             # before this batch evicts anything: SGLang re-puts the prefixes it keeps hot
-            self._counters["put_dedup"] += len(again)
-            self._rows.tick[again] = self._tick()
-            admit_gate.used(self, [self._rows.key[r] for r in again])
+            self.state.counters["put_dedup"] += len(again)
+            self.writer.rows.tick[again] = self._tick()
+            admit_gate.used(self, [self.writer.rows.key[r] for r in again])
         if host[0]:
             todo, addrs, lens = host
             await self._write_objects(
@@ -142,8 +145,8 @@ class PutPath:
         host, dev = ([], [], []), ([], [], [])
         first_of: dict[str, int] = {}
         dups: list[tuple[int, int]] = []
-        max_key = self._index.max_key_bytes
-        known = self._keys.get
+        max_key = self.state.index.max_key_bytes
+        known = self.writer.keys.get
         again: list[int] = []
         for i, k in enumerate(keys):
             if not plain:
@@ -163,7 +166,7 @@ class PutPath:
                 dups.append((i, first_of[k]))
                 continue
             first_of[k] = i
-            r = self._memory.resolve(buffers[i], writable=False)
+            r = self.state.memory.resolve(buffers[i], writable=False)
             if isinstance(r, str):
                 refused.add(k, r)
                 continue
@@ -201,12 +204,12 @@ class PutPath:
         n = len(keys)
         if not n:
             return None
-        if max(map(len, keys)) > self._index.max_key_bytes:  # the caller checked: ASCII, len == bytes
+        if max(map(len, keys)) > self.state.index.max_key_bytes:  # the caller checked: ASCII, len == bytes
             return None
-        known = self._keys
+        known = self.writer.keys
         if any(map(known.__contains__, keys)) or len(set(keys)) != n:
             return None
-        pair = self._memory.resolve_pairs(buffers)
+        pair = self.state.memory.resolve_pairs(buffers)
         if pair is None:
             return None
         lens = pair[1]
@@ -227,7 +230,7 @@ class PutPath:
         stuck = await self._retire_changed(segs[have], lens[have]) if have.any() else ()
         if stuck:
             lost = have & np.isin(segs, list(stuck))
-            self._alloc.free_many(segs[lost], offs[lost])
+            self.writer.alloc.free_many(segs[lost], offs[lost])
             for j in np.flatnonzero(lost).tolist():
                 refused.add(keys[int(todo[j])], "an earlier record write to its segment is stuck")
             have &= ~lost
@@ -257,16 +260,16 @@ class PutPath:
             await self._abort(b)
             raise
         if b.plan is not None:
-            b.plan.release(self._bounce)
+            b.plan.release(self.state.bounce)
         await self._publish(b, results, refused)
 
     async def _write(self, b: WriteBatch, refused) -> None:
         """Stage, checksum and write the batch; ``b.good`` says which objects are on the file."""
-        files, segs, m = self._files, b.segs, len(b.todo)
+        files, segs, m = self.state.files, b.segs, len(b.todo)
         fds = files.batch(segs)
         if b.route is None:
             # O_DIRECT needs aligned memory and whole blocks: stage the rest through a bounce buffer
-            b.plan = staging.plan(self._bounce, files.direct[segs], files.align[segs], b.src, b.nbytes)
+            b.plan = staging.plan(self.state.bounce, files.direct[segs], files.align[segs], b.src, b.nbytes)
         else:  # device memory: kvikio / staging do their own alignment
             b.plan = staging.StagePlan(b.src, b.nbytes, b.src, b.nbytes, None, None)
         plan = b.plan
@@ -278,16 +281,16 @@ class PutPath:
             # executor and a small one's on the loop once the write is submitted (below), as the
             # hand-off to a thread and back costs ~200 us of CPU. See put_crc.py.
             b.crc_out = np.empty(m, np.uint32)
-            b.crc_job = put_crc.dispatch(self._arbiter, self._crc32c_many, b.src, b.nbytes, b.crc_out,
+            b.crc_job = put_crc.dispatch(self.state.arbiter, self.state.crc32c_many, b.src, b.nbytes, b.crc_out,
                                          INLINE_CRC_BYTES, self.config)
         if plan.bounced:
             # the thread owns the bounce buffer until it returns, even if our caller gives up
             await wait_out(loop.run_in_executor(None, plan.copy_in))
-        async with self._write_sem:
+        async with self.writer.write_sem:
             task = None
             try:
                 if b.route is None:
-                    write = self._write_engine.write_many(fds, b.offs, plan.io_addr, plan.io_len)
+                    write = self.writer.write_engine.write_many(fds, b.offs, plan.io_addr, plan.io_len)
                 else:
                     write = self._write_device(b.route, fds, b.offs, plan.io_addr, plan.io_len)
                 task = asyncio.ensure_future(write)
@@ -329,7 +332,7 @@ class PutPath:
         while lo < m:
             start = int(ends[lo] - b.nbytes[lo])
             hi = max(lo + 1, int(np.searchsorted(ends, start + INLINE_CRC_CHUNK, "right")))
-            self._crc32c_many(b.src[lo:hi], b.nbytes[lo:hi], b.crc_out[lo:hi])
+            self.state.crc32c_many(b.src[lo:hi], b.nbytes[lo:hi], b.crc_out[lo:hi])
             lo = hi
             if lo < m:
                 await asyncio.sleep(0)
@@ -355,8 +358,8 @@ class PutPath:
         segs = b.segs
         g = segs[b.good]
         touched = [int(g[0])] if len(g) and (g == g[0]).all() else np.unique(g).tolist()  # one segment: the common batch
-        sync = self._write_engine.sync
-        fdl = self._files.fds
+        sync = self.writer.write_engine.sync
+        fdl = self.state.files.fds
         if len(touched) == 1:
             try:
                 async with asyncio.timeout(self.timeout_s):  # no task per sync, as wait_for makes
@@ -372,7 +375,7 @@ class PutPath:
             if isinstance(r, BaseException):  # incl. timeout: nothing in that segment is durable
                 log.error("%s: fdatasync of segment %d failed: %r", self.path, s, r)
                 if isinstance(r, OSError) and not isinstance(r, TimeoutError):  # a timeout is counted apart
-                    self._counters["io_errors_sync"] += 1
+                    self.state.counters["io_errors_sync"] += 1
                 b.good &= segs != s
 
     async def _abort(self, b: WriteBatch) -> None:
@@ -382,98 +385,9 @@ class PutPath:
             if b.crc_job is not None:
                 await settle(b.crc_job)  # it reads the caller's memory
         finally:
-            self._alloc.free_many(b.segs, b.offs)
+            self.writer.alloc.free_many(b.segs, b.offs)
             if b.plan is not None:
-                b.plan.release(self._bounce)
-
-    async def _publish(self, b: WriteBatch, results, refused) -> None:
-        """One index commit for the batch's good objects not published meanwhile; the rest's slots freed.
-        A commit that outlives io_timeout_s (or is cancelled) leaves the batch in doubt (put_doubt.py)."""
-        m = len(b.todo)
-        gen = b.gen
-        committed = begun = False
-        try:
-            async with self._commit_lock:
-                pj = np.flatnonzero(b.good)
-                # todo is increasing: every key of the call written means todo[pj] is 0..n-1
-                full = len(pj) == m == len(b.keys)
-                pub_idx = range(m) if full else b.todo[pj].tolist()
-                pub_keys = b.keys if full else [b.keys[i] for i in pub_idx]
-                kd = self._keys
-                if any(map(kd.__contains__, pub_keys)):
-                    keep = [t for t, k in enumerate(pub_keys) if k not in kd]
-                    pj = pj[keep]
-                    pub_idx = [pub_idx[t] for t in keep]
-                    pub_keys = [pub_keys[t] for t in keep]
-                    full = False
-                if full and b.puts is not None:  # the common batch: records and puts made during the write
-                    recs, puts = b.pre[0], b.puts
-                else:
-                    recs, enc = self._records(b, pj, pub_idx, pub_keys, gen)
-                    blob = recs.tobytes()
-                    puts = list(zip(enc, [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
-                begun = True
-                try:
-                    committed = await self._commit(puts) if puts else True
-                except (asyncio.TimeoutError, asyncio.CancelledError):
-                    self._put_doubt_hold(b, pj, pub_keys, recs, puts, results)  # may still land
-                    for i in pub_idx:
-                        refused.add(b.keys[i], "index commit outlived io_timeout_s (in doubt)")
-                    raise
-                if committed and len(pj):
-                    self._add_rows(b, pj, pub_keys, recs, gen)
-                if committed and puts and self._put_doubt:  # every earlier commit has landed or failed
-                    self._put_doubt_settle()
-        except asyncio.TimeoutError:
-            return
-        except asyncio.CancelledError:
-            if not begun:  # cancelled before its commit began: nothing of it can land
-                self._put_give_back(b, np.arange(m))
-            raise
-        published = np.zeros(m, bool)
-        if committed:
-            published[pj] = True
-            if full:
-                results[:] = [True] * len(results)
-            else:
-                for i in pub_idx:
-                    results[i] = True
-            if b.conf is not None and len(pj):  # their fdatasync completed: the next image of their blocks says so
-                c = pj[b.recorded[pj]]
-                self._areas.confirm_later(b.conf if len(c) == m else b.conf[c])
-        rest = np.flatnonzero(~published)
-        if len(rest):
-            self._unrecord(b, rest)
-            self._alloc.free_many(b.segs[rest], b.offs[rest])
-            for j in rest.tolist():
-                if b.good[j]:
-                    i = int(b.todo[j])
-                    if not committed:
-                        refused.add(b.keys[i], "index commit failed")
-                    else:
-                        results[i] = True  # another put of the same key published first: keep its bytes
-
-    def _add_rows(self, b: WriteBatch, pj, pub_keys, recs, gen) -> None:
-        t = self._rows
-        rows = t.new(len(pj))
-        t.seg[rows] = b.segs[pj]
-        t.off[rows] = b.offs[pj]
-        t.len[rows] = b.nbytes[pj]
-        t.crc[rows] = recs["crc"]
-        t.flags[rows] = FLAG_CRC
-        t.gen[rows] = gen
-        t.depth[rows] = recs["depth"]
-        t.tick[rows] = gen
-        t.pins[rows] = 0
-        t.live[rows] = True
-        rows_l = rows.tolist()
-        row_key = t.key
-        for r, k in zip(rows_l, pub_keys):
-            row_key[r] = k
-        self._keys.update(zip(pub_keys, rows_l))
-        if self._residency is not None:
-            self._residency.shown(pub_keys)
-        self._counters["bytes_written"] += int(b.nbytes[pj].sum())
+                b.plan.release(self.state.bounce)
 
     async def _write_device(self, route: str, fds, offs, addrs, lens):
         """(results, crcs) for a write from CUDA memory; the CRC is computed on a host copy."""
@@ -481,12 +395,12 @@ class PutPath:
 
         if route == "gds":
             crcs = await gds.device_crc32c_many(addrs, lens)
-            return await self._gds_gate.engine.write_many(fds, offs, addrs, lens), crcs
+            return await self.state.gds_gate.engine.write_many(fds, offs, addrs, lens), crcs
         # staging: device -> aligned host bounce -> O_DIRECT write of whole blocks
-        blen, starts, bounce = staging.device_layout(self._bounce, lens)
+        blen, starts, bounce = staging.device_layout(self.state.bounce, lens)
         try:
             host = np.uint64(bounce.address) + starts.astype(np.uint64)
-            crc32c = self._crc32c
+            crc32c = self.state.crc32c
             pairs = list(zip(addrs.tolist(), host.tolist(), lens.tolist()))
 
             def stage() -> list[int]:
@@ -497,7 +411,7 @@ class PutPath:
 
             # the thread writes the bounce buffer until it returns
             crcs = await wait_out(asyncio.get_running_loop().run_in_executor(None, stage))
-            res = await self._write_engine.write_many(fds, offs, host, blen)
+            res = await self.writer.write_engine.write_many(fds, offs, host, blen)
             return np.where(res == blen, lens, np.minimum(res, lens)), np.asarray(crcs, np.uint32)
         finally:
-            self._bounce.put(bounce)
+            self.state.bounce.put(bounce)

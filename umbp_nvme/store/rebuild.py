@@ -7,6 +7,8 @@ and generation are all right; a record not marked confirmed (its data's fdatasyn
 to complete) is kept only when the object's bytes read back with the record's data CRC. When one
 key has several records the newest generation wins; the allocator later keeps one record per
 slot (newest generation) and one size class per segment.
+
+State: none (reads segment files, writes a new index file the open adopts).
 """
 
 from __future__ import annotations

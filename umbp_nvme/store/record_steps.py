@@ -1,6 +1,9 @@
 """The store's use of the records in its segments (records.py): a put batch's records, giving
 back the records of slots that go back unpublished, tombstones for deletes, the areas at open,
 and the rebuild of the index at open (rebuild.py). A mixin of PageStore.
+
+Reads: state.files, writer.rows, writer.write_engine, OpenFacts at open. Changes: writer.areas
+(records, tombstones), state.index (a rebuild at open), state.manifest (migration).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .layout import MANIFEST_FILE
 from .rebuild import boot_id, clear_area, rebuild_index, write_area
 from .records import R_CONFIRMED, R_VALID, RecordAreas, confirmed_copy, make_records
 from .segments import segment_name
+from .state import OpenFacts
 from .staging import wait_out
 
 log = logging.getLogger("umbp_nvme.store")
@@ -67,9 +71,9 @@ class RecordSteps:
                 conf, c = np.zeros(m, conf.dtype), conf
                 conf[j] = c
             b.conf = conf
-        touched = self._areas.put(recs)
+        touched = self.writer.areas.put(recs)
         b.recorded[j] = True
-        failed = await self._areas.write(self._write_engine, self._files, touched, self.timeout_s)
+        failed = await self.writer.areas.write(self.writer.write_engine, self.state.files, touched, self.timeout_s)
         if failed:
             b.lost = np.isin(b.segs, list(failed))
             if not early:  # early: the data write's outcome is not known yet (_write reports)
@@ -83,8 +87,8 @@ class RecordSteps:
         js = np.asarray(js, np.int64)
         if len(js) and b.recorded[js].any():
             js = js[b.recorded[js]]
-            touched, _ = self._areas.clear(b.segs[js], b.offs[js], b.nbytes[js])
-            self._areas.mark_dead(touched)  # on disk before any delete or clear is acknowledged
+            touched, _ = self.writer.areas.clear(b.segs[js], b.offs[js], b.nbytes[js])
+            self.writer.areas.mark_dead(touched)  # on disk before any delete or clear is acknowledged
             b.recorded[js] = False
 
     async def _retire_changed(self, segs, lens) -> set[int]:
@@ -92,12 +96,11 @@ class RecordSteps:
         disk as memory has it (no record left: every slot was freed) and forgotten before the new
         class's data goes in, where its blocks lie; a block write of the old area landing later
         would zero the new class's objects. Returns the segments that could not be retired."""
-        a = self._areas
+        a = self.writer.areas
         changed = []
         cls = (-(-np.asarray(lens, np.int64) // layout.SLOT_ALIGN_BYTES)) * layout.SLOT_ALIGN_BYTES
         for s in np.unique(segs).tolist():
-            a._ensure(s)
-            old = a.cls.get(s)
+            old = a.size_class(s)
             if old is not None and old != int(cls[np.flatnonzero(segs == s)[0]]):
                 changed.append(s)
         failed = set()
@@ -109,7 +112,7 @@ class RecordSteps:
                     failed.add(s)
                     continue
             blocks = {(s, blk) for blk in a.dirty.get(s, ())}
-            if blocks and await a.write(self._write_engine, self._files, blocks, self.timeout_s):
+            if blocks and await a.write(self.writer.write_engine, self.state.files, blocks, self.timeout_s):
                 failed.add(s)
                 continue
             a.drop(s)
@@ -160,68 +163,68 @@ class RecordSteps:
         records of puts that never published (``RecordAreas.dead``), so no rebuild after this
         delete can bring back a key it removed; the undo list, or None when a block write or sync
         failed (the records are restored in memory)."""
-        t = self._rows
-        touched, undo = self._areas.clear(t.seg[rows], t.off[rows], t.len[rows])
-        dead = dict(self._areas.dead)
+        t = self.writer.rows
+        touched, undo = self.writer.areas.clear(t.seg[rows], t.off[rows], t.len[rows])
+        dead = dict(self.writer.areas.dead)
         touched |= set(dead)
         if not touched:
             return undo
-        failed = await self._areas.write(self._write_engine, self._files, touched, self.timeout_s)
+        failed = await self.writer.areas.write(self.writer.write_engine, self.state.files, touched, self.timeout_s)
         segs = sorted({s for s, _ in touched})
         if not failed and self.strict:
             done = await asyncio.gather(
-                *(asyncio.wait_for(self._write_engine.sync(int(self._files.fds[s])), self.timeout_s) for s in segs),
+                *(asyncio.wait_for(self.writer.write_engine.sync(int(self.state.files.fds[s])), self.timeout_s) for s in segs),
                 return_exceptions=True,
             )
             failed = {s for s, r in zip(segs, done) if isinstance(r, BaseException)}
-        self._areas.forget_dead(dead, set(segs) - set(failed))
+        self.writer.areas.forget_dead(dead, set(segs) - set(failed))
         if failed:
             log.error("%s: clearing %d records in segments %s failed; the objects stay", self.path, len(rows),
                       sorted(failed))  # fmt: skip
-            self._areas.restore(undo)
+            self.writer.areas.restore(undo)
             for s, blk in touched:
-                self._areas.dirty.setdefault(s, set()).add(blk)
+                self.writer.areas.dirty.setdefault(s, set()).add(blk)
             return None
         return undo
 
-    def _load_records(self, keys: list, recs: np.ndarray) -> None:
+    def _load_records(self, keys: list, recs: np.ndarray, o: OpenFacts) -> None:
         """The record areas in memory, from the rows; brought to disk where it may be behind.
 
         After a rebuild, an unclean close or for a store made before the records (migrated here,
         then the manifest says so): the data is fdatasynced first, so every record may say
         confirmed, then every area is written and synced. A clean open writes nothing.
         """
-        self._areas = RecordAreas(self.segment_bytes, self._segment_records)
+        self.writer.areas = RecordAreas(self.segment_bytes, self._segment_records)
         n = len(keys)
-        if not (self._migrate or self._rebuilt or self._unclean):
+        if not (o.migrate or o.rebuilt or o.unclean):
             return
         t0 = time.perf_counter()
-        segs = sorted(self._files.files)
-        self._areas.load_all(segs)
+        segs = sorted(self.state.files.files)
+        self.writer.areas.load_all(segs)
         for s in segs:
-            os.fdatasync(self._files.files[s].fd)
+            os.fdatasync(self.state.files.files[s].fd)
         for s in segs:
-            write_area(os.path.join(self.path, segment_name(s)), self.segment_bytes, self._areas.areas.get(s),
-                       self._areas.cls.get(s, 0))  # fmt: skip
+            write_area(os.path.join(self.path, segment_name(s)), self.segment_bytes, self.writer.areas.areas.get(s),
+                       self.writer.areas.cls.get(s, 0))  # fmt: skip
         # segments without an object may still hold records of puts that never published (killed
         # between their records and the commit): cleared, or a later rebuild would adopt them
         n_segments = self.capacity_bytes // self.segment_bytes
         for s, name in sorted(layout.segment_files(self.path).items()):
-            if s < n_segments and s not in self._files.files:
+            if s < n_segments and s not in self.state.files.files:
                 clear_area(os.path.join(self.path, name), self.segment_bytes)
-        if self._migrate:
+        if o.migrate:
             self.manifest["layout"]["record_bytes"] = layout.SEGMENT_RECORD_BYTES
             layout.write_manifest(os.path.join(self.path, MANIFEST_FILE), self.manifest)
-            self._index.set_writer_state(b"open:" + boot_id())
+            self.state.index.set_writer_state(b"open:" + boot_id())
         log.warning("%s: wrote the record areas of %d segments (%d records, %s) in %.2f s", self.path, len(segs), n,
-                    "migrated to records in the segments" if self._migrate else "after a rebuild or unclean close",
+                    "migrated to records in the segments" if o.migrate else "after a rebuild or unclean close",
                     time.perf_counter() - t0)  # fmt: skip
-        self._migrate = False
+        o.migrate = False
 
     def _segment_records(self, seg: int):
         """The sealed records of segment ``seg``'s published objects, from the rows (all confirmed:
         a clean close confirmed them on disk; other opens write every area before serving)."""
-        t = self._rows
+        t = self.writer.rows
         n = t.n
         rows = np.flatnonzero(t.live[:n] & (t.seg[:n] == seg))
         if not len(rows):
@@ -230,20 +233,20 @@ class RecordSteps:
         return make_records(t.seg[rows], t.off[rows], t.len[rows], t.gen[rows], t.crc[rows], t.depth[rows],
                             key_crcs(enc), enc, R_VALID | R_CONFIRMED)  # fmt: skip
 
-    def _rebuild_from_segments(self, ipath: str, map_size: int, why: str) -> None:
+    def _rebuild_from_segments(self, ipath: str, map_size: int, why: str, o: OpenFacts) -> None:
         """Move the index aside (if any) and write a new one from the segments' records."""
-        if self._index is not None:
-            self._index.close()
-            self._index = None
+        if self.state.index is not None:
+            self.state.index.close()
+            self.state.index = None
         try:
-            self._index = rebuild_index(self.path, ipath, self.segment_bytes, self.capacity_bytes // self.segment_bytes,
+            self.state.index = rebuild_index(self.path, ipath, self.segment_bytes, self.capacity_bytes // self.segment_bytes,
                                         map_size, why)  # fmt: skip
         except OSError as e:
             raise StoreError(f"{why}, and rebuilding it from the segments failed: {e}") from None
         except lmdb.Error as e:
             raise wrap_lmdb_error(ipath, e, "rebuilding it from the segments") from None
-        self._scan = self._index.scan()
-        self._scan_next_gen = max(self._index.next_generation(), time.time_ns() // 1000)
-        self._rebuilt = why
-        self._index.set_writer_state(b"open:" + boot_id())
+        o.scan = self.state.index.scan()
+        o.scan_next_gen = max(self.state.index.next_generation(), time.time_ns() // 1000)
+        o.rebuilt = why
+        self.state.index.set_writer_state(b"open:" + boot_id())
 

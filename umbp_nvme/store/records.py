@@ -17,6 +17,8 @@ A record says ``CONFIRMED`` only in images written after its data's fdatasync co
 rebuild trusts confirmed records and checks the data CRC of the others (the last batch or so
 per segment after a crash). Confirmations ride along with the next write to the segment, and
 flush/close write the rest.
+
+State: its own (the record areas in memory); a writer's is writer.areas.
 """
 
 from __future__ import annotations
@@ -161,6 +163,11 @@ class RecordAreas:
         recs = self._loader(seg) if self._loader is not None else None
         if recs is not None and len(recs):
             self.put(recs)
+
+    def size_class(self, seg: int) -> int | None:
+        """The size class segment ``seg``'s area holds records for (its records loaded first); None: no area."""
+        self._ensure(seg)
+        return self.cls.get(seg)
 
     def _area(self, seg: int, cls: int) -> np.ndarray:
         self._ensure(seg)

@@ -5,6 +5,8 @@ it was put (generation) and used (tick), its prefix depth, how many reads have i
 whether it is live (in the index). ``index`` maps key -> row; ``key`` maps row -> key. Rows of
 deleted keys are reused; a row still pinned by a read keeps its slot until the read ends
 (``dead_pinned``). Loop thread only, except ``index`` lookups (dict reads are atomic under the GIL).
+
+State: its own (the table); a writer's is writer.rows (writer.keys is its dict).
 """
 
 from __future__ import annotations

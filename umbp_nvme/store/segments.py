@@ -10,6 +10,8 @@ A segment whose slots are all free goes back to the free-segment pool and can se
 next time. Objects of one pool have one size, so in practice each pool owns a few segments and
 there is no fragmentation inside a class. The allocator does no I/O; ``SegmentFiles`` opens
 and creates the files.
+
+State: its own (files and allocator); a store's are state.files and writer.alloc.
 """
 
 from __future__ import annotations
@@ -393,6 +395,11 @@ class SegmentFiles:
             if f is not None:
                 facts = facts.merge(f.facts)
         return Files(fds, facts)
+
+    @property
+    def failed_errno(self) -> int | None:
+        """The errno of the last segment file that could not be created (None: none failed)."""
+        return self._failed_errno
 
     @property
     def any_direct(self) -> bool | None:

@@ -2,6 +2,10 @@
 configured capacity while the file system refuses new segment files (ENOSPC).
 
 A mixin of PageStore: it works on the store's allocator, segment files and rows.
+
+Reads: writer.high_bytes, writer.low_bytes, writer.rows, writer.put_doubt, writer.drop_doubt,
+state.config. Changes: writer.alloc (slots), state.files (new segment files),
+writer.space_limit_segments, writer.space_retry_at, writer.slot_cap; evicts through deletes.py.
 """
 
 from __future__ import annotations
@@ -28,14 +32,14 @@ class SpaceSteps:
     def _effective_capacity(self) -> int:
         """Bytes the store runs with: the configured capacity, or, while the file system refuses
         new segment files below it, the segments it has (see _reserve)."""
-        lim = self._space_limit_segments
-        full = self._alloc.capacity_bytes
+        lim = self.writer.space_limit_segments
+        full = self.writer.alloc.capacity_bytes
         return full if lim is None else min(full, lim * self.segment_bytes)
 
     async def _make_room(self, need_bytes: int) -> None:
-        used = self._alloc.used_bytes
-        high, low = self._high_bytes, self._low_bytes
-        if self._space_limit_segments is not None:  # watermarks over the space the disk gave us
+        used = self.writer.alloc.used_bytes
+        high, low = self.writer.high_bytes, self.writer.low_bytes
+        if self.writer.space_limit_segments is not None:  # watermarks over the space the disk gave us
             eff = self._effective_capacity()
             high = min(high, int(eff * self.config.ssd_high_watermark))
             low = min(low, int(eff * self.config.ssd_low_watermark))
@@ -47,54 +51,54 @@ class SpaceSteps:
             high, low = slots, max(0, min(low, slots - (high - low)))
         if used + need_bytes <= high:
             return
-        victims = eviction.victims(eviction.POLICIES[self.config.eviction_policy], self._rows, used + need_bytes - low)
+        victims = eviction.victims(eviction.POLICIES[self.config.eviction_policy], self.writer.rows, used + need_bytes - low)
         if victims:
             await self._drop_rows(victims, evicted=True)
 
     def _slot_capacity(self) -> int:
         """Bytes the segments' slots hold: a segment of a size class holds its slots, a free
         one counts whole. Recounted when a segment is taken or given back."""
-        a = self._alloc
+        a = self.writer.alloc
         key = a.free_segments()
-        cached = getattr(self, "_slot_cap", None)
+        cached = self.writer.slot_cap
         if cached is None or cached[0] != key:
             total = 0
             for cls, n in Counter(a.seg_class).items():
                 total += n * (a.slots(cls) * cls if cls else a.segment_bytes)
-            cached = self._slot_cap = (key, total)
+            cached = self.writer.slot_cap = (key, total)
         return cached[1]
 
     def _try_grow(self) -> None:
         """Running below capacity after ENOSPC: create the next segment file if the file system
         has room again (once per GROW_RETRY_S; a create costs what any grow costs)."""
-        files = self._files.files
-        nxt = next((i for i in range(self._alloc.n_segments) if i not in files), None)
+        files = self.state.files.files
+        nxt = next((i for i in range(self.writer.alloc.n_segments) if i not in files), None)
         if nxt is None:
-            self._space_limit_segments = None
+            self.writer.space_limit_segments = None
             return
-        self._note_space(not self._files.ensure(nxt), True)
+        self._note_space(not self.state.files.ensure(nxt), True)
 
     def _note_space(self, failed_create: bool, tried: bool) -> None:
         """Adopt (or lift) the effective capacity after a batch's segment creation."""
-        have = len(self._files.files)
-        lim = self._space_limit_segments
+        have = len(self.state.files.files)
+        lim = self.writer.space_limit_segments
         if failed_create:
-            self._space_retry_at = time.monotonic() + GROW_RETRY_S
+            self.writer.space_retry_at = time.monotonic() + GROW_RETRY_S
             if lim is None:
-                self._space_limit_segments = have
+                self.writer.space_limit_segments = have
                 log.warning(
                     "%s: the file system has no room for segment %d (%s); running with the %d segments it has "
                     "(%d MiB of the configured %d MiB), evicting within them; trying to grow again every %.0f s",
-                    self.path, have, errno_name(-(getattr(self._files, "_failed_errno", None) or errno.EIO)),
-                    have, have * self.segment_bytes >> 20, self._alloc.capacity_bytes >> 20, GROW_RETRY_S,
+                    self.path, have, errno_name(-(self.state.files.failed_errno or errno.EIO)),
+                    have, have * self.segment_bytes >> 20, self.writer.alloc.capacity_bytes >> 20, GROW_RETRY_S,
                 )  # fmt: skip
         elif lim is not None and tried and have > lim:
-            self._space_limit_segments = None
-            log.warning("%s: the file system has room again; growing towards %d MiB", self.path, self._alloc.capacity_bytes >> 20)
+            self.writer.space_limit_segments = None
+            log.warning("%s: the file system has room again; growing towards %d MiB", self.path, self.writer.alloc.capacity_bytes >> 20)
 
     async def _reclaim_segment(self) -> bool:
         """Empty the least recently used segment whose slots are all published and unpinned."""
-        rows = eviction.reclaim_segment(self._rows, self._alloc.n_segments, self._alloc.seg_used)
+        rows = eviction.reclaim_segment(self.writer.rows, self.writer.alloc.n_segments, self.writer.alloc.seg_used)
         if not rows:
             return False
         return await self._drop_rows(rows, evicted=True)
@@ -104,15 +108,15 @@ class SpaceSteps:
         could not be created. Evicts first when the batch would cross the high watermark."""
         m0 = len(lens)
         classes = size_classes(lens)
-        if self._space_limit_segments is not None and time.monotonic() >= self._space_retry_at:
+        if self.writer.space_limit_segments is not None and time.monotonic() >= self.writer.space_retry_at:
             self._try_grow()
         await self._make_room(int(classes.sum()))
         failed_create = False
-        files = self._files
+        files = self.state.files
         # Once a segment file could not be created (a full file system below the configured
         # capacity), the store runs within the segments it has: no create per batch, eviction
         # over that space; every GROW_RETRY_S it tries to grow again.
-        may_grow = self._space_limit_segments is None or time.monotonic() >= self._space_retry_at
+        may_grow = self.writer.space_limit_segments is None or time.monotonic() >= self.writer.space_retry_at
 
         def ensure(seg: int) -> bool:
             nonlocal failed_create
@@ -124,7 +128,7 @@ class SpaceSteps:
             failed_create = not ok
             return ok
 
-        alloc = self._alloc
+        alloc = self.writer.alloc
         uc = classes[:1] if m0 and (classes == classes[0]).all() else np.unique(classes)  # one size: the common batch
         if len(uc) == 1:
             segs, offs = alloc.alloc_array(int(uc[0]), m0, ensure)
@@ -140,7 +144,7 @@ class SpaceSteps:
             # every segment is taken and this size class has no free slot: empty a whole segment
             rounds += 1
             if not await self._reclaim_segment():
-                if settled or not (self._put_doubt or self._drop_doubt):
+                if settled or not (self.writer.put_doubt or self.writer.drop_doubt):
                     break
                 settled = True  # slots of drops and puts in doubt are not rows: settle them (deletes.py)
                 await self._settle_doubts(closing=False)
@@ -149,6 +153,6 @@ class SpaceSteps:
                 if slot is not None:
                     segs[j], offs[j] = slot
         nxt = alloc.next_free_segment()
-        if nxt is not None and self._space_limit_segments is None and self._files.want_precreate(nxt):
-            asyncio.get_running_loop().run_in_executor(None, self._files.precreate, nxt)
+        if nxt is not None and self.writer.space_limit_segments is None and self.state.files.want_precreate(nxt):
+            asyncio.get_running_loop().run_in_executor(None, self.state.files.precreate, nxt)
         return segs, offs, failed_create

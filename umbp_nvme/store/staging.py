@@ -7,6 +7,8 @@ copy it out after. ``plan`` decides this once per batch, for reads and writes al
 
 Also here: ``settle`` / ``wait_out``, the two waits that keep memory alive until the thread or
 engine batch using it has ended, even when the caller is cancelled meanwhile.
+
+State: its own (the bounce pool); a store's is state.bounce.
 """
 
 from __future__ import annotations

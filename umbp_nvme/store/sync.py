@@ -6,6 +6,8 @@ that runs past a few ``io_timeout_s`` is cancelled and reports all-False, but on
 call has really ended: until then the kernel may still read or write the caller's memory (the
 store waits for its completions; the block layer's own timeout bounds that). The exists calls
 skip the hop: they read the index directly (see ``PageStore.exists_*_nowait``).
+
+Reads: its PageStore through its public calls. Changes: its own loop thread only.
 """
 
 from __future__ import annotations
@@ -229,6 +231,11 @@ class SyncPageStore:
         if self._closed_call("clear"):
             return
         self._call(self.store.clear())
+
+    @property
+    def loop(self):
+        """The event loop the store runs on (its own thread): for probes that time it (bench mixed)."""
+        return self._loop
 
     @property
     def readonly(self) -> bool:

@@ -1,6 +1,9 @@
 """Waiting for the engine: every wait on I/O ends only once the kernel has let go of the memory.
 
 A mixin of PageStore (the put and get paths call ``_await_io``); it counts and logs stalls.
+
+Reads: state.timeout_s. Changes: state.counters (timeouts, io_errors_*), state.stalled_ops,
+state.late_completions, state.stalled_wait_s.
 """
 
 from __future__ import annotations
@@ -18,10 +21,6 @@ log = logging.getLogger("umbp_nvme.store")
 
 
 class IoWaits:
-    _stalled_ops = 0  # ops that outlived io_timeout_s (the call waited for the kernel)
-    _late_completions = 0  # of those, ended since (== stalled_ops when none is in flight)
-    _stalled_wait_s = 0.0  # longest wait past io_timeout_s
-
     async def _await_io(self, task: asyncio.Future, what: str, segs: np.ndarray, timeout_s: float | None = None):
         """The engine's result for ``task``, or None when it outlived io_timeout_s.
 
@@ -41,8 +40,8 @@ class IoWaits:
                 return
             stalled_at = time.monotonic()
             n = len(segs)
-            self._counters["timeouts"] += 1
-            self._stalled_ops += n
+            self.state.counters["timeouts"] += 1
+            self.state.stalled_ops += n
             u = np.unique(segs)
             names = ", ".join(segment_name(int(x)) for x in u[:4].tolist()) + (" ..." if len(u) > 4 else "")
             log.error(
@@ -56,7 +55,7 @@ class IoWaits:
             res = await task
             out = res[0] if type(res) is tuple else res  # the device write path returns (res, crcs)
             if isinstance(out, np.ndarray) and out.min(initial=0) < 0:
-                self._counters[f"io_errors_{what}"] += int(np.count_nonzero(out < 0))
+                self.state.counters[f"io_errors_{what}"] += int(np.count_nonzero(out < 0))
             return res
         except asyncio.CancelledError:
             me = asyncio.current_task()
@@ -69,5 +68,5 @@ class IoWaits:
         finally:
             h.cancel()
             if stalled_at is not None and task.done():
-                self._late_completions += len(segs)
-                self._stalled_wait_s = max(self._stalled_wait_s, time.monotonic() - stalled_at)
+                self.state.late_completions += len(segs)
+                self.state.stalled_wait_s = max(self.state.stalled_wait_s, time.monotonic() - stalled_at)

@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from .buffers import AlignedBuffer
-from .config import StoreConfig
-from .keys import KeyScheme
+from ..buffers import AlignedBuffer
+from ..config import StoreConfig
+from ..sglang.keys import KeyScheme
 
 PAGES_PER_BATCH = 128
 BATCHES = 2
@@ -34,7 +34,7 @@ def _page_hashes(n: int, start: int = 0) -> list[str]:
 
 
 async def run_demo(directory: str, *, object_bytes: int = OBJECT_BYTES, out=sys.stdout) -> dict:
-    from .store import PageStore
+    from ..store import PageStore
 
     scheme = KeyScheme()  # TP 1, MHA: keys <hash>_0_k / <hash>_0_v
     cfg = StoreConfig(ssd_capacity_bytes=512 << 20, ssd_segment_size_bytes=64 << 20, ssd_storage_dir=directory)

@@ -31,10 +31,10 @@ import resource
 import tempfile
 import time
 
-from .config import StoreConfig
+from ..config import StoreConfig
 from .doctor_findings import existing, finding
 from .doctor_probe import PROBE_SECONDS, check_probe
-from .store.layout import segment_disk_bytes
+from ..store.layout import segment_disk_bytes
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _read(path: str) -> str | None:
 def check_io_uring(findings: list) -> dict:
     disabled = _read("/proc/sys/kernel/io_uring_disabled")
     try:
-        from . import _uring
+        from .. import _uring
 
         p = dict(_uring.probe())
     except ImportError as e:
@@ -77,7 +77,7 @@ def check_io_uring(findings: list) -> dict:
 
 
 def check_engine(config: StoreConfig, findings: list) -> dict:
-    from .engine import FORCE_NO_URING_ENV, open_engine
+    from ..engine import FORCE_NO_URING_ENV, open_engine
 
     asked = config.ssd_io_backend
     forced = os.environ.get(FORCE_NO_URING_ENV, "") not in ("", "0")
@@ -178,8 +178,8 @@ def check_filesystem(store_dir: str, config: StoreConfig, findings: list) -> dic
 
 
 def check_o_direct(store_dir: str, config: StoreConfig, findings: list) -> dict:
-    from .buffers import DIO_ALIGN_BYTES
-    from .engine.files import open_data_file
+    from ..buffers import DIO_ALIGN_BYTES
+    from ..engine.files import open_data_file
 
     where = existing(store_dir)
     out: dict = {"asked": bool(config.o_direct)}
@@ -234,12 +234,12 @@ def check_memlock(findings: list, pool_bytes: int | None = None) -> dict:
            "unlimited": soft == inf}
     # a real registration of 64 MiB (a modest host pool share) tells what the kernel allows
     try:
-        from . import _uring
+        from .. import _uring
     except ImportError:
         _uring = None
     ok = None
     if _uring is not None:
-        from .buffers import AlignedBuffer
+        from ..buffers import AlignedBuffer
 
         with AlignedBuffer(64 << 20) as b:
             try:
@@ -353,7 +353,7 @@ def check_scheduler(store_dir: str, findings: list) -> dict:
 
 
 def check_gpu(findings: list) -> dict:
-    from .engine.gds import gds_available
+    from ..engine.gds import gds_available
 
     try:
         ok, why = gds_available()

@@ -1,7 +1,7 @@
-"""Opening and closing the stores behind ``sglang_backend.UMBPNvmeStore``.
+"""Opening and closing the stores behind ``backend.UMBPNvmeStore``.
 
 A backend holds up to two ``SyncPageStore``s (docs/sglang.md §1), both on its ``Seam``
-(sglang_seam.py): ``seam.main``, this rank's own directory (or, on an MLA follower, the leader's
+(seam.py): ``seam.main``, this rank's own directory (or, on an MLA follower, the leader's
 shared directory opened read-only, retried at most every ``FOLLOWER_RETRY_S`` until the leader has
 created it), and ``seam.private``, a follower's own sidecar store for TP-sharded side-pool state.
 The functions here take the seam and change only its store fields (under ``seam.lock``).
@@ -17,10 +17,10 @@ import os
 import time
 from typing import Any
 
-from .buffers import address_of
-from .errors import NamespaceMismatchError, StoreDamagedError, StoreError
+from ..buffers import address_of
+from ..errors import NamespaceMismatchError, StoreDamagedError, StoreError
 from .keys import FLAT_KEY_PREFIX
-from .store.layout import MANIFEST_FILE as MANIFEST  # a follower opens the leader's store once it exists
+from ..store.layout import MANIFEST_FILE as MANIFEST  # a follower opens the leader's store once it exists
 
 log = logging.getLogger("umbp_nvme.sglang_backend")
 
@@ -83,7 +83,7 @@ def open_main(seam, *, raise_errors: bool):
     """Open the backend's store if it is not open; None while a follower waits for its leader."""
     if seam.main is not None or seam.closed or not seam.config.ssd_enabled or seam.namespace is None:
         return seam.main
-    from .store.sync import SyncPageStore
+    from ..store.sync import SyncPageStore
 
     if seam.follower:
         # Until the leader has created the store, a lookup costs one stat() and misses. One drive
@@ -206,7 +206,7 @@ def store_for_pool(seam, name, pool, *, for_write: bool):
     if seam.private is None:
         with seam.lock:
             if seam.private is None and not seam.closed:
-                from .store.sync import SyncPageStore
+                from ..store.sync import SyncPageStore
 
                 ns = dict(seam.namespace or {}, kind=NAMESPACE_KIND + "/sidecar")
                 store = SyncPageStore(
@@ -281,7 +281,7 @@ def watch(seam, store, role: str) -> None:
     """Export the store's metrics (and log a doctor report) when asked; never fails an open."""
     if seam.doctor_at_start and role == "main":
         try:
-            from .doctor import log_report
+            from ..cli.doctor import log_report
 
             for path in seam.store_dirs:  # one report per drive
                 log_report(path, seam.config, ranges=list(seam.ranges))
@@ -290,11 +290,12 @@ def watch(seam, store, role: str) -> None:
     if not seam.prometheus:
         return
     try:
-        from . import metrics
+        from .. import metrics
 
         m = metrics.default()
         if m is not None:
-            m.watch(store, metrics.labels_from_storage_config(seam.storage_config, role))
+            extra = (lambda: event_counters(seam)) if role == "main" else None
+            m.watch(store, metrics.labels_from_storage_config(seam.storage_config, role), extra=extra)
     except Exception as e:  # noqa: BLE001 - metrics never take the backend down
         seam.log_once("metrics", "metrics for %s not exported: %r", store.path, e, level=logging.WARNING)
 
@@ -344,6 +345,13 @@ def close_stores(seam) -> None:
             log.warning("umbp_nvme: closing %s failed: %s", store.path, e)
 
 
+def event_counters(seam) -> dict:
+    """The KV events' own counters (kv_residency.Residency.counters), shown beside this rank's
+    store counters in ``store_stats`` and the metrics; {} while no events are published."""
+    rz = seam.residency
+    return dict(rz.counters) if rz is not None else {}
+
+
 def store_stats(seam) -> dict:
     out = {}
     for label, store in (("store", seam.main), ("private", seam.private)):
@@ -352,6 +360,8 @@ def store_stats(seam) -> dict:
                 out[label] = store.stats()
             except Exception as e:  # noqa: BLE001
                 out[label] = {"error": repr(e)}
+    if "store" in out and "error" not in out["store"]:
+        out["store"].update(event_counters(seam))
     return out
 
 

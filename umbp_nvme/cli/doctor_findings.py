@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .store.mounts import nearest_above
+from ..store.mounts import nearest_above
 
 
 def finding(findings: list, item: str, level: str, message: str, fix: str = "") -> None:

@@ -52,7 +52,8 @@ class Residency:
         self._calls: dict[int, tuple] = {}  # the publisher thread's: id(objects) -> (objects, pages) of recent puts
         self.exists: Callable[[list], list] = lambda keys: [False] * len(keys)
         self.keys: Callable[[], list] = list
-        self.counters: dict = {}  # the first drive's stats counters: kv_events_dropped is exported there
+        # its own counters, merged into the backend's store stats and metrics (sglang/stores.py)
+        self.counters: dict[str, int] = {"kv_events_dropped": 0}
         self.single = False  # one PageStore (no other drive can hold a copy): set by attach()
         self._failed = False
 
@@ -209,26 +210,17 @@ def drives_of(top) -> list:
 
 
 def attach(sync_store, residency: Residency) -> None:
-    """Hook ``residency`` into every PageStore of a writer's store (see PageStore._residency); a
+    """Hook ``residency`` into every PageStore of a writer's store (PageStore.attach_residency); a
     multi-drive store hooks the drives that serve reads and follows them (store/drive_residency.py)."""
     top = sync_store.store
     residency.exists = top.exists_many_nowait
     residency.keys = getattr(top, "served_keys", top.keys)
     residency.single = not hasattr(top, "stores")
-    drives = drives_of(top)
-    residency.counters = drives[0]._counters
-    residency.counters.setdefault("kv_events_dropped", 0)
-    if hasattr(top, "attach_residency"):
-        top.attach_residency(residency)
-    else:
-        top._residency = residency
+    top.attach_residency(residency)
 
 
 def detach(sync_store) -> None:
     top = getattr(sync_store, "store", None)
     if top is None:
         return
-    if hasattr(top, "detach_residency"):
-        top.detach_residency()
-    else:
-        top._residency = None
+    top.detach_residency()

@@ -54,7 +54,7 @@ class TokenLog:
 
     def open(self) -> None:
         """Load what the log holds (dropping a damaged tail) and open it for appends."""
-        from .engine.files import open_regular
+        from ..engine.files import open_regular
 
         try:
             fd = open_regular(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
@@ -195,7 +195,7 @@ class TokenLog:
         if size <= 2 * self._live_bytes + COMPACT_SLACK_BYTES:
             return
         tmp = self.path + ".tmp"
-        from .engine.files import open_regular
+        from ..engine.files import open_regular
 
         fd = -1
         try:

@@ -114,7 +114,7 @@ def pop_config(extra: dict, storage_config=None) -> Optional[EventsConfig]:
     The DP rank offsets the ports as SGLang's publisher does: the attention-DP rank the storage
     config carries, else ``SGLANG_DP_RANK`` (pure DP: every replica has attention-DP rank 0).
     """
-    from .config import parse_bool
+    from ..config import parse_bool
 
     raw = {k: extra.pop(k) for k in KEYS if k in extra}
     endpoint = _endpoint(raw.get("kv_events_endpoint"), "kv_events_endpoint")
@@ -414,6 +414,11 @@ class Publisher:
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     # --- lifecycle
+
+    @property
+    def last_seq(self) -> int | None:
+        """The sequence number of the newest batch sent (None before the first)."""
+        return self._buffer[-1][0] if self._buffer else None
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued (and re-announced) has been sent (tests, close)."""

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from .keybytes import printable_key
+from ..keybytes import printable_key
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -24,7 +24,7 @@ class CliError(Exception):
 
 def parse_size(text: str) -> int:
     """'4096', '64k', '512MiB', '1.5g' -> bytes (binary units: sizes.py)."""
-    from .sizes import parse_size as parse
+    from ..sizes import parse_size as parse
 
     try:
         return parse(text)
@@ -44,7 +44,7 @@ def _positive_float(text: str) -> float:
 
 def _read_keys(path: str) -> list[str]:
     """One key per line, as bytes decoded with keybytes (a key that is not UTF-8 is still a key)."""
-    from .keybytes import decode_key
+    from ..keybytes import decode_key
 
     try:
         f = sys.stdin.buffer if path == "-" else open(path, "rb")
@@ -64,7 +64,7 @@ def _read_keys(path: str) -> list[str]:
 
 def _load_config(args):
     """StoreConfig from UMBP_* env and --config (a writer without --capacity adopts the store's own)."""
-    from .config import load_config
+    from ..config import load_config
     from .maintenance import read_manifest
 
     extra: dict = {}
@@ -208,7 +208,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from .cli_drives import live_counters
+    from .drives import live_counters
     from .maintenance import store_stats
 
     cfg = _load_config(args)
@@ -217,7 +217,7 @@ def cmd_stats(args) -> int:
     s["capacity_source"] = "configured" if _capacity_given(args) else "segment files on disk (pass --capacity for the server's)"
     s["counters"] = live_counters(args.store)
     if getattr(args, "prometheus", False):
-        from .metrics import available, store_on_disk_exposition
+        from ..metrics import available, store_on_disk_exposition
 
         if not available():
             raise CliError("--prometheus needs prometheus_client: pip install 'umbp_nvme[metrics]'")
@@ -255,7 +255,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_rebuild_index(args) -> int:
-    from .errors import StoreLockedError
+    from ..errors import StoreLockedError
     from .maintenance import rebuild_index_dir
 
     try:
@@ -300,7 +300,7 @@ def cmd_verify(args) -> int:
 
 
 def _drop_keys(args, keys: list[str]) -> int:
-    from .store import PageStore
+    from ..store import PageStore
 
     cfg = _writer_config(args)
 
@@ -316,7 +316,7 @@ def _drop_keys(args, keys: list[str]) -> int:
 
 def cmd_compact(args) -> int:
     from .maintenance import compact_dir
-    from .store import PageStore
+    from ..store import PageStore
 
     _refuse_if_locked(args.store, "compact")
     cfg = _writer_config(args)
@@ -339,7 +339,7 @@ def cmd_compact(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .keybytes import key_error
+    from ..keybytes import key_error
     from .maintenance import inspect_keys
 
     for k in args.keys:  # argv bytes that are not UTF-8 arrive surrogate-escaped: legal keys
@@ -360,7 +360,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from .. import bench
 
     rest = [a for a in args.rest if a != "--"]  # `--` was once needed before a benchmark's own options
     which = "engine" if not rest or rest[0].startswith("-") else rest.pop(0)
@@ -422,7 +422,7 @@ not failures.""",
 
 
 def _docs(name: str) -> str:
-    from .cli_paths import docs_dir
+    from .paths import docs_dir
 
     return os.path.join(docs_dir(), name)
 
@@ -575,16 +575,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_ERROR
     from .archive import ArchiveError
-    from .errors import StoreError
+    from ..errors import StoreError
     from .maintenance import NotAStoreError
     from .sources import SourceError
 
-    from .cli_drives import roots_of, run_per_drive
-    from .cli_paths import expand_paths, not_a_store_hint, permission_message, store_path_error
+    from .drives import roots_of, run_per_drive
+    from .paths import expand_paths, not_a_store_hint, permission_message, store_path_error
 
     try:
         expand_paths(args)  # a quoted ~ is still the home directory
-        roots = roots_of(args)  # several drives: each one's directory is a store (cli_drives.py)
+        roots = roots_of(args)  # several drives: each one's directory is a store (drives.py)
         why = store_path_error(args.store) if getattr(args, "store", None) else None
     except ValueError as e:
         print(f"umbp-nvme {args.command}: error: --store: {e}", file=sys.stderr)

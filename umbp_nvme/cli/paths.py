@@ -12,7 +12,7 @@ import json
 import os
 import stat
 
-from .store.layout import MANIFEST_FILE
+from ..store.layout import MANIFEST_FILE
 
 _PATH_ARGS = ("keep", "out", "keys", "replay", "namespace", "config")
 
@@ -32,7 +32,7 @@ def expand_paths(args) -> None:
 
 def expand_store(value: str) -> str:
     """One root, a comma list or a JSON list, each root with ``~`` expanded (same form back)."""
-    from .config import parse_roots
+    from ..config import parse_roots
 
     roots = [os.path.expanduser(r) for r in parse_roots(value)]
     if len(roots) == 1:
@@ -42,7 +42,7 @@ def expand_store(value: str) -> str:
 
 def store_path_error(store: str) -> str | None:
     """Why ``store`` (one root or several) cannot be a store directory as given, else None."""
-    from .config import parse_roots
+    from ..config import parse_roots
 
     for root in parse_roots(store):
         if os.path.lexists(root) and not os.path.isdir(root):
@@ -89,7 +89,7 @@ def permission_message(e: PermissionError, store: str | None = None) -> str:
 
 
 def _roots(store) -> list[str]:
-    from .config import parse_roots
+    from ..config import parse_roots
 
     try:
         return parse_roots(store) if isinstance(store, str) and store else []
@@ -99,8 +99,8 @@ def _roots(store) -> list[str]:
 
 def docs_dir() -> str:
     """The docs of this installation: umbp_nvme/docs in a wheel, docs/ beside the package in a checkout."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for d in (os.path.join(here, "docs"), os.path.join(os.path.dirname(here), "docs")):
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # umbp_nvme/ (this is umbp_nvme/cli/)
+    for d in (os.path.join(package, "docs"), os.path.join(os.path.dirname(package), "docs")):
         if os.path.isfile(os.path.join(d, "cli.md")):
             return d
     return "docs/ in the source tree"

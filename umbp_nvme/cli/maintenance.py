@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .engine.files import open_regular, punch_hole
-from .errors import NotAStoreError
-from .keybytes import KeyEncodingError, encode_key
-from .store.index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
-from .store.layout import SLOT_ALIGN_BYTES, lock_holder, read_manifest, segment_files, segment_name
-from .store.layout import has_records, recorded_capacity_bytes, take_lock
-from .store.records import area_blocks
-from .store.segments import SegmentAllocator, size_classes
+from ..engine.files import open_regular, punch_hole
+from ..errors import NotAStoreError
+from ..keybytes import KeyEncodingError, encode_key
+from ..store.index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
+from ..store.layout import SLOT_ALIGN_BYTES, lock_holder, read_manifest, segment_files, segment_name
+from ..store.layout import has_records, recorded_capacity_bytes, take_lock
+from ..store.records import area_blocks
+from ..store.segments import SegmentAllocator, size_classes
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ _READONLY_MAP_BYTES = 1 << 30  # LMDB grows a read-only map to the file's own si
 
 
 def _crc32c():
-    from ._uring import crc32c
+    from .._uring import crc32c
 
     return crc32c
 
@@ -231,7 +231,7 @@ def store_stats(path: str, capacity_bytes: int | None = None, high_wm: float | N
                 low_wm: float | None = None) -> dict:
     """Usage computed from the index and the files (what is stored, not what a server counted).
     Watermarks: StoreConfig's defaults unless given."""
-    from .config import StoreConfig
+    from ..config import StoreConfig
 
     high_wm = StoreConfig.ssd_high_watermark if high_wm is None else high_wm
     low_wm = StoreConfig.ssd_low_watermark if low_wm is None else low_wm
@@ -385,8 +385,8 @@ def free_ranges(path: str) -> tuple[dict[int, list[tuple[int, int]]], set[int], 
 def rebuild_index_dir(path: str) -> dict:
     """``verify --rebuild-index``: write a new index.lmdb from the records in the segments (the
     old one, if any, moved aside). Takes the writer lock (StoreLockedError while a writer runs)."""
-    from .store.layout import map_size_bytes
-    from .store.rebuild import rebuild_index
+    from ..store.layout import map_size_bytes
+    from ..store.rebuild import rebuild_index
 
     path = os.path.abspath(path)
     m = read_manifest(path)

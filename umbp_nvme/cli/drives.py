@@ -21,7 +21,7 @@ PER_DRIVE = ("stats", "verify", "compact", "inspect", "export", "doctor")
 
 def live_counters(store: str) -> dict | None:
     """Counters a running store published next to its data (STATS.json), if it does."""
-    from .store.layout import read_json_or_none
+    from ..store.layout import read_json_or_none
 
     c = read_json_or_none(os.path.join(store, "STATS.json"))  # never blocks on a FIFO; a non-object is none
     return c if isinstance(c, dict) else None
@@ -29,7 +29,7 @@ def live_counters(store: str) -> dict | None:
 
 def roots_of(args) -> list[str] | None:
     """The roots when --store names several, else None (one store: the command runs as always)."""
-    from .config import parse_roots
+    from ..config import parse_roots
 
     store = getattr(args, "store", None)
     if args.command not in PER_DRIVE or not store:
@@ -69,7 +69,7 @@ def run_per_drive(args, roots: list[str], errors: tuple, cli_error) -> int:
                 body = {"output": text}
             drives.append({"drive": i, "root": root, "exit": rc, "error": err, **body})
             if args.command == "stats":
-                from .store.drive_set import recorded_health
+                from ..store.drive_set import recorded_health
 
                 drives[-1]["recorded_health"] = recorded_health(root)
         doc = {"drives": drives}
@@ -106,7 +106,7 @@ def _totals(drives: list[dict]) -> dict:
 
 def stats_table(results) -> str:
     """One line per drive: objects, bytes, capacity, fill, writer, live counters when published."""
-    from .store.drive_set import recorded_health
+    from ..store.drive_set import recorded_health
 
     rows = [("drive", "root", "state (last recorded)", "objects", "used GiB", "capacity GiB", "fill %", "writer",
              "errors", "read/write GB/s", "hits/misses")]  # fmt: skip
@@ -134,8 +134,8 @@ def _stats_prometheus(roots: list[str], cli_error) -> int:
     per drive (its state as a running writer last recorded it; a drive that cannot be read: 0)."""
     import sys
 
-    from .metrics import FAMILIES, available, store_on_disk_exposition
-    from .store.drive_set import recorded_health
+    from ..metrics import FAMILIES, available, store_on_disk_exposition
+    from ..store.drive_set import recorded_health
 
     if not available():
         raise cli_error("--prometheus needs prometheus_client: pip install 'umbp_nvme[metrics]'")

@@ -1,4 +1,4 @@
-"""``Seam``: what ``UMBPNvmeStore`` hands its helpers (``sglang_stores``, ``sglang_transfers``).
+"""``Seam``: what ``UMBPNvmeStore`` hands its helpers (``stores``, ``transfers``).
 
 The backend builds one ``Seam`` at construction and passes it to every helper call; the helpers
 read and change its fields and nothing of the backend's. Its fields in three groups, by who
@@ -7,7 +7,7 @@ writes them:
 - fixed at construction (the backend): the settings, the key scheme, the store directories;
 - set at registration (the backend's ``register_*``): the host pools, their host ranges, the
   KV anchor's object suffixes and the namespace a store directory is opened with;
-- the stores and their life (``sglang_stores``, under ``lock``): this rank's store, a
+- the stores and their life (``stores``, under ``lock``): this rank's store, a
   follower's sidecar, closed, the follower's retry time, the KV-event publisher.
 """
 
@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .config import StoreConfig
+from ..config import StoreConfig
 from .keys import KeyScheme, PoolRegistry, page_of
 
 log = logging.getLogger("umbp_nvme.sglang_backend")
@@ -49,7 +49,7 @@ class Seam:
     v1_sfx: tuple[str, ...] = ()  # the KV anchor's per-page object suffixes
     namespace: Optional[dict] = None  # None until the anchor is registered: no store opens before
     ranges: list[tuple[int, int]] = field(default_factory=list)  # every pool's host tensors
-    # -- the stores (sglang_stores.py)
+    # -- the stores (stores.py)
     lock: threading.RLock = field(default_factory=threading.RLock)
     main: Any = None  # SyncPageStore: this rank's store, or the shared one (read-only on a follower)
     private: Any = None  # SyncPageStore: a follower's own TP-sharded side-pool state

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from .config import StoreConfig
+from ..config import StoreConfig
 from .doctor_findings import existing, finding
 
 DEFAULT_OBJECT_BYTES = 256 << 10
@@ -50,10 +50,10 @@ async def _timed(seconds: float, step) -> tuple[int, float]:
 
 
 async def _probe(scratch: str, config: StoreConfig, obj: int, seconds: float) -> dict:
-    from .buffers import AlignedBuffer
-    from .engine import open_engine
-    from .engine.files import open_data_file
-    from .store import PageStore
+    from ..buffers import AlignedBuffer
+    from ..engine import open_engine
+    from ..engine.files import open_data_file
+    from ..store import PageStore
 
     per_batch = max(1, PROBE_BATCH_BYTES // obj)
     nbytes = per_batch * obj

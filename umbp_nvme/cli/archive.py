@@ -23,7 +23,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from .keybytes import decode_key, encode_key, printable_key
+from ..keybytes import decode_key, encode_key, printable_key
 
 MAGIC = b"UMBPARCH"
 VERSION = 1
@@ -43,7 +43,7 @@ _TRAILER = struct.Struct("<4sIQQI")  # tag, 0, records, payload_bytes, digest
 
 
 def _crc32c():
-    from ._uring import crc32c
+    from .._uring import crc32c
 
     return crc32c
 

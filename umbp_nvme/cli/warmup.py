@@ -1,15 +1,15 @@
 """Offline cache warm-up: import pages into a store (``umbp-nvme warmup --store DIR SOURCE...``).
 
-Sources, recognised by what they are on disk (``umbp_nvme.sources.detect_source``):
+Sources, recognised by what they are on disk (``umbp_nvme.cli.sources.detect_source``):
 
 * a directory of SGLang's ``file`` backend (HiCacheFile): ``<page hash><suffix>.bin`` files, one
   per page and rank, holding the page as SGLang's legacy flat data page. Their names and bytes
   map onto our component keys as described in docs/cli.md ("HiCacheFile mapping"); read by
-  ``umbp_nvme.hicache_files``;
+  ``umbp_nvme.cli.hicache_files``;
 * another umbp_nvme store directory (has MANIFEST.json): merged, its namespace must match;
 * an archive written by ``umbp-nvme export`` (docs/archive.md).
 
-Every source becomes a stream of *units* (``umbp_nvme.sources.Unit``): one blob read from the
+Every source becomes a stream of *units* (``umbp_nvme.cli.sources.Unit``): one blob read from the
 source that holds one or more objects (a HiCacheFile MHA page is K then V). Units whose keys are
 all in the store already are skipped without reading them (so a second run resumes where an
 interrupted one stopped: the store publishes an object only after its bytes are written, so
@@ -19,7 +19,7 @@ thread, checked against their CRC32C when the source has one, and written with o
 
 This module is the import itself (Importer, import_sources) and the throttle, progress bar and
 summary it reports with. Warming a live server by replaying prompts (``--replay``) is
-``umbp_nvme.replay``.
+``umbp_nvme.cli.replay``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import time
 from collections.abc import Iterator
 
 from .archive import ArchiveReader
-from .buffers import DIO_ALIGN_BYTES, AlignedBuffer
+from ..buffers import DIO_ALIGN_BYTES, AlignedBuffer
 from .hicache_files import FileBackendLayout, _dir_bytes, expected_page_bytes, file_backend_units
-from .keybytes import encode_key, key_error, printable_key
+from ..keybytes import encode_key, key_error, printable_key
 from .maintenance import StoreReader
 from .sources import SourceError, Summary, Unit, archive_units, detect_source, store_units
 
@@ -170,12 +170,12 @@ class Importer:
         self.batch_objects = batch_objects
         self.stop = threading.Event()
         if crc32c is None:
-            from ._uring import crc32c
+            from .._uring import crc32c
         self._crc32c = crc32c
         self._pending: set[str] = set()
         # what the store takes, checked before staging memory is sized for a unit
         self.max_object_bytes = max_object_bytes(store)
-        self.max_key_bytes = getattr(getattr(store, "_index", None), "max_key_bytes", None) or 511
+        self.max_key_bytes = store.max_key_bytes
 
     def _refusal(self, u: Unit) -> str | None:
         """Why the store cannot take this unit (checked before anything is allocated or read)."""
@@ -336,8 +336,9 @@ async def import_sources(
 
     ``store_path`` may list several roots (one per drive); a SOURCE that lists several (a
     multi-drive store, D0,D1,...) imports each drive's store."""
-    from .config import parse_roots
-    from .store import PageStore
+    from ..config import parse_roots
+    from ..sglang.keys import page_of
+    from ..store import PageStore
 
     # checked before anything is opened or allocated: a clear error, not a traceback from deep inside
     if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or not 1 <= batch_bytes <= BATCH_BYTES_MAX:
@@ -374,8 +375,9 @@ async def import_sources(
                 ns = _merge_namespace(ns, a.namespace, src)
             else:
                 plan.append((src, kind, None))
+        # several roots: each page's objects on one drive, by SGLang's key formats (the keys we import)
         store = await PageStore.open(store_path, config, namespace=ns or None,
-                                     capacity_from_manifest=capacity_from_manifest)
+                                     capacity_from_manifest=capacity_from_manifest, page_of=page_of)
         try:
             target_ns = store.manifest.get("namespace") or {}
             expected = page_bytes or expected_page_bytes(target_ns, layout)
@@ -439,7 +441,7 @@ def _merge_namespace(ns: dict | None, other: dict, src: str) -> dict | None:
     if not other:
         return ns
     if ns and json.dumps(ns, sort_keys=True) != json.dumps(other, sort_keys=True):
-        from .errors import NamespaceMismatchError
+        from ..errors import NamespaceMismatchError
 
         fields = sorted(k for k in set(ns) | set(other) if ns.get(k) != other.get(k))
         raise NamespaceMismatchError(

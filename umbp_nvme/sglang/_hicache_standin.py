@@ -1,7 +1,7 @@
 """Local stand-ins for the few SGLang HiCache types the backend uses, for when sglang is absent.
 
 `umbp_nvme` must import without SGLang (docs/sglang.md §1; design: SGLang is optional).
-`sglang_backend.py` imports the real classes when `sglang.srt.mem_cache.hicache_storage`
+`backend.py` imports the real classes when `sglang.srt.mem_cache.hicache_storage`
 imports, and these otherwise. They mirror SGLang's methods and fields (not its code): a backend
 built on them behaves the same way, and the same tests drive it with or without SGLang.
 """

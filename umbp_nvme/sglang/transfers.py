@@ -1,4 +1,4 @@
-"""The data paths of ``sglang_backend.UMBPNvmeStore``: one store call per SGLang call.
+"""The data paths of ``backend.UMBPNvmeStore``: one store call per SGLang call.
 
 - ``v1_io``: ``batch_get_v1`` / ``batch_set_v1`` on the KV anchor (host slots -> ``(address,
   nbytes)`` through the pool's buffer meta, page hashes -> component keys).
@@ -7,7 +7,7 @@
 - ``legacy_batch_get`` / ``legacy_batch_set``: legacy (non ``interface_v1``) whole flat pages
   under their own keys (``KeyScheme.flat_key``).
 
-Each takes the backend's ``Seam`` (sglang_seam.py); the callers in ``sglang_backend`` keep the
+Each takes the backend's ``Seam`` (seam.py); the callers in ``backend`` keep the
 never-raise wrappers.
 """
 
@@ -17,7 +17,7 @@ import logging
 from typing import Any, Sequence
 
 from .keys import pool_name_str
-from .sglang_stores import main_store, normalise_sizes, store_for_pool
+from .stores import main_store, normalise_sizes, store_for_pool
 
 log = logging.getLogger("umbp_nvme.sglang_backend")
 

@@ -2,8 +2,8 @@
 and archive readers.
 
 A unit is one blob read from a source that holds one or more objects (a HiCacheFile MHA page is
-K then V); ``umbp_nvme.warmup.Importer`` runs units into a store. ``detect_source`` tells a
-HiCacheFile directory (read by ``umbp_nvme.hicache_files``), a store directory and an archive
+K then V); ``umbp_nvme.cli.warmup.Importer`` runs units into a store. ``detect_source`` tells a
+HiCacheFile directory (read by ``umbp_nvme.cli.hicache_files``), a store directory and an archive
 apart by what they are on disk.
 """
 
@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .archive import ArchiveError, ArchiveReader
-from .keybytes import printable_key
+from ..keybytes import printable_key
 from .maintenance import StoreReader
-from .store import MANIFEST_FILE
+from ..store import MANIFEST_FILE
 
-log = logging.getLogger("umbp_nvme.warmup")  # Summary's messages: the warm-up's own logger, as before
+log = logging.getLogger("umbp_nvme.cli.warmup")  # Summary's messages: the warm-up's own logger
 
 
 # --- summary ---------------------------------------------------------------------------------

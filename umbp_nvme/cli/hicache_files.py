@@ -3,7 +3,7 @@
 HiCacheFile writes ``<page hash><suffix>.bin`` files, one per page and rank, holding the page as
 SGLang's legacy flat data page. Their names and bytes map onto our component keys as described
 in docs/cli.md ("HiCacheFile mapping"); ``file_backend_units`` turns one rank's files into the
-units that ``umbp_nvme.warmup.Importer`` imports.
+units that ``umbp_nvme.cli.warmup.Importer`` imports.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .keybytes import printable_key
-from .keys import KeyScheme
+from ..keybytes import printable_key
+from ..sglang.keys import KeyScheme
 from .sources import SourceError, Summary, Unit
 
 

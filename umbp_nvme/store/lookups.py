@@ -1,0 +1,186 @@
+"""Where a get's objects are, and whether keys are stored: a writer asks its rows (in memory), a
+read-only opener the index (through its watch on the writer's file, follower.py). ``ReadBatch``
+is what a lookup hands the read (get_path.py). A mixin of PageStore.
+
+Reads: writer.keys and writer.rows (writers), state.watch and state.index (readers), state.files
+(a reader opens the segment files its lookups name). Changes: nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..keybytes import encode_key, key_error
+from .checks import plain_keys
+from .index import REC_BYTES, REC_DTYPE
+
+
+class ReadBatch:
+    """The objects one get_many reads: key index, extent, checks and destination per object."""
+
+    FIELDS = ("idx", "segs", "offs", "lens", "crcs", "flags", "gens", "rows", "dst", "devm")
+    __slots__ = FIELDS
+
+    def __init__(self, idx, segs, offs, lens, crcs, flags, gens, rows=None):
+        self.idx, self.segs, self.offs, self.lens, self.crcs, self.flags, self.gens, self.rows = (
+            idx, segs, offs, lens, crcs, flags, gens, rows,
+        )  # fmt: skip
+        self.dst = self.devm = None
+
+    def keep(self, sel) -> None:
+        for name in self.FIELDS:
+            a = getattr(self, name)
+            if a is not None:
+                setattr(self, name, a[sel])
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+
+class Lookups:
+    def exists_many_nowait(self, keys: list[str]) -> list[bool]:
+        """``exists_many`` without the event loop: callable from any thread (reads the index directly).
+
+        Thread-safe: dict reads are atomic under the GIL; LMDB read txns are per call. A key
+        that cannot be stored (not a str, empty, no lossless bytes) is False alone."""
+        if self.state.closed:
+            self._closed_call("exists_many")
+            return [False] * len(keys)
+        if self.writer is None:
+            return [v is not None for v in self._index_lookup(keys)]
+        d = self.writer.keys
+        try:
+            return [k in d for k in keys]
+        except TypeError:  # an unhashable key
+            return [type(k) is str and k in d for k in keys]
+
+    def exists_prefix_nowait(self, keys: list[str]) -> int:
+        """``exists_prefix`` without the event loop: callable from any thread (reads the index directly)."""
+        if self.state.closed:
+            self._closed_call("exists_prefix")
+            return 0
+        if self.writer is None:
+            enc = self._index_keys(keys)
+            if None in enc:
+                enc = enc[: enc.index(None)]
+            return self.state.watch.read(lambda ix: ix.exists_prefix(enc), 0)
+        d = self.writer.keys
+        n = 0
+        try:
+            for k in keys:
+                if k not in d:
+                    break
+                n += 1
+        except TypeError:  # an unhashable key is absent: the prefix ends there
+            pass
+        return n
+
+    async def exists_many(self, keys: list[str]) -> list[bool]:
+        """Per key, whether ``get_many`` would find it now (True) or it is absent (False).
+
+        A key that cannot be stored (not a str, empty, too long) is False alone; a closed store answers
+        all False. Never raises for a key; reads only the index (no data I/O).
+        """
+        return self.exists_many_nowait(keys)
+
+    async def exists_prefix(self, keys: list[str]) -> int:
+        """How many of ``keys``, from the first on, are stored: the index of the first absent key.
+
+        SGLang's prefix match: ``keys`` are a page sequence's keys in order. 0 when the first is absent,
+        the store is closed, or a key cannot be stored. Never raises for a key; reads only the index.
+        """
+        return self.exists_prefix_nowait(keys)
+
+    def _index_keys(self, keys) -> list[bytes | None]:
+        """Index key bytes per key; None for a key no index key can hold (not a str, empty, no
+        lossless bytes, too long): that key alone is a miss."""
+        maxk = self.state.index.max_key_bytes
+        if plain_keys(keys) and (not keys or max(map(len, keys)) <= maxk):
+            return [k.encode() for k in keys]
+        enc = []
+        for k in keys:
+            b = encode_key(k) if key_error(k) is None else None
+            enc.append(b if b is not None and len(b) <= maxk else None)
+        return enc
+
+    def _index_lookup(self, keys) -> list[bytes | None]:
+        """Readers: the index record per key (None: absent, or a key that cannot be stored)."""
+        enc = self._index_keys(keys)
+        if None not in enc:
+            return self.state.watch.records(enc)
+        found = iter(self.state.watch.records([b for b in enc if b is not None]))
+        return [None if b is None else next(found) for b in enc]
+
+    def generation_of(self, key: str) -> int:
+        """The generation of ``key``'s object here (it orders puts, also across the drives of one
+        writer: drive_clock.py); -1 when it is absent."""
+        w = self.writer
+        if w is None:
+            v = self._index_lookup([key])[0]
+            if v is None or len(v) != REC_BYTES:
+                return -1
+            return int(np.frombuffer(v, dtype=REC_DTYPE)["generation"][0])
+        r = w.keys.get(key)
+        return -1 if r is None else int(w.rows.gen[r])
+
+    def _writer_rows(self, keys) -> list:
+        """Writers: the row per key, None when absent (a key that is not a str is never present)."""
+        try:
+            return list(map(self.writer.keys.get, keys))
+        except TypeError:  # an unhashable key
+            get = self.writer.keys.get
+            return [get(k) if type(k) is str else None for k in keys]
+
+    def _lookup_reader(self, keys: list[str]) -> ReadBatch | None:
+        """Readers: records from LMDB for the present keys."""
+        vals = self._index_lookup(keys)
+        idx = [i for i, v in enumerate(vals) if v is not None and len(v) == REC_BYTES]
+        if not idx:
+            return None
+        recs = np.frombuffer(b"".join(vals[i] for i in idx), dtype=REC_DTYPE)
+        return ReadBatch(
+            np.asarray(idx, np.int64),
+            recs["segment"].astype(np.int64),
+            recs["offset"].astype(np.int64),
+            recs["length"].astype(np.int64),
+            recs["crc"].astype(np.uint32),
+            recs["flags"].astype(np.uint32),
+            recs["generation"].astype(np.uint64),
+        )
+
+    def _lookup(self, keys) -> ReadBatch | None:
+        """The stored objects among ``keys`` (None when there is none)."""
+        if self.writer is None:
+            b = self._lookup_reader(keys)
+            if b is None:
+                return None
+            for s in np.unique(b.segs).tolist():
+                if not self.state.files.ensure(s):
+                    b.keep(b.segs != s)
+            return b if len(b) else None
+        rows_l = self._writer_rows(keys)
+        if None in rows_l:
+            idx_l = [i for i, r in enumerate(rows_l) if r is not None]
+            if not idx_l:
+                return None
+            idx = np.asarray(idx_l, np.int64)
+            rows = np.asarray([rows_l[i] for i in idx_l], np.int64)
+        else:
+            if not len(keys):
+                return None
+            idx = np.arange(len(keys), dtype=np.int64)
+            rows = np.asarray(rows_l, np.int64)
+        t = self.writer.rows
+        return ReadBatch(idx, t.seg[rows], t.off[rows], t.len[rows], t.crc[rows], t.flags[rows], t.gen[rows], rows)
+
+    def _unchanged(self, b: ReadBatch, keys) -> np.ndarray:
+        """Readers: which keys still have the generation looked up (another process may have
+        evicted and reused the slot while we read it)."""
+        m = len(b)
+        after = self._lookup_reader([keys[i] for i in b.idx.tolist()])
+        now = np.zeros(m, np.uint64)
+        present = np.zeros(m, bool)
+        if after is not None:
+            now[after.idx] = after.gens
+            present[after.idx] = True
+        return present & (now == b.gens)
