@@ -235,7 +235,7 @@ def test_torch_cpu_tensor_is_not_a_cuda_buffer():
 
 
 def test_gds_is_unavailable_here_with_a_reason():
-    gds._reset_availability_cache()
+    gds.reset_availability_cache()
     ok, reason = gds.gds_available()
     if ok:
         pytest.skip("this machine has CUDA and kvikio")
@@ -245,13 +245,13 @@ def test_gds_is_unavailable_here_with_a_reason():
 def test_gds_available_is_cached(monkeypatch):
     calls = []
     monkeypatch.setattr(gds, "_check_libcuda", lambda: calls.append(1) or "libcuda.so.1 cannot be loaded")
-    gds._reset_availability_cache()
+    gds.reset_availability_cache()
     try:
         assert gds.gds_available() == (False, "libcuda.so.1 cannot be loaded")
         assert gds.gds_available()[0] is False
         assert len(calls) == 1
     finally:
-        gds._reset_availability_cache()
+        gds.reset_availability_cache()
 
 
 def test_missing_kvikio_is_named_in_the_reason(monkeypatch):
@@ -262,12 +262,12 @@ def test_missing_kvikio_is_named_in_the_reason(monkeypatch):
         raise ImportError("No module named 'kvikio'")
 
     monkeypatch.setattr(gds, "_import_kvikio", no_kvikio)
-    gds._reset_availability_cache()
+    gds.reset_availability_cache()
     try:
         ok, reason = gds.gds_available()
         assert not ok and "kvikio" in reason and "install" in reason
     finally:
-        gds._reset_availability_cache()
+        gds.reset_availability_cache()
 
 
 async def test_open_gds_engine_without_cuda_raises_the_clear_error(monkeypatch):
@@ -566,10 +566,10 @@ def test_fake_futures_start_at_submit_and_small_ops_finish_inside_the_call(kv, c
     f = kv.CuFile(str(tmp_path / "f"), "r")
     try:
         small, big = np.zeros(PAGE, np.uint8), np.zeros(32 << 10, np.uint8)
-        fut = f.pread(gds._DeviceSpan(addr(small), PAGE), PAGE, 0)
+        fut = f.pread(gds.DeviceSpan(addr(small), PAGE), PAGE, 0)
         assert fut.done() and (small == 0x5A).all()  # before get(): the synchronous POSIX shortcut
         core.gate = threading.Event()
-        fut = f.pread(gds._DeviceSpan(addr(big), big.nbytes), big.nbytes, 0)
+        fut = f.pread(gds.DeviceSpan(addr(big), big.nbytes), big.nbytes, 0)
         assert core.started.wait(5) and not fut.done()  # running in the pool, nobody called get()
         core.gate.set()
         assert fut.get() == big.nbytes and (big == 0x5A).all()
@@ -660,7 +660,7 @@ async def test_one_failing_op_does_not_fail_the_batch(engine, core, data_file):
 
 
 def test_errno_mapping_from_kvikio_messages():
-    m = gds._errno_of
+    m = gds.errno_of
     assert m(fk._system_error("posix_io.hpp:131", errno.ENOSPC)) == errno.ENOSPC
     assert m(fk._system_error("file_utils.cpp:112", errno.ENOENT)) == errno.ENOENT
     assert m(fk._system_error("posix_io.hpp:131", errno.EBADF)) == errno.EBADF
@@ -668,7 +668,7 @@ def test_errno_mapping_from_kvikio_messages():
     assert m(fk._cufile_error("x.cpp:1", "GPUDirect Storage not supported on current file")) == errno.EIO
     assert m(RuntimeError("cuFile internal error 5011")) == errno.EIO
     assert not any(isinstance(e, OSError) for e in (fk._system_error("a", errno.EIO), fk._fail("a", "b")))
-    assert gds._is_kvikio_eof(fk._fail("posix_io.hpp:173", "POSIX error on pread: EOF"))
+    assert gds.is_kvikio_eof(fk._fail("posix_io.hpp:173", "POSIX error on pread: EOF"))
 
 
 async def test_bad_fd_fails_only_its_ops(engine, data_file):
@@ -981,7 +981,7 @@ async def test_gate_opens_gds_once(fake_cuda, tmp_path):
 
 def test_crc32c_fallback_matches_the_standard_check_value():
     data = np.frombuffer(b"123456789", dtype=np.uint8).copy()
-    assert gds._py_crc32c(addr(data), 9) == 0xE3069283
+    assert gds.py_crc32c(addr(data), 9) == 0xE3069283
     assert gds.host_crc32c(addr(data), 9) == 0xE3069283
 
 
@@ -1007,7 +1007,7 @@ async def test_staged_write_then_read_round_trip_with_crc(monkeypatch, data_file
         assert res.tolist() == lens
         assert dst.tobytes() == src.tobytes()
         assert rcrc.tolist() == wcrc.tolist()
-        assert wcrc[0] == gds._py_crc32c(addr(src), PAGE)
+        assert wcrc[0] == gds.py_crc32c(addr(src), PAGE)
     finally:
         staging.close()
         host.close()
@@ -1079,12 +1079,12 @@ async def test_staged_unaligned_objects_round_trip_on_o_direct_files(direct_host
     res, wcrc = await gds.staged_write(host, fd, offs, [addr(a) for a in src], lens, staging, with_crc=True)
     assert res.tolist() == lens  # clipped to the object, not the padded block count
     assert set(n % PAGE for n in host.lengths_seen) == {0}
-    assert wcrc.tolist() == [gds._py_crc32c(addr(a), a.nbytes) for a in src]
+    assert wcrc.tolist() == [gds.py_crc32c(addr(a), a.nbytes) for a in src]
     disk = path.read_bytes()
     for o, a in zip(offs, src):
         end = o + a.nbytes
         assert disk[o:end] == a.tobytes()
-        assert disk[end : gds._round_up(end)] == bytes(gds._round_up(end) - end)  # zeroed padding
+        assert disk[end : gds.round_up(end)] == bytes(gds.round_up(end) - end)  # zeroed padding
     for o in (PAGE, 5 * PAGE, 9 * PAGE, 11 * PAGE):  # the neighbours' pages are untouched
         assert disk[o : o + PAGE] == payload[o : o + PAGE]
     dst = [np.full(n + 64, 0xEE, np.uint8) for n in lens]  # a guard after each destination
@@ -1134,7 +1134,7 @@ async def test_device_crc32c_many_matches_host_crc(monkeypatch):
     monkeypatch.setattr(gds, "_device_ops", HostDeviceOps())
     src = np.random.default_rng(5).integers(0, 256, 3 * PAGE, dtype=np.uint8)
     crcs = await gds.device_crc32c_many([addr(src), addr(src) + PAGE], [PAGE, 2 * PAGE])
-    assert crcs.tolist() == [gds._py_crc32c(addr(src), PAGE), gds._py_crc32c(addr(src) + PAGE, 2 * PAGE)]
+    assert crcs.tolist() == [gds.py_crc32c(addr(src), PAGE), gds.py_crc32c(addr(src) + PAGE, 2 * PAGE)]
 
 
 # ---------------------------------------------------------------- real GPU (skip without one)

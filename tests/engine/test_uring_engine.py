@@ -383,7 +383,7 @@ def test_may_continue_uses_the_facts_the_batch_came_with_not_a_syscall(tmp_path,
     import fcntl
 
     from umbp_nvme.engine.files import PAGE_CACHE
-    from umbp_nvme.engine.uring_batch import _Batch
+    from umbp_nvme.engine.uring_batch import Batch
 
     def no_syscall(*a, **k):
         raise AssertionError("fcntl called on the completion path")
@@ -395,11 +395,11 @@ def test_may_continue_uses_the_facts_the_batch_came_with_not_a_syscall(tmp_path,
         offs = np.array([2 * f.align], dtype=np.int64)
         addrs = _u64([1 << 20])  # never dereferenced: only the decision is tested
         lens = np.array([4 * f.align], dtype=np.int64)
-        b = _Batch(0, 0, fds, f.facts, offs, addrs, lens, None, None, 1)
+        b = Batch(0, 0, fds, f.facts, offs, addrs, lens, None, None, 1)
         assert b.may_continue(0, f.align)  # remainder aligned in file and memory: resubmit
         assert not b.may_continue(0, f.align + 512 if f.align > 512 else 100)  # O_DIRECT would refuse it
         # the same fd handed without facts (a page-cache file as far as the engine knows): any remainder
-        assert _Batch(0, 0, fds, PAGE_CACHE, offs, addrs, lens, None, None, 1).may_continue(0, 100)
+        assert Batch(0, 0, fds, PAGE_CACHE, offs, addrs, lens, None, None, 1).may_continue(0, 100)
     finally:
         f.close()
 

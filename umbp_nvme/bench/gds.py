@@ -169,7 +169,7 @@ async def main_async(args) -> int:
             # which path kvikio really used for this size's bytes (its per-backend counters)
             served1 = engine.stats()["served"]["read"]
             moved = {k: served1[k] - served0.get(k, 0) for k in served1}
-            kv_path = gds._path_of(moved["cufile"], moved["posix"]) or "unmeasured"
+            kv_path = gds.path_of(moved["cufile"], moved["posix"]) or "unmeasured"
             note(f"{mib} MiB: kvikio served {moved['cufile'] >> 20} MiB by cuFile, {moved['posix'] >> 20} MiB by "
                  f"POSIX, {moved['unattributed'] >> 20} MiB unattributed -> path {kv_path}")
             gbps = {}

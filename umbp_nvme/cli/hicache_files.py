@@ -276,7 +276,7 @@ def file_backend_units(directory: str, layout: FileBackendLayout, page_bytes: in
         )
 
 
-def _dir_bytes(directory: str, layout: FileBackendLayout) -> int:
+def dir_bytes(directory: str, layout: FileBackendLayout) -> int:
     total = 0
     try:
         with os.scandir(directory) as it:

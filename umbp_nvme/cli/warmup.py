@@ -37,7 +37,7 @@ from collections.abc import Iterator
 
 from .archive import ArchiveReader
 from ..buffers import DIO_ALIGN_BYTES, AlignedBuffer
-from .hicache_files import FileBackendLayout, _dir_bytes, expected_page_bytes, file_backend_units
+from .hicache_files import FileBackendLayout, dir_bytes, expected_page_bytes, file_backend_units
 from ..keybytes import encode_key, key_error, printable_key
 from .maintenance import StoreReader
 from .sources import SourceError, Summary, Unit, archive_units, detect_source, store_units
@@ -392,7 +392,7 @@ async def import_sources(
                 elif kind == "archive":
                     total += obj.bytes_left or 0
                 elif kind == "files":
-                    total += _dir_bytes(src, layout)
+                    total += dir_bytes(src, layout)
             bar = Progress(total or None, desc="warmup", enabled=progress)
             imp = Importer(store, summary, max_gbps=max_gbps, progress=bar, batch_bytes=batch_bytes)
             if handle_signals:

@@ -251,7 +251,7 @@ def open_data_file(
         if check_owner and st.st_uid != os.geteuid():
             raise OSError(errno.EPERM, f"{path} is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()})")
         if size is not None and st.st_size < size:
-            _preallocate(fd, path, size)
+            preallocate(fd, path, size)
         mem, off = dio_alignment(fd) if is_direct else (0, 0)
         align = max(mem, off) or DEFAULT_DIO_ALIGN_BYTES
         facts = FileFacts(mem or DEFAULT_DIO_ALIGN_BYTES, off or DEFAULT_DIO_ALIGN_BYTES, False) if is_direct else PAGE_CACHE
@@ -261,7 +261,7 @@ def open_data_file(
         raise
 
 
-def _preallocate(fd: int, path: str, size: int) -> None:
+def preallocate(fd: int, path: str, size: int) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:

@@ -49,7 +49,7 @@ from .base import (
 from .arbiter import Arbiter, timed_read, write_sliced
 from .priority import IoPriorities
 from .files import PAGE_CACHE, FileFacts, Files, split_files
-from .uring_batch import SLOT_SHIFT as _SLOT_SHIFT, _Batch
+from .uring_batch import SLOT_SHIFT as _SLOT_SHIFT, Batch
 from .uring_buffers import FixedBuffers
 
 log = logging.getLogger(__name__)
@@ -84,10 +84,10 @@ class UringEngine:
         self._thread = threading.get_ident()
         self._depth = min(int(queue_depth), ring.entries)
         self._async_min = int(async_min_bytes)
-        self._batches: dict[int, _Batch] = {}
+        self._batches: dict[int, Batch] = {}
         self._next_slot = 0
-        self._queue: deque[_Batch] = deque()  # batches with ops not yet submitted, in order
-        self._retry: deque[tuple[_Batch, int]] = deque()  # remainders of short ops, EAGAIN
+        self._queue: deque[Batch] = deque()  # batches with ops not yet submitted, in order
+        self._retry: deque[tuple[Batch, int]] = deque()  # remainders of short ops, EAGAIN
         self._efd = ring.eventfd
         self._flush_handle = None
         self._closed = False
@@ -203,8 +203,8 @@ class UringEngine:
         self._next_slot = (slot + 1) & 0x7FFFFFFF
         return slot
 
-    def _new_batch(self, op, fds, facts, offs, addrs, lens, idx_map, n_total) -> _Batch:
-        return _Batch(op, self._new_slot(), fds, facts, offs, addrs, lens, self._loop.create_future(), idx_map, n_total)
+    def _new_batch(self, op, fds, facts, offs, addrs, lens, idx_map, n_total) -> Batch:
+        return Batch(op, self._new_slot(), fds, facts, offs, addrs, lens, self._loop.create_future(), idx_map, n_total)
 
     async def _run(self, op, files, offsets, addrs, lengths) -> np.ndarray:
         if self._closed:
@@ -225,7 +225,7 @@ class UringEngine:
             except (TypeError, ValueError):
                 q = -1
             if q >= 0:
-                b = _Batch(op, slot, fds, facts, offsets, addrs, lengths, self._loop.create_future(), None, n, n)
+                b = Batch(op, slot, fds, facts, offsets, addrs, lengths, self._loop.create_future(), None, n, n)
                 self._batches[slot] = b
                 b.next = q
                 if q < n:  # SQ full of unconsumed SQEs: the rest waits for the pump
@@ -265,7 +265,7 @@ class UringEngine:
         self._start(b, validate=True)
         return await self._wait(b)
 
-    def _start(self, b: _Batch, *, validate: bool) -> None:
+    def _start(self, b: Batch, *, validate: bool) -> None:
         free = self._depth - self._ring.inflight
         if self._queue or self._retry or b.n > free:
             if validate:  # the whole batch is refused up front, before any of it is queued
@@ -288,14 +288,14 @@ class UringEngine:
         if self._ring.sq_pending:
             self._schedule_flush()
 
-    async def _wait(self, b: _Batch) -> np.ndarray:
+    async def _wait(self, b: Batch) -> np.ndarray:
         try:
             return await b.fut
         except asyncio.CancelledError:
             await self._drain_after_cancel(b)
             raise
 
-    async def _drain_after_cancel(self, b: _Batch) -> None:
+    async def _drain_after_cancel(self, b: Batch) -> None:
         """The caller gave up, but the kernel may still write its memory: ask the kernel to cancel
         the batch's running ops, then wait for every one of their completions, however long (the
         block layer's own command timeout bounds it). Returning earlier would let a late DMA land
@@ -315,13 +315,13 @@ class UringEngine:
             except asyncio.CancelledError:
                 continue  # cancelled again: still may not return while the kernel holds the memory
 
-    def _drop_unsubmitted(self, b: _Batch) -> None:
+    def _drop_unsubmitted(self, b: Batch) -> None:
         if b.next < b.n:
             b.fail_from(b.next, errno.ECANCELED)
         if self._queue and b in self._queue:
             self._queue.remove(b)
 
-    def _finish(self, b: _Batch) -> None:
+    def _finish(self, b: Batch) -> None:
         self._batches.pop(b.slot, None)
         if not b.fut.done():
             b.fut.set_result(b.results())
@@ -372,7 +372,7 @@ class UringEngine:
         if ring.sq_pending:
             self._schedule_flush()
 
-    def _fail_unsubmitted(self, b: _Batch, s: int, exc: BaseException) -> None:
+    def _fail_unsubmitted(self, b: Batch, s: int, exc: BaseException) -> None:
         err = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EINVAL
         log.warning("io_uring: submitting ops %d.. of a batch failed: %s", s, exc)
         b.fail_from(s, err)
@@ -381,7 +381,7 @@ class UringEngine:
         if b.left == 0:
             self._finish(b)
 
-    def _resubmit(self, b: _Batch, i: int) -> None:
+    def _resubmit(self, b: Batch, i: int) -> None:
         """Submit the remainder of op i (after a short transfer, or again after EAGAIN)."""
         d = max(int(b.done[i]), 0)
         try:
@@ -435,7 +435,7 @@ class UringEngine:
             if len(touched) < _REAP_MAX_BATCHES:
                 return
 
-    def _odd_completion(self, b: _Batch, i: int, r: int) -> None:
+    def _odd_completion(self, b: Batch, i: int, r: int) -> None:
         """Short transfer, EOF, or an error: resubmit, or record the final result."""
         done = int(b.done[i])
         if r < 0:

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 SLOT_SHIFT = 32
 
 
-class _Batch:
+class Batch:
     __slots__ = (
         "op", "n", "fds", "facts", "offs", "addrs", "lens", "done", "next", "left", "fut", "slot",
         "idx_map", "n_total", "abandoned", "drained", "retries",

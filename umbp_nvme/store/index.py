@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import IndexDamagedError, StoreError
 from ..keybytes import decode_keys
-from .index_check import _IndexFileDamage, check_index_file, check_own_file  # noqa: F401 - re-exported
+from .index_check import IndexFileDamage, check_index_file, check_own_file  # noqa: F401 - re-exported
 from .file_ident import file_id, opened_id
 
 log = logging.getLogger("umbp_nvme.index")  # the name operators know; kept across the move
@@ -151,7 +151,7 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
         ident = opened_id(path, before, created=not readonly)
         if ident is None:  # another process replaced the file during the open: which one LMDB maps is unknown
             env.close()
-            raise _IndexFileDamage("replaced by its writer while it was being opened", 0)
+            raise IndexFileDamage("replaced by its writer while it was being opened", 0)
         _ENVS[real] = [env, 1, not readonly, ident]
         return env
 
@@ -241,7 +241,7 @@ class Index:
             try:
                 self._env = _acquire_env(path, readonly=readonly, map_size=map_size, durable=durable)
                 break
-            except _IndexFileDamage as e:
+            except IndexFileDamage as e:
                 if not readonly or time.monotonic() >= deadline or e.size >= _NEW_ENV_BYTES:
                     msg = f"store index {path} is damaged ({e})"
                     if readonly:

@@ -4,7 +4,7 @@ LMDB maps the file and trusts what it finds: a page number past the end of a tru
 SIGBUS, a page of the wrong type an assertion (abort), a scribbled node size a wild read. So
 ``check_index_file`` reads the two meta pages with pread and checks them the way LMDB does, then
 (``walk``) maps the file itself and walks every page of its trees (``_walk_pages``), and raises
-``_IndexFileDamage`` with the reason instead of letting LMDB crash the process. ``index.py`` runs
+``IndexFileDamage`` with the reason instead of letting LMDB crash the process. ``index.py`` runs
 it before every ``lmdb.open`` and re-exports ``check_index_file`` and ``check_own_file``.
 
 State: none (reads the index file).
@@ -36,7 +36,7 @@ _P_INVALID = (1 << 64) - 1
 _MAX_PAGES = 1 << 40  # 4 PiB of 4 KiB pages: anything larger is a damaged field
 
 
-class _IndexFileDamage(Exception):
+class IndexFileDamage(Exception):
     """index.lmdb is not safe to map; ``size`` is the file's size (a reader may be racing its creation)."""
 
     def __init__(self, reason: str, size: int):
@@ -47,20 +47,20 @@ class _IndexFileDamage(Exception):
 def _read_meta(fd: int, off: int, size: int, which: str) -> tuple:
     buf = os.pread(fd, _META.size, off) if off + _META.size <= size else b""
     if len(buf) < _META.size:
-        raise _IndexFileDamage(f"file of {size} bytes ends before the {which} meta page", size)
+        raise IndexFileDamage(f"file of {size} bytes ends before the {which} meta page", size)
     m = _META.unpack(buf)
     flags, magic, version, psize = m[2], m[3], m[4], m[7]
     if not flags & _P_META or magic != _MDB_MAGIC:
-        raise _IndexFileDamage(f"{which} meta page at offset {off} is not an LMDB meta page", size)
+        raise IndexFileDamage(f"{which} meta page at offset {off} is not an LMDB meta page", size)
     if version != _MDB_DATA_VERSION:
-        raise _IndexFileDamage(f"{which} meta page has LMDB data version {version}, not {_MDB_DATA_VERSION}", size)
+        raise IndexFileDamage(f"{which} meta page has LMDB data version {version}, not {_MDB_DATA_VERSION}", size)
     if psize < 512 or psize > 65536 or psize & (psize - 1):
-        raise _IndexFileDamage(f"{which} meta page has page size {psize}", size)
+        raise IndexFileDamage(f"{which} meta page has page size {psize}", size)
     return m
 
 
 def check_index_file(path: str, *, walk: bool = True, readonly: bool = False) -> None:
-    """Raise _IndexFileDamage unless ``path`` is an LMDB file that LMDB can map without SIGBUS.
+    """Raise IndexFileDamage unless ``path`` is an LMDB file that LMDB can map without SIGBUS.
 
     LMDB maps the file and trusts its newest meta page: a page number past the end of a truncated
     file is a SIGBUS in whichever process touches it, not an error. So before LMDB sees the file,
@@ -84,38 +84,38 @@ def check_index_file(path: str, *, walk: bool = True, readonly: bool = False) ->
         check_own_file(path, st)
         size = st.st_size
         if size == 0:
-            raise _IndexFileDamage("empty file", size)
+            raise IndexFileDamage("empty file", size)
         m0 = _read_meta(fd, 0, size, "first")
         psize = m0[7]
         m1 = _read_meta(fd, psize, size, "second")
         if m1[7] != psize:
-            raise _IndexFileDamage(f"meta pages disagree on the page size ({psize} and {m1[7]})", size)
+            raise IndexFileDamage(f"meta pages disagree on the page size ({psize} and {m1[7]})", size)
         newest = m1 if m1[-1] > m0[-1] else m0  # LMDB's choice: the higher txnid, page 0 on a tie
         last_pg, roots = newest[-2], (newest[14], newest[22])
         # a live writer grows the file before it writes the meta page naming the new pages:
         # the size taken after reading the meta page is at least what that page needs
         size = os.fstat(fd).st_size
         if not 1 <= last_pg < _MAX_PAGES:
-            raise _IndexFileDamage(f"meta page says the last page is {last_pg}", size)
+            raise IndexFileDamage(f"meta page says the last page is {last_pg}", size)
         need = (last_pg + 1) * psize
         if size < need:
-            raise _IndexFileDamage(
+            raise IndexFileDamage(
                 f"file is {size} bytes but its meta page (txn {newest[-1]}) needs {need} "
                 f"(pages 0..{last_pg} of {psize} bytes): truncated",
                 size,
             )
         for db, root in zip(("free-list", "main"), roots):
             if root != _P_INVALID and not 2 <= root <= last_pg:
-                raise _IndexFileDamage(f"meta page puts the {db} root at page {root}, outside 2..{last_pg}", size)
+                raise IndexFileDamage(f"meta page puts the {db} root at page {root}, outside 2..{last_pg}", size)
         pages = sum(newest[10:13]) + sum(newest[18:21])
         if pages > last_pg + 1:
-            raise _IndexFileDamage(f"meta page counts {pages} pages in a file of {last_pg + 1}", size)
+            raise IndexFileDamage(f"meta page counts {pages} pages in a file of {last_pg + 1}", size)
         if walk and (not readonly or not _writer_alive(path)):
             # a live writer reuses free pages under a reader that holds no LMDB snapshot: only a
             # file no writer holds is walked (the writer walked it at its own open)
             reason = _walk_file(fd, psize, last_pg, ((newest[14], newest[9]), (newest[22], newest[17])))
             if reason is not None:
-                raise _IndexFileDamage(f"{reason} (txn {newest[-1]})", size)
+                raise IndexFileDamage(f"{reason} (txn {newest[-1]})", size)
     except OSError as e:
         raise StoreError(f"cannot read store index {path}: {e.strerror or e}") from None
     finally:

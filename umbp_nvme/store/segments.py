@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-from ..engine.files import NO_FILES, DataFile, Files, _preallocate, open_data_file
+from ..engine.files import NO_FILES, DataFile, Files, preallocate, open_data_file
 from .layout import SLOT_ALIGN_BYTES, record_slots, segment_files, segment_name  # noqa: F401 - re-exported
 
 log = logging.getLogger("umbp_nvme.segments")  # the name operators know; kept across the move
@@ -339,7 +339,7 @@ class SegmentFiles:
                 f = open_data_file(self.path(i), direct=self.o_direct)
                 try:
                     if os.fstat(f.fd).st_size < self.segment_bytes:
-                        _preallocate(f.fd, self.path(i), self.segment_bytes)
+                        preallocate(f.fd, self.path(i), self.segment_bytes)
                 except OSError as e:  # slots past the end are written (and allocated) on use instead
                     log.warning("segment %s is short and cannot be extended now: %s", self.path(i), e)
             self._install(i, f)

@@ -39,70 +39,49 @@ Modules: ``cuda`` (buffer addresses, torch device ops, host CRC32C), ``availabil
 ``kvikio_settings``, ``kvikio_io`` (kvikio errors -> errno, path accounting), ``engine``
 (KvikioEngine), ``gate`` (probe, open, GdsGate), ``staging``. Everything is imported from the package
 as before; the names tests and callers replace on it (``_device_ops``, ``gds_available``,
-``_import_kvikio``, ``_check_libcuda``, ``_check_torch_cuda``, ``open_gds_engine``, ``StagingBuffer``,
-``host_crc32c``) are looked up through the package at call time (``_common.pkg``), so
+``_import_kvikio``, ``_check_libcuda``, ``_check_torch_cuda``, ``_check_kvikio``, ``open_gds_engine``,
+``StagingBuffer``, ``host_crc32c``) are looked up through the package at call time (``_common.pkg``), so
 ``monkeypatch.setattr(gds, name, ...)`` reaches every module.
 """
 
 from __future__ import annotations
 
+# The package's names: the public API, the helpers tests check directly, and the names tests replace
+# (the underscore ones below; tests/test_code_shape.py allows exactly these across modules).
 from ._common import (
-    _READ,
-    _WRITE,
     DEFAULT_QUEUE_DEPTH,
     GDS_UNAVAILABLE,
     MAX_BATCH_WORKERS,
     MAX_SHORT_RETRIES,
     PROBE_BYTES,
+    READ,
     STAGING_ALIGN_BYTES,
+    WRITE,
     log,
 )
 from .availability import (
-    _KVIKIO_SUBMODULES,
     _check_kvikio,
     _check_libcuda,
     _check_torch_cuda,
     _import_kvikio,
-    _reset_availability_cache,
-    _torch_cuda_major,
     gds_available,
     gds_unavailable_error,
+    reset_availability_cache,
 )
-from .cuda import (
-    CudaPointer,
-    _c_contiguous,
-    _cai,
-    _device_ops,
-    _DeviceSpan,
-    _itemsize,
-    _py_crc32c,
-    _TorchDeviceOps,
-    cuda_buffer_address,
-    host_crc32c,
-)
-from .engine import KvikioEngine, _call_in_loop, _fail_future, _resolve_future
+from .cuda import CudaPointer, DeviceSpan, _device_ops, cuda_buffer_address, host_crc32c, py_crc32c
+from .engine import KvikioEngine
 from .gate import GdsGate, open_gds_engine, probe_gds
 from .kvikio_io import (
-    _ERRNO_BY_TEXT,
     KVIKIO_EOF_TEXT,
     PATH_CUFILE,
     PATH_MIXED,
     PATH_POSIX,
     PATH_UNVERIFIED,
-    _backend_bytes,
-    _close_quietly,
-    _CuFileEntry,
-    _errno_of,
-    _is_kvikio_eof,
-    _path_of,
-    _PathMeter,
+    errno_of,
+    is_kvikio_eof,
+    path_of,
 )
 from .kvikio_settings import (
-    _LEGACY,
-    _compat_value,
-    _mode_name,
-    _same_setting,
-    _try_call,
     configure_kvikio,
     describe_kvikio,
     kvikio_compat_preferred,
@@ -111,15 +90,4 @@ from .kvikio_settings import (
     kvikio_set,
     kvikio_settings,
 )
-from .staging import (
-    StagingBuffer,
-    _crcs_into,
-    _in_thread,
-    _plan_groups,
-    _round_up,
-    _staged,
-    _to_host,
-    device_crc32c_many,
-    staged_read,
-    staged_write,
-)
+from .staging import StagingBuffer, device_crc32c_many, round_up, staged_read, staged_write

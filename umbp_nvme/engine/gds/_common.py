@@ -20,15 +20,15 @@ MAX_BATCH_WORKERS = 4  # batches running at once; each keeps its ops in kvikio's
 MAX_SHORT_RETRIES = 2  # a short transfer that is not at EOF is retried for the remainder this often
 STAGING_ALIGN_BYTES = DIO_ALIGN_BYTES  # host files may be O_DIRECT: ops are rounded to it
 
-_READ = 0
-_WRITE = 1
+READ = 0
+WRITE = 1
 
 
 def pkg():
     """The ``umbp_nvme.engine.gds`` package module.
 
     Names that callers and tests replace on the package (``_device_ops``, ``gds_available``,
-    ``_import_kvikio``, ``_check_libcuda``, ``_check_torch_cuda``, ``open_gds_engine``,
+    ``_import_kvikio``, ``_check_libcuda``, ``_check_torch_cuda``, ``_check_kvikio``, ``open_gds_engine``,
     ``StagingBuffer``, ``host_crc32c``) are looked up here at call time, so a replacement made with
     ``setattr(gds, name, ...)`` reaches every module of the package, as it did when it was one module.
     """

@@ -102,7 +102,7 @@ def gds_available() -> tuple[bool, str]:
         return _avail
 
 
-def _reset_availability_cache() -> None:
+def reset_availability_cache() -> None:
     """For tests."""
     global _avail
     with _avail_lock:

@@ -37,7 +37,7 @@ def _cai(ptr: int, nbytes: int, *, readonly: bool) -> dict:
             "version": 3, "stream": None}
 
 
-class _DeviceSpan:
+class DeviceSpan:
     """What kvikio's pread/pwrite take for a raw device range (they parse __cuda_array_interface__)."""
 
     __slots__ = ("__cuda_array_interface__",)
@@ -119,7 +119,7 @@ class _TorchDeviceOps:
         return torch
 
     def _dev_view(self, addr: int, nbytes: int):
-        return self._torch().as_tensor(_DeviceSpan(addr, nbytes), device="cuda")
+        return self._torch().as_tensor(DeviceSpan(addr, nbytes), device="cuda")
 
     def _host_view(self, addr: int, nbytes: int):
         return self._torch().frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=self._torch().uint8)
@@ -188,7 +188,7 @@ _crc_fn = None
 _CRC_TABLE = None
 
 
-def _py_crc32c(addr: int, nbytes: int, seed: int = 0) -> int:
+def py_crc32c(addr: int, nbytes: int, seed: int = 0) -> int:
     global _CRC_TABLE
     if _CRC_TABLE is None:
         table = []
@@ -215,6 +215,6 @@ def host_crc32c(addr: int, nbytes: int, seed: int = 0) -> int:
             _crc_fn = lambda a, n, s: int(_uring.crc32c((a, n), s))  # noqa: E731
         except ImportError:
             log.warning("umbp_nvme._uring is not built; GPU-path CRC32C uses a slow Python fallback")
-            _crc_fn = _py_crc32c
+            _crc_fn = py_crc32c
     return _crc_fn(addr, nbytes, seed) if nbytes else seed
 

@@ -13,17 +13,17 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..base import RESULT_DTYPE, Capabilities, EngineClosed, IoBatch
-from ._common import _READ, _WRITE, DEFAULT_QUEUE_DEPTH, MAX_BATCH_WORKERS, MAX_SHORT_RETRIES, log, pkg
-from .cuda import _DeviceSpan
+from ._common import READ, WRITE, DEFAULT_QUEUE_DEPTH, MAX_BATCH_WORKERS, MAX_SHORT_RETRIES, log, pkg
+from .cuda import DeviceSpan
 from .kvikio_io import (
     PATH_CUFILE,
     PATH_POSIX,
-    _close_quietly,
-    _CuFileEntry,
-    _errno_of,
-    _is_kvikio_eof,
-    _path_of,
-    _PathMeter,
+    close_quietly,
+    CuFileEntry,
+    errno_of,
+    is_kvikio_eof,
+    path_of,
+    PathMeter,
 )
 from .kvikio_settings import kvikio_compat_preferred, kvikio_settings
 
@@ -50,22 +50,22 @@ class KvikioEngine:
         )
         self._slots = threading.BoundedSemaphore(queue_depth)
         self._lock = threading.Lock()
-        self._files: dict[int, _CuFileEntry] = {}
-        self._retired: list[_CuFileEntry] = []  # dropped while a batch held them
+        self._files: dict[int, CuFileEntry] = {}
+        self._retired: list[CuFileEntry] = []  # dropped while a batch held them
         self._pending: set = set()  # (loop, asyncio.Future)
-        self._registered: dict[int, _DeviceSpan] = {}  # allocation base -> the span registered
+        self._registered: dict[int, DeviceSpan] = {}  # allocation base -> the span registered
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=max_batches, thread_name_prefix="umbp-gds")
         # which path served the bytes: kvikio's per-backend counters, read around each batch
-        self._meter = _PathMeter(self._kv, self._lock)
+        self._meter = PathMeter(self._kv, self._lock)
 
     # ---- protocol
 
     async def read_many(self, files, offsets, addrs, lengths) -> np.ndarray:
-        return await self._submit(_READ, IoBatch.of(files, offsets, addrs, lengths))
+        return await self._submit(READ, IoBatch.of(files, offsets, addrs, lengths))
 
     async def write_many(self, files, offsets, addrs, lengths) -> np.ndarray:
-        return await self._submit(_WRITE, IoBatch.of(files, offsets, addrs, lengths))
+        return await self._submit(WRITE, IoBatch.of(files, offsets, addrs, lengths))
 
     async def sync(self, fd: int, *, datasync: bool = True) -> None:
         # cuFile writes go through kvikio's own descriptors of the same inode: fdatasync on ours
@@ -84,7 +84,7 @@ class KvikioEngine:
         reg = self._kv_fn("memory_register")
         if self._closed or reg is None or kvikio_compat_preferred(self._kv) is not False:
             return False
-        done: dict[int, _DeviceSpan] = {}
+        done: dict[int, DeviceSpan] = {}
         try:
             for addr, nbytes in ranges:
                 addr = int(addr)
@@ -93,7 +93,7 @@ class KvikioEngine:
                 key = addr if base is None else base
                 if key in self._registered or key in done:
                     continue
-                span = _DeviceSpan(addr, int(nbytes))
+                span = DeviceSpan(addr, int(nbytes))
                 try:
                     reg(span)
                 except Exception as e:
@@ -123,7 +123,7 @@ class KvikioEngine:
         for loop, fut in pending:
             _fail_future(loop, fut, EngineClosed("KvikioEngine closed with I/O pending"))
         for e in idle:
-            _close_quietly(e.cufile)
+            close_quietly(e.cufile)
         self._deregister(self._registered.values())
         self._registered = {}
         self._meter.stop()
@@ -143,7 +143,7 @@ class KvikioEngine:
             e = self._files.pop(int(fd), None)
             if e is None or not self._retire(e):
                 return
-        _close_quietly(e.cufile)
+        close_quietly(e.cufile)
 
     def cached_fds(self) -> list[int]:
         with self._lock:
@@ -168,7 +168,7 @@ class KvikioEngine:
     def path(self) -> str:
         """"gds" only when cuFile served every byte measured; "posix", "mixed", or "unmeasured"."""
         c, p = self._meter.totals()
-        got = _path_of(c, p)
+        got = path_of(c, p)
         if got is None:
             return PATH_POSIX if kvikio_compat_preferred(self._kv) else "unmeasured"
         return "gds" if got == PATH_CUFILE else got
@@ -252,38 +252,38 @@ class KvikioEngine:
                 e.refs += 1
                 return e, st.st_size
         if stale is not None:
-            _close_quietly(stale.cufile)
+            close_quietly(stale.cufile)
         compat = kvikio_compat_preferred(self._kv) is True
         try:
             cufile = self._kv.CuFile(f"/proc/self/fd/{fd}", "r+" if writable else "r")
         except Exception as exc:
-            return -_errno_of(exc)
+            return -errno_of(exc)
         try:  # the magic link must have reached the same inode (guards a racing close/reuse)
             kfd = cufile.fileno()
             kst = os.fstat(kfd) if isinstance(kfd, int) and kfd >= 0 else None
         except Exception:
             kst = None
         if kst is not None and (kst.st_dev, kst.st_ino) != key:
-            _close_quietly(cufile)
+            close_quietly(cufile)
             return -errno.ESTALE
         with self._lock:
             if self._closed:
-                _close_quietly(cufile)
+                close_quietly(cufile)
                 return -errno.ECANCELED
             e = self._files.get(fd)
             if e is None or e.key != key:  # another batch may have raced us to it
                 if e is not None and self._retire(e):
-                    _close_quietly(e.cufile)
-                e = _CuFileEntry(cufile, key, writable)
+                    close_quietly(e.cufile)
+                e = CuFileEntry(cufile, key, writable)
                 if compat:  # kvikio runs every file POSIX: certain without measuring
                     e.path, e.why = PATH_POSIX, "kvikio compat decision (ON, or AUTO without usable cuFile)"
                 self._files[fd] = e
             else:
-                _close_quietly(cufile)
+                close_quietly(cufile)
             e.refs += 1
             return e, st.st_size
 
-    def _retire(self, e: _CuFileEntry) -> bool:
+    def _retire(self, e: CuFileEntry) -> bool:
         """Under self._lock: mark e dead; True when idle (the caller closes it), else the last
         batch holding it closes it in _release."""
         e.dead = True
@@ -301,7 +301,7 @@ class KvikioEngine:
                     if e in self._retired:
                         self._retired.remove(e)
         for e in to_close:
-            _close_quietly(e.cufile)
+            close_quietly(e.cufile)
 
     def _run_batch(self, op: int, batch: IoBatch) -> np.ndarray:
         token = self._meter.start()
@@ -319,7 +319,7 @@ class KvikioEngine:
         fds, offs, addrs, lens = batch.fds, batch.offsets, batch.addrs, batch.lengths
         files: dict[int, tuple] = {}
         for fd in np.unique(fds).tolist():
-            files[fd] = self._acquire_file(int(fd), op == _WRITE)
+            files[fd] = self._acquire_file(int(fd), op == WRITE)
         window: deque = deque()  # (index, future, size, cufile, op, addr, offset)
         try:
             for i in range(n):
@@ -334,7 +334,7 @@ class KvikioEngine:
                 entry, fsize = f
                 off = int(offs[i])
                 size = length
-                if op == _READ:
+                if op == READ:
                     # kvikio's POSIX path raises at EOF, cuFile returns short: clip to the size we
                     # saw so both give the protocol's short count.
                     size = max(0, min(length, fsize - off))
@@ -346,7 +346,7 @@ class KvikioEngine:
                     fut = self._start(entry.cufile, op, int(addrs[i]), size, off)
                 except Exception as exc:
                     self._slots.release()
-                    res[i] = -_errno_of(exc)
+                    res[i] = -errno_of(exc)
                     continue
                 window.append((i, fut, size, entry.cufile, op, int(addrs[i]), off))
         finally:
@@ -365,8 +365,8 @@ class KvikioEngine:
                 return
 
     def _start(self, cufile, op: int, addr: int, size: int, off: int):
-        span = _DeviceSpan(addr, size, readonly=(op == _WRITE))
-        return (cufile.pread if op == _READ else cufile.pwrite)(span, size, off)
+        span = DeviceSpan(addr, size, readonly=(op == WRITE))
+        return (cufile.pread if op == READ else cufile.pwrite)(span, size, off)
 
     def _finish_one(self, window, res, files) -> None:
         i, fut, size, cufile, op, addr, off = window.popleft()
@@ -374,7 +374,7 @@ class KvikioEngine:
             got = int(fut.get())
         except Exception as exc:
             # the file shrank under a read (we clipped to the size seen): a short count, as cuFile gives
-            got = 0 if _is_kvikio_eof(exc) else -_errno_of(exc)
+            got = 0 if is_kvikio_eof(exc) else -errno_of(exc)
         finally:
             self._slots.release()
         # Reads were clipped to the file size, so a short count here is not EOF: retry the

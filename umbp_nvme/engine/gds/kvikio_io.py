@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._common import _WRITE, log
+from ._common import WRITE, log
 
 # --------------------------------------------------------------------------------------------
 # The engine
@@ -28,7 +28,7 @@ _ERRNO_BY_TEXT = sorted(
 KVIKIO_EOF_TEXT = "POSIX error on pread: EOF"  # kvikio's POSIX path at EOF (cuFile returns short)
 
 
-def _errno_of(exc: BaseException) -> int:
+def errno_of(exc: BaseException) -> int:
     """An errno for an exception out of kvikio: strerror text in its message, else EIO."""
     if isinstance(exc, OSError) and exc.errno:  # our own calls (fstat, open); kvikio never raises it
         return int(exc.errno)
@@ -42,7 +42,7 @@ def _errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
-def _is_kvikio_eof(exc: BaseException) -> bool:
+def is_kvikio_eof(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and KVIKIO_EOF_TEXT in str(exc)
 
 
@@ -56,7 +56,7 @@ PATH_UNVERIFIED = "unverified"  # kvikio would try cuFile; no batch on the file 
 
 
 @dataclass(slots=True, eq=False)
-class _CuFileEntry:
+class CuFileEntry:
     cufile: object
     key: tuple
     writable: bool
@@ -76,7 +76,7 @@ def _backend_bytes(summary) -> dict[str, int]:
     return out
 
 
-def _path_of(cufile_bytes: int, posix_bytes: int) -> str | None:
+def path_of(cufile_bytes: int, posix_bytes: int) -> str | None:
     if cufile_bytes and not posix_bytes:
         return PATH_CUFILE
     if posix_bytes and not cufile_bytes:
@@ -86,14 +86,14 @@ def _path_of(cufile_bytes: int, posix_bytes: int) -> str | None:
     return None
 
 
-def _close_quietly(cufile) -> None:
+def close_quietly(cufile) -> None:
     try:
         cufile.close()
     except Exception as e:  # closing must not fail a batch or close(); note it
         log.debug("closing a kvikio CuFile failed: %s", e)
 
 
-class _PathMeter:
+class PathMeter:
     """Bytes a KvikioEngine served per op kind and path, from kvikio's per-backend counters.
 
     kvikio's counters (``SummaryMonitor``) are process-wide, so a batch's bytes are attributed to a
@@ -162,7 +162,7 @@ class _PathMeter:
                 after = None
         entries = [f[0] for f in files.values() if not isinstance(f, int)]
         moved = int(np.maximum(res, 0).sum()) if res is not None else 0
-        kind = "write" if op == _WRITE else "read"
+        kind = "write" if op == WRITE else "read"
         with self._lock:
             alone = alone and self._started == seq
             self._active -= 1
@@ -173,7 +173,7 @@ class _PathMeter:
             p = sum(after.get(k, 0) - before.get(k, 0) for k in after if k != "GDS")
             self._served[kind]["cufile"] += c
             self._served[kind]["posix"] += p
-            path = _path_of(c, p)
+            path = path_of(c, p)
             if path is None:
                 return
             if path == PATH_MIXED and len(entries) > 1:

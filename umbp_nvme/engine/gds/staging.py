@@ -9,13 +9,13 @@ import errno
 import numpy as np
 
 from ..base import ADDR_DTYPE, RESULT_DTYPE, IoBatch
-from ._common import _READ, _WRITE, STAGING_ALIGN_BYTES, pkg
+from ._common import READ, WRITE, STAGING_ALIGN_BYTES, pkg
 
 # --------------------------------------------------------------------------------------------
 # Staging through pinned host memory (gds_staging=True), and CRC of device ranges
 
 
-def _round_up(n, unit: int = STAGING_ALIGN_BYTES):
+def round_up(n, unit: int = STAGING_ALIGN_BYTES):
     """n (an int or an int array) rounded up to a multiple of unit."""
     return -(-n // unit) * unit
 
@@ -31,7 +31,7 @@ class StagingBuffer:
 
         if nbytes <= 0:
             raise ValueError(f"staging nbytes must be > 0, got {nbytes}")
-        self.nbytes = _round_up(nbytes)
+        self.nbytes = round_up(nbytes)
         self._buf = AlignedBuffer(self.nbytes)
         self.address = self._buf.address
         self.pinned = pkg()._device_ops.pin(self.address, self.nbytes) if pin else False
@@ -93,23 +93,23 @@ async def _staged(op: int, host_engine, fds, offsets, dev_addrs, lengths, stagin
     b = IoBatch.of(fds, offsets, dev_addrs, lengths)
     res = np.zeros(len(b), dtype=RESULT_DTYPE)
     crcs = np.zeros(len(b), dtype=np.uint32)
-    io_lens = _round_up(b.lengths)  # O_DIRECT files take whole blocks only
+    io_lens = round_up(b.lengths)  # O_DIRECT files take whole blocks only
     too_big = io_lens > staging.nbytes
     res[too_big] = -errno.ENOBUFS
     ok = np.flatnonzero(~too_big)
-    transfer = host_engine.write_many if op == _WRITE else host_engine.read_many
+    transfer = host_engine.write_many if op == WRITE else host_engine.read_many
     async with staging.lock():
         for idx, host in _plan_groups(io_lens[ok], staging.nbytes, staging.address):
             sel = ok[idx]
             dev, want = b.addrs[sel].tolist(), b.lengths[sel]
-            if op == _WRITE:
+            if op == WRITE:
                 await _in_thread(_to_host, dev, host, want.tolist(), io_lens[sel].tolist())
             r = await transfer(b.files(sel), b.offsets[sel], np.asarray(host, dtype=ADDR_DTYPE), io_lens[sel])
             res[sel] = r = np.minimum(r, want)  # the bytes past the object are not the caller's
-            moved = want.tolist() if op == _WRITE else np.maximum(r, 0).tolist()
+            moved = want.tolist() if op == WRITE else np.maximum(r, 0).tolist()
             if with_crc:
                 _crcs_into(crcs, sel, host, moved)
-            if op == _READ:
+            if op == READ:
                 pairs = [(h, d, n) for h, d, n in zip(host, dev, moved) if n > 0]
                 await _in_thread(pkg()._device_ops.copy_h2d, pairs)
     return (res, crcs) if with_crc else res
@@ -124,7 +124,7 @@ async def staged_read(host_engine, fds, offsets, dev_addrs, lengths, staging: St
     Returns the per-op results (the protocol's convention), and with ``with_crc`` also the CRC32C of
     the bytes read (computed on the host copy, before the device copy) as uint32.
     """
-    return await _staged(_READ, host_engine, fds, offsets, dev_addrs, lengths, staging, with_crc)
+    return await _staged(READ, host_engine, fds, offsets, dev_addrs, lengths, staging, with_crc)
 
 
 async def staged_write(host_engine, fds, offsets, dev_addrs, lengths, staging: StagingBuffer, *,
@@ -137,7 +137,7 @@ async def staged_write(host_engine, fds, offsets, dev_addrs, lengths, staging: S
     copy runs on torch's current stream after the caller's queued work on it; work on other streams
     must be synchronised by the caller first.
     """
-    return await _staged(_WRITE, host_engine, fds, offsets, dev_addrs, lengths, staging, with_crc)
+    return await _staged(WRITE, host_engine, fds, offsets, dev_addrs, lengths, staging, with_crc)
 
 
 async def device_crc32c_many(dev_addrs, lengths, staging: StagingBuffer | None = None) -> np.ndarray:
@@ -156,7 +156,7 @@ async def device_crc32c_many(dev_addrs, lengths, staging: StagingBuffer | None =
         raise ValueError(f"a range of {int(lens.max())} bytes exceeds the staging buffer ({staging.nbytes} bytes)")
 
     def work():
-        for idx, host in _plan_groups(_round_up(lens), staging.nbytes, staging.address):
+        for idx, host in _plan_groups(round_up(lens), staging.nbytes, staging.address):
             n = lens[idx].tolist()
             _to_host(addrs[idx].tolist(), host, n, n)
             _crcs_into(crcs, idx, host, n)
