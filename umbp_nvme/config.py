@@ -222,7 +222,7 @@ def parse_bool(value: Any, label: str) -> bool:
     raise ValueError(f"{label} must be a boolean-like value (true/false, 1/0, yes/no, on/off), got {value!r}")
 
 
-def _int_parser(minimum: int) -> Callable[[Any, str], int]:
+def int_parser(minimum: int) -> Callable[[Any, str], int]:
     def parse(value: Any, label: str) -> int:
         parsed: int | None = None
         if isinstance(value, bool):
@@ -247,7 +247,7 @@ def _int_parser(minimum: int) -> Callable[[Any, str], int]:
 
 def _size_parser(minimum: int) -> Callable[[Any, str], int]:
     """Byte counts: an int, or a string with a binary unit ('500g', '512GiB'; sizes.py)."""
-    as_int = _int_parser(minimum)
+    as_int = int_parser(minimum)
 
     def parse(value: Any, label: str) -> int:
         if not isinstance(value, str) or not _UNIT_RE.search(value):  # no unit: the integer rules and message
@@ -425,13 +425,13 @@ _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
     "ssd_storage_dir": ("ssd_storage_dir", _parse_dir),
     "ssd_capacity_bytes": ("ssd_capacity_bytes", _size_parser(1)),
     "ssd_segment_size_bytes": ("ssd_segment_size_bytes", _size_parser(1)),
-    "ssd_queue_depth": ("ssd_queue_depth", _int_parser(1)),
+    "ssd_queue_depth": ("ssd_queue_depth", int_parser(1)),
     "ssd_io_backend": ("ssd_io_backend", _parse_io_backend),
     "ssd_write_slice_bytes": ("ssd_write_slice_bytes", _size_parser(0)),
     "ssd_read_priority": ("ssd_read_priority", _parse_on_off),
     "ssd_crc_worker": ("ssd_crc_worker", parse_bool),
     "ssd_crc_policy": ("ssd_crc_policy", _parse_crc_policy),
-    "ssd_crc_nice": ("ssd_crc_nice", _int_parser(0)),
+    "ssd_crc_nice": ("ssd_crc_nice", int_parser(0)),
     "ssd_durability_mode": ("ssd_durability_mode", _parse_durability),
     "ssd_high_watermark": ("ssd_high_watermark", _parse_float),
     "ssd_low_watermark": ("ssd_low_watermark", _parse_float),
@@ -445,14 +445,14 @@ _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
     "extra_backend_tag": ("extra_backend_tag", _parse_tag),
     "ssd_enabled": ("ssd_enabled", parse_bool),
     "dram_capacity_bytes": ("dram_capacity_bytes", _size_parser(0)),
-    "eviction_candidate_window": ("eviction_candidate_window", _int_parser(0)),
+    "eviction_candidate_window": ("eviction_candidate_window", int_parser(0)),
     "auto_promote_on_read": ("auto_promote_on_read", parse_bool),
     # Accepted, type-checked, and ignored: UMBP's DRAM->SSD copy pipeline and RDMA registration.
     "ssd_backend": (None, _parse_ssd_backend),
     "ssd_copy_async": (None, parse_bool),
-    "ssd_copy_queue_depth": (None, _int_parser(0)),
-    "ssd_copy_worker_threads": (None, _int_parser(0)),
-    "ssd_copy_batch_max_ops": (None, _int_parser(0)),
+    "ssd_copy_queue_depth": (None, int_parser(0)),
+    "ssd_copy_worker_threads": (None, int_parser(0)),
+    "ssd_copy_batch_max_ops": (None, int_parser(0)),
     "disable_zero_copy_register": (None, parse_bool),
     "kv_events_subscriber": (None, _warn_kv_events),
     "kv_events_endpoint": (None, lambda v, label: v),

@@ -85,9 +85,12 @@ def test_o_direct_refused_by_the_file_system_is_named_as_a_buffered_fallback(tmp
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real_open(path, flags, *a, **kw)
 
-    monkeypatch.setattr(engine_files, "_no_direct_devices", set())  # the refusal is remembered per device
+    engine_files.forget_direct_refusals()  # the refusal is remembered per device: before and after
     monkeypatch.setattr(os, "open", no_direct)
-    r = doctor.report(str(tmp_path), probe=False)
+    try:
+        r = doctor.report(str(tmp_path), probe=False)
+    finally:
+        engine_files.forget_direct_refusals()
     od = r["items"]["o_direct"]
     assert od["asked"] is True and od["direct"] is False and od["kernel_accepts"] is False
     assert "EINVAL" in od["error"]

@@ -23,9 +23,9 @@ MiB = 1 << 20
 
 @pytest.fixture(autouse=True)
 def fresh_probe_cache():
-    files_mod._no_direct_devices.clear()
+    files_mod.forget_direct_refusals()
     yield
-    files_mod._no_direct_devices.clear()
+    files_mod.forget_direct_refusals()
 
 
 def _flags(fd: int) -> int:

@@ -22,9 +22,9 @@ import umbp_nvme._uring  # noqa: E402,F401 - required: a missing extension fails
 @pytest.fixture(autouse=True)
 def fresh_warning(monkeypatch):
     monkeypatch.delenv(engine_mod.FORCE_NO_URING_ENV, raising=False)
-    engine_mod._reset_fallback_warning()
+    engine_mod.reset_fallback_warning()
     yield
-    engine_mod._reset_fallback_warning()
+    engine_mod.reset_fallback_warning()
 
 
 def _fallback_warnings(caplog):

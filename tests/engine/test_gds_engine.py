@@ -643,16 +643,16 @@ async def test_read_past_eof_is_short_and_beyond_eof_is_zero(kv, core, data_file
 
 async def test_posix_eof_raised_by_kvikio_is_a_short_count(engine, core, data_file):
     fd, _, _ = data_file
-    core.fail_at[PAGE] = fk._fail("posix_io.hpp:173", "POSIX error on pread: EOF")  # the file shrank
+    core.fail_at[PAGE] = fk.fail("posix_io.hpp:173", "POSIX error on pread: EOF")  # the file shrank
     buf = np.zeros(2 * PAGE, np.uint8)
     assert (await engine.read_many(fd, [0, PAGE], [addr(buf), addr(buf) + PAGE], [PAGE, PAGE])).tolist() == [PAGE, 0]
 
 
 async def test_one_failing_op_does_not_fail_the_batch(engine, core, data_file):
     fd, payload, _ = data_file
-    core.fail_at[2 * PAGE] = fk._cufile_error("file_handle.cpp:301", "Input/output error")
-    core.fail_at[4 * PAGE] = fk._system_error("posix_io.hpp:131", errno.ENOSPC)
-    core.fail_at[6 * PAGE] = fk._cufile_error("file_handle.cpp:301", "internal error")
+    core.fail_at[2 * PAGE] = fk.cufile_error("file_handle.cpp:301", "Input/output error")
+    core.fail_at[4 * PAGE] = fk.system_error("posix_io.hpp:131", errno.ENOSPC)
+    core.fail_at[6 * PAGE] = fk.cufile_error("file_handle.cpp:301", "internal error")
     bufs = [np.zeros(PAGE, np.uint8) for _ in range(4)]
     res = await engine.read_many(fd, [0, 2 * PAGE, 4 * PAGE, 6 * PAGE], [addr(b) for b in bufs], [PAGE] * 4)
     assert res.tolist() == [PAGE, -errno.EIO, -errno.ENOSPC, -errno.EIO]
@@ -661,14 +661,14 @@ async def test_one_failing_op_does_not_fail_the_batch(engine, core, data_file):
 
 def test_errno_mapping_from_kvikio_messages():
     m = gds.errno_of
-    assert m(fk._system_error("posix_io.hpp:131", errno.ENOSPC)) == errno.ENOSPC
-    assert m(fk._system_error("file_utils.cpp:112", errno.ENOENT)) == errno.ENOENT
-    assert m(fk._system_error("posix_io.hpp:131", errno.EBADF)) == errno.EBADF
-    assert m(fk._cufile_error("x.cpp:1", os.strerror(errno.EINVAL))) == errno.EINVAL
-    assert m(fk._cufile_error("x.cpp:1", "GPUDirect Storage not supported on current file")) == errno.EIO
+    assert m(fk.system_error("posix_io.hpp:131", errno.ENOSPC)) == errno.ENOSPC
+    assert m(fk.system_error("file_utils.cpp:112", errno.ENOENT)) == errno.ENOENT
+    assert m(fk.system_error("posix_io.hpp:131", errno.EBADF)) == errno.EBADF
+    assert m(fk.cufile_error("x.cpp:1", os.strerror(errno.EINVAL))) == errno.EINVAL
+    assert m(fk.cufile_error("x.cpp:1", "GPUDirect Storage not supported on current file")) == errno.EIO
     assert m(RuntimeError("cuFile internal error 5011")) == errno.EIO
-    assert not any(isinstance(e, OSError) for e in (fk._system_error("a", errno.EIO), fk._fail("a", "b")))
-    assert gds.is_kvikio_eof(fk._fail("posix_io.hpp:173", "POSIX error on pread: EOF"))
+    assert not any(isinstance(e, OSError) for e in (fk.system_error("a", errno.EIO), fk.fail("a", "b")))
+    assert gds.is_kvikio_eof(fk.fail("posix_io.hpp:173", "POSIX error on pread: EOF"))
 
 
 async def test_bad_fd_fails_only_its_ops(engine, data_file):
@@ -958,7 +958,7 @@ async def test_probe_mismatch_refuses_gds(fake_cuda, core, tmp_path):
 
 
 async def test_probe_error_refuses_gds(fake_cuda, core, tmp_path):
-    core.fail_at[0] = fk._cufile_error("file_handle.cpp:301", "Input/output error")
+    core.fail_at[0] = fk.cufile_error("file_handle.cpp:301", "Input/output error")
     with pytest.raises(EngineUnavailable, match="probe read of 4096 bytes returned EIO"):
         await gds.open_gds_engine(8, probe_dir=str(tmp_path))
 

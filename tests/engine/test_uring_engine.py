@@ -103,7 +103,7 @@ async def test_registered_buffers_reads_land_in_caller_numpy_and_torch_memory(en
     path.write_bytes(data)
     fd = open_direct(path, os.O_RDONLY)
     with AlignedBuffer(32 * PAGE) as a, AlignedBuffer(32 * PAGE) as b:
-        tensor = torch.frombuffer(b._mmap, dtype=torch.uint8)  # mmap-backed, page-aligned tensor
+        tensor = torch.from_numpy(b.array)  # mmap-backed, page-aligned tensor
         assert engine.register_buffers([(a.address, a.nbytes), (int(tensor.data_ptr()), tensor.numel())]) is True
         assert engine.capabilities.fixed_buffers is True
         offs = np.arange(64, dtype=np.int64)[::-1].copy() * PAGE
@@ -128,7 +128,7 @@ async def test_batch_mixing_registered_and_plain_memory(engine, tmp_path):
         offs = np.array([6 * PAGE, 0, 4 * PAGE])
         mem = buf.address + _u64([0, 3 * PAGE, 5 * PAGE])
         lens = np.array([2 * PAGE, 2 * PAGE, 3 * PAGE])
-        assert engine._fixed_index(mem, lens).tolist() == [0, -1, -1]
+        assert engine.fixed_index(mem, lens).tolist() == [0, -1, -1]
         res = await engine.read_many(fd, offs, mem, lens)
         assert res.tolist() == lens.tolist()
         assert buf.array[: 2 * PAGE].tobytes() == data[6 * PAGE :]
@@ -151,7 +151,7 @@ async def test_register_buffers_accumulates_ranges(engine):
         assert engine.register_buffers([(a.address, a.nbytes)]) is True
         assert engine.register_buffers([(b.address, b.nbytes)]) is True
         assert engine.ring.nbufs == 2
-        assert engine._fixed_index(_u64([a.address, b.address + PAGE]), np.array([PAGE, PAGE])).tolist() in ([0, 1], [1, 0])
+        assert engine.fixed_index(_u64([a.address, b.address + PAGE]), np.array([PAGE, PAGE])).tolist() in ([0, 1], [1, 0])
 
 
 async def test_bad_fd_is_ebadf_for_that_op_only(engine, tmp_path):

@@ -152,7 +152,7 @@ async def test_beside_reads_the_read_window_keeps_that_many_cut_slices_in_flight
     starts = [inflight for ev, _, inflight in dev.log if ev == "start"]
     assert max(starts) == 2 * max(2, op_mib) * MiB  # two slices side by side, not three
     assert set(dev.sizes) == {max(2, op_mib) * MiB}  # every slice cut to the read slice (or one op)
-    assert arb._wslices == 0 and arb._wbytes == 0  # every grant handed back
+    assert arb.granted == (0, 0)  # every grant handed back
     with pytest.raises(ValueError, match="read_window_slices"):
         Arbiter(8 * MiB, read_window_slices=0)
 
@@ -254,7 +254,7 @@ async def test_slices_are_cut_while_reads_are_about_and_full_when_idle():
     after = dev.sizes[mark + 1:-1]  # past one granted beside the read; the last may be a short tail
     assert after and set(after) == {8 * MiB}  # quiet again: full slices
     assert sum(dev.sizes) == n * MiB and arb.stats["write_slices_cut"] >= len(during)
-    assert arb._wbytes == 0 and not arb._waiting
+    assert arb.granted[0] == 0 and not arb.waiting
 
 
 async def test_beside_reads_one_cut_slice_at_a_time_and_small_batches_go_whole():
@@ -289,7 +289,7 @@ async def test_a_failed_slice_stops_the_batch_and_frees_the_window():
     with pytest.raises(OSError):
         await write_sliced(run, arb, 3, np.zeros(16), np.ones(16, np.uint64), np.full(16, MiB))
     assert len(calls) < 8  # not every slice of the batch was submitted after the failure
-    assert arb._wbytes == 0 and not arb._waiting
+    assert arb.granted[0] == 0 and not arb.waiting
 
 
 async def test_cancelled_sliced_write_waits_for_its_running_slices():
@@ -300,7 +300,7 @@ async def test_cancelled_sliced_write_waits_for_its_running_slices():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert dev.inflight == 0  # nothing left at the "device" once the await returned
-    assert arb._wbytes == 0 and not arb._waiting  # the window is whole again
+    assert arb.granted[0] == 0 and not arb.waiting  # the window is whole again
 
 
 async def test_uring_engine_keeps_at_most_the_window_of_write_ops_in_the_ring(tmp_path):

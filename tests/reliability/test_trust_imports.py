@@ -24,8 +24,8 @@ from conftest import ROOT, payload
 from support.cli_stores import make_store, read_store
 
 import umbp_nvme.cli.main as cli
-from umbp_nvme.cli.archive import _REC, _U32, REC_TAG, ArchiveError, ArchiveReader, ArchiveWriter, _crc32c
-from umbp_nvme.cli.hicache_files import _file_read
+from umbp_nvme.cli.archive import REC, REC_TAG, U32, ArchiveError, ArchiveReader, ArchiveWriter, crc32c_impl
+from umbp_nvme.cli.hicache_files import file_read
 from umbp_nvme.sglang.keys import KeyScheme
 
 MiB = 1 << 20
@@ -74,9 +74,9 @@ def archive_bytes(records, namespace=None) -> bytes:
 
 def raw_record(key: bytes, data: bytes, *, length: int | None = None) -> bytes:
     """A record with a valid frame checksum for any key bytes and any declared length."""
-    c = _crc32c()
-    fixed = _REC.pack(REC_TAG, len(key), len(data) if length is None else length, c(data))
-    return fixed + _U32.pack(c(fixed + key)) + key + data
+    c = crc32c_impl()
+    fixed = REC.pack(REC_TAG, len(key), len(data) if length is None else length, c(data))
+    return fixed + U32.pack(c(fixed + key)) + key + data
 
 
 def record_offsets(data: bytes) -> list[int]:
@@ -277,7 +277,7 @@ def test_file_read_never_blocks_on_a_fifo_or_follows_a_symlink_swapped_in_after_
     os.mkfifo(fifo)
     mv = memoryview(bytearray(4096))
     got = []
-    t = threading.Thread(target=lambda: got.append(_file_read(fifo)(mv)), daemon=True)
+    t = threading.Thread(target=lambda: got.append(file_read(fifo)(mv)), daemon=True)
     t.start()
     t.join(5)
     assert not t.is_alive(), "opening a FIFO blocked"
@@ -285,10 +285,10 @@ def test_file_read_never_blocks_on_a_fifo_or_follows_a_symlink_swapped_in_after_
     target = tmp_path / "t"
     target.write_bytes(b"s" * 4096)
     os.symlink(target, tmp_path / "l")
-    assert _file_read(str(tmp_path / "l"))(mv) == f"{tmp_path / 'l'} became a symbolic link while being imported; not followed"
+    assert file_read(str(tmp_path / "l"))(mv) == f"{tmp_path / 'l'} became a symbolic link while being imported; not followed"
     big = tmp_path / "grown"
     big.write_bytes(b"g" * 8192)  # grew after its size was checked: never read past what was sized
-    assert _file_read(str(big))(mv) == f"{big} is now 8192 bytes, not 4096; it changed while being imported"
+    assert file_read(str(big))(mv) == f"{big} is now 8192 bytes, not 4096; it changed while being imported"
     assert bytes(mv) == bytes(4096)
 
 
@@ -482,10 +482,10 @@ def test_reader_under_random_damage_never_crashes_and_never_returns_wrong_bytes(
         elif kind == 1:  # a lying length with a valid frame checksum
             i = rng.randrange(len(offs))
             end = offs[i + 1] if i + 1 < len(offs) else len(data) - 32
-            key = bytes(b[offs[i] + 24 : offs[i] + 24 + _REC.unpack_from(b, offs[i])[1]])
+            key = bytes(b[offs[i] + 24 : offs[i] + 24 + REC.unpack_from(b, offs[i])[1]])
             lie = rng.choice([0, 1, 1 << 20, 512 * MiB, 1 << 40, (1 << 64) - 1])
-            fixed = bytearray(_REC.pack(REC_TAG, len(key), lie, _REC.unpack_from(b, offs[i])[3]))
-            b[offs[i] : offs[i] + 24] = fixed + _U32.pack(_crc32c()(bytes(fixed) + key))
+            fixed = bytearray(REC.pack(REC_TAG, len(key), lie, REC.unpack_from(b, offs[i])[3]))
+            b[offs[i] : offs[i] + 24] = fixed + U32.pack(crc32c_impl()(bytes(fixed) + key))
             assert end > offs[i]
         else:  # a random cut
             del b[rng.randrange(offs[0], len(b)) :]
@@ -551,20 +551,20 @@ def test_archive_header_nested_a_million_deep_is_damage_not_a_crash():
     import struct
 
     blob = b"[" * 1_000_000 + b"]" * 1_000_000
-    c = _crc32c()
+    c = crc32c_impl()
     head = b"UMBPARCH" + struct.pack("<HHI", 1, 0, len(blob)) + blob
     with pytest.raises(ArchiveError, match="header is not valid JSON"):
-        ArchiveReader(io.BytesIO(head + _U32.pack(c(head))), "deep.umbparc")
+        ArchiveReader(io.BytesIO(head + U32.pack(c(head))), "deep.umbparc")
     head = b"UMBPARCH" + struct.pack("<HHI", 1, 0, 3) + b"[1]"
     with pytest.raises(ArchiveError, match="header is not a JSON object"):
-        ArchiveReader(io.BytesIO(head + _U32.pack(c(head))), "list.umbparc")
+        ArchiveReader(io.BytesIO(head + U32.pack(c(head))), "list.umbparc")
 
 
 @pytest.mark.parametrize("via", ["file", "pipe"])
 def test_resync_passes_over_bytes_crafted_to_look_like_frames_up_to_a_record_at_the_very_end(via):
     data = archive_bytes([("a_0_k", b"x" * 10)])
     first = data.index(REC_TAG)
-    fake = _REC.pack(REC_TAG, 1024, 5, 0)[:8]  # a tag and a key length, over and over
+    fake = REC.pack(REC_TAG, 1024, 5, 0)[:8]  # a tag and a key length, over and over
     blob = data[:first] + REC_TAG + b"\xff" * 24 + fake * (MiB // 8) + b"END\0" + data[first:]
     f = io.BytesIO(blob) if via == "file" else io.BufferedReader(_ShortReads(blob), 4096)
     r = ArchiveReader(f)

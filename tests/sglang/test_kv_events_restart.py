@@ -85,7 +85,7 @@ def test_a_replay_from_before_the_buffer_re_announces_once_the_re_announcement_l
         for i in range(3):  # three more batches push the re-announcement out of a 2-batch buffer
             put(be, keys_of(1, f"more{i}"))
             assert pub.flush(60)
-        assert pub._buffer[0][0] > pub._full_from
+        assert pub.oldest_seq > pub.full_from
         replay(f"ipc://{tmp_path}/replay", 1)
         assert pub.flush(60) and pub.stats["reannounced_pages"] == 5 + 8
     finally:

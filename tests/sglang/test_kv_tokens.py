@@ -77,7 +77,7 @@ def test_a_damaged_record_ends_the_log_there(tmp_path):
     t = opened(path)
     for r in recs:
         t.keep([r])
-    first_end = t._at[recs[1][0]][0]
+    first_end = t.record_at(recs[1][0])[0]
     t.close()
     with open(path, "r+b") as f:
         f.seek(first_end + 12)
@@ -91,7 +91,7 @@ def test_a_record_damaged_after_the_open_costs_only_its_page(tmp_path):
     recs = chain(pages(2, "late"))
     t = opened(path)
     t.keep(recs)
-    off = t._at[recs[0][0]][0]
+    off = t.record_at(recs[0][0])[0]
     with open(path, "r+b") as f:
         f.seek(off + 10)
         f.write(b"\x00\x00\x00")
@@ -109,12 +109,12 @@ def test_the_log_is_bounded_in_pages_and_rewritten_once_mostly_dead(tmp_path, mo
     t.keep(recs)
     assert len(t) == 10 and t.stats["token_pages_not_kept"] == 2
     t.drop([h for h, _, _ in recs[:8]])  # 2 live of 10 written: rewritten
-    assert os.path.getsize(path) == t._live_bytes
+    assert os.path.getsize(path) == t.live_bytes
     assert [t.get(h) is not None for h, _, _ in recs[8:10]] == [True, True]
     t.keep(recs[10:])  # appends land after the rewritten records
     t.close()
     t = opened(path)
-    assert sorted(t._at) == sorted(h for h, _, _ in recs[8:])
+    assert sorted(t.hashes()) == sorted(h for h, _, _ in recs[8:])
 
 
 def test_retain_forgets_pages_the_store_no_longer_holds(tmp_path):

@@ -335,9 +335,9 @@ def test_an_empty_environment_variable_skips_only_itself():
 
 @pytest.mark.parametrize("minimum", [0, 1, 7])
 def test_integer_parsers_accept_integral_values_from_their_minimum(minimum):
-    from umbp_nvme.config import _int_parser
+    from umbp_nvme.config import int_parser
 
-    parse = _int_parser(minimum)
+    parse = int_parser(minimum)
     for value in (minimum, minimum + 1, float(minimum), str(minimum), f" +{minimum + 2} ", 10**12):
         expected = int(str(value).strip()) if isinstance(value, str) else int(value)
         got = parse(value, "L")

@@ -95,9 +95,7 @@ class Writer:
 def _open_environments(path) -> list[str]:
     """The LMDB environments this process holds on files of the store at ``path``."""
     root = os.path.realpath(path) + os.sep
-    with index._ENVS_LOCK:
-        envs = [e[0] for e in (*index._ENVS.values(), *index._DETACHED)]
-    return [p for p in (os.path.realpath(e.path()) for e in envs) if p.startswith(root)]
+    return [p for p in map(os.path.realpath, index.open_environment_paths()) if p.startswith(root)]
 
 
 async def view(st, keys) -> dict:
@@ -246,7 +244,7 @@ async def test_a_lookup_on_the_old_file_while_another_reopened_is_answered_from_
 
     assert watch.read(lookup, "miss") == [None] * len(keys)
     old, new = read_on
-    assert old is not new and old._closed and not new._closed  # the old handle closed once its lookup ended
+    assert old is not new and old.closed and not new.closed  # the old handle closed once its lookup ended
     assert set((await view(follower, GONE + LIVE)).values()) == {None, 1}
     w.do(close=True)
     w.end()

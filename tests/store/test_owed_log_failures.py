@@ -227,9 +227,9 @@ def test_after_a_sigkill_no_delete_acknowledged_without_a_log_comes_back(tmp_pat
 
 
 async def test_a_thread_call_given_up_on_that_fails_later_logs_no_unretrieved_exception():
-    """drive_probe._retrieved: an append or probe call abandoned at io_timeout_s that fails on its
+    """drive_probe.retrieved: an append or probe call abandoned at io_timeout_s that fails on its
     thread afterwards is not an asyncio "Future exception was never retrieved" ERROR."""
-    from umbp_nvme.store.drive_probe import _retrieved
+    from umbp_nvme.store.drive_probe import retrieved
 
     loop = asyncio.get_running_loop()
     seen = []
@@ -239,7 +239,7 @@ async def test_a_thread_call_given_up_on_that_fails_later_logs_no_unretrieved_ex
         for wrap in (False, True):
             fut = loop.create_future()
             if wrap:
-                fut = _retrieved(fut)
+                fut = retrieved(fut)
             fut.set_exception(OSError(5, "late failure"))
             await asyncio.sleep(0)  # done callbacks run
             del fut
@@ -308,7 +308,7 @@ async def test_appends_that_keep_hanging_take_a_bounded_number_of_threads(tmp_pa
     finally:
         release.set()
     monkeypatch.setattr(owed_deletes, "append", _real_append)
-    assert await until(lambda: not any(st._log_busy), 10)  # the hung appends returned (failing)
+    assert await until(lambda: not any(st.owed_log_appends_running), 10)  # the hung appends returned (failing)
     assert await st.delete_many(on1[:2]) == [True, True]  # their threads serve again: recorded
     await st.close()
 

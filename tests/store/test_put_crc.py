@@ -48,7 +48,7 @@ async def test_jobs_run_on_one_worker_at_the_policy_which_ends_when_idle(monkeyp
     got = [await _low(_me, policy=policy) for _ in range(3)]
     (tid,) = {tid for tid, _ in got}
     assert tid != threading.get_native_id()
-    assert put_crc._Count.applied == policy  # this kernel accepted it (a thread may always lower itself)
+    assert put_crc.Counts.applied == policy  # this kernel accepted it (a thread may always lower itself)
     for _, (got_sched, got_nice) in got:
         assert got_sched == sched
         if policy != "idle":
@@ -98,7 +98,7 @@ def test_a_forked_child_starts_its_own_worker():
 
 
 async def test_the_job_computes_the_crcs_and_hands_back_errors():
-    jobs = put_crc._Count.jobs
+    jobs = put_crc.Counts.jobs
     bufs, src, nbytes, out = _crcs([4096, 1 * MiB + 7, 300 * KiB])
     await _low(crc32c_many, src, nbytes, out)
     want = np.zeros_like(out)
@@ -111,7 +111,7 @@ async def test_the_job_computes_the_crcs_and_hands_back_errors():
     with pytest.raises(OSError, match="bad"):
         await _low(boom)
     assert (await _low(lambda: 42)) == 42
-    assert put_crc._Count.jobs == jobs + 3
+    assert put_crc.Counts.jobs == jobs + 3
 
 
 async def test_unknown_policy_is_refused_and_its_jobs_still_run():
@@ -121,7 +121,7 @@ async def test_unknown_policy_is_refused_and_its_jobs_still_run():
         StoreConfig(ssd_crc_policy="fast")  # a store never gets one
     # a worker that cannot apply it must not strand the put
     assert await asyncio.wait_for(_low(lambda: 3, policy="fast"), 5.0) == 3
-    assert put_crc._Count.applied == "normal"
+    assert put_crc.Counts.applied == "normal"
 
 
 async def test_dispatch_by_reads_and_batch_size():
@@ -129,12 +129,12 @@ async def test_dispatch_by_reads_and_batch_size():
     bufs, src, nbytes, out = _crcs([64 * KiB])
     arb, quiet = Arbiter(8 * MiB), Arbiter(8 * MiB, hold_reads=False)
     no_worker = StoreConfig(ssd_crc_worker=False)
-    jobs = put_crc._Count.jobs
+    jobs = put_crc.Counts.jobs
 
     assert put_crc.dispatch(arb, crc32c_many, src, nbytes, out, big, CFG) is None  # no reads: inline
-    assert put_crc._Count.jobs == jobs
+    assert put_crc.Counts.jobs == jobs
     large = put_crc.dispatch(arb, crc32c_many, src, nbytes, out, 1024, CFG)  # no reads, large: executor
-    assert isinstance(large, asyncio.Future) and put_crc._Count.jobs == jobs
+    assert isinstance(large, asyncio.Future) and put_crc.Counts.jobs == jobs
     await large
 
     for a in (arb, quiet):
@@ -142,7 +142,7 @@ async def test_dispatch_by_reads_and_batch_size():
     try:  # a read in flight: the worker, whatever the size
         out[:] = 0
         await put_crc.dispatch(arb, crc32c_many, src, nbytes, out, big, CFG)
-        assert put_crc._Count.jobs == jobs + 1 and out[0] != 0
+        assert put_crc.Counts.jobs == jobs + 1 and out[0] != 0
         # ssd_read_priority=off (reads never narrow anything) and no arbiter: the size split
         assert put_crc.dispatch(quiet, crc32c_many, src, nbytes, out, big, CFG) is None
         assert put_crc.dispatch(None, crc32c_many, src, nbytes, out, big, CFG) is None
@@ -154,7 +154,7 @@ async def test_dispatch_by_reads_and_batch_size():
             a.read_done()
     assert arb.reads_about()  # within the quiet window after the read ended: still the worker
     await put_crc.dispatch(arb, crc32c_many, src, nbytes, out, big, CFG)
-    assert put_crc._Count.jobs == jobs + 2
+    assert put_crc.Counts.jobs == jobs + 2
 
 
 async def test_puts_beside_a_read_checksum_on_the_worker_and_verify(store_dir):
@@ -166,14 +166,14 @@ async def test_puts_beside_a_read_checksum_on_the_worker_and_verify(store_dir):
         sizes = {"s": [200 * KiB + 7 * i for i in range(10)], "l": [1 * MiB] * 20}  # inline-sized and large
         data = {t: ([f"{t}{i}" for i in range(len(n))], [payload(f"{t}{i}", x) for i, x in enumerate(n)])
                 for t, n in sizes.items()}  # fmt: skip
-        jobs = put_crc._Count.jobs
+        jobs = put_crc.Counts.jobs
         st.state.arbiter.read_started()  # as a get in flight would
         try:
             for keys, vals in data.values():
                 assert await st.put_many(keys, vals) == [True] * len(keys)
         finally:
             st.state.arbiter.read_done()
-        assert put_crc._Count.jobs == jobs + 2 and put_crc._Count.applied == "batch"
+        assert put_crc.Counts.jobs == jobs + 2 and put_crc.Counts.applied == "batch"
         for keys, vals in data.values():  # every stored CRC is its object's: all verify
             outs = [np.zeros(len(v), np.uint8) for v in vals]
             assert await st.get_many(keys, outs) == [True] * len(keys)

@@ -68,7 +68,7 @@ def test_a_segment_being_opened_on_a_worker_is_not_answered_open_before_its_fd_i
             time.sleep(0.2)
             return 99
 
-    t = threading.Thread(target=sf._install, args=(1, SlowFile()))
+    t = threading.Thread(target=sf.install, args=(1, SlowFile()))
     t.start()
     assert reading_fd.wait(5)
     seen = (1 in sf.files, int(sf.fds[1]))
@@ -95,7 +95,7 @@ def test_disk_bytes_while_a_worker_installs_a_segment(tmp_path):
         @property
         def fd(self):
             if 1 not in sf.files:
-                sf._install(1, real)  # as precreate(1) would, from its worker thread
+                sf.install(1, real)  # as precreate(1) would, from its worker thread
             return real.fd
 
     sf.files[0] = Installing()
@@ -121,7 +121,7 @@ def test_a_batch_over_segments_hands_the_engines_the_facts_of_its_own_files(tmp_
         got = sf.batch(np.array([2, 0, 2], np.int64))
         assert got.fds.tolist() == [sf.files[2].fd, sf.files[0].fd, sf.files[2].fd] and got.facts == direct
         # a segment the file system served buffered after all: only batches that touch it say so
-        sf._install(1, open_data_file(sf.path(1), create=True, size=1 << 20, direct=False))
+        sf.install(1, open_data_file(sf.path(1), create=True, size=1 << 20, direct=False))
         assert sf.batch(np.array([0, 2], np.int64)).facts == direct
         assert sf.batch(np.array([1], np.int64)).facts == PAGE_CACHE
         assert sf.batch(np.array([0, 1], np.int64)).facts == direct.merge(PAGE_CACHE)

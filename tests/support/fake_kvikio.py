@@ -72,15 +72,15 @@ class RemoteReactorDispatch(enum.IntEnum):
     ROUND_ROBIN = 0
 
 
-def _fail(where: str, msg: str) -> RuntimeError:
+def fail(where: str, msg: str) -> RuntimeError:
     return RuntimeError(f"KvikIO failure at: {where}: {msg}")
 
 
-def _cufile_error(where: str, msg: str) -> RuntimeError:
+def cufile_error(where: str, msg: str) -> RuntimeError:
     return RuntimeError(f"cuFile error at: {where}: {msg}")
 
 
-def _system_error(where: str, err: int) -> RuntimeError:
+def system_error(where: str, err: int) -> RuntimeError:
     # GenericSystemError (std::system_error) reaches Python as RuntimeError(what()), no errno
     return RuntimeError(f"Linux system/library function call error at: {where}: {os.strerror(err)}")
 
@@ -213,7 +213,7 @@ class FileCore:
         try:
             self.fd = os.open(self.path, bits, 0o644)
         except OSError as e:
-            raise _system_error("file_utils.cpp:112", e.errno) from None
+            raise system_error("file_utils.cpp:112", e.errno) from None
         self.fd_direct = -1
         self.registered = False
         mode = core.settings["compat_mode"]
@@ -225,12 +225,12 @@ class FileCore:
                     raise OSError(errno.EINVAL, "O_DIRECT refused")
                 self.fd_direct = os.open(self.path, (bits & ~(os.O_CREAT | os.O_TRUNC)) | os.O_DIRECT)
                 if self.path in core.register_fails:
-                    raise _cufile_error("compat_mode_manager.cpp:88", "GPUDirect Storage not supported on current file")
+                    raise cufile_error("compat_mode_manager.cpp:88", "GPUDirect Storage not supported on current file")
                 self.registered = True
             except (OSError, RuntimeError) as e:
                 if mode == CompatMode.OFF:
                     self.close()
-                    raise (_system_error("file_handle.cpp:73", e.errno) if isinstance(e, OSError) else e) from None
+                    raise (system_error("file_handle.cpp:73", e.errno) if isinstance(e, OSError) else e) from None
                 self.compat = True
                 self.why = "O_DIRECT open failed" if isinstance(e, OSError) else "cuFile handle registration failed"
         self._closed = False
@@ -276,7 +276,7 @@ class FileCore:
     # -- the work
     def _submit(self, write: bool, buf, size, file_offset, task_size):
         if self._closed:
-            raise _fail("file_handle.cpp:140", "file handle is closed")
+            raise fail("file_handle.cpp:140", "file handle is closed")
         ptr, size = _buffer_range(buf, size)
         core = self.core
         small = size < core.settings["gds_threshold"]
@@ -312,7 +312,7 @@ class FileCore:
                 acc = _open_flags(self.flags) & os.O_ACCMODE
                 if acc == os.O_RDONLY:
                     # what kvikio says for pwrite(2) -> EBADF on a read-only descriptor
-                    raise _system_error("posix_io.hpp:131", errno.EPERM)
+                    raise system_error("posix_io.hpp:131", errno.EPERM)
                 n = os.pwrite(self.fd, ctypes.string_at(ptr, size), off)
             else:
                 want = size
@@ -321,7 +321,7 @@ class FileCore:
                     want = size // 2
                 data = os.pread(self.fd, want, off)
                 if len(data) < want and backend == "POSIX":
-                    raise _fail("posix_io.hpp:173", "POSIX error on pread: EOF")
+                    raise fail("posix_io.hpp:173", "POSIX error on pread: EOF")
                 if off in core.corrupt_at:
                     data = bytes(b ^ 0xFF for b in data)
                 ctypes.memmove(ptr, data, len(data))
@@ -429,7 +429,7 @@ def _register(core: Core, buf) -> None:
     if alloc is None:
         raise RuntimeError("CUDA error at: buffer.cpp:31: CUDA_ERROR_INVALID_VALUE(invalid argument)")
     if alloc[0] in core.registered:
-        raise _cufile_error("buffer.cpp:36", "memory already registered")
+        raise cufile_error("buffer.cpp:36", "memory already registered")
     core.registered.append(alloc[0])
 
 
@@ -439,7 +439,7 @@ def _deregister(core: Core, buf) -> None:
         return
     alloc = core.allocation_of(ptr)
     if alloc is None or alloc[0] not in core.registered:
-        raise _cufile_error("buffer.cpp:48", "buffer not registered")
+        raise cufile_error("buffer.cpp:48", "buffer not registered")
     core.registered.remove(alloc[0])
 
 

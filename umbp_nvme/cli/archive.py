@@ -37,12 +37,13 @@ MAX_HEADER_BYTES = 16 << 20
 RESYNC_MAX_KEY_BYTES = 1024
 
 _HEAD = struct.Struct("<8sHHI")  # magic, version, flags, json_len
-_REC = struct.Struct("<4sIQI")  # tag, key_len, length, crc
-_U32 = struct.Struct("<I")
+REC = struct.Struct("<4sIQI")  # tag, key_len, length, crc
+U32 = struct.Struct("<I")
 _TRAILER = struct.Struct("<4sIQQI")  # tag, 0, records, payload_bytes, digest
 
 
-def _crc32c():
+def crc32c_impl():
+    """The native CRC32C function (records and the digest use it), imported on first use."""
     from .._uring import crc32c
 
     return crc32c
@@ -69,7 +70,7 @@ class ArchiveWriter:
 
     def __init__(self, f, namespace: dict | None, *, source: str | None = None, extra: dict | None = None):
         self._f = f
-        self._crc32c = _crc32c()
+        self._crc32c = crc32c_impl()
         self.records = 0
         self.payload_bytes = 0
         self._digest = 0
@@ -84,7 +85,7 @@ class ArchiveWriter:
             header.update(extra)
         blob = json.dumps(header, sort_keys=True).encode()
         head = _HEAD.pack(MAGIC, VERSION, 0, len(blob)) + blob
-        self._write(head + _U32.pack(self._crc32c(head)))
+        self._write(head + U32.pack(self._crc32c(head)))
         self._closed = False
 
     def _write(self, data) -> None:
@@ -102,19 +103,19 @@ class ArchiveWriter:
         mv = memoryview(data).cast("B")
         if crc is None:
             crc = self._crc32c(mv)
-        rec = _REC.pack(REC_TAG, len(kb), mv.nbytes, crc)
-        self._write(rec + _U32.pack(self._crc32c(rec + kb)) + kb)
+        rec = REC.pack(REC_TAG, len(kb), mv.nbytes, crc)
+        self._write(rec + U32.pack(self._crc32c(rec + kb)) + kb)
         self._write(mv)
         self.records += 1
         self.payload_bytes += mv.nbytes
-        self._digest = self._crc32c(_U32.pack(crc), self._digest)
+        self._digest = self._crc32c(U32.pack(crc), self._digest)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         t = _TRAILER.pack(END_TAG, 0, self.records, self.payload_bytes, self._digest)
-        self._write(t + _U32.pack(self._crc32c(t)))
+        self._write(t + U32.pack(self._crc32c(t)))
         self._f.flush()
 
     def __enter__(self):
@@ -145,7 +146,7 @@ class ArchiveReader:
         self._f = f
         self.name = name
         self.max_object_bytes = max_object_bytes
-        self._crc32c = _crc32c()
+        self._crc32c = crc32c_impl()
         self.records = 0
         self.payload_bytes = 0
         self._digest = 0
@@ -174,7 +175,7 @@ class ArchiveReader:
             raise ArchiveError(f"{name}: header of {json_len} bytes is implausibly large; the file is damaged")
         self._check_left(json_len + 4, "header")
         blob = self._read_exact(json_len, "header")
-        (crc,) = _U32.unpack(self._read_exact(4, "header"))
+        (crc,) = U32.unpack(self._read_exact(4, "header"))
         if crc != self._crc32c(fixed + blob):
             raise ArchiveError(f"{name}: header checksum mismatch; the file is damaged")
         try:
@@ -281,19 +282,19 @@ class ArchiveReader:
             if len(buf) - i < _TRAILER.size + 4:
                 return 0
             t = buf[i : i + _TRAILER.size]
-            return _TRAILER.size + 4 if _U32.unpack_from(buf, i + _TRAILER.size)[0] == self._crc32c(t) else None
+            return _TRAILER.size + 4 if U32.unpack_from(buf, i + _TRAILER.size)[0] == self._crc32c(t) else None
         if tag == REC_TAG:
-            if len(buf) - i < _REC.size + 4:
+            if len(buf) - i < REC.size + 4:
                 return 0
-            _, key_len, _, _ = _REC.unpack_from(buf, i)
+            _, key_len, _, _ = REC.unpack_from(buf, i)
             if key_len > RESYNC_MAX_KEY_BYTES:
                 return None
-            need = _REC.size + 4 + key_len
+            need = REC.size + 4 + key_len
             if len(buf) - i < need:
                 return 0
-            fixed = buf[i : i + _REC.size]
-            kb = buf[i + _REC.size + 4 : i + need]
-            return need if _U32.unpack_from(buf, i + _REC.size)[0] == self._crc32c(fixed + kb) else None
+            fixed = buf[i : i + REC.size]
+            kb = buf[i + REC.size + 4 : i + need]
+            return need if U32.unpack_from(buf, i + REC.size)[0] == self._crc32c(fixed + kb) else None
         return None
 
     def _resync(self, start: int, window: bytes, why: str) -> None:
@@ -362,7 +363,7 @@ class ArchiveReader:
             if tag == END_TAG:
                 rest = self._read_exact(_TRAILER.size - 4 + 4, "trailer")
                 t = tag + rest[:-4]
-                (crc,) = _U32.unpack(rest[-4:])
+                (crc,) = U32.unpack(rest[-4:])
                 if crc != self._crc32c(t):
                     self._resync(start, tag + rest, "trailer checksum mismatch")
                     continue
@@ -377,10 +378,10 @@ class ArchiveReader:
             if tag != REC_TAG:
                 self._resync(start, tag, f"bad record tag {tag!r}")
                 continue
-            rest = self._read_exact(_REC.size - 4 + 4, "record header")
+            rest = self._read_exact(REC.size - 4 + 4, "record header")
             fixed = tag + rest[:-4]
-            (head_crc,) = _U32.unpack(rest[-4:])
-            _, key_len, length, crc = _REC.unpack(fixed)
+            (head_crc,) = U32.unpack(rest[-4:])
+            _, key_len, length, crc = REC.unpack(fixed)
             if key_len > MAX_KEY_BYTES:
                 self._resync(start, tag + rest, f"implausible key length {key_len}")
                 continue
@@ -405,7 +406,7 @@ class ArchiveReader:
         self._pending = None
         self.records += 1
         self.payload_bytes += head.length
-        self._digest = self._crc32c(_U32.pack(head.crc), self._digest)
+        self._digest = self._crc32c(U32.pack(head.crc), self._digest)
 
     def _truncated_in(self, head: RecordHead) -> None:
         self._die(

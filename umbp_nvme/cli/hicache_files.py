@@ -159,7 +159,7 @@ def _file_kind(mode: int) -> str:
     return "special file"
 
 
-def _file_read(path: str):
+def file_read(path: str):
     """read(mv): exactly mv.nbytes bytes of the regular file at path, never more.
 
     O_NOFOLLOW: a symlink swapped in after the listing is refused, not followed; O_NONBLOCK: a
@@ -263,7 +263,7 @@ def file_backend_units(directory: str, layout: FileBackendLayout, page_bytes: in
             )
             continue
         keys, offs, lens = layout.objects(page_hash, size)
-        yield Unit(keys, offs, lens, size, shown, read=_file_read(path))
+        yield Unit(keys, offs, lens, size, shown, read=file_read(path))
     for what, n in side_pools.items():
         summary.error(
             f"{directory}: {n} files of {what} not imported: a side pool's flat page does not say where "

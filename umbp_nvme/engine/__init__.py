@@ -106,7 +106,7 @@ def apply_io_policy(engines, *, read_priority: str = "on", write_slice_bytes: in
     return arbiter
 
 
-def _reset_fallback_warning() -> None:
+def reset_fallback_warning() -> None:
     """For tests: make the next fallback log again."""
     global _warned
     with _warned_lock:

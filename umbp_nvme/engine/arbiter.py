@@ -86,6 +86,16 @@ class Arbiter:
     def enabled(self) -> bool:
         return self.slice_bytes > 0
 
+    @property
+    def granted(self) -> tuple[int, int]:
+        """(write bytes, write slices) granted and not yet released: (0, 0) when the window is whole."""
+        return self._wbytes, self._wslices
+
+    @property
+    def waiting(self) -> int:
+        """Write slices waiting for a grant."""
+        return len(self._waiting)
+
     # -- reads ------------------------------------------------------------------------------
 
     def read_started(self) -> None:

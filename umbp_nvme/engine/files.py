@@ -52,6 +52,12 @@ _STATX_DIO_OFFSET_OFF = 156
 
 _lock = threading.Lock()
 _no_direct_devices: set[int] = set()  # st_dev values whose file system refused O_DIRECT
+
+
+def forget_direct_refusals() -> None:
+    """Forget which file systems refused O_DIRECT: the next open on each asks again (a test that
+    fakes a refusal calls it before and after, so the refusal outlives neither)."""
+    _no_direct_devices.clear()
 _libc = None
 _statx = None
 

@@ -330,7 +330,7 @@ class UringEngine:
 
     # ------------------------------------------------------------------ submission
 
-    def _fixed_index(self, addrs, lens):  # int16 registered-buffer index per op (-1 = plain op), or None
+    def fixed_index(self, addrs, lens):  # int16 registered-buffer index per op (-1 = plain op), or None
         return self._fixed.index(addrs, lens)
 
     def _pump(self) -> None:

@@ -416,6 +416,17 @@ class Publisher:
     # --- lifecycle
 
     @property
+    def oldest_seq(self) -> int | None:
+        """The sequence number of the oldest batch a replay can still send (None before the first)."""
+        return self._buffer[0][0] if self._buffer else None
+
+    @property
+    def full_from(self) -> int | None:
+        """The first sequence number of the last full re-announcement, while every page dropped since
+        is in a buffered batch (None otherwise): a replay from before the buffer re-announces then."""
+        return self._full_from
+
+    @property
     def last_seq(self) -> int | None:
         """The sequence number of the newest batch sent (None before the first)."""
         return self._buffer[-1][0] if self._buffer else None

@@ -171,6 +171,19 @@ class TokenLog:
         if stale:
             self.drop(stale)
 
+    def record_at(self, h: int) -> tuple[int, int] | None:
+        """(file offset, record bytes) of page ``h``'s record in the log, None when not kept."""
+        return self._at.get(h)
+
+    def hashes(self) -> list[int]:
+        """The hashes of the pages kept."""
+        return list(self._at)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the log's records still in use (the file is rewritten once mostly dead)."""
+        return self._live_bytes
+
     def __len__(self) -> int:
         return len(self._at)
 

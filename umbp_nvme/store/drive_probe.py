@@ -31,7 +31,7 @@ log = logging.getLogger("umbp_nvme.store")
 LOG_THREADS = 4  # per drive: owed-log appends that may hang at once before its log refuses at once
 
 
-def _retrieved(fut: asyncio.Future) -> asyncio.Future:
+def retrieved(fut: asyncio.Future) -> asyncio.Future:
     """``fut`` whose exception counts as seen: a thread call given up on at io_timeout_s that fails
     later is no "Future exception was never retrieved" error (its caller already logged it)."""
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -75,6 +75,11 @@ class DriveProbes:
             p.shutdown(wait=False)
 
     # ------------------------------------------------------------------ owed deletes
+
+    @property
+    def owed_log_appends_running(self) -> list[int]:
+        """Per drive, owed-deletes log appends not returned yet (a hung fsync holds one)."""
+        return list(self._log_busy)
 
     async def _settle_owed_at_open(self) -> None:
         """Apply what the drives owe (the logs of the drives that opened) before any of them serves.
@@ -198,7 +203,7 @@ class DriveProbes:
                             self._log_busy[d])  # fmt: skip
                 return 0
             try:
-                fut = _retrieved(loop.run_in_executor(self._log_pools[d], owed_deletes.append, self.roots[d], entries))
+                fut = retrieved(loop.run_in_executor(self._log_pools[d], owed_deletes.append, self.roots[d], entries))
             except RuntimeError as e:  # the pool is shut down: close() is under way
                 log.warning("drive %s: could not record owed deletes: %r", self.roots[d], e)
                 return 0
@@ -242,7 +247,7 @@ class DriveProbes:
         prev = self._thread_calls.get(d)
         if prev is not None and not prev.done():
             raise asyncio.TimeoutError
-        fut = _retrieved(asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args))
+        fut = retrieved(asyncio.get_running_loop().run_in_executor(self._probe_pool, fn, *args))
         self._thread_calls[d] = fut
         return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
 

@@ -211,6 +211,13 @@ def _file_size(path: str) -> int:
         return 0
 
 
+def open_environment_paths() -> list[str]:
+    """The files of the LMDB environments this process holds open, moved-aside ones included (a
+    test proves a reopened follower let go of the old one)."""
+    with _ENVS_LOCK:
+        return [e[0].path() for e in (*_ENVS.values(), *_DETACHED)]
+
+
 def _release_env(env: lmdb.Environment) -> None:
     with _ENVS_LOCK:
         for real, entry in list(_ENVS.items()):
@@ -443,6 +450,10 @@ class Index:
             return os.stat(self.path).st_size
         except OSError:
             return 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         if not self._closed:

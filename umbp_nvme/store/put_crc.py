@@ -55,8 +55,8 @@ def lower_priority(policy: str, nice: int) -> str:
         elif policy == "nice":
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (OSError, AttributeError) as e:  # not Linux, or a seccomp profile that refuses it
-        if not _Count.warned:
-            _Count.warned = True
+        if not Counts.warned:
+            Counts.warned = True
             log.warning("CRC worker: could not apply CPU policy %s (%s); it runs at normal priority", policy, e)
         return "normal"
     return policy
@@ -67,7 +67,7 @@ def thread_policy(tid: int) -> tuple[int, int]:
     return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
 
 
-class _Count:
+class Counts:
     jobs = 0  # jobs started (tests, bench notes)
     applied: str | None = None  # the policy the last job ran under
     warned = False
@@ -116,7 +116,7 @@ class _Workers:
                 continue
             with self.lock:
                 self.idle -= 1
-            _Count.applied = applied
+            Counts.applied = applied
             loop, fut, fn, args = job
             try:
                 res, exc = fn(*args), None
@@ -149,7 +149,7 @@ def run_low(fn, *args, policy: str, nice: int) -> asyncio.Future:
     caller's loop once ``fn`` has returned (so once it no longer reads the caller's memory)."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
-    _Count.jobs += 1
+    Counts.jobs += 1
     key = (policy, nice)
     with _workers_lock:
         worker = _workers.get(key) or _workers.setdefault(key, _Workers(policy, nice))

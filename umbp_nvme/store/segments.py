@@ -342,7 +342,7 @@ class SegmentFiles:
                         preallocate(f.fd, self.path(i), self.segment_bytes)
                 except OSError as e:  # slots past the end are written (and allocated) on use instead
                     log.warning("segment %s is short and cannot be extended now: %s", self.path(i), e)
-            self._install(i, f)
+            self.install(i, f)
 
     def _ensure_locked(self, i: int) -> bool:
         if i in self.files:
@@ -366,10 +366,10 @@ class SegmentFiles:
                     pass
             return False
         self._failed_errno = None
-        self._install(i, f)
+        self.install(i, f)
         return True
 
-    def _install(self, i: int, f: DataFile) -> None:
+    def install(self, i: int, f: DataFile) -> None:
         if i >= len(self.fds):
             n = max(i + 1, 2 * len(self.fds))
             self.fds = np.concatenate([self.fds, np.full(n - len(self.fds), -1, dtype=np.int32)])
