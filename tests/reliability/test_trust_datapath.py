@@ -20,11 +20,11 @@ import pytest
 
 from conftest import KiB, MiB, mount_tmpfs, payload, small_config
 from umbp_nvme.store import space as space_mod
-from umbp_nvme.store import staging as staging_mod
-from umbp_nvme.store import sync as sync_mod
 from umbp_nvme.engine import uring as uring_mod
 from support.faults import EngineHooks
+from umbp_nvme.engine.posix import PosixEngine, read_full
 from umbp_nvme.store import PageStore
+from umbp_nvme.store.hooks import StoreHooks
 from umbp_nvme.store.sync import SyncPageStore
 
 OBJ = 16 * KiB
@@ -205,26 +205,29 @@ async def test_get_exists_delete_with_bad_keys_answer_false_alone(store_dir, rea
     await st.close()
 
 
-def _blocking_memmove(monkeypatch):
-    """Patch the store's memmove (bounce copies) to wait for ``release``; ``entered`` says when."""
-    entered, release = threading.Event(), threading.Event()
-    real = ctypes.memmove
+class BlockingMemmove:
+    """A ``StoreHooks.memmove`` (the store's bounce copies) that, once ``armed``, waits for
+    ``release``; ``entered`` says when a copy started."""
 
-    def slow(dst, src, n):
-        entered.set()
-        release.wait(10)
-        return real(dst, src, n)
+    def __init__(self):
+        self.armed, self.entered, self.release = False, threading.Event(), threading.Event()
+        self.hooks = StoreHooks(memmove=self)
 
-    monkeypatch.setattr(staging_mod, "_memmove", slow)
-    return entered, release
+    def __call__(self, dst, src, n):
+        if self.armed:
+            self.entered.set()
+            self.release.wait(10)
+        return ctypes.memmove(dst, src, n)
 
 
-async def test_cancelled_put_returns_only_after_its_staging_copy(store_dir, monkeypatch):
-    st = await PageStore.open(store_dir, cfg(o_direct=True))
+async def test_cancelled_put_returns_only_after_its_staging_copy(store_dir):
+    mm = BlockingMemmove()
+    st = await PageStore.open(store_dir, cfg(o_direct=True), hooks=mm.hooks)
     assert await st.put_many(["w"], [pl("w", OBJ)]) == [True]  # opens a segment file
     if not st.stats()["o_direct"]:
         pytest.skip("the store's file system takes no O_DIRECT: nothing is staged")
-    entered, release = _blocking_memmove(monkeypatch)
+    mm.armed = True
+    entered, release = mm.entered, mm.release
     n = OBJ + 100  # not a whole block: staged through a bounce buffer
     task = asyncio.ensure_future(st.put_many(["s"], [pl("s", n)]))
     assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)
@@ -235,19 +238,21 @@ async def test_cancelled_put_returns_only_after_its_staging_copy(store_dir, monk
     with pytest.raises(asyncio.CancelledError):
         await task
     assert st.stats()["bytes_used"] == OBJ and st.keys() == ["w"]  # nothing published, the slot is free
-    monkeypatch.undo()
+    mm.armed = False
     assert await st.put_many(["t"], [pl("t", n)]) == [True]
     out = np.zeros(n, np.uint8)
     assert await st.get_many(["t"], [out]) == [True] and bytes(out) == bytes(pl("t", n))
     await st.close()
 
 
-async def test_cancelled_get_returns_only_after_its_copy_into_the_caller(store_dir, monkeypatch):
-    st = await PageStore.open(store_dir, cfg(o_direct=True))
+async def test_cancelled_get_returns_only_after_its_copy_into_the_caller(store_dir):
+    mm = BlockingMemmove()
+    st = await PageStore.open(store_dir, cfg(o_direct=True), hooks=mm.hooks)
     assert await st.put_many(["g"], [pl("g", OBJ)]) == [True]
     if not st.stats()["o_direct"]:
         pytest.skip("the store's file system takes no O_DIRECT: nothing is bounced")
-    entered, release = _blocking_memmove(monkeypatch)
+    mm.armed = True
+    entered, release = mm.entered, mm.release
     raw = np.zeros(OBJ + 1, np.uint8)
     out = raw[1:]  # misaligned: read through a bounce buffer, then copied in by a worker thread
     task = asyncio.ensure_future(st.get_many(["g"], [out]))
@@ -303,36 +308,32 @@ async def test_register_memory_refuses_ranges_that_wrap(store_dir):
 # --------------------------------------------------------------------------- 6. late completions
 
 
-def _blocking_posix_reads(monkeypatch, fd: int):
-    """preadv refuses a FIFO (ESPIPE): for ``fd`` the posix engine's worker does a plain blocking
-    readv instead, a kernel call no one can cancel, as a read from a hung drive."""
-    from umbp_nvme.engine import posix as posix_mod
-
-    real = posix_mod._read_full
-    entered = threading.Event()
-
-    def read_full(f, offset, addr, nbytes):
-        if f != fd:
-            return real(f, offset, addr, nbytes)
-        entered.set()
-        return os.readv(f, [(ctypes.c_char * nbytes).from_address(addr)])
-
-    monkeypatch.setattr(posix_mod, "_read_full", read_full)
-    return entered
-
-
 class FifoReads:
     """An engine_factory whose engines, once ``stall()`` is called, read every object from an empty
     FIFO: the read hangs in the kernel until the test writes the bytes. The store is opened with
-    o_direct=False, so there is no bounce buffer: the read lands straight in the caller's memory."""
+    o_direct=False, so there is no bounce buffer: the read lands straight in the caller's memory.
 
-    def __init__(self, tmp_path):
+    ``blocking_posix=True``: the engines are posix ones whose worker reads the FIFO with a plain
+    blocking readv (preadv refuses a FIFO with ESPIPE), a kernel call no one can cancel, as a read
+    from a hung drive; ``entered`` says when it started."""
+
+    def __init__(self, tmp_path, *, blocking_posix: bool = False):
         path = str(tmp_path / "fifo")
         os.mkfifo(path)
         self.rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         self.wfd = os.open(path, os.O_WRONLY)
         os.set_blocking(self.rfd, True)
-        self.hooks = EngineHooks()
+        self.entered = threading.Event()
+        self.hooks = EngineHooks(self._posix_engine if blocking_posix else None)
+
+    def _read_op(self, fd, offset, addr, nbytes):
+        if fd != self.rfd:
+            return read_full(fd, offset, addr, nbytes)
+        self.entered.set()
+        return os.readv(fd, [(ctypes.c_char * nbytes).from_address(addr)])
+
+    async def _posix_engine(self, backend, queue_depth):
+        return PosixEngine(queue_depth, read_op=self._read_op)
 
     def engine_factory(self):
         return self.hooks.engine_factory()
@@ -385,15 +386,14 @@ async def test_a_stalled_read_never_lands_in_the_caller_after_get_returned(store
     await st.close()
 
 
-async def test_an_uncancellable_stalled_read_holds_the_call_until_it_ends(store_dir, tmp_path, monkeypatch):
+async def test_an_uncancellable_stalled_read_holds_the_call_until_it_ends(store_dir, tmp_path):
     # posix threads in preadv cannot be cancelled: get_many waits for the read, however long
-    fifo = FifoReads(tmp_path)
+    fifo = FifoReads(tmp_path, blocking_posix=True)
     st = await PageStore.open(store_dir, cfg(io_timeout_s=0.5, ssd_io_backend="posix", o_direct=False),
                               engine_factory=fifo.engine_factory())  # fmt: skip
     assert await st.put_many(["x"], [pl("x", OBJ)]) == [True]
     fifo.stall()
-    wfd = fifo.wfd
-    entered = _blocking_posix_reads(monkeypatch, fifo.rfd)
+    wfd, entered = fifo.wfd, fifo.entered
     out = np.zeros(OBJ, np.uint8)
     try:
         task = asyncio.ensure_future(st.get_many(["x"], [out]))
@@ -412,15 +412,13 @@ async def test_an_uncancellable_stalled_read_holds_the_call_until_it_ends(store_
     await st.close()
 
 
-def test_sync_get_never_returns_while_the_store_waits_for_the_kernel(store_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(sync_mod, "_CALL_SLACK_S", 0.1)  # the sync call's own limit: 4 x 0.3 + 0.1 s
-    fifo = FifoReads(tmp_path)
+def test_sync_get_never_returns_while_the_store_waits_for_the_kernel(store_dir, tmp_path):
+    fifo = FifoReads(tmp_path, blocking_posix=True)
     s = SyncPageStore(store_dir, cfg(io_timeout_s=0.3, ssd_io_backend="posix", o_direct=False),
-                      engine_factory=fifo.engine_factory())  # fmt: skip
+                      engine_factory=fifo.engine_factory(), call_slack_s=0.1)  # the call's limit: 4 x 0.3 + 0.1 s
     assert s.put_many(["x"], [pl("x", OBJ)]) == [True]
     fifo.stall()
-    wfd = fifo.wfd
-    entered = _blocking_posix_reads(monkeypatch, fifo.rfd)
+    wfd, entered = fifo.wfd, fifo.entered
     out = np.zeros(OBJ, np.uint8)
     done = threading.Event()
     result = []

@@ -20,11 +20,12 @@ def drive_roots(tmp_path, n: int) -> list[str]:
     return [str(tmp_path / f"drive{i}" / "store") for i in range(n)]
 
 
-async def filled_writer(tmp_path, pages: int, *, n: int = 2, probe_interval_s: float = 60, **config):
-    """(roots, plan, writer, keys): ``pages`` pages written through a writer over ``n`` drives."""
+async def filled_writer(tmp_path, pages: int, *, n: int = 2, probe_interval_s: float = 60, hooks=None, **config):
+    """(roots, plan, writer, keys): ``pages`` pages written through a writer over ``n`` drives
+    (``hooks``: a StoreHooks for PageStore.open)."""
     roots, plan = drive_roots(tmp_path, n), FaultPlan()
     st = await PageStore.open(roots, small_config(**config), engine_factory=plan.engine_factory(),
-                              probe_interval_s=probe_interval_s)  # fmt: skip
+                              probe_interval_s=probe_interval_s, hooks=hooks)  # fmt: skip
     keys = page_keys(pages)
     assert await st.put_many(keys, [payload(k, OBJ) for k in keys]) == [True] * len(keys)
     return roots, plan, st, keys

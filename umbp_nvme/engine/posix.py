@@ -40,7 +40,7 @@ _c_char = ctypes.c_char
 _STOP = object()
 
 
-def _read_full(fd: int, offset: int, addr: int, nbytes: int) -> int:
+def read_full(fd: int, offset: int, addr: int, nbytes: int) -> int:
     """Bytes read (short only at EOF) or -errno. Retries short reads for the remainder."""
     done = 0
     while done < nbytes:
@@ -155,7 +155,10 @@ def _set_exception(fut, exc):
 class PosixEngine:
     """IoEngine over preadv/pwritev in at most ``workers`` threads (started on demand)."""
 
-    def __init__(self, queue_depth: int = 256, *, workers: int | None = None):
+    def __init__(self, queue_depth: int = 256, *, workers: int | None = None, read_op=None):
+        """``read_op``: ``(fd, offset, addr, nbytes) -> bytes read or -errno``, run on a worker
+        thread for each op of a read batch; default ``read_full`` (tests give one that blocks in
+        a kernel call no one can cancel, as a read from a hung drive does)."""
         if queue_depth <= 0:
             raise ValueError(f"queue_depth must be > 0, got {queue_depth}")
         if workers is None:
@@ -163,6 +166,7 @@ class PosixEngine:
         if not 0 < workers <= MAX_WORKERS:
             raise ValueError(f"workers must be in [1, {MAX_WORKERS}], got {workers}")
         self._max_workers = workers
+        self._read_op = read_op or read_full
         self._reads, self._writes = _Pool("read"), _Pool("write")
         self._arbiter: Arbiter | None = None
         self._lock = threading.Lock()
@@ -177,7 +181,7 @@ class PosixEngine:
 
     async def read_many(self, files, offsets, addrs, lengths) -> np.ndarray:
         batch = IoBatch.of(files, offsets, addrs, lengths)
-        return await timed_read(self._arbiter, self._submit(_read_full, batch, self._reads))
+        return await timed_read(self._arbiter, self._submit(self._read_op, batch, self._reads))
 
     async def write_many(self, files, offsets, addrs, lengths) -> np.ndarray:
         return await write_sliced(self._write_piece, self._arbiter, files, offsets, addrs, lengths)

@@ -75,7 +75,7 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
     async def open(
         cls, roots, config: StoreConfig | None = None, *, open_drive, readonly: bool = False,
         namespace: dict | None = None, capacity_from_manifest: bool = False, shrink: bool = False,
-        engine_factory=None, page_of=None, probe_interval_s: float = PROBE_INTERVAL_S,
+        engine_factory=None, hooks=None, page_of=None, probe_interval_s: float = PROBE_INTERVAL_S,
     ) -> "MultiDriveStore":  # fmt: skip
         """Open (a writer creates) one PageStore per root; PageStore.open calls this for several
         roots (see it for the arguments), handing over ``open_drive(root, config, **kw)``, its
@@ -101,7 +101,7 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
         self._sized = not (readonly or capacity_from_manifest)
         caps = drive_capacities(self.roots, config, sized=self._sized, skip=self._unmounted)
         self._open_kw = dict(readonly=readonly, namespace=namespace, capacity_from_manifest=capacity_from_manifest,
-                             shrink=shrink, engine_factory=engine_factory,
+                             shrink=shrink, engine_factory=engine_factory, hooks=hooks,
                              clock=None if readonly else GenerationClock())  # one clock: generations compare across drives
         self._caps, self._ranges = caps, []
         opened = await asyncio.gather(*(self._first_open(i) for i in range(len(self.roots))), return_exceptions=True)

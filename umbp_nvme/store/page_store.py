@@ -39,6 +39,7 @@ from .deletes import DeleteSteps
 from .flushing import FlushSteps
 from .drives import PROBE_INTERVAL_S, MultiDriveStore
 from .get_path import GetPath
+from .hooks import StoreHooks
 from .lookups import Lookups
 from .mapped import unusable_range
 from .opening import OpenSteps
@@ -47,6 +48,7 @@ from .put_path import PutPath
 from .put_publish import PutPublish
 from .record_steps import RecordSteps
 from .space import SpaceSteps
+from .staging import BouncePool
 from .state import OpenFacts, StoreState, WriterState
 from .waits import IoWaits
 
@@ -96,6 +98,7 @@ class PageStore(
         capacity_from_manifest: bool = False,
         shrink: bool = False,
         engine_factory=None,
+        hooks=None,
         clock=None,
         page_of=None,
         probe_interval_s: float = PROBE_INTERVAL_S,
@@ -119,7 +122,8 @@ class PageStore(
 
         ``engine_factory``: ``async (backend, queue_depth) -> IoEngine``, called once per engine
         (two for a writer: reads and writes); default ``engine.open_engine``. Tests and fault
-        injection wrap engines here.
+        injection wrap engines here. ``hooks``: a ``hooks.StoreHooks`` whose steps (index commit,
+        tombstone, staging copy) replace the store's own; every drive of several gets the same one.
 
         ``clock``: a ``clock.GenerationClock`` shared with other stores (the drives of one
         writer), so that generations order puts across them; default: the store's own.
@@ -136,7 +140,7 @@ class PageStore(
         a StoreConfig, and OSError when the directory cannot be created or locked.
         """
         kw = dict(readonly=readonly, namespace=namespace, capacity_from_manifest=capacity_from_manifest,
-                  shrink=shrink, engine_factory=engine_factory)  # fmt: skip
+                  shrink=shrink, engine_factory=engine_factory, hooks=hooks)  # fmt: skip
         roots = parse_roots(path)  # a plain path is one root; an empty one is refused
         if len(roots) > 1:
             return await MultiDriveStore.open(roots, config, open_drive=cls._open_root, page_of=page_of,
@@ -145,9 +149,11 @@ class PageStore(
 
     @classmethod
     async def _open_root(cls, path, config, *, readonly, namespace, capacity_from_manifest, shrink, engine_factory,
-                         clock=None) -> "PageStore":  # fmt: skip
+                         hooks=None, clock=None) -> "PageStore":  # fmt: skip
         """Open one root (one drive): PageStore.open's single-directory half."""
-        self = cls(StoreState(), None if readonly else WriterState())
+        hooks = hooks or StoreHooks()
+        state = StoreState(bounce=BouncePool(hooks.memmove), hooks=hooks)
+        self = cls(state, None if readonly else WriterState())
         await self._open(path, config or StoreConfig(), namespace, capacity_from_manifest, shrink, engine_factory,
                          OpenFacts(clock_given=clock))  # fmt: skip
         return self
@@ -303,7 +309,13 @@ class PageStore(
 
     async def _commit(self, puts=(), deletes=()) -> bool:
         """One index transaction, not synced: the records in the segments are the durable truth
-        (records.py), so it runs inline."""
+        (records.py), so it runs inline. Through ``StoreHooks.commit`` when one is given."""
+        hook = self.state.hooks.commit
+        if hook is not None:
+            return await hook(self._commit_now, self, puts, deletes)
+        return await self._commit_now(puts, deletes)
+
+    async def _commit_now(self, puts=(), deletes=()) -> bool:
         try:
             self.state.index.commit(puts, deletes, next_generation=self.writer.clock.now + 1)
             return True

@@ -2,7 +2,7 @@
 back the records of slots that go back unpublished, tombstones for deletes, the areas at open,
 and the rebuild of the index at open (rebuild.py). A mixin of PageStore.
 
-Reads: state.files, writer.rows, writer.write_engine, OpenFacts at open. Changes: writer.areas
+Reads: state.files, state.hooks, writer.rows, writer.write_engine, OpenFacts at open. Changes: writer.areas
 (records, tombstones), state.index (a rebuild at open), state.manifest (migration).
 """
 
@@ -162,7 +162,13 @@ class RecordSteps:
         """Clear the rows' records in their segments durably (strict: fdatasync), together with the
         records of puts that never published (``RecordAreas.dead``), so no rebuild after this
         delete can bring back a key it removed; the undo list, or None when a block write or sync
-        failed (the records are restored in memory)."""
+        failed (the records are restored in memory). Through ``StoreHooks.tombstone`` when given."""
+        hook = self.state.hooks.tombstone
+        if hook is not None:
+            return await hook(self._tombstone_now, self, rows)
+        return await self._tombstone_now(rows)
+
+    async def _tombstone_now(self, rows) -> list | None:
         t = self.writer.rows
         touched, undo = self.writer.areas.clear(t.seg[rows], t.off[rows], t.len[rows])
         dead = dict(self.writer.areas.dead)

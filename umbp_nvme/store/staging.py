@@ -24,13 +24,13 @@ from .segments import size_classes
 BOUNCE_IDLE_BYTES_MAX = 256 << 20  # idle bounce memory kept for reuse; more is freed
 BOUNCE_BYTES_MIN = 1 << 20  # a bounce buffer is at least this large (small batches reuse it)
 
-_memmove = ctypes.memmove  # looked up at call time: tests slow it down to widen races
-
 
 class BouncePool:
-    """Page-aligned staging memory for callers whose memory O_DIRECT cannot use as is."""
+    """Page-aligned staging memory for callers whose memory O_DIRECT cannot use as is.
+    ``memmove``: the copy its plans use (a store's ``StoreHooks.memmove``; default ctypes.memmove)."""
 
-    def __init__(self):
+    def __init__(self, memmove=None):
+        self.memmove = memmove or ctypes.memmove
         self._idle: list[AlignedBuffer] = []
         self._idle_bytes = 0
 
@@ -62,10 +62,11 @@ class StagePlan:
     on the common path). The bounce buffer belongs to the plan until ``release``.
     """
 
-    __slots__ = ("addrs", "lens", "io_addr", "io_len", "mask", "bounce")
+    __slots__ = ("addrs", "lens", "io_addr", "io_len", "mask", "bounce", "memmove")
 
-    def __init__(self, addrs, lens, io_addr, io_len, mask, bounce):
+    def __init__(self, addrs, lens, io_addr, io_len, mask, bounce, memmove=ctypes.memmove):
         self.addrs, self.lens, self.io_addr, self.io_len, self.mask, self.bounce = addrs, lens, io_addr, io_len, mask, bounce
+        self.memmove = memmove
 
     @property
     def bounced(self) -> bool:
@@ -79,7 +80,7 @@ class StagePlan:
         for dst, s, nb, bl in zip(
             self.io_addr[bj].tolist(), self.addrs[bj].tolist(), self.lens[bj].tolist(), self.io_len[bj].tolist()
         ):
-            _memmove(dst, s, nb)
+            self.memmove(dst, s, nb)
             if bl > nb:
                 ctypes.memset(dst + nb, 0, bl - nb)
 
@@ -87,9 +88,9 @@ class StagePlan:
         """Reads, on a worker thread: each bounced object among ops ``sel`` (``ok``: read whole) into the caller's memory."""
         if self.bounce is None:
             return
-        dst, io_addr, lens = self.addrs, self.io_addr, self.lens
+        dst, io_addr, lens, memmove = self.addrs, self.io_addr, self.lens, self.memmove
         for j in sel[self.mask[sel] & ok].tolist():
-            _memmove(int(dst[j]), int(io_addr[j]), int(lens[j]))
+            memmove(int(dst[j]), int(io_addr[j]), int(lens[j]))
 
     def release(self, pool: BouncePool) -> None:
         if self.bounce is not None:
@@ -113,7 +114,7 @@ def plan(pool: BouncePool, direct: np.ndarray, align: np.ndarray, addrs: np.ndar
     bounce = pool.get(int(blen.sum()))
     io_addr[bj] = np.uint64(bounce.address) + starts.astype(np.uint64)
     io_len[bj] = blen
-    return StagePlan(addrs, lens, io_addr, io_len, mask, bounce)
+    return StagePlan(addrs, lens, io_addr, io_len, mask, bounce, pool.memmove)
 
 
 def device_layout(pool: BouncePool, lens: np.ndarray):

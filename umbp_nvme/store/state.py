@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .counters import new_counters
+from .hooks import StoreHooks
 from .memory import Ranges
 from .staging import BouncePool
 
@@ -43,6 +44,7 @@ class StoreState:
     watch: Any = None  # read-only openers: follower.IndexWatch (follows a writer's index replacements)
     gds_gate: Any = None  # engine/gds GdsGate, opened on the first CUDA buffer
     bounce: BouncePool = field(default_factory=BouncePool)  # staging.py
+    hooks: StoreHooks = field(default_factory=StoreHooks)  # steps fault tests replace (hooks.py), from open
     memory: Ranges = field(default_factory=Ranges)  # ranges given to register_memory
     # calls (page_store.py, waits.py)
     counters: dict = field(default_factory=new_counters)

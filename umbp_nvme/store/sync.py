@@ -24,7 +24,7 @@ from .page_store import PageStore
 
 log = logging.getLogger("umbp_nvme.sync_store")  # the name operators know; kept across the move
 
-_CALL_SLACK_S = 5.0  # a call may wait on a few io_timeout_s-bounded steps (evict, write, sync, commit)
+CALL_SLACK_S = 5.0  # a call may wait on a few io_timeout_s-bounded steps (evict, write, sync, commit)
 
 
 class SyncPageStore:
@@ -47,11 +47,13 @@ class SyncPageStore:
         shrink: bool = True,
         engine_factory=None,
         page_of=None,
+        call_slack_s: float = CALL_SLACK_S,
     ):
         """``path``: one root, or several (a list / JSON list / comma-separated string; see
-        drives.MultiDriveStore, which ``page_of(key) -> page hash`` places by)."""
+        drives.MultiDriveStore, which ``page_of(key) -> page hash`` places by). A call is given up
+        on after ``4 * io_timeout_s + call_slack_s`` (tests shorten the slack)."""
         config = config or StoreConfig()
-        self._timeout_s = float(config.io_timeout_s) * 4 + _CALL_SLACK_S
+        self._timeout_s = float(config.io_timeout_s) * 4 + float(call_slack_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="umbp-store-loop", daemon=True)
         self._thread.start()

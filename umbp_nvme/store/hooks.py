@@ -1,0 +1,27 @@
+"""Steps of a store that fault tests replace, handed to it at open (``PageStore.open(...,
+hooks=StoreHooks(...))``), as ``engine_factory`` is for its engines: a test holds or fails an
+index commit, a tombstone or a staging copy without patching the store's classes.
+
+Every field is None by default: the store then runs its own step. A hook gets the real step first,
+so it can delay it, run it and then fail, or fail without it. The object is shared, not copied:
+a test may change what its hook does while the store is open (the store reads the field at each
+call). Reads: nothing. Changes: nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(eq=False)
+class StoreHooks:
+    # async (real_commit, store, puts, deletes) -> bool: one index transaction (PageStore._commit);
+    # real_commit(puts, deletes) is the store's own
+    commit: Any = None
+    # async (real_tombstone, store, rows) -> list | None: clearing deleted rows' records in their
+    # segments (RecordSteps._tombstone); real_tombstone(rows) is the store's own
+    tombstone: Any = None
+    # (dst, src, nbytes) -> None on a worker thread: a bounce-buffer copy (staging.StagePlan), in
+    # place of ctypes.memmove; set at open (the store's BouncePool keeps it)
+    memmove: Any = None
