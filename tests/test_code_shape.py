@@ -142,3 +142,11 @@ def package_files() -> list[str]:
 
 def test_no_module_reaches_into_another_module_s_underscore_names():
     assert private_reach(package_files()) == []
+
+
+def test_no_test_reaches_into_our_underscore_names():
+    """Tests use what a caller can: public calls, read-only properties and stats, and the seams
+    docs/architecture.md lists ("Seams tests use"); tests/support/ included."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    tests = sorted(os.path.join(d, f) for d, _, fs in os.walk(tests_dir) for f in fs if f.endswith(".py"))
+    assert private_reach(tests, package_files()) == []
