@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 import umbp_nvme
 
@@ -144,9 +145,31 @@ def test_no_module_reaches_into_another_module_s_underscore_names():
     assert private_reach(package_files()) == []
 
 
+def private_reach_in_strings(files: list[str], owner_files: list[str]) -> list[str]:
+    """``name._x`` inside string constants of ``files`` (code a test runs in a child process),
+    ``_x`` an underscore name of ``owner_files``; docstrings count too, so name a module instead."""
+    owners = _owners({f: ast.parse(open(f, encoding="utf-8").read(), f) for f in owner_files})
+    out = []
+    for f in files:
+        for n in ast.walk(ast.parse(open(f, encoding="utf-8").read(), f)):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str):
+                for m in re.finditer(r"\b\w+\.(_[A-Za-z]\w*)", n.value):
+                    name = m.group(1)
+                    if name in owners and not name.startswith("__") and name not in CROSS_MODULE_OK:
+                        out.append(f"{os.path.relpath(f, PACKAGE_DIR)}:{n.lineno}: {m.group(0)} (in a string)")
+    return out
+
+
+def test_the_string_check_sees_a_reach_in_a_child_script(tmp_path):
+    (tmp_path / "a.py").write_text("class A:\n    def __init__(self):\n        self._x = 1\n")
+    (tmp_path / "t.py").write_text('CHILD = """\nprint(a._x, a.x, gds._device_ops)\n"""\n')
+    found = private_reach_in_strings([str(tmp_path / "t.py")], [str(tmp_path / "a.py")])
+    assert [line.split(": ", 1)[1] for line in found] == ["a._x (in a string)"]
+
+
 def test_no_test_reaches_into_our_underscore_names():
     """Tests use what a caller can: public calls, read-only properties and stats, and the seams
-    docs/architecture.md lists ("Seams tests use"); tests/support/ included."""
+    docs/architecture.md lists ("Seams tests use"); tests/support/ and child scripts included."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     tests = sorted(os.path.join(d, f) for d, _, fs in os.walk(tests_dir) for f in fs if f.endswith(".py"))
-    assert private_reach(tests, package_files()) == []
+    assert private_reach(tests, package_files()) + private_reach_in_strings(tests, package_files()) == []

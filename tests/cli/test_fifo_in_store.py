@@ -52,7 +52,7 @@ def test_follower_get_from_a_fifo_segment_misses_without_hanging(tmp_path):
             finally:
                 await s.close()
         asyncio.run(run())
-        print("no_direct", len(files._no_direct_devices))
+        print("no_direct", len(files.direct_refusals()))
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[0] == str([False] * 8)

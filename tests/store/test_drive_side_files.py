@@ -2,7 +2,7 @@
 as untrusted: a FIFO in their place never blocks the open or `umbp-nvme stats`, and damage (nesting
 too deep for the parser, bytes that are not UTF-8, a JSON value that is not an object) is ignored
 like any other damage instead of raising out of the open (store/layout.read_json_or_none,
-owed_deletes._lines, cli/drives.live_counters). Hangs are caught in a child by its timeout."""
+owed_deletes.py reading its lines, cli/drives.live_counters). Hangs are caught in a child by its timeout."""
 
 from __future__ import annotations
 

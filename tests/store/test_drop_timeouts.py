@@ -1,4 +1,4 @@
-"""A delete whose index commit outlives io_timeout_s is in doubt (deletes._drop_rows): it is
+"""A delete whose index commit outlives io_timeout_s is in doubt (store/deletes.py): it is
 never acknowledged, never settled as an owed delete (owed_deletes.apply at open, the probe's
 re-admission), and a later delete of the key retries it.
 

@@ -1,4 +1,4 @@
-"""Owed deletes are acknowledged only once a log on disk records them (drive_probe._owe / _log).
+"""Owed deletes are acknowledged only once a log on disk records them (store/drive_probe.py).
 
 A degraded drive cannot delete: the delete is owed, and the owe must be durable (appended and
 fsynced to OWED_DELETES.jsonl on a healthy drive) before the call says True, or a restart would

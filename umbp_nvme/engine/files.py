@@ -54,6 +54,11 @@ _lock = threading.Lock()
 _no_direct_devices: set[int] = set()  # st_dev values whose file system refused O_DIRECT
 
 
+def direct_refusals() -> frozenset[int]:
+    """st_dev of the file systems that refused O_DIRECT in this process (their opens go buffered)."""
+    return frozenset(_no_direct_devices)
+
+
 def forget_direct_refusals() -> None:
     """Forget which file systems refused O_DIRECT: the next open on each asks again (a test that
     fakes a refusal calls it before and after, so the refusal outlives neither)."""
