@@ -46,6 +46,7 @@ class SyncPageStore:
         capacity_from_manifest: bool = False,
         shrink: bool = True,
         engine_factory=None,
+        hooks=None,
         page_of=None,
         call_slack_s: float = CALL_SLACK_S,
     ):
@@ -65,6 +66,7 @@ class SyncPageStore:
                 PageStore.open(
                     path, config, readonly=readonly, namespace=namespace, page_of=page_of,
                     capacity_from_manifest=capacity_from_manifest, shrink=shrink, engine_factory=engine_factory,
+                    hooks=hooks,
                 )  # fmt: skip
             )
         except BaseException:
@@ -76,7 +78,8 @@ class SyncPageStore:
         """Same as ``SyncPageStore(path, config, **kw)``: opens the store on a private loop thread.
 
         Keywords as ``PageStore.open`` (``readonly``, ``namespace``, ``capacity_from_manifest``,
-        ``shrink`` - True by default here - ``engine_factory``) plus ``page_of`` for several roots.
+        ``shrink`` - True by default here - ``engine_factory``, ``hooks``) plus ``page_of`` for several
+        roots and ``call_slack_s``.
         Raises what ``PageStore.open`` raises.
         """
         return cls(path, config, **kw)
