@@ -7,7 +7,7 @@ keeps serving reads (its pages are intact), only writes avoid it. One WARNING pe
 names the drive and the reason. ``drives.MultiDriveStore`` probes degraded drives and re-admits
 them; this module keeps the state and the two probe steps it runs on a drive (read back, owed deletes).
 
-Reads: a drive store's counters() and, to probe, writer.keys and a get through its public calls.
+Reads: a drive store's counters() and, to probe, any_key() and a get through its public calls.
 Changes: only its own DriveHealth.
 """
 
@@ -160,9 +160,9 @@ class DriveHealth:
 
 async def reads_back(st, h: DriveHealth) -> bool:
     """One of the drive's objects reads back through its store (and engine) within io_timeout_s."""
-    if st.readonly or not st.writer.keys:
+    key = st.any_key()
+    if key is None:
         return True  # nothing of ours to read: the directory answered
-    key = next(iter(st.writer.keys))
     ext = st.locate([key])[0]
     if ext is None:
         return True

@@ -267,6 +267,13 @@ class PageStore(
             raise ReadOnlyStoreError(f"store {self.path} was opened read-only; keys() needs the writer's rows")
         return list(self.writer.keys)
 
+    def any_key(self) -> str | None:
+        """Writers: one published key (None when there is none, or on a read-only opener): what a
+        drive probe reads back, without a snapshot of every key."""
+        if self.writer is None or not self.writer.keys:
+            return None
+        return next(iter(self.writer.keys))
+
     def locate(self, keys) -> list[Extent | None]:
         """Writers: where each key's object lives (segment, offset, length, depth); None when absent.
 
