@@ -4,25 +4,12 @@ write) checked in the simulator against counts worked out in the comments."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-
-import numpy as np
 
 from umbp_nvme.bench import trace_sim
-from umbp_nvme.bench.trace_file import Trace
+from support.traces import load_tool, trace_of
 
-_TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "admission_bound.py")
-spec = importlib.util.spec_from_file_location("admission_bound", _TOOL)
-bound = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bound)
-
-
-def trace_of(reqs):
-    arrays = [np.asarray(r, np.int64) for r in reqs]
-    n = max(max(r) for r in reqs) + 1
-    return Trace(arrays, np.asarray([512 * len(r) for r in reqs]), np.zeros(len(reqs)), np.arange(n))
+bound = load_tool("admission_bound")
 
 
 # [0,1] [0,1,2] [3] [0,1,2]: request 0 writes 2 new blocks (size class 2), requests 1 and 2 one

@@ -3,25 +3,12 @@ restart point, and keeps the cache's contents; the hit rate counts only the requ
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-
-import numpy as np
 
 from umbp_nvme.bench import trace_file, trace_sim
-from umbp_nvme.bench.trace_file import Trace
+from support.traces import load_tool, trace_of
 
-_TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "admission_restart.py")
-spec = importlib.util.spec_from_file_location("admission_restart", _TOOL)
-tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tool)
-
-
-def trace_of(reqs):
-    arrays = [np.asarray(r, np.int64) for r in reqs]
-    n = max(max(r) for r in reqs) + 1
-    return Trace(arrays, np.asarray([512 * len(r) for r in reqs]), np.zeros(len(reqs)), np.arange(n))
+tool = load_tool("admission_restart")
 
 
 def test_state_dropped_once_at_the_restart_point_contents_kept():

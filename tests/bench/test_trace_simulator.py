@@ -9,14 +9,8 @@ import numpy as np
 import pytest
 
 from umbp_nvme.bench import trace_file, trace_sim
-from umbp_nvme.bench.trace_file import Trace
+from support.traces import trace_of
 
-
-def trace_of(reqs: list[list[int]], tokens: list[int] | None = None) -> Trace:
-    arrays = [np.asarray(r, np.int64) for r in reqs]
-    n = max(max(r) for r in reqs) + 1
-    toks = np.asarray(tokens if tokens is not None else [512 * len(r) for r in reqs], np.int64)
-    return Trace(arrays, toks, np.zeros(len(reqs)), np.arange(n))
 
 
 # [0,1] [0,1] [2] [0,1], capacity 2:
