@@ -121,8 +121,18 @@ def write(records: list[dict], path: str) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+@dataclass(kw_only=True)
 class HitRates:
-    """Block- and token-weighted prefix hit rates of a result with hit/total block and token counts."""
+    """What every replay counts (the simulator's and the store's), and the block- and token-weighted
+    prefix hit rates of it."""
+
+    requests: int = 0
+    total_blocks: int = 0
+    hit_blocks: int = 0
+    l2_hit_blocks: int = 0  # served by the host tier in front
+    total_tokens: int = 0
+    hit_tokens: int = 0
+    held_sum: int = 0  # blocks (or objects) held, summed over the samples
 
     @property
     def hit_rate(self) -> float:

@@ -67,19 +67,12 @@ class Oracle:
 
 @dataclass
 class ReplayResult(HitRates):
-    requests: int = 0
-    total_blocks: int = 0
-    hit_blocks: int = 0
-    l2_hit_blocks: int = 0
-    total_tokens: int = 0
-    hit_tokens: int = 0
     set_pages: int = 0  # pages handed to batch_set_v1
     set_failed: int = 0  # pages a batch_set_v1 answered False for
     get_missed: int = 0  # pages batch_exists reported and batch_get_v1 did not read
     wrong_bytes: int = 0
     wrong_pages: int = 0
-    held_sum: int = 0  # objects held, summed over the samples once the store was full
-    held_samples: int = 0
+    held_samples: int = 0  # held_sum: objects held, summed over these samples once the store was full
     seconds: float = 0.0
     store: dict = field(default_factory=dict)
 

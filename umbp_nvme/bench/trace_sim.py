@@ -28,15 +28,8 @@ NEVER = np.iinfo(np.int64).max
 class SimResult(HitRates):
     policy: str
     capacity: int
-    hit_blocks: int = 0
-    total_blocks: int = 0
-    hit_tokens: int = 0
-    total_tokens: int = 0
-    l2_hit_blocks: int = 0
     written: int = 0  # blocks stored in L3
     declined: int = 0  # writes the admission policy refused
-    held_sum: int = 0  # sum over requests of blocks held after the request (for the mean)
-    requests: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
