@@ -65,6 +65,21 @@ def test_adaptive_switches_to_second_write_when_one_shot_pages_flush_a_reused_se
     assert sum(p in store for p in hot) == len(hot)
 
 
+def test_adaptive_does_not_switch_on_a_few_hits():
+    # the same shape with a hot set of 4 pages: admitting on the second write would hit 4 pages a
+    # round where admitting everything hits none, but 4 hits a window (8 with the decay) is a
+    # burst or two of one request, not evidence: a cold store stays a cold LRU
+    cap = 64
+    a = Admission(cap, sample_shift=0)
+    store: dict[int, None] = {}
+    fresh = 1000
+    for _ in range(40):
+        _run(a, store, cap, list(range(fresh, fresh + 64)))
+        fresh += 64
+        _run(a, store, cap, [1, 2, 3, 4])
+    assert a.rule == "all" and a.switches == 0 and a.declined == 0
+
+
 def test_adaptive_keeps_admitting_everything_when_first_offers_come_back_soon():
     # every round asks for 8 new pages and the 8 of the round before, in a 64-page store:
     # admitting everything, each page hits once; on the second write it would never hit
