@@ -3,7 +3,8 @@ hooks=StoreHooks(...))``), as ``engine_factory`` is for its engines: a test hold
 index commit, a tombstone or a staging copy without patching the store's classes.
 
 Every field is None by default: the store then runs its own step. A hook gets the real step first,
-so it can delay it, run it and then fail, or fail without it. The object is shared, not copied:
+so it can delay it, run it and then fail, or fail without it (``rebuild_step`` is only told where
+a rebuild is). The object is shared, not copied:
 a test may change what its hook does while the store is open (the store reads the field at each
 call). Reads: nothing. Changes: nothing.
 """
@@ -25,3 +26,7 @@ class StoreHooks:
     # (dst, src, nbytes) -> None on a worker thread: a bounce-buffer copy (staging.StagePlan), in
     # place of ctypes.memmove; set at open (the store's BouncePool keeps it)
     memmove: Any = None
+    # (name) -> None: called after each step of a rebuild of the index at open (rebuild.OPEN_STEPS)
+    # and of a legacy store's index replaced at open (index_swap.STEPS); crash tests kill the
+    # process there. Not given the real step: the steps are on-disk states, not calls to replace
+    rebuild_step: Any = None

@@ -1,0 +1,105 @@
+"""Kill an index rebuild at a chosen step (issue 34): a child process rebuilds, through a writer's
+open (``StoreHooks.rebuild_step``) or ``umbp-nvme verify --rebuild-index`` (the ``step`` of
+``maintenance.rebuild_index_dir``), and stops at the step named; the parent then sends the signal
+(SIGKILL, or SIGINT: Ctrl-C) and reads what the child said.
+
+Every step the child passes is printed (``step NAME``), so a test also sees the order, and a run
+with no target shows the whole list. The store and the version model around it come from
+support/version_crash.py (a layout whose killed put left records on disk that must never come
+back) and support/versions.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import umbp_nvme
+
+from .version_crash import Layout
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRODUCT = os.path.dirname(os.path.dirname(os.path.abspath(umbp_nvme.__file__)))
+HOLD_S = 120  # the child waits this long at its step: the parent signals it well before
+
+
+def step_hook(target: str | None):
+    """The child's hook: print each step; at ``target``, say so and wait for the parent's signal."""
+
+    def step(name: str) -> None:
+        print("step", name, flush=True)
+        if name == target:
+            print("at", name, flush=True)
+            time.sleep(HOLD_S)
+
+    return step
+
+
+_PRELUDE = f"""
+import sys
+sys.path[:0] = [{PRODUCT!r}, {TESTS!r}]
+import logging
+logging.getLogger("umbp_nvme").setLevel(logging.CRITICAL)  # a rebuild logs ERROR lines by design
+from support.rebuild_kills import step_hook
+"""
+
+_OPEN = _PRELUDE + """
+import asyncio
+from support.version_crash import Layout
+from umbp_nvme.store import PageStore
+from umbp_nvme.store.hooks import StoreHooks
+
+async def main():
+    st = await PageStore.open({path!r}, Layout(**{layout!r}).config(), hooks=StoreHooks(rebuild_step=step_hook({target!r})))
+    print("opened", st.object_count(), flush=True)
+    await st.close()
+
+asyncio.run(main())
+"""
+
+_VERIFY = _PRELUDE + """
+from umbp_nvme.cli import main as cli, maintenance
+
+real = maintenance.rebuild_index_dir
+maintenance.rebuild_index_dir = lambda path: real(path, step=step_hook({target!r}))  # the command looks it up per call
+sys.exit(cli.main(["verify", "--store", {path!r}, "--rebuild-index"]))
+"""
+
+
+@dataclasses.dataclass
+class ChildRun:
+    steps: list[str]  # the steps the child passed, in order
+    stopped_at: str | None  # the step it was signalled at (None: it ran to its end)
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_child(kind: str, path: str, c: Layout, target: str | None, sig: int = signal.SIGKILL) -> ChildRun:
+    """Run the rebuild ``kind`` ("open" or "verify") on ``path`` in a child; signal it with ``sig``
+    once it reached ``target`` (None: let it finish)."""
+    code = (_OPEN if kind == "open" else _VERIFY).format(path=path, layout=dataclasses.asdict(c), target=target)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, at = [], None
+    try:
+        for line in p.stdout:  # readline, not communicate: it must act on the line as it comes
+            lines.append(line)
+            if line.startswith("at "):
+                at = line.split()[1]
+                p.send_signal(sig)
+                break
+        out = "".join(lines) + p.stdout.read()
+        err = p.stderr.read()
+        rc = p.wait(timeout=HOLD_S)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+        p.stderr.close()
+    steps = [x.split()[1] for x in out.splitlines() if x.startswith("step ")]
+    return ChildRun(steps, at, rc, out, err)
