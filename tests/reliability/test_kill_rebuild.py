@@ -340,3 +340,36 @@ def test_interrupted_index_replacement_without_records_every_step(tmp_path):
         run = rebuild_kills.run_child("open", path, c, target)
         assert run.stopped_at == target and run.returncode == -signal.SIGKILL, (run.steps, run.stderr[-2000:])
         assert asyncio.run(served(path)) == keys[:-1], target
+
+
+def _follower_tally(view: list, c, model, *, durable: bool) -> Tally:
+    """A follower's view of every key, classified (a miss is a loss only where ``durable``)."""
+    tally = Tally()
+    for k, v in zip(every_key(c), view):
+        tally.check(model, k, None if v is None else [None if v == "x" else v], durable=durable)
+    return tally
+
+
+async def test_interrupted_rebuild_a_follower_never_serves_a_wrong_version_and_follows_the_next_writer(
+        rebuilt_base, tmp_path):  # fmt: skip
+    """A follower (another process) open before a rebuild killed at a step serves the old file,
+    misses (the path names nothing) or the new file, never a version that was not acknowledged;
+    once the next writer has opened (rebuilt, or put the finished file in place), re-put and
+    deleted, it serves exactly what was acknowledged."""
+    c, base, model0, nv = rebuilt_base
+    for target in ("marked", "set_aside", "renamed", "reopened"):  # each state of the path a follower can see
+        path = str(tmp_path / target)
+        shutil.copytree(base, path)
+        model = copy.deepcopy(model0)
+        version_crash.rebuild_by("power_loss", path, c.capacity)
+        follower = rebuild_kills.Follower(path, c, every_key(c))
+        try:
+            run = rebuild_kills.run_child("open", path, c, target)
+            assert run.stopped_at == target, (run.steps, run.stderr[-2000:])
+            f = _follower_tally(follower.view(), c, model, durable=False).figures()
+            assert (f["wrong_bytes"], f["stale_served"], f["resurrected"]) == (0, 0, 0), (target, f)
+            await reput_and_delete(c, path, model, nv, seed=7)
+            f = _follower_tally(follower.view(), c, model, durable=True).figures()
+            assert f == dict(CLEAN, versions_checked=len(every_key(c))), (target, f)
+        finally:
+            follower.close()

@@ -103,3 +103,62 @@ def run_child(kind: str, path: str, c: Layout, target: str | None, sig: int = si
         p.stderr.close()
     steps = [x.split()[1] for x in out.splitlines() if x.startswith("step ")]
     return ChildRun(steps, at, rc, out, err)
+
+
+_FOLLOW = _PRELUDE + """
+import asyncio, json
+import numpy as np
+from support.version_crash import Layout
+from support.versions import version_in
+from umbp_nvme.store import PageStore
+
+async def main():
+    c, keys = Layout(**{layout!r}), {keys!r}
+    st = await PageStore.open({path!r}, c.config(), readonly=True)
+    print("ready", flush=True)
+    loop = asyncio.get_running_loop()
+    while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "view":
+        outs = [np.zeros(c.obj, np.uint8) for _ in keys]
+        got = await st.get_many(keys, outs)
+        vs = [version_in(k, o) if g else None for k, g, o in zip(keys, got, outs)]
+        print(json.dumps([("x" if v is None else v) if g else None for g, v in zip(got, vs)]), flush=True)
+    await st.close()
+
+asyncio.run(main())
+"""
+
+
+class Follower:
+    """A read-only opener in its own process (LMDB allows one handle per file and process, and a
+    writer in this one): ``view()`` is each key's served version, None for a miss, "x" for bytes of
+    no version of that key."""
+
+    def __init__(self, path: str, c: Layout, keys: list[str]):
+        import json
+
+        self._json = json
+        code = _FOLLOW.format(path=path, layout=dataclasses.asdict(c), keys=keys)
+        self.p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
+        if self.p.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError(f"the follower did not open: {self.p.stderr.read()[-2000:]}")
+
+    def view(self) -> list:
+        self.p.stdin.write("view\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the follower ended: {self.p.stderr.read()[-2000:]}")
+        return self._json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.close()
+            self.p.wait(timeout=60)
+        finally:
+            if self.p.poll() is None:
+                self.p.kill()
+                self.p.wait()
+            self.p.stdout.close()
+            self.p.stderr.close()
