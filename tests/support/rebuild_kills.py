@@ -6,12 +6,14 @@ open (``StoreHooks.rebuild_step``) or ``umbp-nvme verify --rebuild-index`` (the 
 Every step the child passes is printed (``step NAME``), so a test also sees the order, and a run
 with no target shows the whole list. The store and the version model around it come from
 support/version_crash.py (a layout whose killed put left records on disk that must never come
-back) and support/versions.py.
+back) and support/versions.py. ``Follower`` is a read-only opener in its own process, asked for
+its view of every key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -134,9 +136,6 @@ class Follower:
     no version of that key."""
 
     def __init__(self, path: str, c: Layout, keys: list[str]):
-        import json
-
-        self._json = json
         code = _FOLLOW.format(path=path, layout=dataclasses.asdict(c), keys=keys)
         self.p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -150,7 +149,7 @@ class Follower:
         line = self.p.stdout.readline()
         if not line:
             raise RuntimeError(f"the follower ended: {self.p.stderr.read()[-2000:]}")
-        return self._json.loads(line)
+        return json.loads(line)
 
     def close(self) -> None:
         try:
