@@ -10,6 +10,7 @@ as the old version, not as a plain hit.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -265,3 +266,69 @@ async def test_a_drive_whose_record_is_lost_is_not_vouched_for_by_the_others(tmp
     shutil.copytree(snapshot, os.path.dirname(B), symlinks=True)
     os.unlink(os.path.join(B, "DRIVES.json"))  # an old copy whose record is lost as well
     assert await _run([A, B], lambda st: _versions(st, on_b)) == [None] * len(on_b)
+
+
+# ------------------------------------------------------------------ drives the probe opens later
+
+
+def _park(root: str, parked: str) -> None:
+    """The drive cannot open (its directory moved away, a file in its place)."""
+    os.rename(os.path.dirname(root), parked)
+    open(os.path.dirname(root), "w").close()
+
+
+def _unpark(root: str, parked: str) -> None:
+    os.unlink(os.path.dirname(root))
+    os.rename(parked, os.path.dirname(root))
+
+
+async def test_an_older_copy_that_comes_back_while_the_writer_runs_is_cleared_before_it_serves(tmp_path):
+    from support.waits import until
+
+    A, B = _roots(tmp_path, 2)
+    keys = _keys(20)
+
+    async def run1(st):
+        assert await _put(st, keys, 1) == [True] * len(keys)
+        return dict(zip(keys, st.drive_of(keys)))
+
+    where = await _run([A, B], run1)
+    on_b = [k for k in keys if where[k] == 1]
+    snapshot = str(tmp_path / "snapshot")
+    shutil.copytree(os.path.dirname(B), snapshot, symlinks=True)
+    await _run([A, B], lambda st: st.delete_many(on_b))  # run 2: B's pages deleted, acknowledged
+    shutil.rmtree(os.path.dirname(B))
+    open(os.path.dirname(B), "w").close()  # run 3 opens without B; the old copy is put back while it runs
+    st = await PageStore.open([A, B], _cfg([A, B]), probe_interval_s=0.05)
+    try:
+        assert st.stats()["drives"][1]["state"] == "degraded"
+        _unpark(B, snapshot)
+        assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 20)
+        assert await _versions(st, on_b) == [None] * len(on_b)
+        assert st.stats()["drives"][1]["objects"] == 0
+    finally:
+        await st.close()
+
+
+async def test_another_stores_drive_that_appears_while_the_writer_runs_is_never_opened(tmp_path):
+    from support.waits import until
+
+    A, B = _roots(tmp_path, 2)
+    E, F = [str(tmp_path / f"other{i}" / "store") for i in range(2)]
+    keys = _keys(20)
+    await _run([A, B], lambda st: _put(st, keys, 1))
+    await _run([E, F], lambda st: _put(st, keys, 2))
+    parked = str(tmp_path / "parked")
+    _park(B, parked)
+    st = await PageStore.open([A, B], _cfg([A, B]), probe_interval_s=0.05)
+    try:
+        os.unlink(os.path.dirname(B))
+        shutil.copytree(os.path.dirname(E), os.path.dirname(B), symlinks=True)  # another store's drive there
+        assert await until(lambda: "open failed" not in (st.stats()["drives"][1]["reason"] or ""), 20)  # probed
+        await asyncio.sleep(0.3)  # several probes
+        got = await _versions(st, keys)
+        assert 2 not in got and -1 not in got  # main: the other store's drive joined and its bytes were served
+        assert st.stats()["drives"][1]["state"] == "degraded" and "another store" in st.stats()["drives"][1]["reason"]
+    finally:
+        await st.close()
+    assert _record(B)["store_id"] == _record(E)["store_id"]  # never written by this store
