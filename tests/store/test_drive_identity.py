@@ -332,3 +332,41 @@ async def test_another_stores_drive_that_appears_while_the_writer_runs_is_never_
     finally:
         await st.close()
     assert _record(B)["store_id"] == _record(E)["store_id"]  # never written by this store
+
+
+def _strip_identities(roots) -> None:
+    for r in roots:  # what DRIVES.json held before identities
+        rec = _record(r)
+        old = {k: rec[k] for k in ("roots", "objects", "session", "members", "wrote", "health") if k in rec}
+        with open(os.path.join(r, "DRIVES.json"), "w") as f:
+            json.dump(old, f)
+
+
+async def test_a_drive_left_unstamped_by_the_first_stamping_session_keeps_its_pages_unless_that_session_wrote(tmp_path):
+    from umbp_nvme.store.hooks import StoreHooks
+
+    A, B = _roots(tmp_path, 2)
+    keys = _keys(20)
+
+    async def run1(st):
+        assert await _put(st, keys, 1) == [True] * len(keys)
+        return dict(zip(keys, st.drive_of(keys)))
+
+    where = await _run([A, B], run1)
+    on_b = [k for k in keys if where[k] == 1]
+    _strip_identities([A, B])
+
+    def no_record_on_b(real, path, rec):
+        if path.startswith(B + os.sep):
+            raise OSError(5, "Input/output error (injected)", path)
+        real(path, rec)
+
+    hooks = StoreHooks(drive_record=no_record_on_b)
+    await _run([A, B], lambda st: _versions(st, keys), hooks=hooks)  # reads only: A stamped, B keeps its old record
+    assert "store_id" in _record(A) and "store_id" not in _record(B)
+    assert await _run([A, B], lambda st: _versions(st, on_b)) == [1] * len(on_b)  # B missed nothing: kept
+    _strip_identities([A, B])
+    fresh = _keys(4, "f")
+    await _run([A, B], lambda st: _put(st, fresh, 2), hooks=hooks)  # this time the stamping session wrote
+    assert "store_id" in _record(A) and "store_id" not in _record(B)
+    assert await _run([A, B], lambda st: _versions(st, on_b)) == [None] * len(on_b)  # B missed it: cleared

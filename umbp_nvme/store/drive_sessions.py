@@ -75,6 +75,7 @@ class SessionSteps:
         self._record_pools = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="umbp-drive-record")
                               for _ in range(n)]  # fmt: skip
         self._record_hung = [False] * n
+        self._records_closed = False
 
     def _same_store_records(self) -> list[dict]:
         return [{} if v == FOREIGN else rec for rec, (v, _) in zip(self._recs, self._history.verdicts)]
@@ -111,6 +112,8 @@ class SessionSteps:
 
     def _write_record_now(self, d: int) -> None:
         """Write drive ``d``'s DRIVES.json (its record thread: fields read when it runs, in order)."""
+        if self._records_closed:  # queued before close() and run after it: the next writer's record is not ours
+            raise OSError(f"store {self.path} closed")
         health = dict(zip(self.roots, self._health_rec)) if self._health_rec else None
         rec = {**set_fields(self.roots, self.stores, health), **self.session_record(d)}
         path = os.path.join(self.roots[d], DRIVES_FILE)
@@ -289,5 +292,6 @@ class SessionSteps:
         return True
 
     def _close_records(self) -> None:
+        self._records_closed = True
         for p in self._record_pools:
-            p.shutdown(wait=False)
+            p.shutdown(wait=False, cancel_futures=True)
