@@ -14,7 +14,7 @@ from umbp_nvme.cli import doctor
 from umbp_nvme.cli.main import main
 from umbp_nvme.engine import files as engine_files
 
-ITEMS = {"io_uring", "engine", "o_direct", "memlock", "hugepages", "filesystem", "scheduler", "gpu", "probe"}
+ITEMS = {"io_uring", "engine", "o_direct", "memlock", "hugepages", "filesystem", "scheduler", "gpu", "probe", "session"}
 SHM = "/dev/shm"
 
 

@@ -11,6 +11,8 @@
 * ``hugepages``: hugetlb pages reserved / free, transparent hugepages, and whether the host pool
   ranges (when a server runs the doctor at start) are hugepage-backed.
 * ``filesystem``: type, device, free space against the configured capacity.
+* ``session`` (``doctor_session.py``): a drive of several: whether a writer can record its session
+  there (else the drive takes no writes), and what a running writer last recorded.
 * ``scheduler``: the block device's I/O scheduler and whether it honours I/O priorities.
 * ``gpu``: GPU / GDS (KvikIO) status, with the exact reason when it is off.
 * ``probe`` (``doctor_probe.py``): a few seconds of put_many / get_many through a scratch store
@@ -34,6 +36,7 @@ import time
 from ..config import StoreConfig
 from .doctor_findings import existing, finding
 from .doctor_probe import PROBE_SECONDS, check_probe
+from .doctor_session import check_session_record
 from ..store.layout import segment_disk_bytes
 
 log = logging.getLogger(__name__)
@@ -394,6 +397,7 @@ def report(store_dir: str, config: StoreConfig | None = None, *, probe: bool = T
         ("memlock", lambda: check_memlock(findings, sum(n for _, n in ranges) if ranges else None)),
         ("hugepages", lambda: check_hugepages(findings, ranges)),
         ("filesystem", lambda: check_filesystem(store_dir, config, findings)),
+        ("session", lambda: check_session_record(store_dir, findings)),
         ("scheduler", lambda: check_scheduler(store_dir, findings)),
         ("gpu", lambda: check_gpu(findings)),
     ]
