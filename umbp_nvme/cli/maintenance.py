@@ -382,9 +382,14 @@ def free_ranges(path: str) -> tuple[dict[int, list[tuple[int, int]]], set[int], 
     return ranges, empty, int((~keep).sum()) if len(recs) else 0
 
 
-def rebuild_index_dir(path: str) -> dict:
-    """``verify --rebuild-index``: write a new index.lmdb from the records in the segments (the
-    old one, if any, moved aside). Takes the writer lock (StoreLockedError while a writer runs)."""
+def rebuild_index_dir(path: str, *, step=None) -> dict:
+    """``verify --rebuild-index``: write a new index.lmdb from the records in the segments, rewrite
+    every record area from it, mark it clean and put it in place of the old one (moved aside),
+    atomically: until the new file is complete the old one stays at the path, so an interrupted
+    run (Ctrl-C, a kill) leaves the store as it found it, less a temporary file the next writer or
+    run removes. Takes the writer lock (StoreLockedError while a writer runs). ``step(name)`` is
+    called after each step (rebuild.VERIFY_STEPS): the seam crash tests kill the process at."""
+    from ..store.index_swap import settle_leftovers
     from ..store.layout import map_size_bytes
     from ..store.rebuild import rebuild_index
 
@@ -402,13 +407,11 @@ def rebuild_index_dir(path: str) -> dict:
         cap = recorded_capacity_bytes(m) or (max(on_disk, default=0) + 1) * seg
         n_segments = max(cap // seg, max(on_disk, default=-1) + 1)
         ipath = os.path.join(path, INDEX_FILE)
-        summary: dict = {}
-        ix = rebuild_index(path, ipath, seg, n_segments, map_size_bytes(cap), "verify --rebuild-index",
-                           summary_out=summary, rewrite=True)  # fmt: skip
-        try:
-            ix.set_writer_state(b"clean")
-        finally:
-            ix.close()
+        done = settle_leftovers(ipath, map_size_bytes(cap))
+        if done is not None:
+            log.warning("%s: an index rebuild was interrupted: %s", path, done)
+        summary = rebuild_index(path, ipath, seg, n_segments, map_size_bytes(cap), "verify --rebuild-index",
+                                state=b"clean", rewrite=True, step=step)  # fmt: skip
     finally:
         os.close(fd)
     summary["store"] = path

@@ -41,6 +41,7 @@ from .hicache_files import FileBackendLayout, dir_bytes, expected_page_bytes, fi
 from ..keybytes import encode_key, key_error, printable_key
 from .maintenance import StoreReader
 from .sources import SourceError, Summary, Unit, archive_units, detect_source, store_units
+from ..store.segments import max_object_bytes as segment_max_object_bytes
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,9 @@ def check_max_gbps(max_gbps) -> None:
 
 
 def max_object_bytes(store) -> int:
-    """The largest object ``store`` takes: one segment, and under 4 GiB (the index's u32 length)."""
-    return min(int(store.segment_bytes), (1 << 32) - 1)
+    """The largest object ``store`` takes: one segment less the 4 KiB its records keep (a put of a
+    larger one is refused), and under 4 GiB (the index's u32 length)."""
+    return min(segment_max_object_bytes(int(store.segment_bytes)), (1 << 32) - 1)
 
 
 class _Staging:
@@ -181,7 +183,9 @@ class Importer:
         """Why the store cannot take this unit (checked before anything is allocated or read)."""
         for n in u.lengths:
             if not 0 <= n <= self.max_object_bytes:
-                return f"{u.label}: an object of {n} bytes is over the largest this store takes ({self.max_object_bytes})"
+                self.summary.add(too_large=sum(1 for m in u.lengths if m > self.max_object_bytes))
+                return (f"{u.label}: an object of {n} bytes is over the largest this store takes ({self.max_object_bytes} "
+                        f"bytes: its segments of {self.store.segment_bytes} bytes keep their last 4 KiB for records)")
         if not 0 <= u.blob_bytes <= self.max_object_bytes * len(u.keys):
             return f"{u.label}: {u.blob_bytes} bytes is more than its {len(u.keys)} objects can hold"
         for k in u.keys:
