@@ -247,7 +247,7 @@ def cmd_stats(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import format_text, report
+    from ..doctor.report import format_text, report
 
     r = report(args.store, _load_config(args), probe=not args.no_probe)
     _emit(args, r, format_text(r))

@@ -281,7 +281,7 @@ def watch(seam, store, role: str) -> None:
     """Export the store's metrics (and log a doctor report) when asked; never fails an open."""
     if seam.doctor_at_start and role == "main":
         try:
-            from ..cli.doctor import log_report
+            from ..doctor.report import log_report
 
             for path in seam.store_dirs:  # one report per drive
                 log_report(path, seam.config, ranges=list(seam.ranges))

@@ -1,4 +1,7 @@
-"""`umbp-nvme doctor`: what a store will actually use on this machine, and what the machine can do.
+"""The doctor's report: what a store will actually use on this machine, and what the machine can do.
+
+Shown by ``umbp-nvme doctor`` (cli/commands.py) and logged by the SGLang backend at open when
+``doctor_at_start`` asks (sglang/stores.py); it sits below both, so neither imports the other.
 
 ``report(store_dir, config) -> dict`` checks, in this order, each as one item of the report:
 
@@ -13,7 +16,7 @@
 * ``filesystem``: type, device, free space against the configured capacity.
 * ``scheduler``: the block device's I/O scheduler and whether it honours I/O priorities.
 * ``gpu``: GPU / GDS (KvikIO) status, with the exact reason when it is off.
-* ``probe`` (``doctor_probe.py``): a few seconds of put_many / get_many through a scratch store
+* ``probe`` (``probe.py``): a few seconds of put_many / get_many through a scratch store
   at the store's object size, in GB/s and as a fraction of raw O_DIRECT I/O of the same size on
   the same file system.
 
@@ -32,11 +35,11 @@ import tempfile
 import time
 
 from ..config import StoreConfig
-from .doctor_findings import existing, finding
-from .doctor_probe import PROBE_SECONDS, check_probe
+from .findings import existing, finding
+from .probe import PROBE_SECONDS, check_probe
 from ..store.layout import segment_disk_bytes
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("umbp_nvme.doctor")
 
 _PRIORITY_SCHEDULERS = ("bfq", "mq-deadline")  # the blk-mq schedulers that honour ioprio
 
