@@ -6,10 +6,13 @@ Commands run as the user typed them, in a child process where the environment ma
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -37,3 +40,63 @@ def test_the_sglang_tests_skip_and_say_so_on_a_machine_without_sglang():
     assert len(skips) >= 3 and all("sglang" in ln for ln in skips), skips
     assert any(ln.endswith("tests skipped because sglang is not installed (tools/install_sglang.sh installs "
                            "sglang==0.5.23; .ci/run does)") for ln in out.splitlines()), out[-2000:]
+
+
+# --- the extra_config key table ------------------------------------------------------------------
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_extra_config_table_is_generated_from_the_code_and_lists_every_key():
+    from umbp_nvme import config, config_doc
+    from umbp_nvme.sglang import kv_events, seam
+
+    path = os.path.join(ROOT, "docs", "sglang.md")
+    text = open(path, encoding="utf-8").read()
+    assert config_doc.replaced(text) == text, "stale: run python -m umbp_nvme.config_doc --write docs/sglang.md"
+    table = text.split(config_doc.BEGIN)[1].split(config_doc.END)[0]
+    listed = {k for ln in table.splitlines()[2:] for k in re.findall(r"`([^`]+)`", ln.split(" | ")[0])}
+    every = ({f.name for f in dataclasses.fields(config.StoreConfig)} | set(config.ACCEPTED_KEYS)
+             | set(seam.BACKEND_KEYS) | set(kv_events.KEYS) | config.LOADER_KEYS | config.DISTRIBUTED_ONLY_KEYS)
+    assert every - listed == set() and len(every) > 60
+    row = next(ln for ln in table.splitlines() if ln.startswith("| `ssd_capacity_bytes` |"))
+    cells = [c.strip() for c in row.strip("|").split(" | ")]
+    assert cells[1:5] == ["`UMBP_SSD_CAPACITY`", "size", "32 GiB", "bytes"] and "**per rank**" in cells[5]
+    row = next(ln for ln in table.splitlines() if ln.startswith("| `ssd_io_backend` |"))
+    assert "`posix`, `io_uring`, `auto`" in row and "`UMBP_SSD_IO_BACKEND`" in row
+    # the check the docs name: 0 on the file, 1 with the fix on a stale copy
+    stale = os.path.join(os.path.dirname(path), ".stale-sglang.md")
+    try:
+        with open(stale, "w", encoding="utf-8") as f:
+            f.write(text.replace("| `ssd_queue_depth` |", "| `ssd_queue_depth_old` |"))
+        ok = subprocess.run([sys.executable, "-m", "umbp_nvme.config_doc", "--check", path], env=ENV,
+                            capture_output=True, text=True, timeout=60)
+        bad = subprocess.run([sys.executable, "-m", "umbp_nvme.config_doc", "--check", stale], env=ENV,
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        os.unlink(stale)
+    assert ok.returncode == 0 and bad.returncode == 1
+    assert bad.stderr.strip().endswith("the config table is stale; run python -m umbp_nvme.config_doc --write "
+                                       + stale)
+
+
+def test_a_setting_without_a_meaning_cannot_be_left_out_of_the_table():
+    from umbp_nvme import config_doc
+
+    Bare = dataclasses.make_dataclass("Bare", [("ssd_new_knob_bytes", int, dataclasses.field(default=1))])
+    with pytest.raises(ValueError, match=r"Bare\.ssd_new_knob_bytes says nothing of what it means"):
+        config_doc.rows(Bare)
+
+
+def test_the_readme_links_the_key_table_and_says_the_capacity_is_per_rank():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    link = re.search(r"\]\((docs/sglang\.md)#([\w-]+)\)", readme)
+    assert link, "the README links docs/sglang.md's key table"
+    headings = [ln.lstrip("#").strip() for ln in open(os.path.join(ROOT, link.group(1)), encoding="utf-8")
+                if ln.startswith("## ")]
+    target = next(h for h in headings if _slug(h) == link.group(2))
+    assert target == "9. `extra_config` keys"
+    assert "**`ssd_capacity_bytes` is per rank, as in UMBP**" in readme and "asks the drive for 4 TiB" in readme
