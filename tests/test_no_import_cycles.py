@@ -139,7 +139,7 @@ def test_the_store_and_the_engines_import_nothing_of_the_sglang_adapter_the_cli_
 def test_the_sglang_adapter_reaches_the_doctor_without_the_command_line():
     graph = import_graph(PACKAGE_DIR, "umbp_nvme")
     assert "umbp_nvme.doctor.report" in graph["umbp_nvme.sglang.stores"]  # the report at open (doctor_at_start)
-    assert "umbp_nvme.doctor.report" in graph["umbp_nvme.cli.main"]  # umbp-nvme doctor
+    assert "umbp_nvme.doctor.report" in graph["umbp_nvme.cli.commands"]  # umbp-nvme doctor
     assert upward_imports({"umbp_nvme.sglang.stores": {"umbp_nvme.cli.doctor"}}, "umbp_nvme") == [
         "umbp_nvme.sglang.stores -> umbp_nvme.cli.doctor"]  # the import issue 35 removed is one the rule names
 
