@@ -396,3 +396,18 @@ def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | No
                 "Known keys are UMBP's (ssd_storage_dir, ssd_capacity_bytes, ssd_io_backend, ...; docs/sglang.md §9).",
             )
     return StoreConfig(**values)
+
+
+def config_sources(extra_config: Mapping | None = None, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """StoreConfig field -> where load_config took its value from (``extra_config['key']`` or the
+    environment variable; the dict wins, as in load_config); a field not listed has its default
+    (the SGLang backend warns when the directory or the capacity is one: sglang/startup.py)."""
+    env = os.environ if env is None else env
+    out = {}
+    for var, k in ENV_KEYS.items():
+        if env.get(var) and _FIELD_KEYS[k][0] is not None:
+            out[_FIELD_KEYS[k][0]] = var
+    for k in extra_config or {}:
+        if isinstance(k, str) and k in _FIELD_KEYS and _FIELD_KEYS[k][0] is not None:
+            out[_FIELD_KEYS[k][0]] = f"extra_config[{k!r}]"
+    return out

@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import List
 
-from ..config import StoreConfig, load_config, parse_bool
+from ..config import StoreConfig, config_sources, load_config, parse_bool
 from .hits import v2_hits
 from . import kv_events, stores
 from .keys import KeyScheme, is_mla_follower, rank_subdir
@@ -120,7 +120,7 @@ class UMBPNvmeStore(HiCacheStorage):
             follower=self.is_mla_follower, store_dirs=self.store_dirs, private_dirs=self.private_dirs,
             model_name=self.model_name, engine_factory=engine_factory, doctor_at_start=doctor_at_start,
             prometheus=self.enable_storage_metrics if prometheus is None else _switch(prometheus, "prometheus"),
-            events_cfg=events_cfg,
+            events_cfg=events_cfg, settings_from=config_sources(extra),
         )  # fmt: skip
         self.registry = self._seam.registry
         self.registered_pools: dict = {}  # HiCacheStorage's attribute, kept for callers that read it

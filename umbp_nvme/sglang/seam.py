@@ -49,6 +49,7 @@ class Seam:
     doctor_at_start: bool = False
     prometheus: bool = False
     events_cfg: Any = None  # kv_events config; None: no DISK events
+    settings_from: dict = field(default_factory=dict)  # config field -> where it was set (config.config_sources)
     # -- set at registration
     registry: PoolRegistry = field(default_factory=PoolRegistry)
     anchor: Any = None  # the KV host pool (register_mem_pool_host)

@@ -120,6 +120,9 @@ def open_main(seam, *, raise_errors: bool):
     register_ranges(store, seam.ranges)
     watch(seam, store, "main")
     seam.main = store
+    from .startup import announce
+
+    announce(seam)  # the directory and capacity in use; defaults and a node total past the drive warned
     if not seam.follower:
         start_events(seam, store)
     return store
