@@ -148,6 +148,8 @@ def cmd_warmup(args) -> int:
         raise CliError("stdin (-) can be given as a SOURCE once")
     cfg = _writer_config(args)
     keys = _read_keys(args.keys) if args.keys else None
+    from ..errors import StoreLockedError
+
     try:
         s = asyncio.run(
             import_sources(args.store, args.sources, cfg, layout=layout, page_bytes=args.page_bytes, namespace=namespace,
@@ -157,6 +159,12 @@ def cmd_warmup(args) -> int:
         )
     except ValueError as e:
         raise CliError(str(e)) from None
+    except StoreLockedError as e:  # the store's own text says "open it read-only": a warm-up writes
+        raise CliError(
+            f"warmup writes into {e.path or args.store}, but a writer (pid {e.holder or 'unknown'}) holds it; a "
+            "store has one writer at a time. Stop that process (or the SGLang server using this directory) and run "
+            "warmup again, or warm the running server instead: umbp-nvme warmup --replay PROMPTS.jsonl --server URL "
+            "sends it prompts and it writes the pages itself") from None
     _emit(args, s.as_dict(), s.table())
     return EXIT_INTERRUPTED if s.interrupted else EXIT_OK if s.ok else EXIT_PROBLEMS
 
@@ -191,7 +199,6 @@ def cmd_stats(args) -> int:
     cfg = _load_config(args)
     s = store_stats(args.store, cfg.ssd_capacity_bytes if _capacity_given(args) else None,
                     cfg.ssd_high_watermark, cfg.ssd_low_watermark)
-    s["capacity_source"] = "configured" if _capacity_given(args) else "segment files on disk (pass --capacity for the server's)"
     s["counters"] = live_counters(args.store)
     if getattr(args, "prometheus", False):
         from ..metrics import available, store_on_disk_exposition
@@ -224,9 +231,26 @@ def cmd_stats(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from ..doctor.report import format_text, report
+    import dataclasses
 
-    r = report(args.store, _load_config(args), probe=not args.no_probe)
+    from ..doctor.report import format_text, report
+    from ..errors import StoreError
+    from ..store.layout import read_manifest_or_none, recorded_capacity_bytes
+
+    cfg = _load_config(args)
+    if _capacity_given(args):
+        source = "given: --capacity, --config or UMBP_SSD_CAPACITY"
+    else:  # the capacity the store runs with, as its writer recorded it
+        try:
+            recorded = recorded_capacity_bytes(read_manifest_or_none(args.store) or {})
+        except (OSError, ValueError, StoreError):  # a damaged manifest: the report's other checks still run
+            recorded = None
+        if recorded:
+            cfg = dataclasses.replace(cfg, ssd_capacity_bytes=recorded)
+            source = "recorded in MANIFEST.json: the capacity its writer runs with"
+        else:
+            source = "not set: the default for a new store (--capacity or UMBP_SSD_CAPACITY sets it)"
+    r = report(args.store, cfg, probe=not args.no_probe, capacity_source=source)
     _emit(args, r, format_text(r))
     return EXIT_PROBLEMS if r["status"] == "fail" else EXIT_OK
 

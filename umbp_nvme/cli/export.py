@@ -1,18 +1,21 @@
 """`umbp-nvme export`: a store's objects, CRC-checked, into an archive (the format: archive.py).
 
 The archive is written under a private temporary name beside ``out`` and renamed onto it when
-complete, so ``out`` is never a partial archive; a pipe or a device is written into.
+complete, so ``out`` is never a partial archive; a pipe or a device is written into. An ``out``
+whose directory is missing or not writable is refused before anything is read, naming the
+directory and what to do (issue 35: the error named the hidden temporary file).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
 import time
 
 from ..keybytes import printable_key
-from .archive import ArchiveWriter
+from .archive import ArchiveError, ArchiveWriter
 
 
 def open_for_write(path: str):
@@ -37,8 +40,25 @@ def open_for_write(path: str):
             fd = os.open(tmp, flags, 0o600)
         except FileExistsError:
             continue
+        except OSError as e:  # the temp name is ours, not the user's: name the directory they gave
+            raise ArchiveError(out_dir_problem(path, e)) from None
         return os.fdopen(fd, "wb", buffering=1 << 20), tmp
     raise FileExistsError(f"cannot create a temporary file beside {path}: 16 random names were taken")
+
+
+def out_dir_problem(path: str, e: OSError) -> str:
+    """Why no file can be made beside ``path``, naming its directory and what to do."""
+    d = os.path.dirname(os.path.abspath(path))
+    head = f"cannot write the archive {path}: "
+    if e.errno == errno.ENOENT:
+        return (head + f"its directory {d} does not exist; create it first (mkdir -p {d}) or write the archive "
+                "into an existing directory")
+    if e.errno == errno.ENOTDIR:
+        return head + f"{d} is not a directory (a file is in the way); give a path inside a directory"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (head + f"no file can be created in {d} ({e.strerror}); write the archive into a directory this "
+                "user can write, or fix that directory's permissions")
+    return head + f"no file can be created in {d} ({e.strerror or e})"
 
 
 def is_pipe_or_device(path: str) -> bool:

@@ -28,6 +28,20 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive_size(example: str, unset: str):
+    """parse_size for an option where 0 bytes means nothing: refused, saying what leaving it out does
+    (issue 35: --capacity 0 silently meant the 32 GiB default)."""
+
+    def parse(text: str) -> int:
+        n = parse_size(text)
+        if n <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is 0 bytes; give a size above 0 (e.g. {example}), or leave the "
+                                             f"option out: {unset}")
+        return n
+
+    return parse
+
+
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -118,7 +132,10 @@ def _store_arg(p, required: bool = True) -> None:
 
 def _config_args(p) -> None:
     p.add_argument("--config", metavar="JSON|FILE", help="extra_config keys as in SGLang's --hicache-storage-backend-extra-config")
-    p.add_argument("--capacity", type=parse_size, metavar="SIZE", help="ssd_capacity_bytes, e.g. 500g (default: UMBP_SSD_CAPACITY or 32g)")
+    p.add_argument("--capacity", type=_positive_size("500g", "an existing store keeps the capacity it records, a new one gets "
+                                                     "UMBP_SSD_CAPACITY or 32 GiB"), metavar="SIZE",
+                   help="ssd_capacity_bytes of this store directory (one rank's), e.g. 500g (default: the capacity "
+                        "the store records; a new store: UMBP_SSD_CAPACITY or 32g)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("sources", nargs="*", metavar="SOURCE", help="HiCacheFile directory, store directory, or archive file ('-' = stdin)")
     w.add_argument("--max-gbps", type=_positive_float, metavar="GB/s", help="throttle the import (decimal GB per second)")
     w.add_argument("--keys", metavar="FILE", help="import only these keys (one per line)")
-    w.add_argument("--batch-size", type=parse_size, default=None, metavar="SIZE",
+    w.add_argument("--batch-size", type=_positive_size("8m", "32 MiB per batch"), default=None, metavar="SIZE",
                    help="bytes per put_many batch (default 32m); smaller batches stop sooner on Ctrl-C")
     w.add_argument("--namespace", metavar="JSON|FILE", help="namespace to create a new store with (model, dtype, layout, page bytes)")
     _config_args(w)
@@ -155,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dcp-rank", type=int, default=0)
     g.add_argument("--dcp-size", type=int, default=1)
     g.add_argument("--logical-page-size", type=int, default=None)
-    g.add_argument("--page-bytes", type=parse_size, metavar="SIZE",
+    g.add_argument("--page-bytes", type=_positive_size("4m", "the page size comes from the store's namespace, else the first "
+                                                       "file"), metavar="SIZE",
                    help="bytes of one file (flat page); default: from the store's namespace, else the first file")
     r = w.add_argument_group("replay against a live server")
     r.add_argument("--replay", metavar="PROMPTS.jsonl", help="one prompt per line: a JSON string or {\"text\": ...}")
