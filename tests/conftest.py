@@ -60,11 +60,12 @@ sys.meta_path.insert(0, _TestsFolderIsNotSglang())
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say once, at the end, how many tests skipped for want of the sglang wheel."""
+    """Say once, at the end, how many skips were for want of the sglang wheel (a test file that
+    needs it throughout skips as one)."""
     skipped = terminalreporter.stats.get("skipped", [])
     n = sum(1 for r in skipped if "sglang" in str(getattr(r, "longrepr", "")).lower())
     if n:
-        terminalreporter.write_line(f"{n} tests skipped because {SGLANG_MISSING}")
+        terminalreporter.write_line(f"{n} skips (a test, or a whole test file) because {SGLANG_MISSING}")
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -111,8 +111,8 @@ class SpaceSteps:
         if lim == 0:
             return (f"{self.path}: {why}: this store can hold nothing, so every put answers False until it has "
                     f"room (tried again every {GROW_RETRY_S:.0f} s; those puts are counted in put_failed, not logged "
-                    "one by one). Free space on the drive, or give this store a smaller ssd_segment_size_bytes "
-                    "(a new store directory) or ssd_capacity_bytes")
+                    "one by one). Free space on the drive, or make the store anew (a new directory) with a smaller "
+                    "ssd_segment_size_bytes")
         return (f"{self.path}: {why}: running with the {lim} segments it has ({format_bytes(lim * seg)} of the "
                 f"configured {format_bytes(cap)}), evicting within them; trying to grow again every "
                 f"{GROW_RETRY_S:.0f} s. Free space on the drive, or lower ssd_capacity_bytes to what it holds")
