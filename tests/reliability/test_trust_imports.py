@@ -444,7 +444,7 @@ def test_export_temp_file_is_private_unpredictable_and_never_follows_a_planted_s
 
 
 def test_export_temp_names_differ_and_are_created_exclusively(tmp_path):
-    from umbp_nvme.cli.archive import open_for_write
+    from umbp_nvme.cli.export import open_for_write
 
     out = str(tmp_path / "x.umbparc")
     f1, t1 = open_for_write(out)

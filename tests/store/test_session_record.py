@@ -24,7 +24,7 @@ from conftest import mount_tmpfs, small_config
 from support.versions import version_in, versioned
 from support.waits import until
 from umbp_nvme import metrics
-from umbp_nvme.cli.doctor import report
+from umbp_nvme.doctor.report import report
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.drive_set import recorded_health
 from umbp_nvme.store.hooks import StoreHooks

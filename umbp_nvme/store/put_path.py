@@ -240,8 +240,9 @@ class PutPath:
             have &= ~lost
         if not have.all():
             why = "no space" + (" (segment file could not be created)" if failed_create else "")
+            quiet = self.writer.space_limit_segments is not None  # space.py said why, once
             for j in np.flatnonzero(~have & (segs < 0)).tolist():
-                refused.add(keys[int(todo[j])], why)
+                refused.add(keys[int(todo[j])], why, quiet)
             ok_j = np.flatnonzero(have)
             if not len(ok_j):
                 return

@@ -14,7 +14,7 @@ import os
 import tempfile
 
 from ..store.drive_set import DRIVES_FILE, read_set, recorded_health
-from .doctor_findings import existing, finding
+from .findings import existing, finding
 
 _SMALL_FILE_BYTES = 4096
 
