@@ -571,7 +571,7 @@ def test_fake_futures_start_at_submit_and_small_ops_finish_inside_the_call(kv, c
         assert fut.done() and (small == 0x5A).all()  # before get(): the synchronous POSIX shortcut
         core.gate = threading.Event()
         fut = f.pread(gds.DeviceSpan(addr(big), big.nbytes), big.nbytes, 0)
-        assert core.started.wait(5) and not fut.done()  # running in the pool, nobody called get()
+        assert core.started.wait(30) and not fut.done()  # running in the pool, nobody called get()
         core.gate.set()
         assert fut.get() == big.nbytes and (big == 0x5A).all()
     finally:
@@ -759,7 +759,7 @@ async def test_close_fails_pending_awaits_and_later_calls(kv, core, data_file):
     e.close()
     e.close()  # idempotent
     with pytest.raises(EngineClosed):
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(task, 30)
     with pytest.raises(EngineClosed):
         await e.read_many(fd, [0], [addr(buf)], [PAGE])
     core.gate.set()  # the op kvikio already had finishes; its CuFile is closed after it

@@ -110,14 +110,14 @@ async def test_a_bad_key_after_submit_cannot_lose_a_later_acknowledged_batch(sto
     for j in range(4):
         arena.at((8 + j) * OBJ, OBJ)[:] = pl(second[j], OBJ)
     t1 = asyncio.ensure_future(st.put_many(first, [(arena.base + j * OBJ, OBJ) for j in range(5)]))
-    await asyncio.wait_for(entered.wait(), 5)  # the first batch is inside its write now
+    await asyncio.wait_for(entered.wait(), 30)  # the first batch is inside its write now
     try:
-        r2 = await asyncio.wait_for(st.put_many(second, [(arena.base + (8 + j) * OBJ, OBJ) for j in range(4)]), 5)
+        r2 = await asyncio.wait_for(st.put_many(second, [(arena.base + (8 + j) * OBJ, OBJ) for j in range(4)]), 30)
     finally:
         release.set()
     r1 = await t1
     assert r1 == [True] * 4 + [False] and r2 == [True] * 4
-    await asyncio.wait_for(landed.wait(), 5)  # the first batch's write has landed, late or not
+    await asyncio.wait_for(landed.wait(), 30)  # the first batch's write has landed, late or not
     arena.inside()[:] = 0
     both = first[:4] + second
     assert await st.get_many(both, [(arena.base + j * OBJ, OBJ) for j in range(8)]) == [True] * 8
@@ -368,7 +368,7 @@ async def test_a_stalled_read_never_lands_in_the_caller_after_get_returned(store
         if not task.done():  # a kernel that cannot cancel the pipe read: the get must still wait
             assert st.stats()["stalled_ops"] == 1 and st.stats()["late_completions"] == 0
             os.write(wfd, b"\xab" * OBJ)
-            assert await asyncio.wait_for(task, 5) == [False]
+            assert await asyncio.wait_for(task, 30) == [False]
             assert bytes(out) == b"\xab" * OBJ  # landed before get_many returned
         else:  # io_uring cancelled the read (IORING_OP_ASYNC_CANCEL)
             assert task.result() == [False] and time.monotonic() - t0 >= 0.3
@@ -402,7 +402,7 @@ async def test_an_uncancellable_stalled_read_holds_the_call_until_it_ends(store_
         assert not task.done()
         assert st.stats()["stalled_ops"] == 1 and st.stats()["late_completions"] == 0
         os.write(wfd, b"\xab" * OBJ)
-        assert await asyncio.wait_for(task, 5) == [False]
+        assert await asyncio.wait_for(task, 30) == [False]
         landed = bytes(out)
         assert landed == b"\xab" * OBJ  # it landed before get_many returned
         assert st.stats()["late_completions"] == 1
@@ -430,10 +430,10 @@ def test_sync_get_never_returns_while_the_store_waits_for_the_kernel(store_dir, 
     th = threading.Thread(target=call)
     try:
         th.start()
-        assert entered.wait(5)  # the read runs
+        assert entered.wait(30)  # the read runs
         assert not done.wait(2.5)  # the sync limit (1.3 s) passed long ago: still waiting
         os.write(wfd, b"\xab" * OBJ)
-        assert done.wait(5) and result == [[False]]
+        assert done.wait(30) and result == [[False]]
         assert bytes(out) == b"\xab" * OBJ  # landed before the call returned, never after
     finally:
         if not done.is_set():

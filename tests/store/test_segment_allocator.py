@@ -70,7 +70,7 @@ def test_a_segment_being_opened_on_a_worker_is_not_answered_open_before_its_fd_i
 
     t = threading.Thread(target=sf.install, args=(1, SlowFile()))
     t.start()
-    assert reading_fd.wait(5)
+    assert reading_fd.wait(30)
     seen = (1 in sf.files, int(sf.fds[1]))
     t.join()
     assert seen == (False, -1), seen  # not published while its fd is unset
