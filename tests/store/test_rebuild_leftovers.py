@@ -78,8 +78,8 @@ async def test_repeated_rebuilds_leave_at_most_the_newest_damaged_copies(tmp_pat
 
     for r in range(4):  # verify --rebuild-index on a sound index: not kept; the old copies pruned to two
         s = rebuild_index_dir(path)
-        assert s.get("old_index_removed") is True and "moved_aside" not in s, s
         assert beside(path) == sorted(old[-KEPT:] + theirs), r
+        assert s.get("old_index_removed") is True and "moved_aside" not in s, s
         keys = sorted(model)[8 * r : 8 * r + 8]
         await reput(path, model, keys, version=r + 2)
         assert await served(path, model) == model, r
