@@ -110,6 +110,29 @@ async def test_repeated_rebuilds_leave_at_most_the_newest_damaged_copies(tmp_pat
     assert index_swap.DAMAGED_COPIES_KEPT == KEPT
 
 
+def test_verify_says_what_became_of_the_old_index(tmp_path, capsys):
+    import asyncio
+
+    from umbp_nvme.cli.main import main
+
+    path = str(tmp_path / "store")
+    model = {f"k{i:03d}": 1 for i in range(8)}
+
+    async def fill():
+        st = await PageStore.open(path, small_config(ssd_capacity_bytes=CAP))
+        assert await st.put_many(sorted(model), [versioned(k, 1, OBJ) for k in sorted(model)]) == [True] * 8
+        await st.close()
+
+    asyncio.run(fill())
+    assert main(["verify", "--store", path, "--rebuild-index"]) == 0
+    assert "8 objects; the old index (sound) was removed" in capsys.readouterr().out
+    rebuild_by("index_damaged", path, CAP)
+    assert main(["verify", "--store", path, "--rebuild-index"]) == 0
+    (copy,) = copies(path)
+    assert f"8 objects; the old index was damaged: kept as {os.path.join(path, copy)}" in capsys.readouterr().out
+    assert asyncio.run(served(path, model)) == model
+
+
 async def test_a_replaced_index_a_kill_left_is_removed_by_the_next_writer_and_never_the_live_one(tmp_path):
     """A kill between the move aside and the end leaves index.lmdb.replaced (at most one name); the
     next writer removes it once the path names an index, and never touches the live file."""
