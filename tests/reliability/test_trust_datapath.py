@@ -22,6 +22,7 @@ from conftest import KiB, MiB, mount_tmpfs, payload, small_config
 from umbp_nvme.store import space as space_mod
 from umbp_nvme.engine import uring as uring_mod
 from support.faults import EngineHooks
+from support.waits import until
 from umbp_nvme.engine.posix import PosixEngine, read_full
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.hooks import StoreHooks
@@ -398,9 +399,10 @@ async def test_an_uncancellable_stalled_read_holds_the_call_until_it_ends(store_
     try:
         task = asyncio.ensure_future(st.get_many(["x"], [out]))
         assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)  # the read runs
-        await asyncio.sleep(1.0)  # two io_timeout_s
-        assert not task.done()
-        assert st.stats()["stalled_ops"] == 1 and st.stats()["late_completions"] == 0
+        # io_timeout_s passed (waited for, not slept: a loaded loop may run its timer late)
+        assert await until(lambda: st.stats()["stalled_ops"] == 1, 30)
+        assert not task.done()  # the read still runs: the call waits for it
+        assert st.stats()["late_completions"] == 0
         os.write(wfd, b"\xab" * OBJ)
         assert await asyncio.wait_for(task, 30) == [False]
         landed = bytes(out)
@@ -489,7 +491,7 @@ async def test_a_real_device_stall_holds_the_get_until_the_drive_resumes(monkeyp
         assert _fake_drives("stall", "0").returncode == 0
         try:
             task = asyncio.ensure_future(st.get_many(keys, outs))
-            await asyncio.sleep(1.2)  # four io_timeout_s
+            assert await until(lambda: st.stats()["stalled_ops"] >= 1, 30)  # io_timeout_s passed
             hung = not task.done()
             assert _fake_drives("resume", "0").returncode == 0
             resumed = True
