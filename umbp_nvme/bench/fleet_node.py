@@ -187,8 +187,8 @@ class Node:
         if self.pub is not None:
             out.update(self.pub.stats)
             out.update(self.pub.relay.stats)
-            if self.pub.tokens.log is not None:
-                out.update(self.pub.tokens.log.stats)
+            if self.pub.record is not None:
+                out.update(self.pub.record.stats)
         return out
 
     def close(self) -> None:
