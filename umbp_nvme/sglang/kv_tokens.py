@@ -79,6 +79,7 @@ class TokenLog:
         self._folded_end = 0  # their length after the last fold
         self._dirty = False  # appended since the last sync
         self._over = 0  # pages told stored beyond max_pages at the last fold
+        # recorded_*: as of the last fold (open, a re-announcement, a rewrite); the others counters
         self.stats = {"recorded_pages": 0, "recorded_removed": 0, "not_recorded_pages": 0, "record_errors": 0}
         self._failed: set[str] = set()
 
