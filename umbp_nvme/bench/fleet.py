@@ -56,16 +56,18 @@ def free_ports(n: int) -> list[int]:
 
 class NodeProc:
     def __init__(self, name: str, directory: str, ports: list[int], capacity_bytes: int, log_dir: str,
-                 roots: list[str] | None = None):  # fmt: skip
+                 roots: list[str] | None = None, *, relay: bool = True, queue_max: int = 10_000, start: bool = True):  # fmt: skip
         self.name, self.directory, self.capacity_bytes = name, directory, capacity_bytes
-        self.roots, self.queue_max = roots, 10_000
+        self.roots, self.queue_max, self.relay = roots, queue_max, relay
         self.runs: list[dict] = []  # each run's stats, taken before it stopped
         self.engine_port, self.events_port, self.replay_port = ports
         self.endpoint = f"tcp://127.0.0.1:{self.events_port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{self.replay_port}"
         self.log_path = os.path.join(log_dir, f"node-{name}.log")
         self.keys: dict[str, None] = {}  # every page key ever backed up here (the universe for `held`)
-        self.start()
+        self.proc = None
+        if start:
+            self.start()
 
     def start(self, roots: list[str] | None = None, queue_max: int | None = None) -> None:
         self.roots = roots or self.roots
@@ -77,7 +79,8 @@ class NodeProc:
             [sys.executable, "-m", "umbp_nvme.bench.fleet_node", "--dir", self.directory,
              "--engine-port", str(self.engine_port), "--events-port", str(self.events_port),
              "--replay-port", str(self.replay_port), "--capacity-bytes", str(self.capacity_bytes),
-             "--roots", ",".join(self.roots or []), "--queue-max", str(self.queue_max)],
+             "--roots", ",".join(self.roots or []), "--queue-max", str(self.queue_max),
+             *([] if self.relay else ["--no-relay"])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         )  # fmt: skip
         self._reply()
@@ -107,7 +110,20 @@ class NodeProc:
         got = self.call("held", keys=keys)["held"]
         return {hash_str_to_int64(k) for k, h in zip(keys, got) if h}
 
+    def kill(self, op: dict | None = None) -> None:
+        """SIGKILL, after its stats are taken; ``op``: a command sent first and not waited for
+        (the kill lands while it runs)."""
+        self.runs.append(self.call("stats"))
+        if op is not None:
+            self.proc.stdin.write(json.dumps(op) + "\n")
+            self.proc.stdin.flush()
+        self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
     def stop(self) -> None:
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.runs.append(self.call("stats"))
             self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")

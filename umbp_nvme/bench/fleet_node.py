@@ -1,7 +1,8 @@
 """One node of `bench fleet`: a backend over its own store, publishing DISK events, fed by a stand-in engine.
 
 Run as ``python -m umbp_nvme.bench.fleet_node --dir D --engine-port E --events-port P --replay-port R``
-(``--roots D1,D2``: a store over those drives instead; ``--queue-max N``: the event queue's size);
+(``--roots D1,D2``: a store over those drives instead; ``--queue-max N``: the event queue's size;
+``--no-relay``: no engine stand-in, DISK events without token ids);
 it answers one JSON line on stdout per JSON command line on stdin (``{"op": ..., ...}``):
 
 - ``backup conv pages``: the engine stand-in announces the conversation's pages on GPU with their
@@ -125,7 +126,7 @@ class Node:
 
         self.ctx = zmq.Context()
         self.page_tokens = args.page_tokens
-        self.engine = Engine(self.ctx, f"tcp://*:{args.engine_port}", args.page_tokens)
+        self.engine = None if args.no_relay else Engine(self.ctx, f"tcp://*:{args.engine_port}", args.page_tokens)
         roots = args.roots.split(",") if args.roots else None
         extra = {
             "backend_name": "umbp_nvme", "interface_v1": 1,
@@ -133,15 +134,16 @@ class Node:
             "ssd_capacity_bytes": args.capacity_bytes, "ssd_segment_size_bytes": 1 << 20,
             "ssd_durability_mode": "relaxed",
             "kv_events_endpoint": f"tcp://*:{args.events_port}",
-            "kv_events_replay_endpoint": f"tcp://*:{args.replay_port}",
-            "kv_events_engine_endpoint": f"tcp://127.0.0.1:{args.engine_port}",
+            "kv_events_replay_endpoint": f"tcp://127.0.0.1:{args.replay_port}",  # routers on this host (docs/fleet.md)
             "kv_events_queue_max": args.queue_max,
         }  # fmt: skip
+        if self.engine is not None:
+            extra["kv_events_engine_endpoint"] = f"tcp://127.0.0.1:{args.engine_port}"
         self.be = UMBPNvmeStore(StorageConfig(extra), {})
         self.pool = HostPool(POOL_PAGES, args.page_tokens, args.object_bytes)
         self.be.register_mem_pool_host(self.pool)
         self.pub = self.be.publisher
-        if self.pub is not None:
+        if self.pub is not None and self.engine is not None:
             self._engine_joined()
 
     def _engine_joined(self) -> None:
@@ -157,14 +159,16 @@ class Node:
 
         tokens, keys = conversation(conv, pages, self.page_tokens)
         pt = self.page_tokens
-        self.engine.gpu_stored(keys, None, tokens)
+        if self.engine is not None:
+            self.engine.gpu_stored(keys, None, tokens)
         ok = 0
         for i in range(0, pages, POOL_PAGES):
             part = keys[i : i + POOL_PAGES]
             idx = np.arange(len(part) * pt, dtype=np.int64)
             self.pool.kv_buffer[:, : len(part) * pt] = (i + len(conv)) % 251  # bytes differ per call
             ok += sum(self.be.batch_set_v1(part, idx, HiCacheStorageExtraInfo(prefix_keys=keys[:i])))
-        self.engine.gpu_removed(keys)
+        if self.engine is not None:
+            self.engine.gpu_removed(keys)
         return {"stored": ok}
 
     def op_delete(self, conv: str, pages: int, first: int, last: int | None = None, each: bool = False) -> dict:
@@ -192,14 +196,16 @@ class Node:
         out = {k: st.get(k, 0) for k in ("objects", "evictions", "deletes", "puts")}
         if self.pub is not None:
             out.update(self.pub.stats)
-            out.update(self.pub.relay.stats)
+            if self.pub.relay is not None:
+                out.update(self.pub.relay.stats)
             if self.pub.record is not None:
                 out.update(self.pub.record.stats)
         return out
 
     def close(self) -> None:
         self.be.close()
-        self.engine.sock.close(linger=0)
+        if self.engine is not None:
+            self.engine.sock.close(linger=0)
         self.ctx.term()
 
 
@@ -212,6 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--capacity-bytes", type=int, default=16 << 20)
     p.add_argument("--roots", default="", help="comma-separated drive directories (default: --dir alone)")
     p.add_argument("--queue-max", type=int, default=10_000, help="the KV event queue's size (items)")
+    p.add_argument("--no-relay", action="store_true", help="no engine stand-in: DISK events without token ids")
     p.add_argument("--page-tokens", type=int, default=PAGE_TOKENS)
     p.add_argument("--object-bytes", type=int, default=OBJECT_BYTES)
     args = p.parse_args(argv)
