@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
+import zlib
 
 import msgspec
 import pytest
@@ -137,6 +139,38 @@ def test_the_log_is_rewritten_once_it_doubled_since_it_was_last_folded(tmp_path,
     assert sorted(t.removed_hashes()) == sorted(h for h, _, _ in churn)
     assert [t.get(h) for h, _, _ in live] == [(toks, parent) for _, parent, toks in live]
     assert [t.get(h) for h, _, _ in churn] == [None] * 10
+
+
+def test_tokens_recorded_by_the_append_that_triggers_a_rewrite_stay_readable(tmp_path, monkeypatch):
+    """A rewrite moves every record: the index must hold the new offsets of the pages the
+    triggering append recorded, not the offsets they had before it."""
+    import umbp_nvme.sglang.kv_tokens as kt
+
+    monkeypatch.setattr(kt, "COMPACT_SLACK_BYTES", 0)
+    t = opened(tmp_path / FILE_NAME)
+    recs = chain(pages(40, "moved"))
+    for i in range(0, len(recs), 2):  # keep two, forget one: dead records, and rewrites that move the rest
+        t.keep([recs[i]])
+        t.keep([recs[i + 1]])
+        t.forget([recs[i][0]])
+        live = recs[1 : i + 2 : 2]
+        assert [t.get(h) for h, _, _ in live] == [(toks, parent) for _, parent, toks in live], i
+    assert t.stats["record_errors"] == 0
+
+
+def test_a_record_of_the_wrong_shape_ends_the_log_there(tmp_path):
+    recs = chain(pages(2, "shape"))
+    t = opened(tmp_path / FILE_NAME)
+    t.keep(recs[:1])
+    t.close()
+    body = msgspec.msgpack.encode([0, "not a hash", None, [1]])  # a sound CRC, a wrong type
+    with open(tmp_path / FILE_NAME, "ab") as f:
+        f.write(struct.pack("<II", len(body), zlib.crc32(body)) + body)
+    t = opened(tmp_path / FILE_NAME)
+    assert t.hashes() == [recs[0][0]]
+    t.keep(recs[1:])
+    t.close()
+    assert sorted(opened(tmp_path / FILE_NAME).hashes()) == sorted(h for h, _, _ in recs)
 
 
 def test_pages_told_removed_are_remembered_up_to_a_bound_oldest_forgotten_first(tmp_path):

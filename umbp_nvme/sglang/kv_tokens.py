@@ -56,6 +56,15 @@ _KEEP, _GONE, _SEEN, _TOMB = 0, 1, 2, 3
 _SHIFT = 21  # an index value: record offset << _SHIFT | record bytes (at most RECORD_MAX_BYTES + 8)
 
 
+def _well_formed(rec) -> bool:
+    """A payload of one of the four kinds, its fields of the types written."""
+    if not isinstance(rec, list) or not rec or type(rec[0]) is not int:
+        return False
+    if rec[0] == _KEEP:
+        return len(rec) == 4 and type(rec[1]) is int and (rec[2] is None or type(rec[2]) is int) and isinstance(rec[3], list)
+    return rec[0] in (_GONE, _SEEN, _TOMB) and len(rec) == 2 and isinstance(rec[1], list) and all(type(h) is int for h in rec[1])
+
+
 def _split(hashes: list) -> list[list]:
     return [hashes[i : i + HASHES_PER_RECORD] for i in range(0, len(hashes), HASHES_PER_RECORD)]
 
@@ -133,7 +142,7 @@ class TokenLog:
                 break
             try:
                 rec = self._dec.decode(data[body : body + size])
-                if not isinstance(rec, list) or rec[0] not in (_KEEP, _GONE, _SEEN, _TOMB):
+                if not _well_formed(rec):
                     break
             except Exception:  # noqa: BLE001 - a record that decodes to nonsense ends the log
                 break
@@ -232,11 +241,12 @@ class TokenLog:
         recs += [self._record([_SEEN, part]) for part in _split(plain)]
         if recs and self._append(b"".join(recs)):
             self._at.update(placed)
+            self._maybe_rewrite()
 
     def keep_hashes(self, hashes: list[int]) -> None:
         """Record pages about to be told stored without tokens: one append, no per-page work."""
-        if hashes and self._fds:
-            self._append(b"".join([self._record([_SEEN, part]) for part in _split(hashes)]))
+        if hashes and self._fds and self._append(b"".join([self._record([_SEEN, part]) for part in _split(hashes)])):
+            self._maybe_rewrite()
 
     def forget(self, hashes: list[int]) -> None:
         """Record pages about to be told removed."""
@@ -245,6 +255,7 @@ class TokenLog:
                 pop = self._at.pop
                 for h in hashes:
                     pop(h, None)
+            self._maybe_rewrite()
 
     def reconcile(self, held: set, told_removed: bool = True) -> list[int]:
         """A re-announcement of the pages ``held`` (hashes): the pages told stored and not held
@@ -342,9 +353,13 @@ class TokenLog:
             return False
         self._end += len(data)
         self._dirty = True
-        if self._end > 2 * self._folded_end + COMPACT_SLACK_BYTES:
-            self._rewrite(*self._state())
         return True
+
+    def _maybe_rewrite(self) -> None:
+        """Rewritten with its live records once it doubled since the last fold (after the index
+        took what was just appended)."""
+        if self._fds and self._end > 2 * self._folded_end + COMPACT_SLACK_BYTES:
+            self._rewrite(*self._state())
 
     def _rewrite(self, told: dict, gone: dict, extra: Optional[dict[int, bytes]] = None) -> None:
         """Every copy rewritten (tmp, fdatasync, rename) with ``told`` and ``gone`` only: tokens
