@@ -36,5 +36,7 @@ def test_scheduler_bench_smoke(tmp_path):
     by = {r["scenario"]: r for r in rows}
     assert by["idle"]["backup_pages_ok"] == 0 and by["backups"]["backup_pages_ok"] > 0
     assert by["hung"]["hang_met"] is True  # the hang was in force while get_stats() was timed
-    assert "bench target (issue 39)" in proc.stdout and "timing floor" in proc.stdout
+    assert "bench target (issue 39)" in proc.stdout
+    for r in rows:  # the no-op timed between the calls
+        assert 0 < r["floor_p50_us"] <= r["floor_max_us"] <= r["floor_max_us_worst"]
     assert not (tmp_path / "d").exists()  # the run made it, and removed it

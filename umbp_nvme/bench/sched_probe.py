@@ -12,7 +12,8 @@ the same probe in the same run.
 
 Scenarios: ``idle``; ``backups`` (a thread writes fresh pages with ``batch_set_v1`` back to back,
 evicting once the store is full); ``hung`` (the same, with the last drive's I/O never completing
-until the end: an engine hook, as a stalled drive looks to io_uring); ``loop_blocked`` (the same,
+until the end: an engine hook, as a stalled drive looks to io_uring, or with ``--stall-tool`` the
+drive stalled in the kernel by fake-drives); ``loop_blocked`` (the same,
 with a hook that blocks the store's event-loop thread itself, the worst a hung syscall there can
 do). The hooks are released before the store closes.
 """
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -45,6 +48,8 @@ def parse_args(argv):
     p.add_argument("--capacity", type=int, default=96 << 20, help="ssd_capacity_bytes (all drives together)")
     p.add_argument("--io-timeout-s", type=float, default=1.0, help="io_timeout_s of the store")
     p.add_argument("--settle-s", type=float, default=0.5, help="backups run this long before the first timed call")
+    p.add_argument("--stall-tool", help="hung: stall the last drive with this fake-drives tool (`TOOL stall I`, "
+                   "resumed at the end) instead of the engine hook; --roots are its mount points d0, d1, ... in order")
     p.add_argument("--json", required=True, help="where the result goes")
     p.add_argument("-v", "--verbose", action="store_true", help="show the store's log lines (the hangs log warnings)")
     return p.parse_args(argv)
@@ -56,11 +61,14 @@ def _pct(sorted_us: list[float], q: float) -> float:
 
 class Hang:
     """Engine hooks: I/O on fds under ``root`` waits until released (``hung``), or the first such
-    call blocks the loop thread until released (``loop_blocked``)."""
+    call blocks the loop thread until released (``loop_blocked``). With ``tool`` (fake-drives) the
+    hook only watches (``hit``) and drive ``index`` is stalled in the kernel instead."""
 
-    def __init__(self, root: str | None, block_loop: bool):
+    def __init__(self, root: str | None, block_loop: bool, tool: str | None = None, index: int = -1):
         self.root = None if root is None else os.path.realpath(root) + os.sep
         self.block_loop = block_loop
+        self.tool, self.index = tool, index
+        self.stalled = False
         self.on = threading.Event()  # set: the hang is in force
         self.released = threading.Event()
         self.hit = threading.Event()  # an I/O call met the hang
@@ -74,10 +82,18 @@ class Hang:
         except (OSError, TypeError, ValueError):
             return False
 
+    def start(self) -> None:
+        if self.tool:
+            subprocess.run([self.tool, "stall", str(self.index)], check=True, capture_output=True, timeout=60)
+            self.stalled = True
+        self.on.set()
+
     async def wait(self, fd) -> None:
         if not self._ours(fd):
             return
         self.hit.set()
+        if self.tool:
+            return  # the kernel holds this I/O
         if self.block_loop:
             self.released.wait()  # the loop thread itself stops here
             return
@@ -88,6 +104,9 @@ class Hang:
         await ev.wait()
 
     def release(self) -> None:
+        if self.stalled:  # first: a thread waiting on a stalled drive cannot even be killed
+            subprocess.run([self.tool, "resume", str(self.index)], check=True, capture_output=True, timeout=60)
+            self.stalled = False
         self.released.set()
         for loop, ev in self._aevents:
             try:
@@ -143,26 +162,48 @@ def backup_loop(backend, idx, pages: int, stop: threading.Event, out: dict) -> N
         out["pages_ok"] += sum(1 for r in res if r)
 
 
-def timing_floor(a) -> dict:
-    """The same timing around a call that does nothing, on this machine now: what no call can beat."""
-    def nothing():
-        return None
+SLOW_S = 0.001  # a call over this is explained (thread CPU time, garbage collections during it)
 
-    samples = []
-    for _ in range(min(a.calls, 2000)):
-        time.sleep(a.interval_s)
-        t0 = time.perf_counter()
-        nothing()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    s = sorted(samples)
-    return {"p50_us": _pct(s, 0.50), "p99_us": _pct(s, 0.99), "max_us": s[-1]}
+
+class GcLog:
+    """The garbage collections of this process (any thread's) while it is on, with their times:
+    a call that overlapped one waited for it (the collector runs holding the GIL)."""
+
+    def __init__(self):
+        self.done: list[tuple[int, float, float]] = []  # (generation, start, end), perf_counter seconds
+        self._start = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.done.append((info.get("generation", -1), self._start, time.perf_counter()))
+
+    def stop(self) -> None:
+        if self._cb in gc.callbacks:
+            gc.callbacks.remove(self._cb)
+
+    def explain(self, t0: float, t1: float, cpu_us: float) -> dict:
+        """What a slow call was: its wall and on-CPU time (the rest it was off the CPU: preempted,
+        or waiting for the GIL) and the collections it overlapped."""
+        hits = [(g, (e - s) * 1e3) for g, s, e in self.done if s < t1 and e > t0]
+        return {"wall_us": round((t1 - t0) * 1e6, 1), "cpu_us": round(cpu_us, 1),
+                "gc": [f"gen{g} {ms:.1f} ms" for g, ms in hits]}  # fmt: skip
+
+
+def nothing():
+    return None
 
 
 def run_cell(a, scenario: str, drive_roots: list[str], first_in_process: bool) -> dict:
     from umbp_nvme.bench import sglang_pools as sp
 
     roots = [os.path.join(r, f"sched-{scenario}") for r in drive_roots]
-    hang = Hang(roots[-1], scenario == "loop_blocked") if scenario in ("hung", "loop_blocked") else None
+    hang = None
+    if scenario in ("hung", "loop_blocked"):
+        tool = a.stall_tool if scenario == "hung" else None
+        hang = Hang(roots[-1], scenario == "loop_blocked", tool, len(roots) - 1)
     extra = {"ssd_capacity_bytes": a.capacity, "ssd_segment_size_bytes": 4 << 20, "io_timeout_s": a.io_timeout_s}
     cfg = sp.storage_config(",".join(roots), enable_storage_metrics=True, extra=extra)
     pool = sp.mha_pool(pages=2 * a.pages + 8, layers=4, heads=4, head_dim=64)
@@ -191,19 +232,29 @@ def run_cell(a, scenario: str, drive_roots: list[str], first_in_process: bool) -
         writer.start()
         time.sleep(a.settle_s)
         if hang is not None:
-            hang.on.set()
+            hang.start()
             hang.hit.wait(timeout=30)  # the next write to the last drive meets the hang
-    samples, clears = [], []
+    samples, clears, slow, floor = [], [], [], []
     drives_seen = 0
+    gcs = GcLog()
     try:
         end = time.monotonic() + a.cell_s
         for _ in range(a.calls):
             if time.monotonic() > end:
                 break
+            time.sleep(a.interval_s)  # the machine's own floor now: the same timing around nothing
+            t0 = time.perf_counter()
+            nothing()
+            floor.append((time.perf_counter() - t0) * 1e6)
             time.sleep(a.interval_s)  # the rest of the scheduler's pass (releases the GIL)
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             m = backend.get_stats()
-            samples.append((time.perf_counter() - t0) * 1e6)
+            t1 = time.perf_counter()
+            cpu_us = (time.thread_time() - c0) * 1e6
+            samples.append((t1 - t0) * 1e6)
+            if t1 - t0 > SLOW_S:
+                slow.append((t0, t1, cpu_us))
             reported += sum(m.backup_pgs)
             drives_seen = max(drives_seen, len(getattr(m, "drives", None) or ()))
         for _ in range(a.clears if hang is None else min(a.clears, 1)):  # a blocked loop: each waits the bound
@@ -211,6 +262,7 @@ def run_cell(a, scenario: str, drive_roots: list[str], first_in_process: bool) -
             backend.clear()
             clears.append((time.perf_counter() - t0) * 1e6)
     finally:
+        gcs.stop()
         hang_met = hang is not None and hang.hit.is_set()
         if hang is not None:
             hang.release()
@@ -218,10 +270,12 @@ def run_cell(a, scenario: str, drive_roots: list[str], first_in_process: bool) -
         if writer is not None:
             writer.join(timeout=300)
     reported += sum(backend.get_stats().backup_pgs)  # what the writer's last batches left
+    t0 = time.perf_counter()
     backend.close()
+    close_s = time.perf_counter() - t0
     for r in roots:
         shutil.rmtree(r, ignore_errors=True)
-    s = sorted(samples)
+    s, f = sorted(samples), sorted(floor)
     return {
         "scenario": scenario,
         "drives": len(roots),
@@ -229,15 +283,20 @@ def run_cell(a, scenario: str, drive_roots: list[str], first_in_process: bool) -
         "p50_us": _pct(s, 0.50),
         "p99_us": _pct(s, 0.99),
         "max_us": s[-1],
+        "floor_p50_us": _pct(f, 0.50),
+        "floor_p99_us": _pct(f, 0.99),
+        "floor_max_us": f[-1],
         "first_us": first_us,
         "first_in_process": first_in_process,
         "clear_us": clears,
         "open_s": open_s,
+        "close_s": close_s,
         "drive_rows": drives_seen,
         "backup_batches": done["batches"],
         "backup_pages_ok": done["pages_ok"],
         "backup_pages_reported": reported,
         "hang_met": hang_met,
+        "slow": [gcs.explain(t0, t1, cpu_us) for t0, t1, cpu_us in slow],
     }
 
 
@@ -253,10 +312,8 @@ def main(argv=None) -> int:
 
     sp.sglang_imports()
     drive_roots = [r for r in a.roots.split(",") if r]
-    floor = timing_floor(a)
     cells = [run_cell(a, sc, drive_roots, i == 0) for i, sc in enumerate(scenarios)]
-    out = {"umbp_nvme": os.path.dirname(os.path.abspath(sys.modules["umbp_nvme"].__file__)), "floor": floor,
-           "cells": cells}  # fmt: skip
+    out = {"umbp_nvme": os.path.dirname(os.path.abspath(sys.modules["umbp_nvme"].__file__)), "cells": cells}
     with open(a.json, "w") as f:
         json.dump(out, f)
     return 0

@@ -268,7 +268,7 @@ class SyncPageStore:
         call made through this object that has returned and is at most ``ROWS_REFRESH_S`` behind
         anything else (a reader's object counts ``COUNT_REFRESH_S``). [] for a single drive. While
         the loop is blocked it answers at once, with the rows as they were."""
-        return [dict(r) for r in self._rows]
+        return list(map(dict.copy, self._rows))
 
     def flush(self) -> bool:
         """fdatasync segments and index; True when all of it is durable. False on a closed store,
