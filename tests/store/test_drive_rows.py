@@ -4,6 +4,9 @@ the loop is blocked; and PageStore.stats_nowait, which they are built from, agre
 
 from __future__ import annotations
 
+import copy
+import json
+import pickle
 import threading
 
 import numpy as np
@@ -55,14 +58,22 @@ def test_rows_equal_the_loops_rows_after_every_kind_of_call(tmp_path):
         st.close()
 
 
-def test_rows_are_copies(tmp_path):
+def test_rows_are_shared_read_only_and_serialise_as_plain_dicts(tmp_path):
     with SyncPageStore(_roots(tmp_path, 2), small_config()) as st:
         ks = _keys(4)
         assert all(st.put_many(ks, [payload(k, OBJ) for k in ks]))
         rows = st.drive_rows()
-        rows[0]["objects"] = -7
-        rows.append({})
+        for change in (lambda r: r.__setitem__("objects", -7), lambda r: r.update(objects=-7),
+                       lambda r: r.pop("objects"), lambda r: r.clear(), lambda r: r.setdefault("x", 1),
+                       lambda r: r.__delitem__("objects"), lambda r: r.popitem()):  # fmt: skip
+            with pytest.raises(TypeError, match="read-only snapshot"):
+                change(rows[0])
+        rows.append({})  # the list is the caller's own
+        mine = dict(rows[0])
+        mine["objects"] = -7  # a copy is an ordinary dict
         assert st.drive_rows() == st.stats()["drives"] and len(st.drive_rows()) == 2
+        assert json.loads(json.dumps(st.drive_rows())) == st.stats()["drives"]
+        assert pickle.loads(pickle.dumps(rows[0])) == rows[0] and copy.deepcopy(rows[0]) == rows[0]
 
 
 def test_one_drive_has_no_rows(store_dir):

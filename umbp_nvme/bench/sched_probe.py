@@ -236,6 +236,7 @@ def run_cell(a, scenario: str, drive_roots: list[str], first_in_process: bool) -
             hang.hit.wait(timeout=30)  # the next write to the last drive meets the hang
     samples, clears, slow, floor = [], [], [], []
     drives_seen = 0
+    last_degraded = False  # get_stats() showed the last drive degraded (the hang took effect)
     gcs = GcLog()
     try:
         end = time.monotonic() + a.cell_s
@@ -256,7 +257,10 @@ def run_cell(a, scenario: str, drive_roots: list[str], first_in_process: bool) -
             if t1 - t0 > SLOW_S:
                 slow.append((t0, t1, cpu_us))
             reported += sum(m.backup_pgs)
-            drives_seen = max(drives_seen, len(getattr(m, "drives", None) or ()))
+            rows = getattr(m, "drives", None) or ()
+            drives_seen = max(drives_seen, len(rows))
+            if rows and rows[-1].get("state") == "degraded":
+                last_degraded = True
         for _ in range(a.clears if hang is None else min(a.clears, 1)):  # a blocked loop: each waits the bound
             t0 = time.perf_counter()
             backend.clear()
@@ -296,6 +300,7 @@ def run_cell(a, scenario: str, drive_roots: list[str], first_in_process: bool) -
         "backup_pages_ok": done["pages_ok"],
         "backup_pages_reported": reported,
         "hang_met": hang_met,
+        "last_drive_degraded": last_degraded,
         "slow": [gcs.explain(t0, t1, cpu_us) for t0, t1, cpu_us in slow],
     }
 

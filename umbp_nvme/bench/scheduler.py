@@ -169,6 +169,7 @@ def make_rows(cells: dict) -> list[dict]:
         row["backup_pages_ok"] = sum(c["backup_pages_ok"] for c in runs)
         row["pages_reported_ok"] = all(c["backup_pages_reported"] == c["backup_pages_ok"] for c in runs)
         row["hang_met"] = all(c["hang_met"] for c in runs) if scenario in ("hung", "loop_blocked") else None
+        row["last_drive_degraded"] = all(c.get("last_drive_degraded") for c in runs)  # seen in get_stats().drives
         base = cells.get(("baseline", n, scenario))
         if system == "this" and base:
             for k in ("p50_us", "p99_us", "max_us"):

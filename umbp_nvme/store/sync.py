@@ -36,6 +36,19 @@ async def _on_loop(fn):
     return fn()
 
 
+class ReadOnlyRow(dict):
+    """A drive's stats row in the snapshot ``drive_rows`` hands out: a dict (JSON, ``==``, reads)
+    that refuses changes, so every caller can be handed the same one without a copy."""
+
+    def _refuse(self, *a, **kw):
+        raise TypeError("a drive row is a read-only snapshot shared by every caller; copy it first: dict(row)")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):  # pickles (and deep-copies) as the plain dict it holds
+        return (dict, (dict(self),))
+
+
 class SyncPageStore:
     """The serving facade (the SGLang backend opens its stores through it).
 
@@ -107,7 +120,7 @@ class SyncPageStore:
         store = getattr(self, "store", None)
         if isinstance(store, MultiDriveStore):
             try:
-                self._rows = tuple(store.drive_rows_nowait())
+                self._rows = tuple(map(ReadOnlyRow, store.drive_rows_nowait()))
             except Exception as e:  # noqa: BLE001 - the rows stay as they were; the call's answer stands
                 log.debug("%s: drive rows not refreshed: %r", store.path, e)
 
@@ -264,11 +277,12 @@ class SyncPageStore:
 
     def drive_rows(self) -> list[dict]:
         """``stats()["drives"]`` without the loop hop, for callers that must never wait (SGLang's
-        scheduler thread, docs/sglang.md §2): copies of the loop's snapshot, which includes every
-        call made through this object that has returned and is at most ``ROWS_REFRESH_S`` behind
-        anything else (a reader's object counts ``COUNT_REFRESH_S``). [] for a single drive. While
-        the loop is blocked it answers at once, with the rows as they were."""
-        return list(map(dict.copy, self._rows))
+        scheduler thread, docs/sglang.md §2): a new list of the loop's snapshot rows (read-only
+        dicts, ``ReadOnlyRow``: shared, never copied), which include every call made through this
+        object that has returned and are at most ``ROWS_REFRESH_S`` behind anything else (a
+        reader's object counts ``COUNT_REFRESH_S``). [] for a single drive. While the loop is
+        blocked it answers at once, with the rows as they were."""
+        return list(self._rows)
 
     def flush(self) -> bool:
         """fdatasync segments and index; True when all of it is durable. False on a closed store,
