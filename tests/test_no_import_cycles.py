@@ -2,7 +2,9 @@
 a module (top level, inside functions, under ``if TYPE_CHECKING``) is an edge to the module it
 names; a cycle among them fails the test and is listed. The same edges show the layers: the core
 (``store/``, ``engine/``) imports none of the folders that serve callers (``sglang/``, ``cli/``,
-``bench/``, the ``sglang_backend`` alias).
+``bench/``, ``doctor/``, the ``sglang_backend`` alias), and the SGLang adapter (``sglang/``) and the
+doctor (``doctor/``, shown by the command line and logged by the adapter) import nothing of the
+command line (``cli/``) (issue 35).
 
 A ``from pkg import name`` is an edge to ``pkg.name`` when that is a module (a compiled extension
 included), else to ``pkg``. The implicit import of a parent package that every submodule import
@@ -113,21 +115,33 @@ def import_graph(package_dir: str, package: str) -> dict[str, set[str]]:
 
 
 CORE = ("store", "engine")
-EDGES = ("sglang", "cli", "bench", "sglang_backend")
+EDGES = ("sglang", "cli", "bench", "doctor", "sglang_backend")
+# (folders, folders they never import): the core below every caller; the command line above the
+# SGLang adapter and the doctor (the adapter logs the doctor's report; neither needs the CLI)
+LAYERS = ((CORE, EDGES), (("sglang", "doctor"), ("cli",)))
 
 
-def upward_imports(graph: dict[str, set[str]], package: str) -> list[str]:
-    """``a -> b`` for every import of an edge folder (EDGES) by a core module (CORE)."""
+def upward_imports(graph: dict[str, set[str]], package: str, layers=LAYERS) -> list[str]:
+    """``a -> b`` for every import of a folder that ``a``'s folder may not import (``layers``)."""
     def under(name: str, folders) -> bool:
         return any(name == f"{package}.{f}" or name.startswith(f"{package}.{f}.") for f in folders)
 
-    return sorted(f"{a} -> {b}" for a, bs in graph.items() if under(a, CORE) for b in bs if under(b, EDGES))
+    return sorted({f"{a} -> {b}" for low, high in layers for a, bs in graph.items() if under(a, low)
+                   for b in bs if under(b, high)})
 
 
 def test_the_store_and_the_engines_import_nothing_of_the_sglang_adapter_the_cli_or_the_benchmarks():
     graph = import_graph(PACKAGE_DIR, "umbp_nvme")
     assert any(n.startswith("umbp_nvme.sglang.") for n in graph) and any(n.startswith("umbp_nvme.cli.") for n in graph)
-    assert not upward_imports(graph, "umbp_nvme"), "core modules import an edge:\n" + "\n".join(upward_imports(graph, "umbp_nvme"))
+    assert not upward_imports(graph, "umbp_nvme"), "modules import a layer above:\n" + "\n".join(upward_imports(graph, "umbp_nvme"))
+
+
+def test_the_sglang_adapter_reaches_the_doctor_without_the_command_line():
+    graph = import_graph(PACKAGE_DIR, "umbp_nvme")
+    assert "umbp_nvme.doctor.report" in graph["umbp_nvme.sglang.stores"]  # the report at open (doctor_at_start)
+    assert "umbp_nvme.doctor.report" in graph["umbp_nvme.cli.commands"]  # umbp-nvme doctor
+    assert upward_imports({"umbp_nvme.sglang.stores": {"umbp_nvme.cli.doctor"}}, "umbp_nvme") == [
+        "umbp_nvme.sglang.stores -> umbp_nvme.cli.doctor"]  # the import issue 35 removed is one the rule names
 
 
 def test_the_layer_check_finds_an_upward_import_at_function_level(tmp_path):

@@ -569,6 +569,7 @@ def zygote_main(work: str) -> None:
     import numpy  # noqa: F401
     import lmdb  # noqa: F401
     import umbp_nvme.cli.archive  # noqa: F401
+    import umbp_nvme.cli.export  # noqa: F401
     import umbp_nvme.cli.main  # noqa: F401
     import umbp_nvme.cli.maintenance  # noqa: F401
     import umbp_nvme.store  # noqa: F401

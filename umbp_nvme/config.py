@@ -6,12 +6,14 @@ remote modes (`master_address`, `standalone_*`) and SPDK (`ssd_backend` other th
 `spdk_*`). This backend is one process writing to a local NVMe file system.
 
 Layering: field defaults, then `UMBP_*` environment variables, then `extra_config`. Each
-layer is parsed with the same rules; errors name where the value came from
+layer is parsed with the same rules (config_values.py); errors name where the value came from
 (`extra_config['key']` or the environment variable), the value, and what is allowed.
 
-A StoreConfig is frozen and checked once, when it is made (``__post_init__``): every StoreConfig
-that exists is valid, so nothing downstream checks it again. Durability aliases (sync, async) are
-mapped there too; ``dataclasses.replace`` makes a changed copy.
+Every field says what it means, its unit and how its value is read (``described(...)`` metadata): the
+key table in docs/sglang.md §9 is generated from it (config_doc.py), and a field without them
+cannot be made. A StoreConfig is frozen and checked once, when it is made (``__post_init__``):
+every StoreConfig that exists is valid, so nothing downstream checks it again. Durability aliases
+(sync, async) are mapped there too; ``dataclasses.replace`` makes a changed copy.
 """
 
 from __future__ import annotations
@@ -20,82 +22,121 @@ import difflib
 import json
 import logging
 import math
-import numbers
 import os
-import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from .buffers import DIO_ALIGN_BYTES
-from .sizes import parse_size
+from .config_values import (  # noqa: F401 - the choices and parsers are also named through this module
+    ADMISSION_POLICIES, CRC_NICE_MAX, CRC_POLICIES, DURABILITY_ALIASES, EVICTION_POLICIES, IO_BACKENDS,
+    IO_TIMEOUT_S_MAX, IO_TIMEOUT_S_MIN, READ_PRIORITY_CHOICES, SSD_BACKENDS, int_parser, io_timeout_range,
+    is_real, parse_admission_policy, parse_bool, parse_crc_policy, parse_dir, parse_durability,
+    parse_eviction_policy, parse_float, parse_io_backend, parse_io_timeout, parse_on_off, parse_roots,
+    parse_ssd_backend, parse_tag, size_parser, warn_kv_events,
+)
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 MiB = 1 << 20
 
-IO_BACKENDS = ("posix", "io_uring", "auto")  # auto: io_uring, falling back to posix with one warning
-DURABILITY_ALIASES = {"strict": "strict", "sync": "strict", "relaxed": "relaxed", "async": "relaxed"}
-SSD_BACKENDS = ("file", "spdk", "spdk_proxy")
-EVICTION_POLICIES = ("lru", "prefix_aware")
-ADMISSION_POLICIES = ("auto", "adaptive", "all", "second")  # store/admit_gate.py
-READ_PRIORITY_CHOICES = ("on", "off")  # reads before writes: ioprio, one write slice in flight while reads run
-CRC_POLICIES = ("idle", "batch", "nice", "normal")  # how a put's CRC worker lowers its CPU priority (put_crc.py)
-CRC_NICE_MAX = 19  # the lowest CPU priority a nice value names
 WRITE_SLICE_BYTES_MIN = 256 << 10  # ssd_write_slice_bytes: 0 (off) or in [MIN, MAX]
 WRITE_SLICE_BYTES_MAX = 1 << 30
 QUEUE_DEPTH_MAX = 32768  # the most SQ entries a ring takes (native/: IORING_MAX_ENTRIES)
 # segments per store: the index records name a segment in 32 bits, and the open keeps a few per-segment
 # arrays (2**24 segments: 16 TiB in 1 MiB segments, 4 EiB in the default 256 MiB ones)
 SEGMENTS_MAX = 1 << 24
-# io_timeout_s bounds: below 0.1 s a healthy drive's fdatasync under load, or one large batch, already
-# outlives the bound and every operation fails; above a day the sync front's waits (4x + slack) pass
-# threading.TIMEOUT_MAX and the store cannot even open. Neither is a wait for a stuck disk anyone wants.
-IO_TIMEOUT_S_MIN = 0.1
-IO_TIMEOUT_S_MAX = 86400.0
+DEFAULT_STORAGE_DIR = "/tmp/umbp_ssd"  # UMBP's; the SGLang backend warns when a server runs with it
+
+
+def described(parse: Callable[[Any, str], Any], unit: str, meaning: str, choices: Iterable[str] = ()) -> dict:
+    """A field's metadata: how its extra_config / env value is read, its unit ("" for none) and
+    what it means, as the key table says (config_doc.py)."""
+    return {"parse": parse, "unit": unit, "meaning": meaning, "choices": tuple(choices)}
+
+
+def _f(default, parse, unit: str, meaning: str, choices: Iterable[str] = ()):
+    return field(default=default, metadata=described(parse, unit, meaning, choices))
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     # Names follow UMBP's extra_config keys (docs/sglang.md §9) where one exists.
-    ssd_storage_dir: str = "/tmp/umbp_ssd"
-    ssd_capacity_bytes: int = 32 * GiB
-    ssd_segment_size_bytes: int = 256 * MiB
-    ssd_queue_depth: int = 256  # io_uring SQ entries; UMBP's 4096 buys nothing on one local disk
-    ssd_io_backend: str = "io_uring"  # "io_uring" | "posix"
+    ssd_storage_dir: str = _f(DEFAULT_STORAGE_DIR, parse_dir, "path",
+        "The store's directory; several drives: a JSON list or comma-separated roots, one per drive. "
+        "The SGLang backend opens one subdirectory per rank under it (§8). `~` is the home directory.")
+    ssd_capacity_bytes: int = _f(32 * GiB, size_parser(1), "bytes",
+        "Disk space one store directory uses: **per rank** (each tensor-parallel rank has its own "
+        "directory, an MLA model's ranks share one; §8), split evenly over the drives of a list. A node "
+        "needs it times its rank directories; the backend warns at open when they exceed the file system.")
+    ssd_segment_size_bytes: int = _f(256 * MiB, size_parser(1), "bytes",
+        "Size of each segment file (a multiple of 4 KiB); an object must fit in one. An existing store "
+        "keeps its own.")
+    ssd_queue_depth: int = _f(256, int_parser(1), "entries",
+        "io_uring submission-queue entries per engine (UMBP's 4096 buys nothing on one local drive).")
+    ssd_io_backend: str = _f("io_uring", parse_io_backend, "",
+        "How the store talks to the drive: io_uring, posix (thread pools), or auto (io_uring, else posix "
+        "with one warning).", IO_BACKENDS)
     # Reads first (docs/tuning.md): a put batch reaches the device in slices of this many bytes
     # (0 = whole batches); "on" gives reads a higher ioprio and one write slice in flight while they run.
-    ssd_write_slice_bytes: int = 8 * MiB
-    ssd_read_priority: str = "on"  # "on" | "off"
+    ssd_write_slice_bytes: int = _f(8 * MiB, size_parser(0), "bytes",
+        "A put batch reaches the drive in slices of this size, so reads never queue behind a whole "
+        "batch; 0: whole batches (docs/tuning.md).")
+    ssd_read_priority: str = _f("on", parse_on_off, "",
+        "on: reads get a higher I/O priority, and one write slice is in flight while reads run.",
+        READ_PRIORITY_CHOICES)
     # Where a put's CRC32C runs while reads are about (store/put_crc.py): on worker threads at a lower
     # CPU priority (idle = SCHED_IDLE, batch = SCHED_BATCH at nice ssd_crc_nice, nice = nice
     # ssd_crc_nice, normal = unchanged); ssd_crc_worker=False: by batch size alone (loop / executor).
-    ssd_crc_worker: bool = True
-    ssd_crc_policy: str = "nice"
-    ssd_crc_nice: int = 19
-    ssd_durability_mode: str = "strict"  # "strict" | "relaxed" (after alias mapping)
+    ssd_crc_worker: bool = _f(True, parse_bool, "",
+        "A put's CRC32C runs on low-priority worker threads while reads are about; false: by batch "
+        "size alone.")
+    ssd_crc_policy: str = _f("nice", parse_crc_policy, "",
+        "How those workers lower their CPU priority: idle (SCHED_IDLE), batch (SCHED_BATCH), nice, normal.",
+        CRC_POLICIES)
+    ssd_crc_nice: int = _f(19, int_parser(0), "nice value",
+        f"The workers' nice value (0-{CRC_NICE_MAX}) for the batch and nice policies.")
+    ssd_durability_mode: str = _f("strict", parse_durability, "",
+        "strict (alias sync): an acknowledged page survives a power loss (fdatasync before True); "
+        "relaxed (alias async): it survives a process crash.", ("strict", "relaxed", "sync", "async"))
     # Eviction starts at the high watermark and frees down to the low one: small steps near the
     # top, so the capacity configured is the capacity that caches (issue 26: 0.9 / 0.7 held ~80 %).
-    ssd_high_watermark: float = 0.98
-    ssd_low_watermark: float = 0.95
-    eviction_policy: str = "lru"  # "lru" | "prefix_aware" (a name for lru since issue 26: store/eviction.py)
+    ssd_high_watermark: float = _f(0.98, parse_float, "fraction",
+        "Eviction starts when the slots in use pass this fraction of the capacity.")
+    ssd_low_watermark: float = _f(0.95, parse_float, "fraction",
+        "... and frees down to this fraction (0 < low < high <= 1).")
+    eviction_policy: str = _f("lru", parse_eviction_policy, "",
+        "Which pages go first: lru, deepest first among pages used together (prefix_aware names it).",
+        EVICTION_POLICIES)
     # which new pages a put writes (store/admit_gate.py): "adaptive" | "all" | "second"; "auto" is
     # "adaptive" in the SGLang backend's store and "all" for a PageStore used directly
-    admission_policy: str = "auto"
-    verify_crc: bool = True
-    io_timeout_s: float = 30.0  # bound on every wait for the disk; a stuck device becomes a failure
-    o_direct: bool = True  # used when the file system allows it (probed once per store)
-    gds_staging: bool = False  # CUDA buffers without GPUDirect Storage: stage through pinned host memory
+    admission_policy: str = _f("auto", parse_admission_policy, "",
+        "Which new pages a put writes: adaptive, all, second; auto is adaptive in the SGLang backend and "
+        "all for a PageStore used directly (docs/cache-policy.md).", ADMISSION_POLICIES)
+    verify_crc: bool = _f(True, parse_bool, "",
+        "Check every object's CRC32C when it is read; a mismatch is a miss, never wrong bytes.")
+    io_timeout_s: float = _f(30.0, parse_io_timeout, "s",
+        f"Bound on every wait for the drive ({IO_TIMEOUT_S_MIN:g}-{IO_TIMEOUT_S_MAX:g}); a stuck device "
+        "becomes failed calls.")
+    o_direct: bool = _f(True, parse_bool, "",
+        "Bypass the page cache where the file system allows it (probed once per store).")
+    gds_staging: bool = _f(False, parse_bool, "",
+        "CUDA buffers without GPUDirect Storage: stage them through pinned host memory (docs/gpu.md).")
     # Swift's mount_check: a root must lie on a mounted drive (store/mounts.py), else that drive is
     # degraded and nothing is created there; off: only the multi-drive guard applies.
-    ssd_require_mount: bool = False
-    extra_backend_tag: str | None = None
+    ssd_require_mount: bool = _f(False, parse_bool, "",
+        "Every root must lie on a mounted drive (not on `/`); one that does not is degraded and nothing "
+        "is created there (docs/reliability.md).")
+    extra_backend_tag: str | None = _f(None, parse_tag, "",
+        "Prefix of side-pool keys, before the model name (UMBP's key scheme, §4).")
     # UMBP knobs kept for compatibility and stats; they change nothing in this store.
-    ssd_enabled: bool = True  # UMBP's SSD-tier switch; False leaves the backend nothing to store
-    dram_capacity_bytes: int = 4 * GiB  # UMBP's DRAM tier; we have none (the OS page cache is it)
-    eviction_candidate_window: int = 16
-    auto_promote_on_read: bool = True
+    ssd_enabled: bool = _f(True, parse_bool, "",
+        "UMBP's SSD-tier switch: false leaves the backend nothing to store (every lookup misses).")
+    dram_capacity_bytes: int = _f(4 * GiB, size_parser(0), "bytes",
+        "UMBP's DRAM tier: accepted, no effect (there is none here; the OS page cache is it).")
+    eviction_candidate_window: int = _f(16, int_parser(0), "entries", "UMBP's: accepted, no effect here.")
+    auto_promote_on_read: bool = _f(True, parse_bool, "", "UMBP's: accepted, no effect here.")
 
     def __post_init__(self):
         if isinstance(self.ssd_storage_dir, (list, tuple)):  # several roots: kept as a JSON list
@@ -172,291 +213,42 @@ class StoreConfig:
                 f"admission_policy must be one of: {', '.join(ADMISSION_POLICIES)}; got {self.admission_policy!r}"
             )
         low, high = self.ssd_low_watermark, self.ssd_high_watermark
-        if not (_is_real(low) and _is_real(high) and 0.0 < low < high <= 1.0):
+        if not (is_real(low) and is_real(high) and 0.0 < low < high <= 1.0):
             raise ValueError(
                 f"SSD watermarks must satisfy 0 < ssd_low_watermark < ssd_high_watermark <= 1, "
                 f"got ssd_low_watermark={low!r}, ssd_high_watermark={high!r}"
             )
         t = self.io_timeout_s
-        if not (_is_real(t) and math.isfinite(t) and t > 0):
+        if not (is_real(t) and math.isfinite(t) and t > 0):
             raise ValueError(f"io_timeout_s must be a positive number of seconds, got {t!r}")
         if not IO_TIMEOUT_S_MIN <= t <= IO_TIMEOUT_S_MAX:
-            raise ValueError(_io_timeout_range("io_timeout_s", t))
+            raise ValueError(io_timeout_range("io_timeout_s", t))
 
-
-def _is_real(value: Any) -> bool:
-    """An int or float, not a bool (True would pass as 1) nor a string (a TypeError in comparisons)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _io_timeout_range(label: str, value: Any) -> str:
-    return (f"{label} must be between {IO_TIMEOUT_S_MIN:g} and {IO_TIMEOUT_S_MAX:g} seconds, got {value!r}: "
-            "shorter fails healthy operations, longer overflows the waits built on it")
-
-
-# ---------------------------------------------------------------------------------------------
-# Value parsers. Each takes (value, label) where label is how the error names the source.
-
-_TRUE_STRINGS = frozenset({"1", "true", "yes", "on"})
-_FALSE_STRINGS = frozenset({"0", "false", "no", "off"})
-_INT_RE = re.compile(r"^\+?\d+$")
-_UNIT_RE = re.compile(r"\d\s*[kmgtpb]", re.I)
-
-
-def parse_bool(value: Any, label: str) -> bool:
-    """Strict boolean: bool, 0/1, or 1/true/yes/on and 0/false/no/off (any case, stripped).
-
-    bool("false") is True, which is exactly the bug this exists to prevent.
-    """
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if value in (0, 1):
-            return bool(value)
-    elif isinstance(value, str):
-        norm = value.strip().lower()
-        if norm in _TRUE_STRINGS:
-            return True
-        if norm in _FALSE_STRINGS:
-            return False
-    raise ValueError(f"{label} must be a boolean-like value (true/false, 1/0, yes/no, on/off), got {value!r}")
-
-
-def int_parser(minimum: int) -> Callable[[Any, str], int]:
-    def parse(value: Any, label: str) -> int:
-        parsed: int | None = None
-        if isinstance(value, bool):
-            parsed = None  # True is an int in Python, never a byte count
-        elif isinstance(value, int):
-            parsed = value
-        elif isinstance(value, float) and value.is_integer():
-            parsed = int(value)
-        elif isinstance(value, str) and _INT_RE.match(value.strip()):
-            try:
-                parsed = int(value.strip())
-            except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
-                parsed = None
-        if parsed is None:
-            raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
-        if parsed < minimum:
-            raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
-        return parsed
-
-    return parse
-
-
-def _size_parser(minimum: int) -> Callable[[Any, str], int]:
-    """Byte counts: an int, or a string with a binary unit ('500g', '512GiB'; sizes.py)."""
-    as_int = int_parser(minimum)
-
-    def parse(value: Any, label: str) -> int:
-        if not isinstance(value, str) or not _UNIT_RE.search(value):  # no unit: the integer rules and message
-            return as_int(value, label)
-        try:
-            parsed = parse_size(value)
-        except ValueError as e:
-            raise ValueError(f"{label}: {e}") from None
-        if parsed < minimum:
-            raise ValueError(f"{label} must be at least {minimum} bytes, got {value!r}")
-        return parsed
-
-    return parse
-
-
-def _parse_float(value: Any, label: str) -> float:
-    parsed: float | None = None
-    if isinstance(value, bool):
-        parsed = None
-    elif isinstance(value, (int, float)):
-        parsed = float(value)
-    elif isinstance(value, str):
-        try:
-            parsed = float(value.strip())
-        except ValueError:
-            parsed = None
-    if parsed is None or not math.isfinite(parsed):
-        raise ValueError(f"{label} must be a finite number, got {value!r}")
-    return parsed
-
-
-def _parse_positive_float(value: Any, label: str) -> float:
-    parsed = _parse_float(value, label)
-    if parsed <= 0:
-        raise ValueError(f"{label} must be a positive number, got {value!r}")
-    return parsed
-
-
-def _parse_io_timeout(value: Any, label: str) -> float:
-    parsed = _parse_positive_float(value, label)
-    if not IO_TIMEOUT_S_MIN <= parsed <= IO_TIMEOUT_S_MAX:
-        raise ValueError(_io_timeout_range(label, value))
-    return parsed
-
-
-def _parse_dir(value: Any, label: str) -> str:
-    """One root, or several (a list, a JSON list, a comma-separated string; see parse_roots).
-
-    Several roots are kept as given when a string, and as a JSON list when a list.
-    """
-    if isinstance(value, (list, tuple)):
-        try:
-            return json.dumps([os.path.expanduser(r) for r in parse_roots(value)])
-        except ValueError as e:
-            raise ValueError(f"{label}: {e}, got {value!r}") from None
-    if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip():
-        raise ValueError(f"{label} must be a non-empty directory path, got {value!r}")
-    try:
-        roots = parse_roots(os.fspath(value))
-    except ValueError as e:
-        raise ValueError(f"{label}: {e}") from None
-    if any(r.startswith("~") for r in roots):  # no shell expands a path inside JSON
-        roots = [os.path.expanduser(r) for r in roots]
-        return roots[0] if len(roots) == 1 else json.dumps(roots)
-    return os.fspath(value)
-
-
-def parse_roots(value) -> list[str]:
-    """``ssd_storage_dir`` as a list of roots: a list/tuple, a JSON list, or a comma-separated string.
-
-    A single path is a one-element list. A path that itself contains a comma must be given as a
-    JSON list. Raises ValueError for an empty list, an empty entry or a duplicate root.
-    """
-    if isinstance(value, (list, tuple)):
-        roots = [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value]
-    else:
-        text = os.fspath(value) if isinstance(value, os.PathLike) else value
-        if not isinstance(text, str):
-            raise ValueError(f"ssd_storage_dir must be a path or a list of paths, got {value!r}")
-        s = text.strip()
-        if s.startswith("["):
-            try:
-                roots = json.loads(s)
-            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
-                raise ValueError(f"ssd_storage_dir looks like a JSON list but is not one ({e}): {text[:200]!r}") from None
-            if not isinstance(roots, list):
-                raise ValueError(f"ssd_storage_dir JSON must be a list of paths, got {text!r}")
-        elif "," in s and not os.path.isdir(text):  # an existing directory with a comma is one root
-            roots = [p.strip() for p in s.split(",")]
-        else:
-            roots = [text]
-    if not roots:
-        raise ValueError("ssd_storage_dir lists no directory")
-    for r in roots:
-        if not isinstance(r, str) or not r.strip():
-            raise ValueError(f"ssd_storage_dir entries must be non-empty paths, got {r!r} in {value!r}")
-    seen = set()
-    for r in roots:
-        a = os.path.abspath(r)
-        if a in seen:
-            raise ValueError(f"ssd_storage_dir lists {r!r} twice")
-        seen.add(a)
-    return list(roots)
-
-
-def _parse_io_backend(value: Any, label: str) -> str:
-    norm = str(value).strip().lower()
-    if norm not in IO_BACKENDS:
-        # The text up to ';' is UMBP's message, so logs and tests written for it still match.
-        raise ValueError(f"{label} must be one of: posix, io_uring; got {value!r} (umbp_nvme also takes 'auto')")
-    return norm
-
-
-def _parse_durability(value: Any, label: str) -> str:
-    norm = str(value).strip().lower()
-    if norm not in DURABILITY_ALIASES:
-        raise ValueError(f"{label} must be one of: strict, sync, relaxed, async; got {value!r}")
-    return DURABILITY_ALIASES[norm]
-
-
-def _parse_ssd_backend(value: Any, label: str) -> str:
-    norm = str(value).strip().lower()
-    if norm not in SSD_BACKENDS:
-        raise ValueError(f"{label} must be one of: file, spdk, spdk_proxy; got {value!r}")
-    if norm != "file":
-        raise ValueError(
-            f"{label} is {value!r}, but umbp_nvme is a local-NVMe backend that stores pages in "
-            "files on a mounted file system; SPDK is not supported. Remove the key or set it to "
-            "'file', and drop any spdk_* keys."
-        )
-    return norm
-
-
-def _parse_eviction_policy(value: Any, label: str) -> str:
-    norm = str(value).strip().lower()
-    if norm not in EVICTION_POLICIES:
-        raise ValueError(f"{label} must be one of: lru, prefix_aware; got {value!r}")
-    return norm
-
-
-def _parse_admission_policy(value: Any, label: str) -> str:
-    norm = str(value).strip().lower()
-    if norm not in ADMISSION_POLICIES:
-        raise ValueError(f"{label} must be one of: {', '.join(ADMISSION_POLICIES)}; got {value!r}")
-    return norm
-
-
-def _warn_kv_events(value: Any, label: str) -> Any:
-    if value:
-        logger.warning("umbp_nvme: %s is set, but this backend subscribes to no KV events; ignored "
-                       "(kv_events_endpoint publishes this store's DISK events: docs/fleet.md).", label)  # fmt: skip
-    return value
-
-
-def _parse_crc_policy(value: Any, label: str) -> str:
-    norm = str(value).strip().lower()
-    if norm not in CRC_POLICIES:
-        raise ValueError(f"{label} must be one of: {', '.join(CRC_POLICIES)}; got {value!r}")
-    return norm
-
-
-def _parse_on_off(value: Any, label: str) -> str:
-    return "on" if parse_bool(value, label) else "off"
-
-
-def _parse_tag(value: Any, label: str) -> str | None:
-    return None if value is None else str(value)
 
 
 # ---------------------------------------------------------------------------------------------
 # Key tables.
 
+# UMBP keys accepted, type-checked and ignored here (its DRAM->SSD copy pipeline, RDMA registration,
+# KV-event subscription): key -> (parser, what the key table says)
+ACCEPTED_KEYS: dict[str, tuple[Callable[[Any, str], Any], str]] = {
+    "ssd_backend": (parse_ssd_backend, "UMBP's SSD backend: only `file` (SPDK is refused with the reason)."),
+    "ssd_copy_async": (parse_bool, "UMBP's DRAM->SSD copy pipeline: accepted, no effect here."),
+    "ssd_copy_queue_depth": (int_parser(0), "UMBP's DRAM->SSD copy pipeline: accepted, no effect here."),
+    "ssd_copy_worker_threads": (int_parser(0), "UMBP's DRAM->SSD copy pipeline: accepted, no effect here."),
+    "ssd_copy_batch_max_ops": (int_parser(0), "UMBP's DRAM->SSD copy pipeline: accepted, no effect here."),
+    "disable_zero_copy_register": (parse_bool, "UMBP's RDMA registration switch: accepted, no effect here."),
+    "kv_events_subscriber": (warn_kv_events, "UMBP's KV-event subscriber: accepted with a warning, no effect "
+                                             "(`kv_events_endpoint` publishes this store's events)."),
+    # the SGLang backend takes these itself (sglang/kv_events.py); a PageStore user's are ignored
+    "kv_events_endpoint": (lambda v, label: v, "DISK-tier KV events (docs/fleet.md)."),
+    "kv_events_topic": (lambda v, label: v, "DISK-tier KV events (docs/fleet.md)."),
+}
+
 # extra_config key -> (StoreConfig field or None when accepted and ignored, parser)
 _FIELD_KEYS: dict[str, tuple[str | None, Callable[[Any, str], Any]]] = {
-    "ssd_storage_dir": ("ssd_storage_dir", _parse_dir),
-    "ssd_capacity_bytes": ("ssd_capacity_bytes", _size_parser(1)),
-    "ssd_segment_size_bytes": ("ssd_segment_size_bytes", _size_parser(1)),
-    "ssd_queue_depth": ("ssd_queue_depth", int_parser(1)),
-    "ssd_io_backend": ("ssd_io_backend", _parse_io_backend),
-    "ssd_write_slice_bytes": ("ssd_write_slice_bytes", _size_parser(0)),
-    "ssd_read_priority": ("ssd_read_priority", _parse_on_off),
-    "ssd_crc_worker": ("ssd_crc_worker", parse_bool),
-    "ssd_crc_policy": ("ssd_crc_policy", _parse_crc_policy),
-    "ssd_crc_nice": ("ssd_crc_nice", int_parser(0)),
-    "ssd_durability_mode": ("ssd_durability_mode", _parse_durability),
-    "ssd_high_watermark": ("ssd_high_watermark", _parse_float),
-    "ssd_low_watermark": ("ssd_low_watermark", _parse_float),
-    "eviction_policy": ("eviction_policy", _parse_eviction_policy),
-    "admission_policy": ("admission_policy", _parse_admission_policy),
-    "verify_crc": ("verify_crc", parse_bool),
-    "io_timeout_s": ("io_timeout_s", _parse_io_timeout),
-    "o_direct": ("o_direct", parse_bool),
-    "gds_staging": ("gds_staging", parse_bool),
-    "ssd_require_mount": ("ssd_require_mount", parse_bool),
-    "extra_backend_tag": ("extra_backend_tag", _parse_tag),
-    "ssd_enabled": ("ssd_enabled", parse_bool),
-    "dram_capacity_bytes": ("dram_capacity_bytes", _size_parser(0)),
-    "eviction_candidate_window": ("eviction_candidate_window", int_parser(0)),
-    "auto_promote_on_read": ("auto_promote_on_read", parse_bool),
-    # Accepted, type-checked, and ignored: UMBP's DRAM->SSD copy pipeline and RDMA registration.
-    "ssd_backend": (None, _parse_ssd_backend),
-    "ssd_copy_async": (None, parse_bool),
-    "ssd_copy_queue_depth": (None, int_parser(0)),
-    "ssd_copy_worker_threads": (None, int_parser(0)),
-    "ssd_copy_batch_max_ops": (None, int_parser(0)),
-    "disable_zero_copy_register": (None, parse_bool),
-    "kv_events_subscriber": (None, _warn_kv_events),
-    "kv_events_endpoint": (None, lambda v, label: v),
-    "kv_events_topic": (None, lambda v, label: v),
+    **{f.name: (f.name, f.metadata["parse"]) for f in fields(StoreConfig)},
+    **{k: (None, parse) for k, (parse, _) in ACCEPTED_KEYS.items()},
 }
 
 # Keys SGLang's dynamic loader and controller put in the same dict; accepted silently.
@@ -604,3 +396,18 @@ def load_config(extra_config: Mapping | None = None, env: Mapping[str, str] | No
                 "Known keys are UMBP's (ssd_storage_dir, ssd_capacity_bytes, ssd_io_backend, ...; docs/sglang.md §9).",
             )
     return StoreConfig(**values)
+
+
+def config_sources(extra_config: Mapping | None = None, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """StoreConfig field -> where load_config took its value from (``extra_config['key']`` or the
+    environment variable; the dict wins, as in load_config); a field not listed has its default
+    (the SGLang backend warns when the directory or the capacity is one: sglang/startup.py)."""
+    env = os.environ if env is None else env
+    out = {}
+    for var, k in ENV_KEYS.items():
+        if env.get(var) and _FIELD_KEYS[k][0] is not None:
+            out[_FIELD_KEYS[k][0]] = var
+    for k in extra_config or {}:
+        if isinstance(k, str) and k in _FIELD_KEYS and _FIELD_KEYS[k][0] is not None:
+            out[_FIELD_KEYS[k][0]] = f"extra_config[{k!r}]"
+    return out

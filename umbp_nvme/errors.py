@@ -8,7 +8,13 @@ class StoreError(RuntimeError):
 
 
 class StoreLockedError(StoreError):
-    """A second writer tried to open a store directory that another process writes."""
+    """A second writer tried to open a store directory that another process writes.
+
+    ``path`` and ``holder`` (the writer's pid as its LOCK file says, or "unknown") when the lock
+    was refused by the open; None otherwise."""
+
+    path: str | None = None
+    holder: str | None = None
 
 
 class NamespaceMismatchError(StoreError):

@@ -9,7 +9,8 @@ What a process exposes, all ``umbp_nvme_*`` (the table is ``FAMILIES``):
   store's engines (one ``count_nonzero`` per engine batch);
 * fallbacks: the engine and O_DIRECT asked for vs. what the store really uses;
 * a store over several drives: ``umbp_nvme_drive_*`` per drive (label ``drive``): healthy, objects,
-  bytes, capacity, bytes read / written, errors, degradations, read / write GB/s, free bytes;
+  bytes, capacity, bytes read / written, errors, degradations, read / write GB/s, free bytes,
+  session unrecorded (and ``umbp_nvme_drives_session_unrecorded``, how many);
 * latency histograms per op (``put``, ``get``, ``exists``), per batch call and per object (the
   batch's time over its objects, one observation per call), buckets 10 us .. 10 s.
 
@@ -86,6 +87,8 @@ FAMILIES = (
     ("umbp_nvme_pinned_slots", "gauge", "pinned_slots", "Slots pinned by reads in flight."),
     ("umbp_nvme_puts_in_doubt_bytes", "gauge", "puts_in_doubt_bytes", "Bytes of put batches whose index commit outlived io_timeout_s, held until a later commit settles them."),
     ("umbp_nvme_high_watermark_ratio", "gauge", "high_watermark", "Fill at which eviction starts."),
+    ("umbp_nvme_drives_session_unrecorded", "gauge", "drives_session_unrecorded",
+     "Drives of a multi-drive store whose writer session could not be recorded (DRIVES.json not written and fsynced): they take no writes until a probe records it."),
     ("umbp_nvme_fs_free_bytes", "gauge", None, "Free bytes on the store's file system (statvfs, for unprivileged users)."),
     ("umbp_nvme_fallback", "gauge", None, "1 when the store runs on less than it was asked for (what=engine: posix instead of io_uring; what=o_direct: buffered I/O)."),
     ("umbp_nvme_engine_info", "gauge", None, "1, labelled with the engine asked for and the engine in use."),
@@ -105,6 +108,7 @@ DRIVE_FAMILIES = (
     ("umbp_nvme_drive_bytes_written", "counter", "bytes_written", "Object bytes written to the drive."),
     ("umbp_nvme_drive_errors", "counter", "errors", "Failed ops on the drive (I/O errors, failed syncs, timeouts)."),
     ("umbp_nvme_drive_degradations", "counter", "degradations", "Times the drive was marked degraded."),
+    ("umbp_nvme_drive_session_unrecorded", "gauge", "session_unrecorded", "1 while the drive's session record could not be written: it serves reads and takes no writes."),
     ("umbp_nvme_drive_read_gbps", "gauge", "read_gbps", "The drive's read throughput: bytes read over the time a get was in flight on it (GB/s)."),
     ("umbp_nvme_drive_write_gbps", "gauge", "write_gbps", "The drive's write throughput: bytes written over the time a put was in flight on it (GB/s)."),
 )

@@ -19,7 +19,7 @@ from conftest import ROOT
 PKG = "umbp_nvme"
 # a file or folder path under the package; a bare name without .py or a trailing / is not one
 FULL = re.compile(r"(?<![\w/.-])umbp_nvme/(?:\w+/)*(?:\w+\.py)?(?![\w.*-])")
-FOLDERS = ("store", "engine", "sglang", "cli", "bench")
+FOLDERS = ("store", "engine", "sglang", "cli", "bench", "doctor")
 RELATIVE = re.compile(r"(?<![\w/.-])(?:%s)/(?:\w+/)*\w+\.py(?!\w)" % "|".join(FOLDERS))
 DOTTED = re.compile(r"(?<![\w/.-])umbp_nvme(?:\.\w+)+")
 BEFORE_AFTER = "### Before / after"

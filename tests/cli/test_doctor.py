@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from umbp_nvme.cli import doctor
+from umbp_nvme.doctor import report as doctor
 from umbp_nvme.cli.main import main
 from umbp_nvme.engine import files as engine_files
 
-ITEMS = {"io_uring", "engine", "o_direct", "memlock", "hugepages", "filesystem", "scheduler", "gpu", "probe"}
+ITEMS = {"io_uring", "engine", "o_direct", "memlock", "hugepages", "filesystem", "scheduler", "gpu", "probe", "session"}
 SHM = "/dev/shm"
 
 
@@ -115,10 +115,10 @@ def test_doctor_at_start_logs_one_block_that_checks_the_host_pool(tmp_path, capl
 
     cfg = Config(str(tmp_path / "s"))
     cfg.extra_config["doctor_at_start"] = True
-    with caplog.at_level(logging.INFO, logger="umbp_nvme.cli.doctor"):
+    with caplog.at_level(logging.INFO, logger="umbp_nvme.doctor"):
         backend = UMBPNvmeStore(cfg, FakeMHAPool())
     try:
-        blocks = [r.getMessage() for r in caplog.records if r.name == "umbp_nvme.cli.doctor"]
+        blocks = [r.getMessage() for r in caplog.records if r.name == "umbp_nvme.doctor"]
         assert len(blocks) == 1 and blocks[0].startswith("umbp-nvme doctor: ")
         assert "[" in blocks[0] and "engine" in blocks[0] and "probe" not in blocks[0]  # no I/O probe at start
         assert "hugepage" in blocks[0] and "host pool" in blocks[0]

@@ -352,3 +352,36 @@ def test_export_of_several_drives_onto_a_device_is_refused_not_written_beside_it
     assert r.returncode == 2, (r.stdout, r.stderr)  # the old code wrote null.d0 and null.d1 beside the device
     assert f"give --out PATH of a new or regular file, not {null} (a pipe or device)" in r.stderr
     assert sorted(os.listdir(tmp_path)) == ["d0", "d1", "null"]
+
+
+# --- an object the store's segments cannot take ----------------------------------------------------
+
+
+def test_warmup_of_an_object_too_large_for_the_segments_refuses_it_and_evicts_nothing(tmp_path, capsys):
+    """Issue 34: a source object between (segment - 4 KiB) and one segment. Before, warmup put it,
+    the put evicted the whole store and failed, and the summary still said "imported 600" of a
+    store left with 0; now it is refused before any put, counted as too large, and named."""
+    from umbp_nvme.config import StoreConfig
+    from umbp_nvme.store import PageStore
+
+    src = str(tmp_path / "src")
+    small = items(300, 12 * 1024)  # 600 objects: a K and a V per page
+    big = items(1, (1 << 20) - 100, tag="big")  # 2
+
+    async def make_source():  # segments of 4 MiB take the big object; the 1 MiB of the target cannot
+        s = await PageStore.open(src, StoreConfig(ssd_capacity_bytes=64 << 20, ssd_segment_size_bytes=4 << 20))
+        try:
+            for part in (small, big):
+                assert all(await s.put_many(list(part), [np.frombuffer(bytearray(v), np.uint8) for v in part.values()]))
+        finally:
+            await s.close()
+
+    asyncio.run(make_source())
+    dest = str(tmp_path / "dest")
+    rc, out, err = run_cli(capsys, "warmup", "--store", dest, *CAP, "--json", src)
+    s = json.loads(out)
+    assert rc == 1, (out, err)
+    assert (s["imported"], s["failed"], s["too_large"]) == (600, 2, 2), s
+    assert any(f"{(1 << 20) - 100} bytes" in e and "1044480" in e for e in s["errors"]), s["errors"]
+    assert read_store(dest, list(small)) == small  # all 600 still there, byte-exact
+    assert read_store(dest, list(big)) == {k: None for k in big}

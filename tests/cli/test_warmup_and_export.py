@@ -83,9 +83,9 @@ def test_warmup_without_matching_files_says_which_suffix_it_looked_for(tmp_path,
     src = str(tmp_path / "hicache")
     write_file_backend(src, {"a" * 64: b"\0" * 8192}, "_other_0_1")
     rc, out, err = run_cli(capsys, "warmup", "--store", str(tmp_path / "s"), "--model", "mine", *CAP, "--json", src)
-    s = json.loads(out)
-    assert s["imported"] == 0
-    assert any("_mine_0_1" in e and "--model" in e for e in s["errors"])
+    # issue 35: nothing to import is an error (exit 2) before the store is made, not an empty success
+    assert rc == 2 and out == "" and not os.path.exists(tmp_path / "s")
+    assert "names ending '_mine_0_1.bin'" in err and "--model" in err
 
 
 # --- stores, archives ------------------------------------------------------------------------

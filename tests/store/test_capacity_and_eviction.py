@@ -176,3 +176,34 @@ async def test_put_that_cannot_get_space_fails_only_that_key(store_dir):
     hooks.read = None
     assert await st.put_many(["x"], [payload("x", 64 * KiB)]) == [True]  # usable again
     await st.close()
+
+
+async def test_put_that_cannot_fit_a_segment_evicts_nothing(store_dir, caplog):
+    """Issue 34: an object between (segment - 4 KiB) and one segment has no slot in any segment
+    (the tail keeps the slots' records). Before, the put evicted the whole store, then failed; now it
+    is refused before anything is reserved, with one log line naming the largest object taken."""
+    import logging
+
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=8 * MiB, ssd_segment_size_bytes=1 * MiB))
+    try:
+        assert st.max_object_bytes == MiB - 4 * KiB
+        keys = await fill(st, "k", 4 * PER_64K, 64 * KiB)  # half the store, below the high watermark
+        assert st.stats()["evictions"] == 0
+        caplog.set_level(logging.WARNING, logger="umbp_nvme.store")
+        for n in (MiB - 4 * KiB + 1, MiB - 100, MiB):  # in one call with a key that fits: only it fails
+            caplog.clear()
+            assert await st.put_many(["big", "fits"], [payload("big", n), payload("fits", 4 * KiB)]) == [False, True]
+            assert await st.delete_many(["fits"]) == [True]
+            lines = [r.getMessage() for r in caplog.records]
+            assert len(lines) == 1 and f"1..{MiB - 4 * KiB} bytes" in lines[0] and "'big'" in lines[0], lines
+        s = st.stats()
+        assert (s["evictions"], s["objects"]) == (0, len(keys))
+        outs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
+        assert await st.get_many(keys, outs) == [True] * len(keys)
+        assert all(np.array_equal(o, payload(k, 64 * KiB)) for o, k in zip(outs, keys))
+        # the largest object it takes is taken (evicting what its class needs, as any put)
+        assert await st.put_many(["largest"], [payload("largest", MiB - 4 * KiB)]) == [True]
+        out = np.zeros(MiB - 4 * KiB, np.uint8)
+        assert await st.get_many(["largest"], [out]) == [True] and np.array_equal(out, payload("largest", MiB - 4 * KiB))
+    finally:
+        await st.close()

@@ -84,9 +84,13 @@ def _replace(path: str, kind: str, text: str = "") -> None:
 @pytest.mark.parametrize("kind", ["fifo", "deep"])
 def test_a_damaged_drive_set_record_does_not_stop_the_open(tmp_path, kind):
     roots = _two_drive_store(tmp_path)
+    _, drives = _open_and_read(roots)
     _replace(os.path.join(roots[0], "DRIVES.json"), kind, DEEP)  # the old open hung / raised RecursionError
     ok, _ = _open_and_read(roots)
-    assert ok == [True] * 8
+    # the drive whose record is damaged has no history of its own (no other drive vouches for it):
+    # cleared before it serves (issue 34); the other drive serves every key it holds
+    assert ok == [d == 1 for d in drives]
+    assert 0 in drives and 1 in drives
 
 
 def test_a_fifo_owed_log_does_not_block_the_open(tmp_path):

@@ -35,7 +35,9 @@ sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, "tests")!r}]
 from conftest import payload, small_config
 from umbp_nvme.store import PageStore, layout
 from umbp_nvme.store.index import INDEX_FILE, Index
-from umbp_nvme.store.rebuild import boot_id, rebuild_index
+from umbp_nvme.store.rebuild import boot_id, rebuild_records
+from umbp_nvme.keybytes import encode_key
+import os
 
 def data(key, version):
     return payload(f"{{key}}#v{{version}}", {OBJ})
@@ -53,13 +55,19 @@ async def main(path):
             ix = Index(ipath, readonly=False, map_size=1 << 30, durable=True)
             ix.set_writer_state(step["state"].encode())
             ix.close()
-        elif step.get("half_build"):  # a writer's rebuild, stopped before it marks the new index
+        elif step.get("half_build"):  # a new index at the path, never marked: what a rebuild of an
+            # older version killed before its mark left (rebuilds now mark their file before it is in place)
             m = layout.read_manifest(path)
             seg = m["layout"]["segment_bytes"]
             cap = layout.recorded_capacity_bytes(m)
             lock = layout.take_lock(path)
-            rebuild_index(path, ipath, seg, cap // seg, layout.map_size_bytes(cap), "test: half-built").close()
-            import os; os.close(lock)
+            keys, recs, _, _ = rebuild_records(path, seg, cap // seg)
+            os.rename(ipath, ipath + ".old")
+            os.unlink(ipath + "-lock")
+            ix = Index(ipath, readonly=False, map_size=layout.map_size_bytes(cap), durable=True)
+            ix.commit(puts=[(encode_key(k), recs[i : i + 1].tobytes()) for i, k in enumerate(keys)])
+            ix.close()
+            os.close(lock)
         elif step.get("open"):
             st = await PageStore.open(path, small_config())
         elif step.get("close"):

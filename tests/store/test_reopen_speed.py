@@ -32,6 +32,7 @@ def _fabricate(path: str) -> list[str]:
     keys = [f"{j:064x}_k" for j in range(N)]
     ix = Index(os.path.join(path, INDEX_FILE), readonly=False, map_size=1 << 32, durable=False)
     ix.commit([(k.encode(), blob[j * 48 : (j + 1) * 48]) for j, k in enumerate(keys)])
+    ix.set_writer_state(b"clean")  # as a clean close leaves it: an unmarked index is rebuilt (issue 34)
     ix.close()
     for s in range(int(recs["segment"].max()) + 1):
         with open(os.path.join(path, segment_name(s)), "wb") as f:

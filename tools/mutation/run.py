@@ -9,7 +9,7 @@ judged equivalent; the score is killed / (mutants - equivalents). Writes
 tools/mutation/report.md and exits 1 when a module is under its target or a survivor is
 neither killed nor listed.
 
-    python tools/mutation/run.py [keys hits config segments] [--jobs 1]
+    python tools/mutation/run.py [keys hits config config_values segments] [--jobs 1]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ MODULES: dict[str, tuple[float, list[str]]] = {
     "keys": (0.95, ["tests/sglang/test_key_formats.py", "tests/sglang/test_key_contract.py"]),
     "hits": (0.95, ["tests/sglang/test_prefix_hits.py", "tests/sglang/test_prefix_hits_contract.py"]),
     "config": (0.90, ["tests/store/test_config_layering.py", "tests/store/test_config_contract.py"]),
+    # the value parsers config.py used to hold (issue 35 split them out); the same tests
+    "config_values": (0.90, ["tests/store/test_config_layering.py", "tests/store/test_config_contract.py"]),
     "segments": (0.90, ["tests/store/test_segment_allocator.py", "tests/store/test_allocator_contract.py"]),
 }
 
@@ -53,6 +55,7 @@ BASELINE_TESTS = {
     "keys": ["tests/sglang/test_key_formats.py"],
     "hits": ["tests/sglang/test_prefix_hits.py"],
     "config": ["tests/store/test_config_layering.py"],
+    "config_values": ["tests/store/test_config_layering.py"],
     "segments": ["tests/store/test_segment_allocator.py"],
 }
 

@@ -41,7 +41,7 @@ def roots_of(args) -> list[str] | None:
 def run_per_drive(args, roots: list[str], errors: tuple, cli_error) -> int:
     if args.command == "stats" and getattr(args, "prometheus", False):
         return _stats_prometheus(roots, cli_error)
-    from .archive import is_pipe_or_device
+    from .export import is_pipe_or_device
 
     if args.command == "export" and (args.out == "-" or is_pipe_or_device(args.out)):  # not /dev/null.d0 beside it
         raise cli_error("export of several drives writes one archive per drive: give --out PATH of a new or "

@@ -276,6 +276,25 @@ def file_backend_units(directory: str, layout: FileBackendLayout, page_bytes: in
         )
 
 
+def no_page_files(directory: str, layout: FileBackendLayout) -> str | None:
+    """Why ``directory`` gives this rank nothing to import (no file name of its KV pages), else None.
+
+    Checked before the store is opened, so a wrong --model or --tp-rank costs neither an empty
+    store nor an exit code 0 (issue 35)."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        raise SourceError(f"cannot list HiCacheFile directory {directory}: {e.strerror or e}") from None
+    if any(layout.parse(n)[0] is not None for n in names):
+        return None
+    held = (f"it holds {len(names)} other file{'s' if len(names) != 1 else ''} "
+            f"({', '.join(printable_key(n) for n in names[:3])}{', ...' if len(names) > 3 else ''})"
+            if names else "it is empty")
+    return (f"SOURCE {directory} holds no page files of this rank (names ending '{layout.file_suffix}.bin'); "
+            f"{held}. Check --model / --tp-rank / --tp-size / --pp-* / --mla against the server that wrote them. "
+            "Nothing was imported and the store was not opened")
+
+
 def dir_bytes(directory: str, layout: FileBackendLayout) -> int:
     total = 0
     try:

@@ -230,7 +230,10 @@ def classify_key(key: str) -> tuple[str, str]:
 def store_stats(path: str, capacity_bytes: int | None = None, high_wm: float | None = None,
                 low_wm: float | None = None) -> dict:
     """Usage computed from the index and the files (what is stored, not what a server counted).
-    Watermarks: StoreConfig's defaults unless given."""
+
+    The capacity: ``capacity_bytes`` when given (what-if), else the one MANIFEST.json records (the
+    capacity its writer runs with), else, for a store made before it was recorded, its segment
+    files; ``capacity_source`` says which. Watermarks: StoreConfig's defaults unless given."""
     from ..config import StoreConfig
 
     high_wm = StoreConfig.ssd_high_watermark if high_wm is None else high_wm
@@ -239,6 +242,7 @@ def store_stats(path: str, capacity_bytes: int | None = None, high_wm: float | N
         names, recs = r.scan()
         seg_bytes = r.segment_bytes
         namespace = r.namespace
+        recorded = recorded_capacity_bytes(r.manifest)
     lengths = recs["length"].astype(np.int64)
     classes = size_classes(lengths) if len(lengths) else np.zeros(0, np.int64)
     pools: dict[str, dict] = defaultdict(lambda: {"objects": 0, "bytes": 0})
@@ -256,7 +260,12 @@ def store_stats(path: str, capacity_bytes: int | None = None, high_wm: float | N
         except OSError:
             pass
     used_segs = np.unique(recs["segment"]).tolist() if len(recs) else []
-    cap = capacity_bytes or max(len(segs), 1) * seg_bytes
+    if capacity_bytes:
+        cap, source = capacity_bytes, "given: --capacity, --config or UMBP_SSD_CAPACITY"
+    elif recorded:
+        cap, source = recorded, "recorded in MANIFEST.json: the capacity its writer runs with"
+    else:
+        cap, source = max(len(segs), 1) * seg_bytes, "its segment files: the store records no capacity (an old store)"
     usable = (cap // seg_bytes) * seg_bytes
     slot_bytes = int(classes.sum())
     out = {
@@ -264,6 +273,8 @@ def store_stats(path: str, capacity_bytes: int | None = None, high_wm: float | N
         "namespace": namespace,
         "writer_pid": None if (pid := lock_holder(path)) is None else str(pid),  # JSON kept: a string
         "capacity_bytes": int(cap),
+        "capacity_source": source,
+        "recorded_capacity_bytes": recorded,
         "usable_bytes": int(usable),
         "segment_bytes": seg_bytes,
         "segments_in_use": len(used_segs),
@@ -382,9 +393,14 @@ def free_ranges(path: str) -> tuple[dict[int, list[tuple[int, int]]], set[int], 
     return ranges, empty, int((~keep).sum()) if len(recs) else 0
 
 
-def rebuild_index_dir(path: str) -> dict:
-    """``verify --rebuild-index``: write a new index.lmdb from the records in the segments (the
-    old one, if any, moved aside). Takes the writer lock (StoreLockedError while a writer runs)."""
+def rebuild_index_dir(path: str, *, step=None) -> dict:
+    """``verify --rebuild-index``: write a new index.lmdb from the records in the segments, rewrite
+    every record area from it, mark it clean and put it in place of the old one (moved aside),
+    atomically: until the new file is complete the old one stays at the path, so an interrupted
+    run (Ctrl-C, a kill) leaves the store as it found it, less a temporary file the next writer or
+    run removes. Takes the writer lock (StoreLockedError while a writer runs). ``step(name)`` is
+    called after each step (rebuild.VERIFY_STEPS): the seam crash tests kill the process at."""
+    from ..store.index_swap import settle_leftovers
     from ..store.layout import map_size_bytes
     from ..store.rebuild import rebuild_index
 
@@ -402,13 +418,11 @@ def rebuild_index_dir(path: str) -> dict:
         cap = recorded_capacity_bytes(m) or (max(on_disk, default=0) + 1) * seg
         n_segments = max(cap // seg, max(on_disk, default=-1) + 1)
         ipath = os.path.join(path, INDEX_FILE)
-        summary: dict = {}
-        ix = rebuild_index(path, ipath, seg, n_segments, map_size_bytes(cap), "verify --rebuild-index",
-                           summary_out=summary, rewrite=True)  # fmt: skip
-        try:
-            ix.set_writer_state(b"clean")
-        finally:
-            ix.close()
+        done = settle_leftovers(ipath, map_size_bytes(cap))
+        if done is not None:
+            log.warning("%s: an index rebuild was interrupted: %s", path, done)
+        summary = rebuild_index(path, ipath, seg, n_segments, map_size_bytes(cap), "verify --rebuild-index",
+                                state=b"clean", rewrite=True, step=step)  # fmt: skip
     finally:
         os.close(fd)
     summary["store"] = path

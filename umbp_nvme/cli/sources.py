@@ -34,6 +34,7 @@ class Summary:
     imported: int = 0  # objects newly stored
     skipped: int = 0  # objects already present (dedup / resume)
     failed: int = 0  # objects that could not be read, verified or stored
+    too_large: int = 0  # of those, objects larger than the largest the store takes (refused before any put)
     refused_files: int = 0  # source files refused whole (size or name does not fit the namespace)
     ignored_files: int = 0  # files of other ranks / models, temporaries: not ours to import
     bytes_imported: int = 0
@@ -80,7 +81,7 @@ class Summary:
         rows = [
             ("imported", f"{d['imported']} objects, {d['bytes_imported'] / 1e9:.3f} GB"),
             ("skipped (present)", f"{d['skipped']} objects, {d['bytes_skipped'] / 1e9:.3f} GB"),
-            ("failed", str(d["failed"])),
+            ("failed", str(d["failed"]) + (f" ({d['too_large']} larger than the store takes)" if d["too_large"] else "")),
         ]
         if d["refused_files"]:
             rows.append(("refused files", str(d["refused_files"])))

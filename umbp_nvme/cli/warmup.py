@@ -37,10 +37,11 @@ from collections.abc import Iterator
 
 from .archive import ArchiveReader
 from ..buffers import DIO_ALIGN_BYTES, AlignedBuffer
-from .hicache_files import FileBackendLayout, dir_bytes, expected_page_bytes, file_backend_units
+from .hicache_files import FileBackendLayout, dir_bytes, expected_page_bytes, file_backend_units, no_page_files
 from ..keybytes import encode_key, key_error, printable_key
 from .maintenance import StoreReader
 from .sources import SourceError, Summary, Unit, archive_units, detect_source, store_units
+from ..store.segments import max_object_bytes as segment_max_object_bytes
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,9 @@ def check_max_gbps(max_gbps) -> None:
 
 
 def max_object_bytes(store) -> int:
-    """The largest object ``store`` takes: one segment, and under 4 GiB (the index's u32 length)."""
-    return min(int(store.segment_bytes), (1 << 32) - 1)
+    """The largest object ``store`` takes: one segment less the 4 KiB its records keep (a put of a
+    larger one is refused), and under 4 GiB (the index's u32 length)."""
+    return min(segment_max_object_bytes(int(store.segment_bytes)), (1 << 32) - 1)
 
 
 class _Staging:
@@ -173,6 +175,10 @@ class Importer:
             from .._uring import crc32c
         self._crc32c = crc32c
         self._pending: set[str] = set()
+        # objects put_many answered False for: counted, and said once with the cause (finish)
+        self.not_stored = 0
+        self.not_stored_keys: list[str] = []
+        self.store_full = False  # the store can hold nothing (no segment fits): the import stopped
         # what the store takes, checked before staging memory is sized for a unit
         self.max_object_bytes = max_object_bytes(store)
         self.max_key_bytes = store.max_key_bytes
@@ -181,7 +187,9 @@ class Importer:
         """Why the store cannot take this unit (checked before anything is allocated or read)."""
         for n in u.lengths:
             if not 0 <= n <= self.max_object_bytes:
-                return f"{u.label}: an object of {n} bytes is over the largest this store takes ({self.max_object_bytes})"
+                self.summary.add(too_large=sum(1 for m in u.lengths if m > self.max_object_bytes))
+                return (f"{u.label}: an object of {n} bytes is over the largest this store takes ({self.max_object_bytes} "
+                        f"bytes: its segments of {self.store.segment_bytes} bytes keep their last 4 KiB for records)")
         if not 0 <= u.blob_bytes <= self.max_object_bytes * len(u.keys):
             return f"{u.label}: {u.blob_bytes} bytes is more than its {len(u.keys)} objects can hold"
         for k in u.keys:
@@ -263,9 +271,24 @@ class Importer:
                 nbytes += n
         s.add(imported=imported, bytes_imported=nbytes, failed=len(res) - imported)
         if not all(res):
-            bad = [printable_key(k) for k, ok in zip(stg.keys, res) if not ok]
-            s.error(f"{len(bad)} of {len(res)} objects were not stored (store full, refused or I/O error; see the log): "
-                    + ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""))
+            bad = [k for k, ok in zip(stg.keys, res) if not ok]
+            self.not_stored += len(bad)
+            self.not_stored_keys += [printable_key(k) for k in bad[: 3 - len(self.not_stored_keys)]]
+            if not imported and getattr(self.store, "space_limit_segments", None) == 0:
+                self.store_full = True  # nothing more can be stored: reading on would only fail
+                self.stop.set()
+
+    def finish(self) -> None:
+        """One line for every object the store did not take, with the cause (not one per batch)."""
+        if not self.not_stored:
+            return
+        shortage = getattr(self.store, "space_shortage", None)
+        cause = shortage() if callable(shortage) else None
+        self.summary.error(
+            f"{self.not_stored} objects were not stored (" + ", ".join(self.not_stored_keys)
+            + (", ..." if self.not_stored > len(self.not_stored_keys) else "") + "): "
+            + (cause or "the store refused them or an I/O error failed them (its WARNING lines say which)")
+            + ("; the import stopped, since nothing more can be stored" if self.store_full else ""))
 
     async def run(self, units: Iterator[Unit]) -> None:
         loop = asyncio.get_running_loop()
@@ -374,6 +397,9 @@ async def import_sources(
                 plan.append((src, kind, a))
                 ns = _merge_namespace(ns, a.namespace, src)
             else:
+                why = no_page_files(src, layout)
+                if why is not None:
+                    raise SourceError(why)
                 plan.append((src, kind, None))
         # several roots: each page's objects on one drive, by SGLang's key formats (the keys we import)
         store = await PageStore.open(store_path, config, namespace=ns or None,
@@ -412,6 +438,7 @@ async def import_sources(
                         wanted = set(keys)
                         units = _only_keys(units, wanted, summary)
                     await imp.run(units)
+                imp.finish()
             finally:
                 bar.close()
                 if handle_signals:

@@ -38,11 +38,11 @@ from collections import deque
 from collections.abc import Mapping
 from typing import List
 
-from ..config import StoreConfig, load_config, parse_bool
+from ..config import StoreConfig, config_sources, load_config, parse_bool
 from .hits import v2_hits
 from . import kv_events, stores
 from .keys import KeyScheme, is_mla_follower, rank_subdir
-from .seam import Seam
+from .seam import BACKEND_KEYS, Seam
 from .transfers import legacy_batch_get, legacy_batch_set, v1_io, v2_io
 
 log = logging.getLogger("umbp_nvme.sglang_backend")  # the name SGLang users filter on (the module moved, the logger did not)
@@ -92,7 +92,7 @@ class UMBPNvmeStore(HiCacheStorage):
         prometheus = extra.pop("prometheus", None)
         doctor_at_start = _switch(extra.pop("doctor_at_start", False), "doctor_at_start")
         events_cfg = kv_events.pop_config(extra, storage_config)  # None: no DISK events (default)
-        self.config: StoreConfig = load_config(extra, known=("prometheus", "doctor_at_start", *kv_events.KEYS))
+        self.config: StoreConfig = load_config(extra, known=(*BACKEND_KEYS, *kv_events.KEYS))
         self.interface_v1 = _switch(extra.get("interface_v1", 0), "interface_v1")
         self.scheme = KeyScheme.from_storage_config(storage_config)
         self.is_mla = self.scheme.is_mla
@@ -119,7 +119,7 @@ class UMBPNvmeStore(HiCacheStorage):
             follower=self.is_mla_follower, store_dirs=self.store_dirs, private_dirs=self.private_dirs,
             model_name=self.model_name, engine_factory=engine_factory, doctor_at_start=doctor_at_start,
             prometheus=self.enable_storage_metrics if prometheus is None else _switch(prometheus, "prometheus"),
-            events_cfg=events_cfg,
+            events_cfg=events_cfg, settings_from=config_sources(extra),
         )  # fmt: skip
         self.registry = self._seam.registry
         self.registered_pools: dict = {}  # HiCacheStorage's attribute, kept for callers that read it

@@ -24,6 +24,15 @@ from .keys import KeyScheme, PoolRegistry, page_of
 
 log = logging.getLogger("umbp_nvme.sglang_backend")
 
+# The backend's own extra_config switches, beside StoreConfig's keys: key -> (type, default,
+# meaning), as docs/sglang.md §9's table shows them (config_doc.py)
+BACKEND_KEYS = {
+    "prometheus": ("bool", "SGLang's `enable_storage_metrics`",
+                   "export the store's `umbp_nvme_*` families with SGLang's metrics (docs/metrics.md)."),
+    "doctor_at_start": ("bool", "false",
+                        "log `umbp-nvme doctor`'s report (without its probe) when the store opens."),
+}
+
 
 @dataclass(eq=False)
 class Seam:
@@ -40,6 +49,7 @@ class Seam:
     doctor_at_start: bool = False
     prometheus: bool = False
     events_cfg: Any = None  # kv_events config; None: no DISK events
+    settings_from: dict = field(default_factory=dict)  # config field -> where it was set (config.config_sources)
     # -- set at registration
     registry: PoolRegistry = field(default_factory=PoolRegistry)
     anchor: Any = None  # the KV host pool (register_mem_pool_host)

@@ -120,6 +120,9 @@ def open_main(seam, *, raise_errors: bool):
     register_ranges(store, seam.ranges)
     watch(seam, store, "main")
     seam.main = store
+    from .startup import announce
+
+    announce(seam)  # the directory and capacity in use; defaults and a node total past the drive warned
     if not seam.follower:
         start_events(seam, store)
     return store
@@ -281,7 +284,7 @@ def watch(seam, store, role: str) -> None:
     """Export the store's metrics (and log a doctor report) when asked; never fails an open."""
     if seam.doctor_at_start and role == "main":
         try:
-            from ..cli.doctor import log_report
+            from ..doctor.report import log_report
 
             for path in seam.store_dirs:  # one report per drive
                 log_report(path, seam.config, ranges=list(seam.ranges))

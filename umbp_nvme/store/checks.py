@@ -15,22 +15,28 @@ log = logging.getLogger("umbp_nvme.store")
 
 
 class Refusals:
-    """One log line per call for the keys it refused, naming the first reason."""
+    """One log line per call for the keys it refused, naming the first reason.
 
-    __slots__ = ("op", "count", "first")
+    A ``quiet`` refusal is one whose cause the store already logged once (a full file system:
+    space.py), so a call with only those logs at DEBUG: a full drive is one WARNING, not one per
+    batch (issue 35)."""
+
+    __slots__ = ("op", "count", "first", "loud")
 
     def __init__(self, op: str):
-        self.op, self.count, self.first = op, 0, None
+        self.op, self.count, self.first, self.loud = op, 0, None, False
 
-    def add(self, key, reason: str) -> None:
+    def add(self, key, reason: str, quiet: bool = False) -> None:
         self.count += 1
-        if self.first is None:
+        if self.first is None or (not quiet and not self.loud):
             shown = repr(printable_key(key)) if type(key) is str else f"of type {type(key).__name__}"
             self.first = f"key {shown}: {reason}"
+        self.loud = self.loud or not quiet
 
     def log(self, total: int) -> None:
         if self.count:
-            log.warning("%s: %d of %d keys failed (first: %s)", self.op, self.count, total, self.first)
+            log.log(logging.WARNING if self.loud else logging.DEBUG, "%s: %d of %d keys failed (first: %s)",
+                    self.op, self.count, total, self.first)
 
 
 def plain_keys(keys) -> bool:

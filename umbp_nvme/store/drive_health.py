@@ -24,6 +24,8 @@ log = logging.getLogger("umbp_nvme.store")
 # Store counters whose growth during a call means the drive failed it (not a miss or a bad key).
 ERROR_COUNTERS = ("io_errors_read", "io_errors_write", "io_errors_sync", "timeouts")
 FULL = "full"
+UNRECORDED = "unrecorded"  # its session record (DRIVES.json) could not be written: reads only (drive_sessions.py)
+FOREIGN = "foreign"  # another store's drive: never opened (drive_identity.py)
 UNMOUNTED = "unmounted"  # held out at open: its drive looks unmounted (mounts.py); opened once mounted
 FLAP_S = 10.0  # degraded again within this long after rejoining: back off the probes
 MAX_BACKOFF_S = 60.0
@@ -35,7 +37,7 @@ class DriveHealth:
         self.root = root
         self.state = "healthy"
         self.reason: str | None = None
-        self.kind: str | None = None  # "stall" | "io_error" | "gone" | "full" | "open" | "unmounted"
+        self.kind: str | None = None  # "stall" | "io_error" | "gone" | "full" | "open" | "unmounted" | ...
         self.since = 0.0
         self.errors = 0  # failed ops and stalls seen on this drive
         self.degradations = 0
@@ -60,6 +62,11 @@ class DriveHealth:
 
     @property
     def readable(self) -> bool:
+        return self.state == "healthy" or self.kind in (FULL, UNRECORDED)
+
+    @property
+    def takes_deletes(self) -> bool:
+        """Deleted on at once (an unrecorded drive takes no writes: its deletes are owed)."""
         return self.state == "healthy" or self.kind == FULL
 
     @property
@@ -72,7 +79,7 @@ class DriveHealth:
 
     def degrade(self, kind: str, reason: str) -> None:
         if self.state == "degraded":
-            if kind != FULL and self.kind == FULL:  # worse than full: reads stop too
+            if kind not in (FULL, UNRECORDED) and self.kind in (FULL, UNRECORDED):  # worse: reads stop too
                 self.kind, self.reason = kind, reason
                 log.warning("drive %d (%s) degraded: %s; its pages are misses until it is healthy", self.index,
                             self.root, reason)  # fmt: skip
@@ -85,11 +92,27 @@ class DriveHealth:
         flapping = self.since - self.readmitted_at < FLAP_S
         self.backoff_s = min(MAX_BACKOFF_S, max(1.0, self.backoff_s * 2)) if flapping else 0.0
         self.probe_after = self.since + self.backoff_s
-        what = "new writes go to the other drives" if kind == FULL else (
-            "its pages are misses and new writes go to the other drives")
-        log.warning("drive %d (%s) degraded: %s; %s until a probe finds it healthy", self.index, self.root,
-                    reason, what)  # fmt: skip
+        if kind == FOREIGN:
+            what = "; nothing of it is served"
+        elif kind in (FULL, UNRECORDED):
+            what = "; new writes go to the other drives until a probe finds it healthy"
+        else:
+            what = "; its pages are misses and new writes go to the other drives until a probe finds it healthy"
+        log.warning("drive %d (%s) degraded: %s%s", self.index, self.root, reason, what)
         self._readable_now(True)
+
+    def mark(self, kind: str, reason: str) -> None:
+        """Degraded as ``kind`` (UNRECORDED: its session could not be recorded, it serves reads and
+        takes no writes; FOREIGN: another store's), whatever it was degraded for (one WARNING)."""
+        if self.state != "degraded":
+            self.degrade(kind, reason)
+        elif self.kind != kind:
+            was = self.readable
+            self.kind, self.reason, self.changed = kind, reason, True
+            log.warning("drive %d (%s) degraded: %s", self.index, self.root, reason)
+            self._readable_now(was)
+        else:
+            self.reason = reason
 
     def readmit(self) -> None:
         if self.state == "healthy":
@@ -131,7 +154,8 @@ class DriveHealth:
     def record(self, row: dict | None = None) -> dict:
         """What DRIVES.json keeps of this drive, for ``umbp-nvme stats`` in another process: its
         state and, from its stats row (``row()``), errors and GB/s of this process so far."""
-        out = {"state": self.state, "reason": self.reason, "degradations": self.degradations, "at": time.time()}
+        out = {"state": self.state, "kind": self.kind, "reason": self.reason, "degradations": self.degradations,
+               "at": time.time()}  # fmt: skip
         for k in ("errors", "read_gbps", "write_gbps", "bytes_read", "bytes_written"):
             if row and k in row:
                 out[k] = row[k]
@@ -155,6 +179,7 @@ class DriveHealth:
             "errors": sum(int(st.get(k, 0)) for k in ERROR_COUNTERS),
             "degradations": self.degradations,
             "calls_in_flight": self.pending,
+            "session_unrecorded": int(self.kind == UNRECORDED),
         }
 
 

@@ -21,8 +21,9 @@ import os
 import time
 
 from . import owed_deletes
-from .drive_health import FULL, UNMOUNTED, DriveHealth, reads_back, settle_deletes
-from .drive_set import capacity_share, sized_share, write_drive_set
+from .drive_health import FOREIGN, FULL, UNMOUNTED, UNRECORDED, DriveHealth, reads_back, settle_deletes
+from .drive_identity import ForeignDrive
+from .drive_set import capacity_share, read_set, sized_share
 from .layout import LOCK_FILE, MANIFEST_FILE
 from .mounts import unmounted_reason
 
@@ -49,6 +50,8 @@ def _holds_lock_at(root: str, lock_fd: int) -> bool:
 
 class DriveProbes:
     """Probing and owed deletes for MultiDriveStore (which sets the attributes used here)."""
+
+    _owes_unlogged_said = False  # the WARNING that owed deletes were recorded on no drive was logged
 
     def _start_background(self) -> None:
         n = len(self.roots)
@@ -133,13 +136,13 @@ class DriveProbes:
             if sk:
                 continue
             if st is None:  # its index is not open: a deleted key may be there (a re-put one is stale anyway)
-                if deleting and _unrecorded(h, keys):
+                if deleting and h.kind != FOREIGN and _unrecorded(h, keys):
                     owed[d] = _unrecorded(h, keys)
                 continue
             held = [k for k, f in zip(keys, st.exists_many_nowait(keys)) if f]
             if not held:
                 continue
-            if h.readable:
+            if h.takes_deletes:
                 for k, ok in zip(held, await st.delete_many(held)):
                     (gone if ok else kept).add(k)
                 continue
@@ -174,11 +177,15 @@ class DriveProbes:
         if await self._log([{"drive": self.roots[d], "keys": sorted(k)} for d, k in owed.items()]):
             for d, keys in owed.items():
                 self.health[d].owed_unlogged.difference_update(keys)
+            self._owes_unlogged_said = False
             return True
         for d, keys in owed.items():
             self.health[d].owed_unlogged.update(keys)
-        log.warning("owed deletes of drive(s) %s recorded on no drive: kept in memory only, not acknowledged",
-                    ", ".join(self.roots[d] for d in owed))  # fmt: skip
+        # once until an owe is recorded again (no drive may take them for a while: every call would log)
+        (log.debug if self._owes_unlogged_said else log.warning)(
+            "owed deletes of drive(s) %s recorded on no drive: kept in memory only, not acknowledged",
+            ", ".join(self.roots[d] for d in owed))  # fmt: skip
+        self._owes_unlogged_said = True
         return False
 
     async def _log(self, entries: list[dict], also: int | None = None) -> int:
@@ -236,10 +243,9 @@ class DriveProbes:
                     t.add_done_callback(self._probes.discard)
 
     def _record_set(self) -> None:
-        """DRIVES.json on the healthy drives, written off the loop (it fsyncs)."""
-        health = [h.record(r) for h, r in zip(self.health, self.stats()["drives"])]
-        self._probe_pool.submit(write_drive_set, self.roots, self.stores, self._recordable(), health,
-                                self.session_record())  # fmt: skip
+        """DRIVES.json on the recorded drives with their states, written off the loop (it fsyncs)."""
+        self._health_rec = [h.record(r) for h, r in zip(self.health, self.stats()["drives"])]
+        self._record_in_background()
 
     async def _in_thread(self, d: int, fn, *args):
         """``fn(*args)`` on a probe thread, bounded by io_timeout_s. A call that hung is given up on
@@ -274,7 +280,7 @@ class DriveProbes:
                 return
             if h.kind == FULL:
                 vfs = await self._in_thread(d, os.statvfs, self.roots[d])
-                if vfs.f_bavail * vfs.f_frsize >= self.segment_bytes:
+                if vfs.f_bavail * vfs.f_frsize >= self.segment_bytes and await self._recorded_now(d):
                     h.readmit()
                 return
             await self._settle_and_readmit(d)
@@ -288,6 +294,10 @@ class DriveProbes:
         an unmounted drive's empty mount point must not get a new store on the wrong file system). A
         drive held out as unmounted (mounts.py) opens, creating its store, once the mount rule passes."""
         try:
+            if self.health[d].kind == FOREIGN:  # opened once its directory no longer holds another store's drive
+                rec = await self._in_thread(d, read_set, self.roots[d])
+                if rec.get("store_id") not in (None, self._store_id):
+                    return
             if self.health[d].kind == UNMOUNTED:
                 why = await self._in_thread(d, unmounted_reason, d, self.roots, self.config.ssd_require_mount)
                 if why:
@@ -328,6 +338,9 @@ class DriveProbes:
         else:
             try:
                 await self._reconcile_joiner(d, st)
+            except ForeignDrive as e:  # not ours after all: closed, and never written
+                self.health[d].mark(FOREIGN, str(e))
+                return False
             except Exception as e:  # noqa: BLE001 - not yet: closed (its lock freed) for the next probe
                 log.debug("drive %d: reconciling it failed: %r", d, e)
                 return False
@@ -337,6 +350,8 @@ class DriveProbes:
         """Re-admit a degraded drive once an object reads back and its owed deletes are applied; the
         log then records it settled (owes that arrived meanwhile are recorded again, and wait)."""
         h, st = self.health[d], self.stores[d]
+        if h.kind == UNRECORDED and not await self._recorded_now(d):  # not yet: nothing else is tried
+            return
         if not await reads_back(st, h):
             return
         if self.readonly:  # it hides what the drive owes; the writer applies it
@@ -354,7 +369,12 @@ class DriveProbes:
         if h.deletes_owed:  # owed meanwhile (recorded after the settled line): the next probe applies them
             return
         self._joined[d] = True  # everything it owed is applied (a drive that missed a session: its clear)
-        h.readmit()
+        if await self._recorded_now(d):  # no write before its record shows this session
+            h.readmit()
+
+    async def _recorded_now(self, d: int) -> bool:
+        """A writer's drive about to take writes again: this session recorded on it first."""
+        return self.readonly or self._recorded[d] or await self._record_joiner(d)
 
 
 def _unrecorded(h: DriveHealth, keys) -> list[str]:

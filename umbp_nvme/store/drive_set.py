@@ -1,7 +1,7 @@
 """The drive set of a multi-drive store: each drive's capacity share, and which drives it had.
 
 Each root records the set it was last opened with (``DRIVES.json``: roots and object counts at
-close, and the writer session it took part in: drive_sessions.py). A root that was in the
+close, its identity and the writer sessions it took part in: drive_identity.py, drive_sessions.py). A root that was in the
 recorded set and is not configured now was removed: its pages are gone from this store, and the
 open says so once, with the count recorded at the last close. The remaining drives open as usual
 (removing a drive never refuses the rest); a removed drive added back is cleared before it
@@ -88,28 +88,19 @@ def note_drive_set(roots: list[str], recs: list[dict]) -> list[dict]:
     return out
 
 
-def write_drive_set(roots: list[str], stores: list, healthy=None, health=None, session: dict | None = None) -> bool:
-    """Record the set, each drive's object count, (``health``) state and the writer session
-    (``session``: drive_sessions.SessionSteps.session_record) in every drive that is open (and
-    healthy): ``umbp-nvme stats`` shows the state a running writer last recorded. True when at
-    least one drive recorded it."""
-    counts = {}
-    for r, st in zip(roots, stores):
-        if st is not None:
-            counts[r] = st.object_count()
-    rec = {"roots": list(roots), "objects": counts, **(session or {})}
+def set_fields(roots: list[str], stores: list, health: dict | None = None) -> dict:
+    """What DRIVES.json keeps of the set beside the writer session (drive_sessions.py): the roots,
+    each open drive's object count and (``health``: root -> DriveHealth.record) each drive's state,
+    so that ``umbp-nvme stats`` shows what a running writer last recorded."""
+    rec = {"roots": list(roots), "objects": {r: st.object_count() for r, st in zip(roots, stores) if st is not None}}
     if health is not None:
-        rec["health"] = dict(zip(roots, health))
-    done = False
-    for i, (r, st) in enumerate(zip(roots, stores)):
-        if st is None or (healthy is not None and not healthy[i]):
-            continue
-        try:
-            write_json_atomic(os.path.join(r, DRIVES_FILE), rec)
-            done = True
-        except OSError as e:
-            log.warning("drive %s: could not record the drive set: %s", r, e)
-    return done
+        rec["health"] = health
+    return rec
+
+
+def write_record(path: str, rec: dict) -> None:
+    """Replace one drive's DRIVES.json, durably (written, fsynced, renamed, directory fsynced)."""
+    write_json_atomic(path, rec)
 
 
 def recorded_health(root: str) -> dict | None:

@@ -38,11 +38,12 @@ from .clock import GenerationClock
 from .counters import COUNTERS
 from .checks import CallChecks
 from .drive_clock import newest
-from .drive_health import FULL, UNMOUNTED, DriveHealth
+from .drive_health import FOREIGN, FULL, UNMOUNTED, UNRECORDED, DriveHealth
 from .drive_probe import DriveProbes
 from .drive_residency import DriveResidency
+from .drive_identity import ForeignDrive
 from .drive_sessions import SessionSteps
-from .drive_set import drive_capacities, note_drive_set, write_drive_set
+from .drive_set import drive_capacities, note_drive_set
 from .mapped import unusable_range
 from .mounts import unmounted_reason
 
@@ -104,6 +105,7 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
                              shrink=shrink, engine_factory=engine_factory, hooks=hooks,
                              clock=None if readonly else GenerationClock())  # one clock: generations compare across drives
         self._caps, self._ranges = caps, []
+        self._sessions_at_open()  # before any drive opens: another store's drive is not opened at all
         opened = await asyncio.gather(*(self._first_open(i) for i in range(len(self.roots))), return_exceptions=True)
         self.stores: list = []  # one PageStore per root, None while that drive is not open
         fatal = next((e for e in opened if isinstance(e, BaseException) and not _drive_failure(e)), None)
@@ -111,11 +113,15 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
             fatal = opened[0]
         if fatal is not None:
             await asyncio.gather(*(s.close() for s in opened if not isinstance(s, BaseException)), return_exceptions=True)
+            self._close_records()
             raise fatal
         for i, s in enumerate(opened):
             if isinstance(s, DriveNotMountedError):  # re-checked by the probe (drive_probe._reopen)
                 self.stores.append(None)
                 self.health[i].degrade(UNMOUNTED, f"not opened: {s}; nothing is created there")
+            elif isinstance(s, ForeignDrive):
+                self.stores.append(None)
+                self.health[i].degrade(FOREIGN, str(s))
             elif isinstance(s, BaseException):
                 self.stores.append(None)
                 self.health[i].degrade("open", f"open failed: {s!r}")
@@ -125,15 +131,14 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
         self.timeout_s, self.segment_bytes, self.strict = first.timeout_s, first.segment_bytes, first.strict
         self.manifest = first.manifest
         self.path = ",".join(self.roots)
-        self._sessions_at_open()
-        self.removed_drives = note_drive_set(self.roots, self._recs)
+        self.removed_drives = note_drive_set(self.roots, self._same_store_records())
         self._order = list(range(len(self.roots)))  # lookup order (a reader looks at a stale drive last)
         self._start_background()
         try:
             await self._reconcile_at_open()  # before any drive serves, and before the owed logs
             await self._settle_owed_at_open()
-            if not readonly:  # before the first write: a drive absent now is seen to have missed it
-                write_drive_set(self.roots, self.stores, list(self._joined), session=self.session_record())
+            if not readonly:  # step 1 of recording the session (drive_sessions.py); step 2 at the first write
+                await self._record_at_open()
         except BaseException:
             await self.close()
             raise
@@ -142,6 +147,8 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
     async def _first_open(self, i: int):
         if self._unmounted[i]:
             raise DriveNotMountedError(self._unmounted[i])
+        if self._foreign_at_open(i):
+            raise ForeignDrive(f"drive {self.roots[i]} not opened: {self._foreign_at_open(i)}")
         return await self._open_drive(i)
 
     def _open_drive(self, i: int):
@@ -220,6 +227,7 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
         if results is None:
             return [False] * len(keys)
         self._writes += 1
+        await self._session_writes()
         writable = self._mask("write")
         if not any(writable):
             return results
@@ -309,6 +317,7 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
         if results is None:
             return [False] * len(keys)
         self._writes += 1
+        await self._session_writes()
         live = [st for st, h in zip(self.stores, self.health) if st is not None and h.healthy]
         healthy = [st is not None and h.healthy for st, h in zip(self.stores, self.health)]
         gone, kept = await self._drop_elsewhere(keys, healthy, deleting=True)
@@ -323,9 +332,10 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
         if self._begin_call("clear", (), writes=True) is None:
             return
         self._writes += 1
+        await self._session_writes()
         live, owed = [], []
         for d, (st, h) in enumerate(zip(self.stores, self.health)):
-            if st is not None and h.readable:  # healthy, or full: it still clears
+            if st is not None and h.takes_deletes:  # healthy, or full: it still clears
                 live.append(st.clear())
             else:
                 owed.append(d)
@@ -387,6 +397,7 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
         out.update(
             path=self.path, drives=[drive_row(d, h, s, r) for d, (s, h, r) in enumerate(zip(per, self.health, self.roots))],
             drives_total=len(per), drives_degraded=sum(1 for h in self.health if not h.healthy),
+            drives_session_unrecorded=sum(1 for h in self.health if h.kind == UNRECORDED),
             removed_drives=self.removed_drives,
         )  # fmt: skip
         return out
@@ -421,9 +432,11 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
         self._closed = True
         await self._stop_background()
         if not self.readonly:
-            rows = self.stats()["drives"]
-            write_drive_set(self.roots, self.stores, self._recordable(),
-                            [h.record(r) for h, r in zip(self.health, rows)], self.session_record(closing=True))  # fmt: skip
+            self._health_rec = [h.record(r) for h, r in zip(self.health, self.stats()["drives"])]
+            for d, e in (await self._record(self._recordable())).items():
+                if e is not None:
+                    log.warning("drive %s: could not record the drive set at close: %r", self.roots[d], e)
+        self._close_records()
         await asyncio.gather(*(st.close() for st in self.stores if st is not None), return_exceptions=True)
 
     async def __aenter__(self):

@@ -176,26 +176,37 @@ def wrap_lmdb_error(path: str, e: BaseException, what: str) -> StoreError:
     return StoreError(f"store index {path}: {type(e).__name__}: {e} while {what}; {remedy}")
 
 
-def quarantine(path: str, *, lock_file: bool = True) -> str:
-    """Move a damaged file aside (``<path>.corrupt-<timestamp>``); returns the new name.
-
-    For the index, the LMDB lock file beside it is removed (``lock_file``): it describes the old
-    environment. Only the writer calls this, holding the store's LOCK, with its own handle on the
-    file closed.
-    """
+def aside_name(path: str) -> str:
+    """A free name to keep a replaced or damaged file under: ``<path>.corrupt-<timestamp>[.n]``."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     dest = f"{path}.corrupt-{stamp}"
     n = 1
     while os.path.lexists(dest):
         dest = f"{path}.corrupt-{stamp}.{n}"
         n += 1
-    os.rename(path, dest)
+    return dest
+
+
+def detach(path: str) -> None:
+    """The file at ``path`` was moved or replaced: a handle still open in this process (a store
+    whose close is finishing on its index thread, a follower) maps the old file, so the next open
+    must get a new environment."""
     with _ENVS_LOCK:
-        # A handle still open in this process (a store whose close is finishing on its index
-        # thread, a follower) maps the old file: the next open must get a new environment.
         entry = _ENVS.pop(os.path.realpath(path), None)
         if entry is not None:
             _DETACHED.append(entry)
+
+
+def quarantine(path: str, *, lock_file: bool = True) -> str:
+    """Move a damaged file aside (``aside_name``); returns the new name.
+
+    For the index, the LMDB lock file beside it is removed (``lock_file``): it describes the old
+    environment. Only the writer calls this, holding the store's LOCK, with its own handle on the
+    file closed.
+    """
+    dest = aside_name(path)
+    os.rename(path, dest)
+    detach(path)
     if lock_file:
         try:
             os.unlink(f"{path}-lock")

@@ -189,10 +189,12 @@ def take_lock(path: str) -> int:
         except OSError:
             holder = "unknown"
         os.close(fd)
-        raise StoreLockedError(
+        e = StoreLockedError(
             f"store {path} is locked by pid {holder} (a writer holds {lock_path}); "
             "open it read-only or stop that process"
-        ) from None
+        )
+        e.path, e.holder = path, holder  # for a caller that cannot open read-only (cli/commands.py)
+        raise e from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd

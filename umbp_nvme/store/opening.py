@@ -28,6 +28,7 @@ from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, Unsafe
 from ..keybytes import encode_key
 from . import layout
 from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
+from .index_swap import replace_index, settle_leftovers
 from .follower import IndexWatch
 from .rebuild import boot_id
 from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
@@ -199,8 +200,11 @@ class OpenSteps:
         """Open index.lmdb; a writer also reads every record (``o.scan``).
 
         The index is a cache of the records in the segments (records.py): a writer that finds it
-        missing, damaged, or possibly behind (the machine restarted while a writer had it open:
-        its commits are not synced) rebuilds it from the segments (rebuild.py). A store made
+        missing, damaged, or possibly behind rebuilds it from the segments (rebuild.py). Behind:
+        the machine restarted while a writer had it open (its commits are not synced), or it has
+        no writer state at all (every writer marks the index it opens, and a rebuild marks its
+        file before it is put in place, so an unmarked one was left by an interrupted creation
+        or by a rebuild of an older version killed mid-way: it may miss any record). A store made
         before the records existed keeps its index as the truth: a damaged one is moved aside
         and the writer starts empty, and the writer migrates it once (``_migrate``). A read-only
         opener raises IndexDamagedError naming the file.
@@ -211,6 +215,10 @@ class OpenSteps:
         records = layout.has_records(self.manifest)
         o.migrate = not readonly and not records
         why = None
+        if not readonly:
+            done = settle_leftovers(ipath, map_size)
+            if done is not None:
+                log.warning("%s: an index rebuild was interrupted: %s", self.path, done)
         if not readonly and not o.manifest_created and not os.path.lexists(ipath):
             why = f"the store index {ipath} is missing"
             if not records:
@@ -236,6 +244,9 @@ class OpenSteps:
                 if not records:
                     self._rebuild_index(ipath, map_size, o)
                     why = None
+            elif records and state is None and not o.manifest_created:
+                why = f"the store index {ipath} has no writer state (its creation or an earlier rebuild was " \
+                      "interrupted): it may be behind its segments"
             elif records and state is not None and state != b"clean":
                 o.unclean = True
                 if state != b"open:" + boot_id():
@@ -257,51 +268,48 @@ class OpenSteps:
         self._rebuild_from_segments(ipath, map_size, why, o)
 
     def _reset_index(self, ipath: str, map_size: int, reason, o: OpenFacts) -> None:
-        """A store without records: a damaged index is moved aside and the writer starts empty."""
-        try:
-            dest = quarantine(ipath)
-        except OSError as e:
-            raise StoreError(
-                f"store index {ipath} is damaged ({reason}) and cannot be moved aside ({e.strerror or e}); remove it"
-            ) from None
+        """A store without records: a damaged index is replaced by an empty one and the writer starts empty."""
+        dest = self._replace_index(ipath, map_size, reason, lambda ix, step: None)
         log.error(
             "%s: %s; moved it to %s and starting with an empty index (the objects it listed are lost; their "
             "space is reused)",
             self.path, reason, dest,
         )  # fmt: skip
-        self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False)
         o.scan = self.state.index.scan()
         # generations keep growing across the reset: a follower still reading the old index
         # can never match a new record's generation to an old one
         o.scan_next_gen = time.time_ns() // 1000
-        self.state.index.set_writer_state(b"open:" + boot_id())
 
     def _rebuild_index(self, ipath: str, map_size: int, o: OpenFacts) -> None:
-        """The scan found damaged nodes (and left their keys out): move the file aside and write
-        a new index holding every record that scanned clean, so nothing intact is lost and no
-        damaged node stays where a later lookup or delete could land on it."""
+        """The scan found damaged nodes (and left their keys out): a new index holding every
+        record that scanned clean replaces the file, so nothing intact is lost and no damaged
+        node stays where a later lookup or delete could land on it."""
         reason = self.state.index.scan_damage
         keys, recs = o.scan
         self.state.index.close()
         self.state.index = None
-        try:
-            dest = quarantine(ipath)
-        except OSError as e:
-            raise StoreError(
-                f"store index {ipath} is damaged ({reason}) and cannot be moved aside ({e.strerror or e}); remove it"
-            ) from None
-        self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False)
         blob = recs.tobytes()
         puts = [(encode_key(k), blob[i * REC_BYTES : (i + 1) * REC_BYTES]) for i, k in enumerate(keys)]
-        try:
-            self.state.index.commit(puts=puts, next_generation=o.scan_next_gen)
-            self.state.index.set_writer_state(b"open:" + boot_id())
-        except lmdb.Error as e:
-            raise wrap_lmdb_error(ipath, e, f"rebuilding it from {len(keys)} intact records") from None
+        dest = self._replace_index(ipath, map_size, reason,
+                                   lambda ix, step: ix.commit(puts=puts, next_generation=o.scan_next_gen))  # fmt: skip
         log.error(
             "%s: the store index %s is damaged (%s); moved it to %s and rebuilt it from its %d intact records",
             self.path, ipath, reason, dest, len(keys),
         )  # fmt: skip
+
+    def _replace_index(self, ipath: str, map_size: int, reason, fill) -> str | None:
+        """A store without records: put a new index that ``fill`` writes at the path, marked as this
+        writer's, atomically (index_swap.py), and open it; where the damaged file went."""
+        try:
+            dest = replace_index(ipath, map_size, fill, state=b"open:" + boot_id(), step=self.state.hooks.rebuild_step)
+            self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False)
+        except OSError as e:
+            raise StoreError(
+                f"store index {ipath} is damaged ({reason}) and cannot be replaced ({e.strerror or e}); remove it"
+            ) from None
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(ipath, e, "replacing it") from None
+        return dest
 
     def _load_writer_state(self, o: OpenFacts) -> None:
         gc_was_enabled = gc.isenabled()

@@ -44,9 +44,10 @@ from .lookups import Lookups
 from .mapped import unusable_range
 from .opening import OpenSteps
 from .put_doubt import PutDoubt
-from .put_path import PutPath
+from .put_path import OBJECT_BYTES_END, PutPath
 from .put_publish import PutPublish
 from .record_steps import RecordSteps
+from .segments import max_object_bytes
 from .space import SpaceSteps
 from .staging import BouncePool
 from .state import OpenFacts, StoreState, WriterState
@@ -349,6 +350,13 @@ class PageStore(
     def max_key_bytes(self) -> int:
         """The longest key the index takes, in bytes (LMDB's limit)."""
         return self.state.index.max_key_bytes
+
+    @property
+    def max_object_bytes(self) -> int:
+        """The largest object a put takes, in bytes: one segment less its record block
+        (segments.max_object_bytes), under the index's u32 length."""
+        a = None if self.writer is None else self.writer.alloc
+        return min(max_object_bytes(self.segment_bytes) if a is None else a.max_object_bytes, OBJECT_BYTES_END - 1)
 
     @property
     def residency(self):

@@ -63,8 +63,9 @@ class PutPath:
 
         ``keys``: str keys (any non-empty str up to the index's key limit; SGLang's component keys).
         ``buffers``: per key a contiguous host buffer (numpy array, torch CPU tensor, memoryview, mmap;
-        1 byte .. one segment) or an ``(address, nbytes)`` pair inside a range given to
-        ``register_memory``; CUDA buffers go through GPUDirect Storage where the machine has it.
+        1 byte .. ``max_object_bytes``: one segment less 4 KiB) or an ``(address, nbytes)`` pair inside
+        a range given to ``register_memory``; CUDA buffers go through GPUDirect Storage where the
+        machine has it. A larger object is refused before anything is reserved or evicted.
         ``depths``: optional int32 per key, the page's position in its prefix (``prefix_aware``
         eviction evicts the deepest first).
 
@@ -146,6 +147,7 @@ class PutPath:
         first_of: dict[str, int] = {}
         dups: list[tuple[int, int]] = []
         max_key = self.state.index.max_key_bytes
+        max_obj = min(self.writer.alloc.max_object_bytes, OBJECT_BYTES_END - 1)
         known = self.writer.keys.get
         again: list[int] = []
         for i, k in enumerate(keys):
@@ -171,8 +173,10 @@ class PutPath:
                 refused.add(k, r)
                 continue
             addr, nb, on_device = r
-            if nb <= 0 or nb > self.segment_bytes or nb >= OBJECT_BYTES_END:
-                refused.add(k, f"object of {nb} bytes; must be 1..{min(self.segment_bytes, OBJECT_BYTES_END - 1)}")
+            if nb <= 0 or nb > max_obj:  # before any slot is reserved: a put that cannot fit evicts nothing
+                refused.add(k, f"object of {nb} bytes; this store takes 1..{max_obj} bytes (its segments of "
+                               f"{self.segment_bytes} bytes keep their last 4 KiB for the slots' records): split it, "
+                               "or put it in a store with larger ssd_segment_size_bytes")  # fmt: skip
                 continue
             if len(k) * 4 > max_key and len(encode_key(k)) > max_key:
                 refused.add(k, f"key longer than {max_key} bytes")
@@ -213,8 +217,8 @@ class PutPath:
         if pair is None:
             return None
         lens = pair[1]
-        if int(lens.max()) > min(self.segment_bytes, OBJECT_BYTES_END - 1):
-            return None
+        if int(lens.max()) > min(self.writer.alloc.max_object_bytes, OBJECT_BYTES_END - 1):
+            return None  # the general path refuses it, key by key
         return pair
 
     async def _write_objects(self, keys, todo, addrs, lens, depths, results, refused, route: str | None = None) -> None:
@@ -236,8 +240,9 @@ class PutPath:
             have &= ~lost
         if not have.all():
             why = "no space" + (" (segment file could not be created)" if failed_create else "")
+            quiet = self.writer.space_limit_segments is not None  # space.py said why, once
             for j in np.flatnonzero(~have & (segs < 0)).tolist():
-                refused.add(keys[int(todo[j])], why)
+                refused.add(keys[int(todo[j])], why, quiet)
             ok_j = np.flatnonzero(have)
             if not len(ok_j):
                 return

@@ -8,7 +8,7 @@ to complete) is kept only when the object's bytes read back with the record's da
 key has several records the newest generation wins; the allocator later keeps one record per
 slot (newest generation) and one size class per segment.
 
-State: none (reads segment files, writes a new index file the open adopts).
+State: none (reads segment files, writes a new index file the open adopts; index_swap.py puts it in place).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import time
 import numpy as np
 
 from ..engine.files import open_regular, zero_range
-from ..keybytes import decode_keys
-from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, key_crcs
+from ..keybytes import decode_keys, encode_key
+from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, aside_name, key_crcs
+from .index_swap import replace_index
 from .layout import GENERATION_MAX, SLOT_ALIGN_BYTES, record_slots, segment_files
 from .records import (KEY_INLINE, MAGIC, PER_BLOCK, area_blocks, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE,
                       record_crcs)  # fmt: skip
@@ -252,7 +253,6 @@ def clear_area(path: str, segment_bytes: int) -> None:
 def rewrite_areas(directory: str, segment_bytes: int, n_segments: int, keys: list, recs: np.ndarray) -> dict:
     """Write every segment's record area from an index's (keys, records): data synced first, so every
     record says confirmed; segments without an object get their area cleared. Returns counts."""
-    from ..keybytes import encode_key
     from .records import make_records
 
     enc = [encode_key(k) for k in keys]
@@ -284,15 +284,26 @@ def rewrite_areas(directory: str, segment_bytes: int, n_segments: int, keys: lis
     return out
 
 
-def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: int, map_size: int, why: str,
-                  summary_out: dict | None = None, rewrite: bool = False):  # fmt: skip
-    """Move ``ipath`` aside (when present) and write a new index from the segments' records;
-    returns the new (writer) Index, committed and synced. Progress and the outcome are logged."""
-    from .index import Index, quarantine
+# the steps of a rebuild at open and of ``verify --rebuild-index`` (``step`` is called after each;
+# index_swap.py says what each leaves on disk): the records read | the temporary index made | its
+# records committed and synced | (verify) every area rewritten from them | then index_swap's last
+# steps | (at open) the new file reopened at the path
+OPEN_STEPS = ("records_read", "created", "committed", "marked", "set_aside", "renamed", "dir_synced", "reopened")
+VERIFY_STEPS = ("records_read", "created", "committed", "areas_rewritten", "marked", "set_aside", "renamed",
+                "dir_synced")  # fmt: skip
 
-    dest = quarantine(ipath) if os.path.lexists(ipath) else None
-    log.error("%s: %s%s; rebuilding it from the record areas of the segments", directory, why,
-              f" (moved it to {dest})" if dest else "")  # fmt: skip
+
+def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: int, map_size: int, why: str, *,
+                  state: bytes, rewrite: bool = False, step=None) -> dict:  # fmt: skip
+    """Write a new index from the segments' records and put it at ``ipath`` marked ``state``,
+    atomically (index_swap.py: the old file, if any, stays at the path until the new one is
+    complete, then is moved aside); returns the summary. ``rewrite``: every record area is
+    rewritten from the new index before it is marked (no writer follows to do it). Progress and
+    the outcome are logged."""
+    step = step or (lambda name: None)
+    aside = aside_name(ipath) if os.path.lexists(ipath) else None
+    log.error("%s: %s; rebuilding it from the record areas of the segments%s", directory, why,
+              f" (the old file goes to {aside} once the new one is complete)" if aside else "")  # fmt: skip
     last = [time.monotonic()]
 
     def progress(done, total, found):
@@ -302,31 +313,27 @@ def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: in
                         found)  # fmt: skip
 
     keys, recs, _conf, summary = rebuild_records(directory, segment_bytes, n_segments, progress)
-    if dest:
-        summary["moved_aside"] = dest
-    if summary_out is not None:
-        summary_out.update(summary)
-    ix = Index(ipath, readonly=False, map_size=map_size, durable=False)
-    try:
-        blob = recs.tobytes()
-        step = REC_DTYPE.itemsize
-        from ..keybytes import encode_key
+    step("records_read")
 
-        puts = [(encode_key(k), blob[i * step : (i + 1) * step]) for i, k in enumerate(keys)]
+    def fill(ix, step):
+        blob = recs.tobytes()
+        n = REC_DTYPE.itemsize
+        puts = [(encode_key(k), blob[i * n : (i + 1) * n]) for i, k in enumerate(keys)]
         nxt = max(summary["generation_max"], int(recs["generation"].max()) if len(recs) else 0) + 1
         ix.commit(puts=puts, next_generation=max(nxt, time.time_ns() // 1000))
         ix.sync()
+        step("committed")
         if rewrite:  # no writer follows to bring the areas in line with the new index: do it here
             summary.update(rewrite_areas(directory, segment_bytes, n_segments, keys, recs))
-            if summary_out is not None:
-                summary_out.update(summary)
-    except BaseException:
-        ix.close()
-        raise
+            step("areas_rewritten")
+
+    dest = replace_index(ipath, map_size, fill, state=state, aside=aside, step=step)
+    if dest:
+        summary["moved_aside"] = dest
     log.warning(
         "%s: rebuilt the index from %d segments in %.2f s: %d objects (%d records failed their checks, %d unconfirmed "
         "records checked against their data of which %d did not match, %d older duplicates, %d keys too long to "
         "rebuild)", directory, summary["segments"], summary["seconds"], summary["records"], summary["bad_records"],
         summary["unconfirmed"], summary["data_bad"], summary["duplicates"], summary["long_keys"],
     )  # fmt: skip
-    return ix
+    return summary

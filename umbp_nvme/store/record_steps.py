@@ -20,7 +20,7 @@ from ..errors import StoreError
 from ..keybytes import encode_key
 from . import layout
 from .checks import encode_all
-from .index import FLAG_CRC, FLAG_KEYCRC, REC_BYTES, REC_DTYPE, key_crcs, wrap_lmdb_error
+from .index import FLAG_CRC, FLAG_KEYCRC, REC_BYTES, REC_DTYPE, Index, key_crcs, wrap_lmdb_error
 from .layout import MANIFEST_FILE
 from .rebuild import boot_id, clear_area, rebuild_index, write_area
 from .records import R_CONFIRMED, R_VALID, RecordAreas, confirmed_copy, make_records
@@ -240,19 +240,22 @@ class RecordSteps:
                             key_crcs(enc), enc, R_VALID | R_CONFIRMED)  # fmt: skip
 
     def _rebuild_from_segments(self, ipath: str, map_size: int, why: str, o: OpenFacts) -> None:
-        """Move the index aside (if any) and write a new one from the segments' records."""
+        """Write a new index from the segments' records, marked as this writer's, and put it at
+        the path (the old file, if any, stays there until the new one is complete)."""
         if self.state.index is not None:
             self.state.index.close()
             self.state.index = None
+        step = self.state.hooks.rebuild_step
         try:
-            self.state.index = rebuild_index(self.path, ipath, self.segment_bytes, self.capacity_bytes // self.segment_bytes,
-                                        map_size, why)  # fmt: skip
+            rebuild_index(self.path, ipath, self.segment_bytes, self.capacity_bytes // self.segment_bytes, map_size, why,
+                          state=b"open:" + boot_id(), step=step)  # fmt: skip
+            self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False)
         except OSError as e:
             raise StoreError(f"{why}, and rebuilding it from the segments failed: {e}") from None
         except lmdb.Error as e:
             raise wrap_lmdb_error(ipath, e, "rebuilding it from the segments") from None
+        if step is not None:
+            step("reopened")
         o.scan = self.state.index.scan()
         o.scan_next_gen = max(self.state.index.next_generation(), time.time_ns() // 1000)
         o.rebuilt = why
-        self.state.index.set_writer_state(b"open:" + boot_id())
-

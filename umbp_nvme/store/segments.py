@@ -39,6 +39,16 @@ def size_classes(lengths: np.ndarray) -> np.ndarray:
     return (-(-lengths.astype(np.int64) // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
 
 
+def max_object_bytes(segment_bytes: int, *, records: bool = True) -> int:
+    """The largest object a segment takes: the largest size class that still has a slot (with
+    ``records``, as every writer runs, the slot and its block in the record area at the tail: one
+    segment less 4 KiB). A put of a larger object could never get a slot, whatever was evicted."""
+    cls = segment_bytes // SLOT_ALIGN_BYTES * SLOT_ALIGN_BYTES
+    while cls > 0 and not (record_slots(segment_bytes, cls) if records else segment_bytes // cls):
+        cls -= SLOT_ALIGN_BYTES
+    return cls
+
+
 class SegmentAllocator:
     """Slots in ``n_segments`` segments of ``segment_bytes`` each. Not thread-safe (loop thread)."""
 
@@ -59,6 +69,7 @@ class SegmentAllocator:
         # free) would give one slot to two objects, so it is refused before anything changes
         self._in_use: dict[int, np.ndarray] = {}
         self.used_bytes = 0
+        self.max_object_bytes = max_object_bytes(segment_bytes, records=records)
 
     def slots(self, cls: int) -> int:
         """Slots of class ``cls`` per segment."""

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import time
 from collections import Counter
 
 import numpy as np
 
 from ..engine.base import errno_name
+from ..sizes import format_bytes
 from . import eviction
 from .segments import size_classes
 
@@ -86,15 +88,34 @@ class SpaceSteps:
             self.writer.space_retry_at = time.monotonic() + GROW_RETRY_S
             if lim is None:
                 self.writer.space_limit_segments = have
-                log.warning(
-                    "%s: the file system has no room for segment %d (%s); running with the %d segments it has "
-                    "(%d MiB of the configured %d MiB), evicting within them; trying to grow again every %.0f s",
-                    self.path, have, errno_name(-(self.state.files.failed_errno or errno.EIO)),
-                    have, have * self.segment_bytes >> 20, self.writer.alloc.capacity_bytes >> 20, GROW_RETRY_S,
-                )  # fmt: skip
+                # the one line of this episode: the puts it refuses log at DEBUG (put_path.py)
+                log.warning("%s", self.space_shortage())
         elif lim is not None and tried and have > lim:
             self.writer.space_limit_segments = None
             log.warning("%s: the file system has room again; growing towards %d MiB", self.path, self.writer.alloc.capacity_bytes >> 20)
+
+    def space_shortage(self) -> str | None:
+        """While the file system refuses segment files below the capacity: what happened, its cause
+        (the free space against one segment) and what to do; None while the store has room."""
+        lim = None if self.writer is None else self.writer.space_limit_segments
+        if lim is None:
+            return None
+        try:
+            vfs = os.statvfs(self.path)
+            free = f"{format_bytes(vfs.f_bavail * vfs.f_frsize)} free"
+        except OSError as e:
+            free = f"free space unknown: {e.strerror}"
+        seg, cap = self.segment_bytes, self.writer.alloc.capacity_bytes
+        why = (f"the file system has no room for segment {lim} of {format_bytes(seg)} "
+               f"({errno_name(-(self.state.files.failed_errno or errno.EIO))}; {free})")
+        if lim == 0:
+            return (f"{self.path}: {why}: this store can hold nothing, so every put answers False until it has "
+                    f"room (tried again every {GROW_RETRY_S:.0f} s; those puts are counted in put_failed, not logged "
+                    "one by one). Free space on the drive, or make the store anew (a new directory) with a smaller "
+                    "ssd_segment_size_bytes")
+        return (f"{self.path}: {why}: running with the {lim} segments it has ({format_bytes(lim * seg)} of the "
+                f"configured {format_bytes(cap)}), evicting within them; trying to grow again every "
+                f"{GROW_RETRY_S:.0f} s. Free space on the drive, or lower ssd_capacity_bytes to what it holds")
 
     async def _reclaim_segment(self) -> bool:
         """Empty the least recently used segment whose slots are all published and unpinned."""

@@ -1,4 +1,7 @@
-"""`umbp-nvme doctor`: what a store will actually use on this machine, and what the machine can do.
+"""The doctor's report: what a store will actually use on this machine, and what the machine can do.
+
+Shown by ``umbp-nvme doctor`` (cli/commands.py) and logged by the SGLang backend at open when
+``doctor_at_start`` asks (sglang/stores.py); it sits below both, so neither imports the other.
 
 ``report(store_dir, config) -> dict`` checks, in this order, each as one item of the report:
 
@@ -10,10 +13,13 @@
 * ``memlock``: RLIMIT_MEMLOCK (registered buffers count against it) and a real registration.
 * ``hugepages``: hugetlb pages reserved / free, transparent hugepages, and whether the host pool
   ranges (when a server runs the doctor at start) are hugepage-backed.
-* ``filesystem``: type, device, free space against the configured capacity.
+* ``filesystem``: type, device, free space against the capacity the store runs with (per store
+  directory: each SGLang rank has its own), and the stores beside it (the other ranks') together.
+* ``session`` (``session.py``): a drive of several: whether a writer can record its session
+  there (else the drive takes no writes), and what a running writer last recorded.
 * ``scheduler``: the block device's I/O scheduler and whether it honours I/O priorities.
 * ``gpu``: GPU / GDS (KvikIO) status, with the exact reason when it is off.
-* ``probe`` (``doctor_probe.py``): a few seconds of put_many / get_many through a scratch store
+* ``probe`` (``probe.py``): a few seconds of put_many / get_many through a scratch store
   at the store's object size, in GB/s and as a fraction of raw O_DIRECT I/O of the same size on
   the same file system.
 
@@ -32,11 +38,14 @@ import tempfile
 import time
 
 from ..config import StoreConfig
-from .doctor_findings import existing, finding
-from .doctor_probe import PROBE_SECONDS, check_probe
+from .findings import existing, finding
+from .probe import PROBE_SECONDS, check_probe
+from .session import check_session_record
+from ..sizes import format_bytes
+from ..store.fs_room import stores_in, stores_shortfall
 from ..store.layout import segment_disk_bytes
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("umbp_nvme.doctor")
 
 _PRIORITY_SCHEDULERS = ("bfq", "mq-deadline")  # the blk-mq schedulers that honour ioprio
 
@@ -143,7 +152,7 @@ def _block_queue(dev: int) -> str | None:
     return q if os.path.isdir(q) else None
 
 
-def check_filesystem(store_dir: str, config: StoreConfig, findings: list) -> dict:
+def check_filesystem(store_dir: str, config: StoreConfig, findings: list, capacity_source: str = "the config") -> dict:
     where = existing(store_dir)
     st = os.stat(where)
     sv = os.statvfs(where)
@@ -168,12 +177,24 @@ def check_filesystem(store_dir: str, config: StoreConfig, findings: list) -> dic
         finding(findings, "filesystem", "warn", f"{out['block_device']} reports itself rotational (a spinning disk; "
                  "virtual disks often report this whatever is below them)",
                  "use an NVMe SSD; a spinning disk cannot serve KV pages fast enough to beat recomputation")
+    out["capacity_source"] = capacity_source
     need = int(config.ssd_capacity_bytes) - used
     if need > free:
         finding(findings, "filesystem", "warn",
                  f"capacity {config.ssd_capacity_bytes / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB free "
                  f"(+{used / 2**30:.1f} GiB already in the store): the store will stop short of its capacity",
                  "lower ssd_capacity_bytes below the free space or free space on the drive")
+    else:
+        finding(findings, "filesystem", "ok",
+                f"capacity {format_bytes(config.ssd_capacity_bytes)} ({capacity_source}) for this store directory; "
+                "ssd_capacity_bytes is per store directory: each rank of an SGLang server has its own")
+    # the other ranks' stores beside this one (one directory each under ssd_storage_dir)
+    parent = os.path.dirname(os.path.abspath(store_dir))
+    short = stores_shortfall(parent)
+    out["stores_beside"] = len(stores_in(parent))
+    if short is not None:
+        finding(findings, "filesystem", "warn", short, "lower ssd_capacity_bytes (each rank's) as it says, or free "
+                "space on the drive")
     return out
 
 
@@ -381,8 +402,9 @@ def check_gpu(findings: list) -> dict:
 
 
 def report(store_dir: str, config: StoreConfig | None = None, *, probe: bool = True, ranges=None,
-           probe_seconds: float = PROBE_SECONDS) -> dict:
-    """Every check above; ``ranges``: the host pool's (address, nbytes) when a server runs it."""
+           probe_seconds: float = PROBE_SECONDS, capacity_source: str = "the config") -> dict:
+    """Every check above; ``ranges``: the host pool's (address, nbytes) when a server runs it;
+    ``capacity_source``: where the config's capacity came from, as the report names it."""
     config = config or StoreConfig()
     t0 = time.perf_counter()
     findings: list = []
@@ -393,7 +415,8 @@ def report(store_dir: str, config: StoreConfig | None = None, *, probe: bool = T
         ("o_direct", lambda: check_o_direct(store_dir, config, findings)),
         ("memlock", lambda: check_memlock(findings, sum(n for _, n in ranges) if ranges else None)),
         ("hugepages", lambda: check_hugepages(findings, ranges)),
-        ("filesystem", lambda: check_filesystem(store_dir, config, findings)),
+        ("filesystem", lambda: check_filesystem(store_dir, config, findings, capacity_source)),
+        ("session", lambda: check_session_record(store_dir, findings)),
         ("scheduler", lambda: check_scheduler(store_dir, findings)),
         ("gpu", lambda: check_gpu(findings)),
     ]

@@ -3,7 +3,7 @@
 ``check_probe`` runs it at the store's object size, beside the store (same file system), and
 compares it with raw I/O of the same engine, batch and sizes on a plain file there, in GB/s and
 as a fraction of raw. The scratch directory is removed after; the store itself is never touched.
-``doctor.report`` runs it last, as the ``probe`` item.
+``report.report`` runs it last, as the ``probe`` item.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from ..config import StoreConfig
-from .doctor_findings import existing, finding
+from .findings import existing, finding
 
 DEFAULT_OBJECT_BYTES = 256 << 10
 PROBE_SECONDS = 0.8  # per phase; four phases (store write/read, raw write/read)

@@ -1,4 +1,4 @@
-"""What every doctor check (doctor.py, doctor_probe.py) shares: a finding, and where to look."""
+"""What every doctor check (report.py, probe.py) shares: a finding, and where to look."""
 
 from __future__ import annotations
 
