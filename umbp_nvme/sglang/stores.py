@@ -371,11 +371,13 @@ def store_stats(seam) -> dict:
 
 
 def drive_rows(seam) -> list:
-    """The per-drive rows of this rank's store when it spans several drives ([] otherwise)."""
+    """The per-drive rows of this rank's store when it spans several drives ([] otherwise), read
+    on the calling thread (SyncPageStore.drive_rows): get_stats() runs on SGLang's scheduler
+    thread, which must never wait for the store's loop."""
     store = seam.main
     if store is None or len(seam.store_dirs) < 2:
         return []
     try:
-        return list(store.stats(timeout_s=1.0).get("drives") or [])
+        return store.drive_rows()
     except Exception:  # noqa: BLE001 - stats never fail a metrics call
         return []
