@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """Crash, fault and abuse suite over the whole stack (UMBPNvmeStore -> PageStore -> engine).
 
-    python tools/chaos_report.py --quick --json /tmp/chaos.json     # CI: <= 90 s
-    python tools/chaos_report.py --json chaos.json                  # full: <= 6 min
+    python tools/chaos_report.py --quick --json /tmp/chaos.json     # CI: <= 2 min
+    python tools/chaos_report.py --json chaos.json                  # full: <= 9 min
     python tools/chaos_report.py --minutes 30 --json soak.json      # a longer soak
 
 Prints the figures and writes them as JSON:
 {"kills", "kills_survived", "faults_injected", "bad_inputs_tried", "wrong_bytes",
  "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds", "versions_checked",
  "resurrected", "stale_served", "metadata_damage_trials", "key_fuzz_cases",
- "archive_fuzz_cases", "crashes", "isolation_failures", "refused_to_serve"} plus the details of
-each part.
+ "archive_fuzz_cases", "crashes", "isolation_failures", "refused_to_serve", "phantom_pages",
+ "missing_pages"} plus the details of each part.
 
 Every page the crash, version and soak parts write carries its key and version
 (tests/support/versions.py), and every read is checked against what was acknowledged:
@@ -22,6 +22,12 @@ data+records and its commit, then deletes, re-puts and clears, then rebuilds the
 route (power loss, deleted, damaged, ``verify --rebuild-index``); the crash part rebuilds by one
 route in turn after its kills.
 
+The events part (tests/support/event_chaos.py) runs a node of `bench fleet` over three drives with
+a one-item KV-event queue and our subscriber through clean restarts, SIGKILLs and lost drives
+(removed, wiped, failing to open, brought back behind, a shrink): ``phantom_pages`` counts pages
+the subscriber believes the store holds and it does not, ``missing_pages`` the reverse, at every
+check (full mode: at least 1,000 event-queue drops and 20 restarts).
+
 The last part runs the fuzzers of tools/chaos_fuzz.py (damaged metadata files, hostile keys,
 damaged archives), every check in a child process: ``crashes`` counts children that died of a
 signal, printed a traceback, exited with a code outside the allowed set, raised from an API
@@ -30,7 +36,8 @@ lists the first failures of each kind with the file, damage, command, exit code 
 stderr line; ``details.fuzz_failure_signatures`` counts them all by kind.
 Exit status 1 when a must-be-zero figure is not zero, a kill was not survived, the harness
 self-test or a fuzzer's undamaged control fails, a version case did not leave its hazard on disk,
-or (full mode) a fuzzer ran fewer cases than its target or fewer than 10,000 versions were checked.
+or (full mode) a fuzzer ran fewer cases than its target, fewer than 10,000 versions were checked,
+or the events part saw fewer than 1,000 event-queue drops or 20 restarts.
 """
 
 from __future__ import annotations
@@ -62,12 +69,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fuzz-only", action="store_true", help="run only the fuzzers (development)")
     ap.add_argument("--workers", type=int, default=None, help="fuzzer child processes at a time (default min(2, cores))")
+    ap.add_argument("--event-restarts", type=int, default=None, help="restarts in the KV-events part (default 22, quick 3)")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.WARNING if a.verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s")
     from support.bad_input import check_legacy_pointer, fuzz_run
     from support.crash_survival import crash_run
+    from support.event_chaos import event_run
     from support.fault_runs import fault_run
     from support.hygiene import hygiene_run
     from support.soak import soak_run
@@ -89,6 +98,7 @@ def main(argv=None) -> int:
     parts: dict = {}
     try:
         crash, fr, sr, zr, hr = [], _EMPTY_FAULTS, _EMPTY_SOAK, _EMPTY_FUZZ, {"checks": 0, "findings": []}
+        er = _EMPTY_EVENTS
         vr = _EMPTY_VERSIONS
         if not a.fuzz_only:
             # 1. crash survival: both durability modes, without and with eviction
@@ -135,6 +145,15 @@ def main(argv=None) -> int:
             hr = hygiene_run(os.path.join(work, "hygiene"), log=say)
             parts["hygiene"] = hr
             print(f"hygiene: {hr['checks']} checks, {len(hr['findings'])} findings", flush=True)
+            # 5b. KV events: a subscriber's DISK view against the store through drops, restarts, lost drives
+            restarts = a.event_restarts if a.event_restarts is not None else (3 if a.quick else EVENT_RESTARTS_TARGET + 2)
+            er = event_run(os.path.join(work, "events"), restarts=restarts, backups=(3, 6) if a.quick else (8, 12),
+                           seed=a.seed, log=say)  # fmt: skip
+            parts["events"] = er
+            print(f"events: {er['restarts']} restarts ({er['kills']} killed), {er['event_queue_drops']} event-queue "
+                  f"drops, drive events {er['lost_drive_events']}, {er['pages_lost_at_open']} pages lost at open, "
+                  f"{er['checks']} checks: phantom={er['phantom_pages']} missing={er['missing_pages']} "
+                  f"({er['seconds']} s)", flush=True)  # fmt: skip
         # 6. fuzzers: damaged metadata, hostile keys, damaged archives (each check in a child process)
         fz = run_fuzzers(os.path.join(work, "fuzzers"), quick=a.quick, seed=a.seed, log=say, workers=a.workers)
         parts["fuzzers"] = fz
@@ -164,6 +183,8 @@ def main(argv=None) -> int:
         "versions_checked": sum(r["versions_checked"] for r in crash) + vr["versions_checked"] + sr["versions_checked"],
         "resurrected": sum(r["resurrected"] for r in crash) + vr["resurrected"],
         "stale_served": sum(r["stale_served"] for r in crash) + vr["stale_served"] + sr["stale_served"],
+        "phantom_pages": er["phantom_pages"],
+        "missing_pages": er["missing_pages"],
     }
     report["wrong_bytes"] += fg["wrong_bytes"]
     report["hangs"] += fg["hangs"]
@@ -187,7 +208,13 @@ def main(argv=None) -> int:
         "bad_input_findings": zr["findings"],
         "hygiene_findings": hr["findings"],
         "corrupt_index_outcome": fr.get("corrupt_index_outcome"),
-        "errors": [e for r in crash for e in r["errors"]][:10] + vr["errors"][:5] + fr["errors"][:5] + sr["errors"][:5],
+        "event_queue_drops": er["event_queue_drops"],
+        "event_restarts": er["restarts"],
+        "event_kills": er["kills"],
+        "event_drive_events": er["lost_drive_events"],
+        "event_pages_lost_at_open": er["pages_lost_at_open"],
+        "errors": [e for r in crash for e in r["errors"]][:10] + vr["errors"][:5] + fr["errors"][:5] + sr["errors"][:5]
+        + er["errors"][:5],
         "fuzz_harness": {"ok": fz["harness_ok"], "self_test": fz["harness"],
                          "metadata_control_ok": fz["metadata"]["control_ok"], "archive_control": fz["archive"]["control"]},
         "fuzz_failure_signatures": {f: fz[f]["failure_signatures"] for f in ("metadata", "keys", "archive")},
@@ -204,14 +231,24 @@ def main(argv=None) -> int:
     few_versions = not a.quick and not a.fuzz_only and report["versions_checked"] < VERSIONS_TARGET
     if few_versions:
         print(f"{report['versions_checked']} versions checked, fewer than {VERSIONS_TARGET}", flush=True)
+    few_events = not a.quick and not a.fuzz_only and (er["event_queue_drops"] < EVENT_DROPS_TARGET
+                                                      or er["restarts"] < EVENT_RESTARTS_TARGET)  # fmt: skip
+    if few_events:
+        print(f"the events part saw {er['event_queue_drops']} drops and {er['restarts']} restarts, fewer than "
+              f"{EVENT_DROPS_TARGET} and {EVENT_RESTARTS_TARGET}", flush=True)  # fmt: skip
     bad = (report["wrong_bytes"] or report["lost_acknowledged"] or report["hangs"] or report["raised_from_v1"]
            or report["resurrected"] or report["stale_served"] or vr["errors"]
+           or report["phantom_pages"] or report["missing_pages"] or er["errors"] or few_events
            or report["kills_survived"] != report["kills"] or report["crashes"] or report["isolation_failures"]
            or not fz["harness_ok"] or short or few_versions)
     return 1 if bad else 0
 
 
 VERSIONS_TARGET = 10_000  # full mode: keys checked against their acknowledged version
+EVENT_DROPS_TARGET = 1_000  # full mode: KV-event queue drops the subscriber must come through
+EVENT_RESTARTS_TARGET = 20  # full mode: restarts (clean and killed) in the events part
+_EMPTY_EVENTS = {"phantom_pages": 0, "missing_pages": 0, "event_queue_drops": 0, "restarts": 0, "kills": 0,
+                 "lost_drive_events": {}, "pages_lost_at_open": 0, "checks": 0, "errors": [], "seconds": 0.0}
 _EMPTY_VERSIONS = {"versions_checked": 0, "wrong_bytes": 0, "stale_served": 0, "resurrected": 0, "lost_acknowledged": 0,
                    "layouts": 0, "cases": [], "examples": [], "errors": []}
 _EMPTY_FAULTS = {"faults_injected": 0, "wrong_bytes": 0, "hangs": 0, "raised_from_v1": 0, "errors": []}

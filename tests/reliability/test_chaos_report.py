@@ -4,8 +4,9 @@ This is where crash survival (SIGKILL of the SGLang backend in every phase, both
 with and without eviction, a rebuild of the index by one route in turn after the kills, every
 page checked against its acknowledged version), the version cases (a put killed between its
 records and its commit, then delete / re-put / clear, then every rebuild route), injected and real faults through the backend, the three-controller-
-thread soak with a follower, the bad-input checkers and the file-system hygiene checks are run and
-asserted, once: each part's own figures are checked below, not only the report's totals.
+thread soak with a follower, the bad-input checkers, the file-system hygiene checks and the KV
+events (a subscriber's DISK view through event-queue drops, restarts, kills and lost drives) are
+run and asserted, once: each part's own figures are checked below, not only the report's totals.
 Also checks the fuzzers' harness itself (tools/chaos_fuzz.py): a child that dies of SIGBUS, raises,
 logs a traceback or hangs is counted, and an undamaged store and archive pass every check.
 """
@@ -37,7 +38,7 @@ def test_chaos_report_quick(tmp_path):
     for k in ("kills", "kills_survived", "faults_injected", "bad_inputs_tried", "wrong_bytes",
               "lost_acknowledged", "hangs", "raised_from_v1", "soak_seconds", "versions_checked",
               "resurrected", "stale_served", "metadata_damage_trials", "key_fuzz_cases", "archive_fuzz_cases", "crashes",
-              "isolation_failures", "refused_to_serve"):
+              "isolation_failures", "refused_to_serve", "phantom_pages", "missing_pages"):
         assert k in figures, k
     fuzz = report["details"]
     # what failed, reproducibly: damage kind -> failure, with the first cases of each
@@ -52,6 +53,7 @@ def test_chaos_report_quick(tmp_path):
     assert by_part["crash"] > 1000 and by_part["versions"] > 1000 and by_part["soak"] > 100, by_part
     assert figures["versions_checked"] == sum(by_part.values()), by_part
     assert figures["isolation_failures"] == 0, why
+    assert figures["phantom_pages"] == 0 and figures["missing_pages"] == 0, report["parts"]["events"]
     assert figures["kills"] >= 16 and figures["kills_survived"] == figures["kills"]
     assert figures["faults_injected"] > 0 and figures["bad_inputs_tried"] > 100 and figures["soak_seconds"] > 0
     assert figures["metadata_damage_trials"] >= 50 and figures["key_fuzz_cases"] >= 300
@@ -62,6 +64,7 @@ def test_chaos_report_quick(tmp_path):
     _check_fault_part(report["parts"]["faults"])
     _check_soak_part(report["parts"]["soak"])
     _check_bad_input_parts(report["parts"]["fuzz"], report["parts"]["hygiene"])
+    _check_event_part(report["parts"]["events"])
 
 
 def _check_crash_parts(crash: list) -> None:
@@ -129,6 +132,17 @@ def _check_bad_input_parts(fuzz: dict, hygiene: dict) -> None:
     assert fuzz["bad_inputs_tried"] > 100, fuzz
     assert hygiene["findings"] == [], hygiene["findings"]
     assert hygiene["checks"] >= 10, hygiene
+
+
+def _check_event_part(er: dict) -> None:
+    """Quick mode: 3 restarts (one of them a SIGKILL), drops, drive events, every check with the
+    subscriber exactly on what the store holds."""
+    assert er["errors"] == [], er["errors"]
+    assert er["restarts"] == 3 and er["kills"] == 1 and er["checks"] == 2 * (er["restarts"] + 2), er
+    assert sum(er["lost_drive_events"].values()) == er["restarts"], er
+    assert er["event_queue_drops"] > 20 and er["dropped_pages"] > 20, er
+    assert er["held_max"] > 20 and er["reannounced_removed"] > 0, er
+    assert er["phantom_pages"] == 0 and er["missing_pages"] == 0, er
 
 
 def test_fuzz_harness_counts_what_it_must(tmp_path):

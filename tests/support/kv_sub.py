@@ -35,7 +35,8 @@ class Sub:
 
     def _marker(self) -> int:
         page = hashlib.sha256(f"marker-{next(self._marks)}".encode()).hexdigest()
-        self.pub.offer("removed", [page])
+        while not self.pub.offer("removed", [page]):  # a full queue dropped it: offer it again once drained
+            self.pub.flush(60)
         h = hash_str_to_int64(page)
         self.marker_hashes.add(h)
         return h
@@ -97,3 +98,26 @@ def stored_hashes(frames) -> list[int]:
 
 def removed_hashes(frames) -> list[int]:
     return [h for _, _, evs, _ in frames for e in evs if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
+
+
+def decode(raw) -> list:
+    """Raw ``(topic, seq8, payload)`` frames (a replay's) as ``upto_now`` gives them."""
+    dec = msgspec.msgpack.Decoder()
+    out = []
+    for _, seq, payload in raw:
+        ts, events, dp = dec.decode(payload)
+        out.append((int.from_bytes(seq, "big"), ts, events, dp))
+    return out
+
+
+def apply(frames, blocks: set) -> set:
+    """A subscriber's DISK tally: ``blocks`` after the frames' stored and removed events, in order."""
+    for _, _, evs, _ in frames:
+        for e in evs:
+            if e.get("medium") != "DISK":
+                continue
+            if e["type"] == "BlockStored":
+                blocks.update(e["block_hashes"])
+            elif e["type"] == "BlockRemoved":
+                blocks.difference_update(e["block_hashes"])
+    return blocks

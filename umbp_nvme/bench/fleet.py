@@ -1,18 +1,23 @@
 """``umbp-nvme bench fleet``: two nodes, their DISK events, and what a router believes about them.
 
 Two backend processes (fleet_node.py), each with its own store, event endpoint, replay socket
-and stand-in engine, are "node A" and "node B". The scenario backs up conversations on both
-(one shared), fills A past its capacity (evictions), deletes pages on B, restarts A, clears B
-and backs up on B a conversation only B holds. After every step each node is asked which pages
-it holds (``batch_exists``) and that is compared with what subscribers believe it holds on disk:
+and stand-in engine, are "node A" (a store over two drives) and "node B". The scenario backs up
+conversations on both (one shared), fills A past its capacity (evictions), deletes pages on B,
+restarts A, restarts A again without its second drive (its pages are lost: the re-announcement
+removes them) and with a one-item event queue, backs up and deletes on A while that queue drops
+events (the re-announcements that follow repair them), clears B and backs up on B a conversation
+only B holds. After every step each node is asked which pages it holds (``batch_exists``) and
+that is compared with what subscribers believe it holds on disk:
 
 - ours (fleet_sub.py: SUB + replay on gaps, as Dynamo's indexer does), always;
 - NVIDIA Dynamo's standalone indexer (``python -m dynamo.indexer`` run by ``--dynamo-python``),
   when that interpreter can import it: both nodes registered, disk-tier blocks read from /dump.
 
-Across A's restart ours keeps its tally (it must notice the gap and replay), while Dynamo is told
-the worker left and registers it again (as its discovery does when a lease ends): everything it
-knows of A afterwards comes from A's re-announcement, tokens included (kv_tokens.py).
+Across A's restarts ours keeps its tally (it must notice the gap and replay). At the first,
+Dynamo is told the worker left and registers it again (as its discovery does when a lease ends):
+everything it knows of A afterwards comes from A's re-announcement, tokens included
+(kv_tokens.py). At the second (a quick restart within the lease) it stays registered and must
+take the lost drive's pages out from the removals the re-announcement sends.
 
 ``phantom`` (announced, not held) and ``missing`` (held, not announced) must both be 0. At the
 end, the prompt of B's conversation is queried: Dynamo's /query overlap (and our tallies' prefix
@@ -50,23 +55,32 @@ def free_ports(n: int) -> list[int]:
 
 
 class NodeProc:
-    def __init__(self, name: str, directory: str, ports: list[int], capacity_bytes: int, log_dir: str):
+    def __init__(self, name: str, directory: str, ports: list[int], capacity_bytes: int, log_dir: str,
+                 roots: list[str] | None = None, *, relay: bool = True, queue_max: int = 10_000, start: bool = True):  # fmt: skip
         self.name, self.directory, self.capacity_bytes = name, directory, capacity_bytes
+        self.roots, self.queue_max, self.relay = roots, queue_max, relay
+        self.runs: list[dict] = []  # each run's stats, taken before it stopped
         self.engine_port, self.events_port, self.replay_port = ports
         self.endpoint = f"tcp://127.0.0.1:{self.events_port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{self.replay_port}"
         self.log_path = os.path.join(log_dir, f"node-{name}.log")
         self.keys: dict[str, None] = {}  # every page key ever backed up here (the universe for `held`)
-        self.start()
+        self.proc = None
+        if start:
+            self.start()
 
-    def start(self) -> None:
+    def start(self, roots: list[str] | None = None, queue_max: int | None = None) -> None:
+        self.roots = roots or self.roots
+        self.queue_max = queue_max or self.queue_max
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "umbp_nvme.bench.fleet_node", "--dir", self.directory,
              "--engine-port", str(self.engine_port), "--events-port", str(self.events_port),
-             "--replay-port", str(self.replay_port), "--capacity-bytes", str(self.capacity_bytes)],
+             "--replay-port", str(self.replay_port), "--capacity-bytes", str(self.capacity_bytes),
+             "--roots", ",".join(self.roots or []), "--queue-max", str(self.queue_max),
+             *([] if self.relay else ["--no-relay"])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         )  # fmt: skip
         self._reply()
@@ -96,8 +110,22 @@ class NodeProc:
         got = self.call("held", keys=keys)["held"]
         return {hash_str_to_int64(k) for k, h in zip(keys, got) if h}
 
+    def kill(self, op: dict | None = None) -> None:
+        """SIGKILL, after its stats are taken; ``op``: a command sent first and not waited for
+        (the kill lands while it runs)."""
+        self.runs.append(self.call("stats"))
+        if op is not None:
+            self.proc.stdin.write(json.dumps(op) + "\n")
+            self.proc.stdin.flush()
+        self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
     def stop(self) -> None:
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
+            self.runs.append(self.call("stats"))
             self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
             self.proc.stdin.flush()
             try:
@@ -111,7 +139,7 @@ class NodeProc:
 def scenario(quick: bool) -> dict:
     k = 1 if quick else 3
     return {
-        "pages": 8, "convs": 4 * k, "evict_convs": 10 * k, "evict_pages": 12,
+        "pages": 8, "convs": 4 * k, "evict_convs": 10 * k, "evict_pages": 12, "drop_convs": 4 * k,
         "capacity_bytes": (16 << 20) * k,
     }
 
@@ -135,8 +163,9 @@ class Fleet:
         for name in "AB":  # a fresh pair of stores: the steps' expectations start from empty
             shutil.rmtree(os.path.join(directory, f"node{name}"), ignore_errors=True)
         for i, name in enumerate("AB"):
-            self.nodes[name] = NodeProc(name, os.path.join(directory, f"node{name}"), ports[3 * i : 3 * i + 3],
-                                        self.sc["capacity_bytes"], directory)  # fmt: skip
+            d = os.path.join(directory, f"node{name}")
+            roots = [os.path.join(d, "d0"), os.path.join(d, "d1")] if name == "A" else None
+            self.nodes[name] = NodeProc(name, d, ports[3 * i : 3 * i + 3], self.sc["capacity_bytes"], directory, roots)
             n = self.nodes[name]
             self.ours[name] = DiskTally(self.ctx, n.endpoint, n.replay_endpoint)
         if cfg.dynamo_python:
@@ -198,6 +227,16 @@ class Fleet:
             self.indexer.register(1, A.endpoint, A.replay_endpoint)
         A.backup("after-restart", p)  # traffic goes on: the next frame shows subscribers the gap
         self.checkpoint("restart of A")
+        before = len(A.held())
+        A.stop()  # back within the lease: Dynamo keeps A registered and replays the gap
+        A.start(roots=A.roots[:1], queue_max=1)  # drive 1 removed: its pages are gone
+        self.lost_pages = before - len(A.held())
+        self.checkpoint("A without drive 1")
+        for c in range(sc["drop_convs"]):  # a one-item queue: most of these events are dropped
+            A.backup(f"d{c}", p)
+            A.call("delete", conv=f"d{c}", pages=p, first=p // 2, each=True)
+            A.call("delete", conv=f"e{c}", pages=sc["evict_pages"], first=1, each=True)
+        self.checkpoint("drops on A")
         B.call("clear")
         B.backup("only-b", p)
         self.checkpoint("clear of B")
@@ -205,7 +244,11 @@ class Fleet:
         stats = {n: x.call("stats") for n, x in self.nodes.items()}
         for n, t in self.ours.items():
             stats[n].update({f"ours_{k}": v for k, v in t.stats.items()})
-        return {"rows": self.rows, "query": self._query(tokens, keys), "stats": stats, "scenario": sc}
+        exercised = {"lost_pages": self.lost_pages, "dropped": stats["A"].get("dropped", 0),
+                     "dropped_pages": stats["A"].get("dropped_pages", 0),
+                     "reannounced_removed": sum(r.get("reannounced_removed", 0) for r in A.runs + [stats["A"]])}  # fmt: skip
+        return {"rows": self.rows, "query": self._query(tokens, keys), "stats": stats, "scenario": sc,
+                "exercised": exercised, "earlier_runs": {n: list(x.runs) for n, x in self.nodes.items()}}  # fmt: skip
 
     def _query(self, tokens: list[int], keys: list[str]) -> dict:
         from ..sglang.keys import hash_str_to_int64
@@ -240,6 +283,10 @@ def failures(result: dict) -> list[str]:
         for k in ("ours_phantom", "ours_missing", "dynamo_phantom", "dynamo_missing"):
             if r.get(k):
                 out.append(f"{r['step']}, node {r['node']}: {k} = {r[k]}")
+    ex = result.get("exercised", {})
+    for k in ("lost_pages", "dropped_pages", "reannounced_removed"):
+        if k in ex and not ex[k]:
+            out.append(f"{k} = 0: the run did not exercise what it checks ({ex})")
     q = result["query"]
     for k in ("ours_prefers_b", "dynamo_prefers_b"):
         if k in q and not q[k]:
@@ -273,9 +320,12 @@ def print_report(result: dict, notes: list[str], out=sys.stdout) -> None:
         print("  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols), file=out)
     print(f"query of B's conversation ({result['query']['prompt_tokens']} tokens): {json.dumps(result['query'])}", file=out)
     for n, s in result["stats"].items():
-        keep = ("evictions", "deletes", "stored_pages", "removed_pages", "reannounced_pages", "replays",
-                "skipped_no_tokens", "dropped", "token_pages_kept", "ours_replays", "ours_unfilled_gaps")  # fmt: skip
-        print(f"node {n}: " + ", ".join(f"{k} {s[k]}" for k in keep if k in s), file=out)
+        keep = ("evictions", "deletes", "stored_pages", "removed_pages", "reannounced_pages", "reannounced_removed",
+                "replays", "skipped_no_tokens", "dropped", "dropped_pages", "record_errors", "ours_replays",
+                "ours_unfilled_gaps")  # fmt: skip
+        print(f"node {n} (its last run): " + ", ".join(f"{k} {s[k]}" for k in keep if k in s), file=out)
+    if "exercised" in result:
+        print("exercised: " + ", ".join(f"{k} {v}" for k, v in result["exercised"].items()), file=out)
     for line in notes:
         print(f"note: {line}", file=out)
 

@@ -1,13 +1,15 @@
 """One node of `bench fleet`: a backend over its own store, publishing DISK events, fed by a stand-in engine.
 
-Run as ``python -m umbp_nvme.bench.fleet_node --dir D --engine-port E --events-port P --replay-port R``;
+Run as ``python -m umbp_nvme.bench.fleet_node --dir D --engine-port E --events-port P --replay-port R``
+(``--roots D1,D2``: a store over those drives instead; ``--queue-max N``: the event queue's size;
+``--no-relay``: no engine stand-in, DISK events without token ids);
 it answers one JSON line on stdout per JSON command line on stdin (``{"op": ..., ...}``):
 
 - ``backup conv pages``: the engine stand-in announces the conversation's pages on GPU with their
   tokens (as the scheduler does), the backend stores them (``batch_set_v1`` with prefix keys, as
   the cache controller's backup does), then the engine drops its GPU copies;
-- ``delete conv first [last]``: the store deletes those pages' objects (as an operator or a
-  drop would); ``clear``; ``held keys``: which page keys the store holds now (``batch_exists``);
+- ``delete conv first [last] [each]``: the store deletes those pages' objects (as an operator or a
+  drop would; ``each``: one call per page); ``clear``; ``held keys``: which page keys the store holds now (``batch_exists``);
 - ``sync``: every event sent, and the last sequence number; ``stats``; ``quit``.
 
 The backend runs in relay mode (``kv_events_engine_endpoint``): the router registers this node's
@@ -124,20 +126,24 @@ class Node:
 
         self.ctx = zmq.Context()
         self.page_tokens = args.page_tokens
-        self.engine = Engine(self.ctx, f"tcp://*:{args.engine_port}", args.page_tokens)
+        self.engine = None if args.no_relay else Engine(self.ctx, f"tcp://*:{args.engine_port}", args.page_tokens)
+        roots = args.roots.split(",") if args.roots else None
         extra = {
-            "backend_name": "umbp_nvme", "interface_v1": 1, "ssd_storage_dir": args.dir,
+            "backend_name": "umbp_nvme", "interface_v1": 1,
+            "ssd_storage_dir": json.dumps(roots) if roots and len(roots) > 1 else (roots or [args.dir])[0],
             "ssd_capacity_bytes": args.capacity_bytes, "ssd_segment_size_bytes": 1 << 20,
             "ssd_durability_mode": "relaxed",
             "kv_events_endpoint": f"tcp://*:{args.events_port}",
-            "kv_events_replay_endpoint": f"tcp://*:{args.replay_port}",
-            "kv_events_engine_endpoint": f"tcp://127.0.0.1:{args.engine_port}",
+            "kv_events_replay_endpoint": f"tcp://127.0.0.1:{args.replay_port}",  # routers on this host (docs/fleet.md)
+            "kv_events_queue_max": args.queue_max,
         }  # fmt: skip
+        if self.engine is not None:
+            extra["kv_events_engine_endpoint"] = f"tcp://127.0.0.1:{args.engine_port}"
         self.be = UMBPNvmeStore(StorageConfig(extra), {})
         self.pool = HostPool(POOL_PAGES, args.page_tokens, args.object_bytes)
         self.be.register_mem_pool_host(self.pool)
         self.pub = self.be.publisher
-        if self.pub is not None:
+        if self.pub is not None and self.engine is not None:
             self._engine_joined()
 
     def _engine_joined(self) -> None:
@@ -153,20 +159,24 @@ class Node:
 
         tokens, keys = conversation(conv, pages, self.page_tokens)
         pt = self.page_tokens
-        self.engine.gpu_stored(keys, None, tokens)
+        if self.engine is not None:
+            self.engine.gpu_stored(keys, None, tokens)
         ok = 0
         for i in range(0, pages, POOL_PAGES):
             part = keys[i : i + POOL_PAGES]
             idx = np.arange(len(part) * pt, dtype=np.int64)
             self.pool.kv_buffer[:, : len(part) * pt] = (i + len(conv)) % 251  # bytes differ per call
             ok += sum(self.be.batch_set_v1(part, idx, HiCacheStorageExtraInfo(prefix_keys=keys[:i])))
-        self.engine.gpu_removed(keys)
+        if self.engine is not None:
+            self.engine.gpu_removed(keys)
         return {"stored": ok}
 
-    def op_delete(self, conv: str, pages: int, first: int, last: int | None = None) -> dict:
+    def op_delete(self, conv: str, pages: int, first: int, last: int | None = None, each: bool = False) -> dict:
+        """``each``: one call per page (a burst of removal events, one queue item each)."""
         _, keys = conversation(conv, pages, self.page_tokens)
-        objs = [k + s for k in keys[first:last] for s in self.be.v1_suffixes]
-        return {"deleted": sum(self.be.store.delete_many(objs)) // len(self.be.v1_suffixes)}
+        sfx = self.be.v1_suffixes
+        calls = [[k + s for s in sfx] for k in keys[first:last]] if each else [[k + s for k in keys[first:last] for s in sfx]]
+        return {"deleted": sum(sum(self.be.store.delete_many(objs)) for objs in calls) // len(sfx)}
 
     def op_clear(self) -> dict:
         self.be.clear()
@@ -186,14 +196,16 @@ class Node:
         out = {k: st.get(k, 0) for k in ("objects", "evictions", "deletes", "puts")}
         if self.pub is not None:
             out.update(self.pub.stats)
-            out.update(self.pub.relay.stats)
-            if self.pub.tokens.log is not None:
-                out.update(self.pub.tokens.log.stats)
+            if self.pub.relay is not None:
+                out.update(self.pub.relay.stats)
+            if self.pub.record is not None:
+                out.update(self.pub.record.stats)
         return out
 
     def close(self) -> None:
         self.be.close()
-        self.engine.sock.close(linger=0)
+        if self.engine is not None:
+            self.engine.sock.close(linger=0)
         self.ctx.term()
 
 
@@ -204,6 +216,9 @@ def main(argv=None) -> int:
     p.add_argument("--events-port", type=int, required=True)
     p.add_argument("--replay-port", type=int, required=True)
     p.add_argument("--capacity-bytes", type=int, default=16 << 20)
+    p.add_argument("--roots", default="", help="comma-separated drive directories (default: --dir alone)")
+    p.add_argument("--queue-max", type=int, default=10_000, help="the KV event queue's size (items)")
+    p.add_argument("--no-relay", action="store_true", help="no engine stand-in: DISK events without token ids")
     p.add_argument("--page-tokens", type=int, default=PAGE_TOKENS)
     p.add_argument("--object-bytes", type=int, default=OBJECT_BYTES)
     args = p.parse_args(argv)

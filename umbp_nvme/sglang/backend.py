@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -73,7 +72,7 @@ if not HAVE_SGLANG:
 
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 LAYOUT_ERROR = "UMBP store only supports page_first, page_first_direct, or page_head layout"
-_METRICS_MAX = 4096  # entries kept per metrics list between two get_stats() calls
+_METRICS_MAX = 4096  # batch calls kept for the metrics between two get_stats() calls (the oldest go first)
 
 
 class UMBPNvmeStore(HiCacheStorage):
@@ -124,11 +123,12 @@ class UMBPNvmeStore(HiCacheStorage):
         )  # fmt: skip
         self.registry = self._seam.registry
         self.registered_pools: dict = {}  # HiCacheStorage's attribute, kept for callers that read it
-        self._metrics_lock = threading.Lock()
-        self._prefetch_pgs: deque = deque(maxlen=_METRICS_MAX)
-        self._backup_pgs: deque = deque(maxlen=_METRICS_MAX)
-        self._prefetch_bw: deque = deque(maxlen=_METRICS_MAX)
-        self._backup_bw: deque = deque(maxlen=_METRICS_MAX)
+        # (is_set, pages, GB/s) per batch call: appended by SGLang's I/O threads, drained by
+        # get_stats() on its scheduler thread; deque appends and pops are atomic, so neither locks
+        self._batches: deque = deque(maxlen=_METRICS_MAX)
+        # SGLang calls get_stats() only with storage metrics on: find its StorageMetrics now, at
+        # startup, not in the first scheduler pass (importing it cost that pass 65-220 ms here)
+        self._metrics_cls = storage_metrics_class() if self.enable_storage_metrics else None
         if not self.config.ssd_enabled:
             log.warning("umbp_nvme: ssd_enabled is false; this backend stores nothing and every lookup misses")
         if mem_pool_host is not None and hasattr(mem_pool_host, "layout"):
@@ -243,10 +243,7 @@ class UMBPNvmeStore(HiCacheStorage):
             t0 = time.perf_counter()
             results, nbytes = v1_io(self._seam, keys, host_indices, is_set=is_set,
                                                      extra_info=extra_info)  # fmt: skip
-            if is_set:
-                self._record(self._backup_pgs, self._backup_bw, results, nbytes, t0)
-            else:
-                self._record(self._prefetch_pgs, self._prefetch_bw, results, nbytes, t0)
+            self._record(is_set, results, nbytes, t0)
             return results
         except Exception as e:  # noqa: BLE001 - see module docstring
             what = "failures" if is_set else "misses"
@@ -324,15 +321,25 @@ class UMBPNvmeStore(HiCacheStorage):
         stores.close_stores(self._seam)
 
     def get_stats(self):
-        """Pages and GB/s of each prefetch (batch_get_v1) and backup (batch_set_v1) since the last call."""
-        metrics = _storage_metrics()
-        with self._metrics_lock:
-            metrics.prefetch_pgs.extend(self._prefetch_pgs)
-            metrics.backup_pgs.extend(self._backup_pgs)
-            metrics.prefetch_bandwidth.extend(self._prefetch_bw)
-            metrics.backup_bandwidth.extend(self._backup_bw)
-            for d in (self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw):
-                d.clear()
+        """Pages and GB/s of each prefetch (batch_get_v1) and backup (batch_set_v1) since the last
+        call, each batch once; with several drives, their rows too. SGLang calls this on its
+        scheduler thread in every pass (docs/sglang.md §2): no lock, no hop onto the store's loop,
+        no syscall, so it never waits on the store, a busy loop or a hung drive."""
+        if self._metrics_cls is None:
+            self._metrics_cls = storage_metrics_class()
+        metrics = self._metrics_cls()
+        batches = self._batches
+        for _ in range(len(batches)):  # what is there now; later appends wait for the next call
+            try:
+                is_set, pages, gbps = batches.popleft()
+            except IndexError:
+                break
+            if is_set:
+                metrics.backup_pgs.append(pages)
+                metrics.backup_bandwidth.append(gbps)
+            else:
+                metrics.prefetch_pgs.append(pages)
+                metrics.prefetch_bandwidth.append(gbps)
         drives = stores.drive_rows(self._seam)
         if drives:  # several drives: each one's state, objects, bytes, GB/s, errors
             try:
@@ -352,13 +359,11 @@ class UMBPNvmeStore(HiCacheStorage):
         """This rank's SyncPageStore (the shared one, read-only, on an MLA follower); None until opened."""
         return self._seam.main
 
-    def _record(self, pgs: deque, bws: deque, results: list, nbytes: int, t0: float) -> None:
+    def _record(self, is_set: bool, results: list, nbytes: int, t0: float) -> None:
         if not results:
             return
         dt = time.perf_counter() - t0
-        with self._metrics_lock:
-            pgs.append(sum(1 for r in results if r))
-            bws.append(nbytes / dt / 1e9 if dt > 0 else 0.0)
+        self._batches.append((is_set, sum(1 for r in results if r), nbytes / dt / 1e9 if dt > 0 else 0.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,14 +385,20 @@ def _switch(value, key: str) -> bool:
     return parse_bool(value, f"extra_config[{key!r}]")
 
 
-def _storage_metrics():
-    try:
-        from sglang.srt.observability.metrics_collector import StorageMetrics  # type: ignore[import-not-found]
+_METRICS_CLS: list = []  # the StorageMetrics class, found once per process
 
+
+def storage_metrics_class():
+    """SGLang's StorageMetrics when SGLang imports (its collector asserts that class), else the
+    stand-in's; imported once per process."""
+    if not _METRICS_CLS:
+        cls = None
         if HAVE_SGLANG:
-            return StorageMetrics()
-    except Exception:  # noqa: BLE001
-        pass
-    from ._hicache_standin import StorageMetrics
-
-    return StorageMetrics()
+            try:
+                from sglang.srt.observability.metrics_collector import StorageMetrics as cls  # type: ignore[import-not-found]
+            except Exception:  # noqa: BLE001 - any failure inside sglang's import: the stand-in's
+                cls = None
+        if cls is None:
+            from ._hicache_standin import StorageMetrics as cls
+        _METRICS_CLS.append(cls)
+    return _METRICS_CLS[0]

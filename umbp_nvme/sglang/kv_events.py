@@ -14,9 +14,18 @@ tiers; this module publishes the L3 tier, ``medium="DISK"``, in the same wire fo
 
 Nothing here may slow or fail a ``batch_*`` call: the store's hooks (kv_residency.py) hand key
 or page lists to a bounded queue (``offer``, about a microsecond per put, never blocking); a full
-queue drops the item, counts it (``dropped``) and schedules a re-announcement of what the store
-holds. One daemon thread drains the queue a tick at a time, works out the pages (the residency's
-``resolve``), coalesces them into batches, owns both sockets and serves replays.
+queue drops the item, counts it (``dropped``) and schedules a re-announcement. One daemon thread
+drains the queue a tick at a time, works out the pages (the residency's ``resolve``), coalesces
+them into batches, owns both sockets and serves replays (kv_replay.py).
+
+Subscribers converge on what the store holds, removals included: before a batch goes out the
+thread records what it tells (kv_tokens.py, a copy on every drive), and a re-announcement first
+removes every page subscribers may believe held and the store does not (told stored and not held:
+a dropped removal, a page lost across a restart; at open and for a replay from before the buffer
+also the pages lately told removed, which such a subscriber may have missed), then announces what
+the store holds. It runs to its end once: live events go out beside it (each turn sends the live
+items, then one chunk, skipping the pages a live event told of since its snapshot), a replay is
+served from the buffer meanwhile, and a re-announcement asked for meanwhile starts after it.
 
 Sequence numbers start at the wall clock in microseconds, so a restarted publisher continues above
 its previous run: a subscriber (Dynamo's indexer) sees a gap, asks the replay socket, and gets the
@@ -35,11 +44,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .keys import hash_str_to_int64  # noqa: F401 - part of this module's interface (tests, bench)
+from .kv_replay import END_SEQ  # noqa: F401 - part of this module's interface (tests, bench)
 
 log = logging.getLogger(__name__)
 
 MEDIUM_DISK = "DISK"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's end marker (sglang's)
 QUEUE_MAX_DEFAULT = 10_000  # items (one store call's pages each) waiting for the thread
 BUFFER_STEPS_DEFAULT = 10_000  # batches kept for replay (sglang's default)
 BATCH_PAGES_MAX = 4096  # pages in one published batch (live or re-announced)
@@ -171,14 +180,15 @@ class Encoder:
         self.dp_rank = dp_rank
 
     def events(self, items) -> list:
-        """``items``: ``("stored", [(page, parent page or its hash | None, token ids | None), ...])`` and
-        ``("removed", [page, ...])``, in order. A run of stored pages that chain (each one's parent is
-        the page before it) is one BlockStored, as the scheduler's recorder coalesces them."""
+        """``items``: ``("stored", [(page or its hash, parent page or its hash | None, token ids | None),
+        ...])`` and ``("removed", [page or its hash, ...])``, in order. A run of stored pages that
+        chain (each one's parent is the page before it) is one BlockStored, as the scheduler's
+        recorder coalesces them."""
         out: list = []
         h = hash_str_to_int64
         for kind, pages in items:
             if kind == "removed":
-                hashes = [h(p) for p in pages]
+                hashes = [p if type(p) is int else h(p) for p in pages]
                 tail = out[-1] if out else None
                 if isinstance(tail, self.removed_cls):
                     tail.block_hashes.extend(hashes)
@@ -188,8 +198,8 @@ class Encoder:
             tail = out[-1] if out and isinstance(out[-1], self.stored_cls) else None
             prev_page = prev_hash = None
             for page, parent, tokens in pages:
-                bh = h(page)
-                if parent is None or isinstance(parent, int):
+                bh = page if type(page) is int else h(page)
+                if parent is None or type(parent) is int:
                     ph = parent
                 else:  # a chain's parent is the page just before it, whose hash is known
                     ph = prev_hash if parent is prev_page or parent == prev_page else h(parent)
@@ -217,15 +227,22 @@ class Publisher:
 
     ``snapshot``: a callable returning the pages to re-announce (``[(page, parent, tokens), ...]``),
     run on this thread at start (``reannounce``), after drops, and when a replay asks for batches no
-    longer buffered. ``relay``: an optional kv_relay.EngineRelay polled on this thread.
-    ``resolve``: kv_residency.Residency.resolve, run on this thread over every batch of queued items.
-    ``tokens_path``: relay mode: where each announced page's tokens are kept for a restart (kv_tokens.py).
+    longer buffered. ``resolve``: kv_residency.Residency.resolve, run on this thread over every
+    batch of queued items. ``record_paths``: where what subscribers were told is recorded (a copy
+    of kv_tokens.TokenLog per drive; with the engine's tokens in relay mode): a re-announcement
+    also removes every page told stored or lately removed that the store does not hold.
+    ``record_sync_s``: 0 makes the record durable before each batch that tells pages stored (a
+    strict store); else at most this often and at close (a relaxed store, whose acknowledged
+    pages are not durable at once either: on ext4 a record fdatasync also writes back the
+    store's dirty data, which would make relaxed puts wait for the disk).
     """
 
     def __init__(self, cfg: EventsConfig, block_size: int, *, snapshot: Optional[Callable[[], list]] = None,
                  resolve: Optional[Callable[[list], list]] = None, prefer_sglang: bool = True,
-                 tokens_path: Optional[str] = None):  # fmt: skip
+                 record_paths: Optional[list] = None, record_sync_s: float = 0.0):  # fmt: skip
         import zmq
+
+        from .kv_tokens import TokenLog
 
         self.cfg = cfg
         self.encoder = Encoder(block_size, cfg.dp_rank, prefer_sglang)
@@ -236,16 +253,26 @@ class Publisher:
         self._buffer: deque = deque(maxlen=cfg.buffer_steps)
         self._next_seq = time.time_ns() // 1000
         # the first sequence number sent after the latest re-announcement's snapshot: a replay that
-        # starts in the buffer at or before it gets the whole state (see _serve_replay)
+        # starts in the buffer at or before it gets the whole state (see _before_buffer)
         self._full_from: Optional[int] = None
         self._snapshot = snapshot
         self._resolve = resolve
         self._pending: deque = deque()  # re-announced pages still to send
+        self._pending_removed: deque = deque()  # hashes the re-announcement removes, sent first
+        self._superseded: set[int] = set()  # hashes a live event told of since the snapshot
         self._resync = bool(cfg.reannounce and snapshot is not None)
+        # the next re-announcement also removes what subscribers were lately told removed: they may
+        # have missed it (a restart; a replay from before the buffer), unlike after queue drops
+        self._resync_full = self._resync
+        # held by the thread while it works: flush() sees queue, pending and resync change together
+        self._lock = threading.Lock()
+        self.record = TokenLog(record_paths) if record_paths else None
+        self._sync_every_s, self._synced_at = float(record_sync_s), time.monotonic()
         self.relay = None  # kv_relay.EngineRelay: the engine's stream, forwarded, and its token ids
         self.tokens = None  # kv_relay.PageTokens: relay mode: the tokens of DISK pages
         self.stats = dict.fromkeys(("batches", "stored_pages", "removed_pages", "dropped", "dropped_pages",
-                                    "replays", "reannounced_pages", "skipped_no_tokens", "errors"), 0)  # fmt: skip
+                                    "replays", "bad_replay_requests", "reannounced_pages", "reannounced_removed",
+                                    "skipped_no_tokens", "errors"), 0)  # fmt: skip
         self._stop = threading.Event()
         self._last_send = time.monotonic()
         self._ctx = zmq.Context()
@@ -259,18 +286,14 @@ class Publisher:
             else:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(self.replay_endpoint)
-            if cfg.engine_endpoint:
-                from .kv_relay import EngineRelay
+                from .kv_replay import ReplaySocket
 
-                from .kv_relay import PageTokens
-                from .kv_tokens import TokenLog
+                self._replay = ReplaySocket(self._ctx, self.replay_endpoint, self._topic, cfg.buffer_steps, self.stats)
+            if cfg.engine_endpoint:
+                from .kv_relay import EngineRelay, PageTokens
 
                 self.relay = EngineRelay(self._ctx, offset_endpoint_port(cfg.engine_endpoint, cfg.dp_rank))
-                # the log is read on this publisher's thread (_run), never on the opening call
-                self.tokens = PageTokens(self.relay, TokenLog(tokens_path) if tokens_path else None, self.stats)
+                self.tokens = PageTokens(self.relay, self.record, self.stats)
         except Exception:
             self._close_sockets()
             raise
@@ -308,45 +331,52 @@ class Publisher:
     def _run(self) -> None:
         import zmq
 
-        if self.tokens is not None and self.tokens.log is not None:
-            self.tokens.log.open()  # before the re-announcement, which reads it
+        if self.record is not None:
+            with self._lock:  # before the re-announcement, which reads it (and before flush answers)
+                self.record.open()
         poller = zmq.Poller()
         if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
+            poller.register(self._replay.sock, zmq.POLLIN)
         while not self._stop.is_set():
+            taken = self._take()
             try:
-                if self._replay is not None and dict(poller.poll(0)).get(self._replay):
-                    self._serve_replay()
-                if self.relay is not None:
-                    for payload in self.relay.poll():
-                        self._send_payload(payload)
-                    self._send(self.encoder.events(self.tokens.ripe()))
-                taken = self._take()
-                try:
-                    self._turn(taken)
-                finally:  # only now is a taken item done: flush() waits for it (Queue.unfinished_tasks)
-                    for _ in taken:
-                        self._q.task_done()
+                with self._lock:
+                    try:
+                        if self._replay is not None and poller.poll(0):
+                            self._replay.serve(self._buffer, self._before_buffer)
+                        if self.relay is not None:
+                            for payload in self.relay.poll():
+                                self._send_payload(payload)
+                            self._publish(self.tokens.ripe())
+                        self._turn(taken)
+                        if self._sync_every_s and time.monotonic() - self._synced_at >= self._sync_every_s:
+                            self._sync_record()
+                    finally:  # only now is a taken item done: flush() waits for it (Queue.unfinished_tasks)
+                        for _ in taken:
+                            self._q.task_done()
             except Exception as e:  # noqa: BLE001 - the thread outlives any one bad batch
                 self.stats["errors"] += 1
                 log.error("umbp_nvme: KV event publisher: %r", e, exc_info=self.stats["errors"] == 1)
                 time.sleep(_IDLE_POLL_S)
 
     def _turn(self, taken: list) -> None:
+        """The live items first, then one chunk of a running re-announcement: both make progress
+        however busy the store is. A new re-announcement starts only once the last one is out."""
         items = self._resolve(taken) if taken and self._resolve is not None else taken
         for kind, p in items:
             self.stats["stored_pages" if kind == "stored" else "removed_pages"] += len(p)
+        if items and (self._pending or self._pending_removed):
+            self._supersede(items)
         if items and self.tokens is not None:
             items = self.tokens.attach(items)
         if items:
-            self._send(self.encoder.events(items))
+            self._publish(items)
+        if self._pending_removed or self._pending:
+            self._send_chunk()
         elif self._resync and self._q.empty():
             self._start_reannounce()
-        elif self._pending:
-            chunk = [self._pending.popleft() for _ in range(min(BATCH_PAGES_MAX, len(self._pending)))]
-            self.stats["reannounced_pages"] += len(chunk)
-            self._send(self.encoder.events([("stored", chunk)]))
-        elif time.monotonic() - self._last_send >= HEARTBEAT_S:
+            self._send_chunk()
+        elif not items and time.monotonic() - self._last_send >= HEARTBEAT_S:
             self._send_payload(self.encoder.encode([]))
 
     def _take(self) -> list:
@@ -355,7 +385,7 @@ class Publisher:
         in the same turn, so the store's puts and this thread share the GIL in a few long turns,
         not one short turn (and two thread switches) per put. Relay mode polls every tick."""
         items, pages = [], 0
-        if not (self._pending or self._resync):
+        if not (self._pending or self._pending_removed or self._resync):
             try:
                 first = self._q.get(timeout=IDLE_WAIT_S if self.relay is None else TICK_S)
             except queue.Empty:
@@ -372,15 +402,73 @@ class Publisher:
         return items
 
     def _start_reannounce(self) -> None:
-        self._resync = False
+        """What the store holds now, to announce stored, and what subscribers may believe it holds
+        and it does not (the record's), to announce removed first."""
+        full, self._resync, self._resync_full = self._resync_full, False, False
         if self._snapshot is None:
             return
-        self._full_from = self._next_seq  # before the snapshot: a drop meanwhile clears it again
+        if full:  # before the snapshot: a drop meanwhile clears it again
+            self._full_from = self._next_seq
         pages = self._snapshot()
+        removed: list = []
+        if self.record is not None:
+            removed = self.record.reconcile({hash_str_to_int64(p) for p, _, _ in pages}, told_removed=full)
         if self.tokens is not None:  # relay mode: with their tokens, parents first
             pages = self.tokens.resolve(pages)
-        self._pending = deque(pages)
-        log.info("umbp_nvme: announcing the %d pages the store holds (medium DISK) on %s", len(pages), self.endpoint)
+        self._pending, self._pending_removed, self._superseded = deque(pages), deque(removed), set()
+        log.info("umbp_nvme: announcing the %d pages the store holds (medium DISK) on %s%s", len(pages),
+                 self.endpoint, f", and {len(removed)} it does not" if removed else "")  # fmt: skip
+
+    def _supersede(self, items: list) -> None:
+        """Live events are newer than the running re-announcement's snapshot: it skips their pages."""
+        h, out = hash_str_to_int64, self._superseded
+        for kind, pages in items:
+            if kind == "removed":
+                out.update(p if type(p) is int else h(p) for p in pages)
+            else:
+                out.update(h(p[0]) for p in pages)
+
+    def _send_chunk(self) -> None:
+        gone, pending = self._pending_removed, self._pending
+        src, kind = (gone, "removed") if gone else (pending, "stored")
+        chunk = [src.popleft() for _ in range(min(BATCH_PAGES_MAX, len(src)))]
+        if self._superseded:
+            skip, h = self._superseded, hash_str_to_int64
+            chunk = [x for x in chunk if (x if kind == "removed" else h(x[0])) not in skip]
+        self.stats["reannounced_removed" if kind == "removed" else "reannounced_pages"] += len(chunk)
+        if chunk:  # the record has the held pages already (reconcile): only tokens records are new
+            self._publish([(kind, chunk)], recorded=kind == "stored" and self.tokens is None)
+        if not (gone or pending):
+            self._superseded = set()
+
+    def _publish(self, items: list, recorded: bool = False) -> None:
+        """Record what subscribers are about to be told (durably, when pages are told stored and
+        the store is strict), then tell them. The record takes the hashes the encoder worked out."""
+        events = self.encoder.events(items) if items else []
+        if self.record is not None and events and not recorded:
+            self._note(events)
+        self._send(events)
+
+    def _note(self, events: list) -> None:
+        rec, stored = self.record, False
+        for e in events:
+            if isinstance(e, self.encoder.removed_cls):
+                rec.forget(e.block_hashes)
+            elif self.tokens is None:  # no token ids: a hash-list record
+                rec.keep_hashes(e.block_hashes)
+                stored = True
+            else:  # each page's tokens are its share of the event's, its parent the page before it
+                hs, toks, parent = e.block_hashes, e.token_ids, e.parent_block_hash
+                n = len(toks) // len(hs)
+                rec.keep([(hv, hs[i - 1] if i else parent, toks[i * n : (i + 1) * n]) for i, hv in enumerate(hs)])
+                stored = True
+        if stored and not self._sync_every_s:
+            self._sync_record()
+
+    def _sync_record(self) -> None:
+        if self.record is not None:
+            self.record.sync()
+        self._synced_at = time.monotonic()
 
     def _send(self, events: list) -> None:
         if events:
@@ -394,24 +482,13 @@ class Publisher:
         self._buffer.append((seq, payload))
         self.stats["batches"] += 1
 
-    def _serve_replay(self) -> None:
-        frame = self._replay.recv_multipart()
-        if len(frame) != 3:
-            log.warning("umbp_nvme: KV event replay request with %d frames ignored", len(frame))
-            return
-        client, _, start = frame
-        start_seq = int.from_bytes(start, "big")
-        self.stats["replays"] += 1
-        if self._buffer and start_seq < self._buffer[0][0] and self._snapshot is not None:
-            # batches it missed are gone from the buffer: the whole state, unless the buffer still
-            # holds a complete re-announcement and every batch after it (another would say the same)
-            f = self._full_from
-            if f is None or f < self._buffer[0][0] or self._pending or self._resync:
-                self._resync = True
-        for seq, buf in self._buffer:
-            if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), buf))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+    def _before_buffer(self, start_seq: int) -> None:
+        """A replay starts before the buffer: the batches it missed are gone, so it needs the whole
+        state: a re-announcement that started inside the buffer (running or done, nothing dropped
+        since its snapshot) gives it; else one is scheduled, after the running one, never instead."""
+        f = self._full_from
+        if self._snapshot is not None and (f is None or f < self._buffer[0][0]):
+            self._resync_full = self._resync = True
 
     # --- lifecycle
 
@@ -432,10 +509,18 @@ class Publisher:
         return self._buffer[-1][0] if self._buffer else None
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until everything queued (and re-announced) has been sent (tests, close)."""
+        """Wait until everything queued (and re-announced) has been sent (tests, close); False on timeout."""
         deadline = time.monotonic() + timeout_s
-        while (self._q.unfinished_tasks or self._pending or self._resync
-               or (self.tokens is not None and self.tokens.waiting)) and self._thread.is_alive():  # fmt: skip
+        while self._thread.is_alive():
+            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+            try:  # the thread is between turns: what it has not done yet is in these
+                busy = (self._q.unfinished_tasks or self._resync or self._pending or self._pending_removed
+                        or (self.tokens is not None and self.tokens.waiting))  # fmt: skip
+            finally:
+                self._lock.release()
+            if not busy:
+                return True
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
@@ -449,12 +534,14 @@ class Publisher:
         self._thread.join(timeout_s)
         if self.relay is not None:
             self.relay.close()
-        if self.tokens is not None and self.tokens.log is not None:
-            self.tokens.log.close()
+        if self.record is not None and not self._thread.is_alive():
+            self.record.sync()
+            self.record.close()
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for s in (self._pub, self._replay):
-            if s is not None:
-                s.close(linger=0)
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close()
         self._ctx.term()
+

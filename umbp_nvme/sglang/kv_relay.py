@@ -9,8 +9,8 @@ CPU_PINNED events (``--kv-events-config``). With ``kv_events_engine_endpoint`` s
   registers one endpoint per worker (and DP rank) and sees every tier of it in one ordered stream,
   with one replay socket (ours) for all of it;
 - keeps, per engine block hash, the block's token ids and parent (a bounded LRU): a DISK page whose
-  event hash matches a block the engine announced is published with those tokens (PageTokens),
-  and they are kept beside the store (kv_tokens.py) so that a restart re-announces with them.
+  event hash matches a block the engine announced is published with those tokens (PageTokens);
+  the publisher records them beside the store (kv_tokens.py) so that a restart re-announces with them.
 
 A page the engine never announced under the same hash is not announced on DISK in this mode
 (counted as ``skipped_no_tokens``): its hash is namespaced (LoRA adapter, ``cache_salt``, the
@@ -123,10 +123,10 @@ class EngineRelay:
 
 class PageTokens:
     """Relay mode: a stored DISK page gets its tokens and parent from the engine's stream (the
-    relay's cache) or, for a page announced before a restart, from the token log (kv_tokens.py).
+    relay's cache) or, for a page announced before a restart, from the record (kv_tokens.py).
     A page whose tokens are not known yet waits up to TOKENS_GRACE_S, then is skipped (counted in
-    ``stats["skipped_no_tokens"]``). Pages announced with tokens are recorded in the log; removed
-    pages leave it. Runs on the publisher's thread only."""
+    ``stats["skipped_no_tokens"]``). Runs on the publisher's thread only; the publisher records
+    what it announces."""
 
     def __init__(self, relay: EngineRelay, token_log=None, stats: Optional[dict] = None):
         self.relay = relay
@@ -153,8 +153,6 @@ class PageTokens:
                 if self._waiting:  # never announce a page after its removal
                     gone = set(pages)
                     self._waiting = deque(w for w in self._waiting if w[1] not in gone)
-                if self.log is not None:
-                    self.log.drop(hash_str_to_int64(p) for p in pages)
                 out.append((kind, pages))
                 continue
             ready = []
@@ -167,7 +165,6 @@ class PageTokens:
                 else:
                     self.stats["skipped_no_tokens"] += 1
             if ready:
-                self._keep(ready)
                 out.append(("stored", ready))
         return out
 
@@ -185,17 +182,11 @@ class PageTokens:
             else:
                 keep.append((deadline, page, parent))
         self._waiting = keep
-        if not ready:
-            return []
-        self._keep(ready)
-        return [("stored", ready)]
+        return [("stored", ready)] if ready else []
 
     def resolve(self, pages: list) -> list:
         """A re-announcement: the pages whose tokens are known, each parent before its children
-        (Dynamo's indexer files a block under its parent), the rest skipped (counted). The log
-        forgets pages the store no longer holds."""
-        if self.log is not None:
-            self.log.retain({hash_str_to_int64(p) for p, _, _ in pages})
+        (Dynamo's indexer files a block under its parent), the rest skipped (counted)."""
         ready = []
         for page, parent, _ in pages:
             got = self.lookup(page)
@@ -204,10 +195,6 @@ class PageTokens:
             else:
                 ready.append((page, parent if parent is not None else got[1], got[0]))
         return parents_first(ready)
-
-    def _keep(self, ready: list) -> None:
-        if self.log is not None:
-            self.log.keep((hash_str_to_int64(p), _hash_of(parent), toks) for p, parent, toks in ready)
 
 
 def _hash_of(parent) -> Optional[int]:

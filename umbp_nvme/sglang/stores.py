@@ -141,15 +141,17 @@ def start_events(seam, store) -> None:
         return
     from .kv_events import Publisher
     from .kv_residency import Residency, attach, detach, drives_of
-    from .kv_tokens import FILE_NAME
+    from .kv_tokens import FILE_NAME, RECORD_SYNC_RELAXED_S
 
     prefix, sfx = ("", seam.v1_sfx) if seam.interface_v1 else (FLAT_KEY_PREFIX, (seam.scheme.flat_suffix,))
     rz = Residency(None, sfx, prefix=prefix)
     attach(store, rz)  # first: the publisher's first job is the snapshot of what the store holds
-    # relay mode: the pages' tokens beside the first open drive's store (never an unmounted root)
-    tokens_path = os.path.join(drives_of(store.store)[0].path, FILE_NAME) if cfg.engine_endpoint else None
+    # what subscribers were told (and the pages' tokens in relay mode), a copy beside every open
+    # drive's store (never an unmounted root): a lost drive loses no record (kv_tokens.py)
+    record_paths = [os.path.join(d.path, FILE_NAME) for d in drives_of(store.store)]
     try:
-        rz.pub = Publisher(cfg, seam.page_size, snapshot=rz.snapshot, resolve=rz.resolve, tokens_path=tokens_path)
+        rz.pub = Publisher(cfg, seam.page_size, snapshot=rz.snapshot, resolve=rz.resolve, record_paths=record_paths,
+                           record_sync_s=0.0 if store.store.strict else RECORD_SYNC_RELAXED_S)
     except Exception as e:  # noqa: BLE001 - a port in use costs the events, not the cache
         detach(store)
         log.error("umbp_nvme: KV events not published on %s: %r", cfg.endpoint, e)
@@ -369,11 +371,13 @@ def store_stats(seam) -> dict:
 
 
 def drive_rows(seam) -> list:
-    """The per-drive rows of this rank's store when it spans several drives ([] otherwise)."""
+    """The per-drive rows of this rank's store when it spans several drives ([] otherwise), read
+    on the calling thread (SyncPageStore.drive_rows): get_stats() runs on SGLang's scheduler
+    thread, which must never wait for the store's loop."""
     store = seam.main
     if store is None or len(seam.store_dirs) < 2:
         return []
     try:
-        return list(store.stats(timeout_s=1.0).get("drives") or [])
+        return store.drive_rows()
     except Exception:  # noqa: BLE001 - stats never fail a metrics call
         return []

@@ -395,13 +395,29 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
         per = [st.stats() if st is not None else {} for st in self.stores]
         out = merged_stats(per, self._unrouted_gets)
         out.update(
-            path=self.path, drives=[dict(h.row(s), drive=d, path=self.roots[d]) for d, (s, h) in
-                                    enumerate(zip(per, self.health))],
+            path=self.path, drives=[drive_row(d, h, s, r) for d, (s, h, r) in enumerate(zip(per, self.health, self.roots))],
             drives_total=len(per), drives_degraded=sum(1 for h in self.health if not h.healthy),
             drives_session_unrecorded=sum(1 for h in self.health if h.kind == UNRECORDED),
             removed_drives=self.removed_drives,
         )  # fmt: skip
         return out
+
+    def drive_rows_nowait(self) -> list[dict]:
+        """``stats()["drives"]`` from any thread, without the loop: each drive's
+        ``PageStore.stats_nowait`` and its health, plain reads (no lock, no syscall), so it answers
+        at once while the loop is busy, blocked, or waiting on a hung drive. Each value is current
+        when read; a row is not one transaction (its bytes may be a call ahead of its objects).
+        The lists are copied first: a drive added or removed meanwhile is in or out, whole."""
+        stores, health, roots = list(self.stores), list(self.health), list(self.roots)
+        return [drive_row(d, h, st.stats_nowait() if st is not None else {}, r)
+                for d, (st, h, r) in enumerate(zip(stores, health, roots))]  # fmt: skip
+
+    def refresh_object_counts(self) -> None:
+        """On the loop: a reader's drives count their objects again (what ``drive_rows_nowait``
+        reports for a reader; a writer's counts are always current)."""
+        for st in list(self.stores):
+            if st is not None and st.readonly and not st.closed:
+                st.object_count()
 
     # ----------------------------------------------------------------------------- close
 
@@ -428,6 +444,13 @@ class MultiDriveStore(CallChecks, DriveProbes, SessionSteps, DriveResidency):
 
     async def __aexit__(self, *exc):
         await self.close()
+
+
+def drive_row(d: int, health: DriveHealth, stats: dict, root: str) -> dict:
+    """Drive ``d``'s line in stats()["drives"] (drive_health.DriveHealth.row, numbered, at its root)."""
+    row = health.row(stats)
+    row["drive"], row["path"] = d, root
+    return row
 
 
 def merged_stats(per: list[dict], unrouted_gets: int) -> dict:

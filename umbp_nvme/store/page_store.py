@@ -302,12 +302,16 @@ class PageStore(
         return await self.state.gds_gate.route()
 
     def object_count(self) -> int:
-        """Objects stored: a writer counts its rows, a read-only opener asks the index (-1 when it cannot tell)."""
+        """Objects stored: a writer counts its rows, a read-only opener asks the index (-1 when it
+        cannot tell; a count it got is kept for ``stats_nowait``)."""
         if self.writer is None:
             try:
-                return self.state.watch.read(lambda ix: ix.count(), -1)
+                n = self.state.watch.read(lambda ix: ix.count(), -1)
             except Exception:  # noqa: BLE001
                 return -1
+            if n >= 0:
+                self.state.objects_seen = n
+            return n
         return len(self.writer.keys)
 
     def _tick(self) -> int:
@@ -414,6 +418,26 @@ class PageStore(
             )
         else:
             s.update(objects=self.object_count())
+        return s
+
+    def stats_nowait(self) -> dict:
+        """The counters, ``path``, ``capacity_bytes``, ``objects`` and ``bytes_used`` (what a drive's
+        stats row needs), callable from any thread while the loop runs: each value is one read
+        (the counters one C-level dict copy, atomic under the GIL), with no lock, no syscall and
+        no walk of anything the loop changes, so it answers at once while the loop is busy or
+        blocked. A read-only opener's ``objects`` is its last ``object_count()`` (``stats()``
+        refreshes it; -1 before the first): counting would read the index on the disk."""
+        w = self.writer
+        s = dict(self.state.counters)
+        s["path"] = self.state.path
+        s["capacity_bytes"] = self.state.capacity_bytes
+        if w is None:
+            s["objects"] = self.state.objects_seen
+            return s
+        keys, alloc = w.keys, w.alloc
+        s["objects"] = 0 if keys is None else len(keys)
+        if alloc is not None:
+            s["bytes_used"] = alloc.used_bytes
         return s
 
     # ----------------------------------------------------------------------------- in-flight tracking

@@ -56,6 +56,7 @@ class StoreState:
     late_completions: int = 0  # of those, ended since (== stalled_ops when none is in flight)
     stalled_wait_s: float = 0.0  # longest wait past io_timeout_s
     open_seconds: float | None = None  # how long the open took, once it succeeded
+    objects_seen: int = -1  # a reader's object count as of its last object_count() (stats_nowait reports it)
 
     def __post_init__(self) -> None:
         self.idle.set()

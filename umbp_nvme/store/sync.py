@@ -5,7 +5,10 @@ rely on) a running loop. Every call here is one ``run_coroutine_threadsafe`` hop
 that runs past a few ``io_timeout_s`` is cancelled and reports all-False, but only once the store
 call has really ended: until then the kernel may still read or write the caller's memory (the
 store waits for its completions; the block layer's own timeout bounds that). The exists calls
-skip the hop: they read the index directly (see ``PageStore.exists_*_nowait``).
+skip the hop: they read the index directly (see ``PageStore.exists_*_nowait``). So does
+``drive_rows``: over several drives, the loop thread keeps a snapshot of the per-drive stats rows
+(taken at the end of every call made here, and every ``ROWS_REFRESH_S``), which any thread reads
+without a lock: SGLang's scheduler thread reads it on every pass.
 
 Reads: its PageStore through its public calls. Changes: its own loop thread only.
 """
@@ -25,6 +28,25 @@ from .page_store import PageStore
 log = logging.getLogger("umbp_nvme.sync_store")  # the name operators know; kept across the move
 
 CALL_SLACK_S = 5.0  # a call may wait on a few io_timeout_s-bounded steps (evict, write, sync, commit)
+ROWS_REFRESH_S = 0.25  # drive_rows shows changes made outside our calls (probes, stall timers) within this long
+COUNT_REFRESH_S = 1.0  # a reader's per-drive object counts (drive_rows) are at most about this old
+
+
+async def _on_loop(fn):
+    return fn()
+
+
+class ReadOnlyRow(dict):
+    """A drive's stats row in the snapshot ``drive_rows`` hands out: a dict (JSON, ``==``, reads)
+    that refuses changes, so every caller can be handed the same one without a copy."""
+
+    def _refuse(self, *a, **kw):
+        raise TypeError("a drive row is a read-only snapshot shared by every caller; copy it first: dict(row)")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):  # pickles (and deep-copies) as the plain dict it holds
+        return (dict, (dict(self),))
 
 
 class SyncPageStore:
@@ -60,6 +82,8 @@ class SyncPageStore:
         self._thread.start()
         self._closed = False
         self._closed_logged = False
+        self._rows: tuple = ()  # drive_rows' snapshot: replaced whole on the loop thread, read anywhere
+        self._counts_due = 0.0  # when a reader's object counts are next refreshed (loop thread)
         self.metrics = None  # a metrics.StoreWatch while exported: times each batch call
         try:
             self.store: PageStore | MultiDriveStore = self._call(
@@ -69,6 +93,8 @@ class SyncPageStore:
                     hooks=hooks,
                 )  # fmt: skip
             )
+            if isinstance(self.store, MultiDriveStore):
+                self._call(_on_loop(self._rows_tick))  # the first snapshot, then one every ROWS_REFRESH_S
         except BaseException:
             self._stop_loop()
             raise
@@ -88,8 +114,36 @@ class SyncPageStore:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
+    def _rows_now(self) -> None:
+        """On the loop thread: a new drive_rows snapshot (several drives only). Never raises: it
+        ends every call."""
+        store = getattr(self, "store", None)
+        if isinstance(store, MultiDriveStore):
+            try:
+                self._rows = tuple(map(ReadOnlyRow, store.drive_rows_nowait()))
+            except Exception as e:  # noqa: BLE001 - the rows stay as they were; the call's answer stands
+                log.debug("%s: drive rows not refreshed: %r", store.path, e)
+
+    def _rows_tick(self) -> None:
+        """On the loop thread, every ROWS_REFRESH_S while open: the snapshot follows what changes
+        outside our calls (probes, stall timers), and a reader counts its objects again."""
+        if self._closed:
+            return
+        now = time.monotonic()
+        if self.store.readonly and now >= self._counts_due:
+            self._counts_due = now + COUNT_REFRESH_S
+            self.store.refresh_object_counts()
+        self._rows_now()
+        self._loop.call_later(ROWS_REFRESH_S, self._rows_tick)
+
+    async def _then_rows(self, coro):
+        try:
+            return await coro
+        finally:
+            self._rows_now()  # before the caller gets the answer: its call's effects are in the rows
+
     def _call(self, coro, timeout: float | None = None):
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._then_rows(coro), self._loop)
         try:
             return fut.result(timeout if timeout is not None else self._timeout_s)
         except concurrent.futures.TimeoutError:
@@ -116,6 +170,7 @@ class SyncPageStore:
             try:
                 return await coro
             finally:
+                self._rows_now()  # before the caller gets the answer: its call's effects are in the rows
                 ended.set()
 
         fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
@@ -219,6 +274,15 @@ class SyncPageStore:
             return self.store.stats()
 
         return self._call(st(), timeout_s)
+
+    def drive_rows(self) -> list[dict]:
+        """``stats()["drives"]`` without the loop hop, for callers that must never wait (SGLang's
+        scheduler thread, docs/sglang.md §2): a new list of the loop's snapshot rows (read-only
+        dicts, ``ReadOnlyRow``: shared, never copied), which include every call made through this
+        object that has returned and are at most ``ROWS_REFRESH_S`` behind anything else (a
+        reader's object counts ``COUNT_REFRESH_S``). [] for a single drive. While the loop is
+        blocked it answers at once, with the rows as they were."""
+        return list(self._rows)
 
     def flush(self) -> bool:
         """fdatasync segments and index; True when all of it is durable. False on a closed store,
