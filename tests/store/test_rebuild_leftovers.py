@@ -35,7 +35,8 @@ def copies(path: str) -> list[str]:
         stamp, _, n = f[len(INDEX_FILE + ".corrupt-"):].partition(".")
         return stamp, int(n or 0)
 
-    return sorted((f for f in beside(path) if f.startswith(INDEX_FILE + ".corrupt-2")), key=order)
+    return sorted((f for f in beside(path) if f.startswith(INDEX_FILE + ".corrupt-2")
+                   and os.path.isfile(os.path.join(path, f))), key=order)
 
 
 async def served(path: str, model: dict[str, int]) -> dict[str, int | None]:
@@ -74,6 +75,8 @@ async def test_repeated_rebuilds_leave_at_most_the_newest_damaged_copies(tmp_pat
     for f in old + theirs:
         with open(os.path.join(path, f), "wb") as fh:
             fh.write(f.encode())
+    os.mkdir(os.path.join(path, INDEX_FILE + ".corrupt-20200101-000000"))  # a directory of that name: not a copy
+    theirs = sorted(theirs + [INDEX_FILE + ".corrupt-20200101-000000"])
     caplog.set_level(logging.WARNING, logger="umbp_nvme")
 
     for r in range(4):  # verify --rebuild-index on a sound index: not kept; the old copies pruned to two

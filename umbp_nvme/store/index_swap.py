@@ -62,10 +62,11 @@ def _copies(ipath: str) -> list[tuple[tuple[str, int], str]]:
     d, base = os.path.split(ipath)
     pat = re.compile(re.escape(base) + r"\.corrupt-(\d{8}-\d{6})(?:\.(\d+))?")
     found = []
-    for name in os.listdir(d or "."):
-        m = pat.fullmatch(name)
-        if m:
-            found.append(((m.group(1), int(m.group(2) or 0)), os.path.join(d, name)))
+    with os.scandir(d or ".") as it:
+        for e in it:
+            m = pat.fullmatch(e.name)
+            if m and not e.is_dir(follow_symlinks=False):  # a directory of that name is not a copy of ours
+                found.append(((m.group(1), int(m.group(2) or 0)), os.path.join(d, e.name)))
     return sorted(found)
 
 
@@ -92,8 +93,10 @@ def prune_damaged(ipath: str, keep: int) -> list[str]:
             os.unlink(p)  # a symlink planted there is removed, never followed
         except FileNotFoundError:
             continue
-        except IsADirectoryError:
-            continue  # not a copy of ours
+        except OSError as e:  # a copy that stays costs space, not data: the rebuild goes on
+            log.warning("%s: cannot remove the older damaged copy %s (%s); remove it by hand",
+                        os.path.dirname(ipath) or ".", p, e.strerror or e)  # fmt: skip
+            continue
         log.warning("%s: removed an older damaged copy of the index, %s (at most %d are kept)",
                     os.path.dirname(ipath) or ".", p, DAMAGED_COPIES_KEPT)  # fmt: skip
         gone.append(p)
@@ -143,10 +146,22 @@ def settle_leftovers(ipath: str, map_size: int) -> str | None:
     Returns a sentence for the log, None when there was nothing."""
     done = _settle_temp(ipath, map_size)
     old = ipath + REPLACED_SUFFIX
-    if os.path.lexists(old) and os.path.lexists(ipath):
-        os.unlink(old)
+    if os.path.lexists(old) and os.path.lexists(ipath) and _remove_replaced(old):
         done = f"{done}; removed {old}" if done else f"removed {old} (the index it was replaced by is in place)"
     return done
+
+
+def _remove_replaced(old: str) -> bool:
+    """Remove a replaced sound index; one that cannot be removed is logged and left for the next try."""
+    try:
+        os.unlink(old)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        log.warning("%s: cannot remove %s, a replaced index (%s); the next writer tries again, or remove it",
+                    os.path.dirname(old) or ".", old, e.strerror or e)  # fmt: skip
+        return False
 
 
 def _settle_temp(ipath: str, map_size: int) -> str | None:
@@ -245,7 +260,7 @@ def replace_index(ipath: str, map_size: int, fill, *, state: bytes, old_damaged:
     sync_dir(os.path.dirname(ipath) or ".")
     step("dir_synced")
     if dest is not None and not keep_old:
-        os.unlink(dest)  # the new file is at the path and the rename durable: the sound old one is not needed
+        _remove_replaced(dest)  # the new file is at the path and the rename durable: the sound old one is not needed
         dest = None
     step("old_removed")
     return dest
