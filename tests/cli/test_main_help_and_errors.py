@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import ROOT
@@ -28,12 +27,10 @@ def test_no_subcommand_prints_help_and_exits_2(capsys):
     assert "warmup" in capsys.readouterr().out
 
 
-def test_demo_runs_round_trip_quickly_and_reports_ok(capsys):
-    t0 = time.perf_counter()
-    rc = cli.main(["demo"])
-    dt = time.perf_counter() - t0
+def test_demo_runs_round_trip_and_reports_ok(capsys):
+    rc = cli.main(["demo"])  # how fast is what it prints (GB/s, CPU us/obj), not a bound here
     out = capsys.readouterr().out
-    assert rc == 0 and dt < 30
+    assert rc == 0
     assert "OK - every byte read back matches" in out and "GB/s" in out and "CPU us/obj" in out
 
 

@@ -212,7 +212,8 @@ def test_resume_after_sigint_imports_each_key_exactly_once(tmp_path):
     b = str(tmp_path / "b")
     cmd = [sys.executable, "-m", "umbp_nvme.cli", "warmup", "--store", b, *CAP, "--batch-size", "256k", "--json"]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen(cmd + ["--max-gbps", "0.003", arc], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # at the floor rate (1 MB/s) the import takes ~8 s, the interrupt comes at 10 objects (~0.7 MB)
+    p = subprocess.Popen(cmd + ["--max-gbps", "0.001", arc], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
     n = 0
     while time.time() < deadline and p.poll() is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.server
 import json
 import threading
-import time
 
 import pytest
 
@@ -18,6 +17,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
     in_flight = 0
     max_in_flight = 0
     fail_text = None
+    hold_until = 0  # > 0: the first requests wait (up to 30 s) until this many are in flight at once
+    overlapped: threading.Event
 
     def do_POST(self):  # noqa: N802 - http.server's name
         n = int(self.headers.get("Content-Length", 0))
@@ -27,7 +28,12 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
             cls.in_flight += 1
             cls.max_in_flight = max(cls.max_in_flight, cls.in_flight)
             cls.received.append((self.path, body))
-        time.sleep(0.05)  # long enough for requests to overlap
+            if cls.in_flight >= cls.hold_until:
+                cls.overlapped.set()
+        # overlap seen by the server, not hoped for from a sleep: a replay that sends one request
+        # at a time leaves the first waiting here 30 s (then no one waits), and max_in_flight stays low
+        if not cls.overlapped.wait(30):
+            cls.overlapped.set()
         with cls.lock:
             cls.in_flight -= 1
         if cls.fail_text is not None and body.get("text") == cls.fail_text:
@@ -47,7 +53,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    handler = type("H", (_Recorder,), {"received": [], "lock": threading.Lock(), "in_flight": 0, "max_in_flight": 0})
+    handler = type("H", (_Recorder,), {"received": [], "lock": threading.Lock(), "in_flight": 0, "max_in_flight": 0,
+                                       "overlapped": threading.Event()})  # fmt: skip
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
     t.start()
@@ -60,6 +67,7 @@ def server():
 
 def test_replay_sends_every_prompt_to_generate_with_one_new_token_n_in_flight(tmp_path, capsys, server):
     httpd, h = server
+    h.hold_until = 4  # the first requests answer once four are in flight together
     prompts = tmp_path / "prompts.jsonl"
     lines = ['"plain string prompt"', json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 50, "top_p": 0.9}}),
              json.dumps({"prompt": "from prompt field"}), json.dumps({"input_ids": [1, 2, 3]}), ""]
@@ -77,7 +85,7 @@ def test_replay_sends_every_prompt_to_generate_with_one_new_token_n_in_flight(tm
     assert {b.get("text") for b in bodies} >= {"plain string prompt", "hello", "from prompt field"}
     assert [1, 2, 3] in [b.get("input_ids") for b in bodies]
     assert next(b for b in bodies if b.get("text") == "hello")["sampling_params"]["top_p"] == 0.9
-    assert 2 <= h.max_in_flight <= 4
+    assert h.max_in_flight == 4  # --concurrency 4: four at once, never a fifth
 
 
 def test_replay_counts_server_errors_and_exits_1(tmp_path, capsys, server):

@@ -405,7 +405,7 @@ def test_register_buffers_beyond_memlock_fails_with_enomem(tmp_path):
 # ud_base, auto_fixed, reap_batches
 
 
-def _wait_ready(ring, n, timeout_s=10.0):
+def _wait_ready(ring, n, timeout_s=30.0):
     """Block until at least n CQEs are ready (they are not reaped)."""
     import time
 

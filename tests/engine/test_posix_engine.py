@@ -6,7 +6,6 @@ import asyncio
 import errno
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +16,8 @@ from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.engine import EngineClosed, IoEngine, open_data_file
 from umbp_nvme.engine import posix as posix_mod
 from umbp_nvme.engine.posix import PosixEngine
+
+from support.waits import until
 
 MiB = 1 << 20
 
@@ -191,13 +192,13 @@ async def test_register_buffers_is_declined(engine):
         assert engine.register_buffers([(buf.address, buf.nbytes)]) is False
 
 
-def _slow_preadv(monkeypatch, started: threading.Event, per_op_s: float, counter: list):
+def _held_preadv(monkeypatch, gate: threading.Event, counter: list):
+    """Every preadv waits for ``gate`` (30 s at most, so a failed test cannot hang a worker), then reads."""
     real = os.preadv
 
     def fn(fd, bufs, off):
         counter[0] += 1
-        started.set()
-        time.sleep(per_op_s)
+        gate.wait(30)
         return real(fd, bufs, off)
 
     monkeypatch.setattr(posix_mod.os, "preadv", fn)
@@ -206,27 +207,31 @@ def _slow_preadv(monkeypatch, started: threading.Event, per_op_s: float, counter
 async def test_close_with_ops_in_flight_fails_pending_awaits(tmp_path, monkeypatch):
     eng = PosixEngine(64, workers=4)
     f = open_data_file(tmp_path / "d", create=True, size=1 * MiB, direct=False)
-    started, count = threading.Event(), [0]
-    _slow_preadv(monkeypatch, started, 0.05, count)
+    gate, count = threading.Event(), [0]
+    _held_preadv(monkeypatch, gate, count)
     buf = np.zeros(200 * 4096, dtype=np.uint8)
     addrs = buf.ctypes.data + np.arange(200, dtype=np.uint64) * 4096
     tasks = [asyncio.ensure_future(eng.read_many(f.fd, np.arange(200) * 4096, addrs, np.full(200, 4096))) for _ in range(3)]
     sync_task = asyncio.ensure_future(eng.sync(f.fd))
-    while not started.is_set():
-        await asyncio.sleep(0.005)
-    # syncs run on the write workers: not queued behind the slow reads
-    assert await asyncio.wait_for(sync_task, 1.0) is None
-    assert not any(t.done() for t in tasks)
-    t0 = time.monotonic()
-    eng.close()
-    eng.close()  # idempotent
+    try:
+        assert await until(lambda: count[0] == 4, 30)  # each of the 4 read workers holds one op
+        # syncs run on the write workers: queued behind the held reads, this would never return
+        assert await asyncio.wait_for(sync_task, 30) is None
+        assert not any(t.done() for t in tasks)
+        eng.close()
+        eng.close()  # idempotent
+        for _ in range(10):
+            await asyncio.sleep(0)
+        # each fails once its running ops returned: the first batch's 4 are held, the others had none
+        assert [t.done() for t in tasks] == [False, True, True]
+    finally:
+        gate.set()
     for t in tasks:
         with pytest.raises(EngineClosed):
             await asyncio.wait_for(t, 30)  # a hang guard, not a speed bound
     ran = count[0]
     await asyncio.sleep(0.2)
-    assert count[0] == ran  # nothing touches caller memory after the awaits failed
-    assert ran < 600
+    assert count[0] == ran == 4  # nothing started after close, nothing touches caller memory after the awaits
     with pytest.raises(EngineClosed):
         await eng.read_many(f.fd, [0], [buf.ctypes.data], [4096])
     f.close()
@@ -235,19 +240,24 @@ async def test_close_with_ops_in_flight_fails_pending_awaits(tmp_path, monkeypat
 async def test_cancelled_await_returns_only_after_running_ops_stop(tmp_path, monkeypatch):
     eng = PosixEngine(64, workers=4)
     f = open_data_file(tmp_path / "d", create=True, size=1 * MiB, direct=False)
-    started, count = threading.Event(), [0]
-    _slow_preadv(monkeypatch, started, 0.05, count)
+    gate, count = threading.Event(), [0]
+    _held_preadv(monkeypatch, gate, count)
     buf = np.zeros(100 * 4096, dtype=np.uint8)
     addrs = buf.ctypes.data + np.arange(100, dtype=np.uint64) * 4096
     task = asyncio.ensure_future(eng.read_many(f.fd, np.arange(100) * 4096, addrs, np.full(100, 4096)))
-    while not started.is_set():
-        await asyncio.sleep(0.005)
-    task.cancel()
+    try:
+        assert await until(lambda: count[0] == 4, 30)  # each of the 4 workers holds one op
+        task.cancel()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not task.done()  # a running preadv may still write the caller's memory: the await waits
+    finally:
+        gate.set()
     with pytest.raises(asyncio.CancelledError):
         await task
     ran = count[0]
     await asyncio.sleep(0.2)
-    assert count[0] == ran and ran < 100
+    assert count[0] == ran == 4  # the ops that were running, no more
     # The engine is still usable afterwards.
     monkeypatch.undo()
     assert (await eng.read_many(f.fd, [0], [buf.ctypes.data], [4096])).tolist() == [4096]

@@ -1,15 +1,20 @@
-"""Reads first, part 2: write batches reach the device in bounded slices; reads go ahead (issue 13)."""
+"""Reads first, part 2: write batches reach the device in bounded slices; reads go ahead (issue 13).
+
+The FakeDevice tests run on a virtual-time loop (tests/support/virtual_time.py) with the Arbiter on
+that loop's clock: "sleep 12 ms, then look" sees what 12 ms of device time produce, never what a
+loaded machine's scheduler let through (a wall-clock version failed once under load).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import numpy as np
 import pytest
 
 from conftest import open_direct
+from support.virtual_time import run_virtual
 from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.config import StoreConfig, load_config
 from umbp_nvme.engine.arbiter import READ_SLICE_FLOOR, WINDOW_SLICES, Arbiter, slice_bounds, write_sliced
@@ -31,7 +36,8 @@ def test_slice_bounds_cover_every_op_once_in_order():
 
 
 class FakeDevice:
-    """run(...) for write_sliced: each call is one slice at the device, taking `per_mib_s` per MiB."""
+    """run(...) for write_sliced: each call is one slice at the device, taking `per_mib_s` per MiB of
+    the running loop's time (virtual in these tests); slices run side by side."""
 
     def __init__(self, per_mib_s=0.002):
         self.per_mib_s = per_mib_s
@@ -45,114 +51,137 @@ class FakeDevice:
         self.sizes.append(n)
         self.inflight += n
         self.max_inflight = max(self.max_inflight, self.inflight)
-        self.log.append(("start", time.monotonic(), self.inflight))
-        t_end = time.monotonic() + self.per_mib_s * n / MiB
+        loop = asyncio.get_running_loop()
+        self.log.append(("start", loop.time(), self.inflight))
+        t_end = loop.time() + self.per_mib_s * n / MiB
         try:
-            await asyncio.sleep(t_end - time.monotonic())
+            await asyncio.sleep(t_end - loop.time())
         except asyncio.CancelledError:  # like the kernel: a started op runs to its end first
-            await asyncio.sleep(max(0.0, t_end - time.monotonic()))
+            await asyncio.sleep(max(0.0, t_end - loop.time()))
             self.inflight -= n
             raise
         self.inflight -= n
-        self.log.append(("end", time.monotonic(), n))
+        self.log.append(("end", loop.time(), n))
         return np.asarray(lens, np.int64) - 1  # distinguishable per-op results
 
 
 @pytest.mark.parametrize("window", [None, 1, 2])  # None: the default (WINDOW_SLICES)
-async def test_write_window_bounds_bytes_in_flight_and_keeps_results_in_op_order(window):
-    dev, arb = FakeDevice(), Arbiter(4 * MiB, window_slices=window)
-    assert arb.window_slices == (WINDOW_SLICES if window is None else window)
-    n = 40
-    lens = np.full(n, MiB, np.int64) + np.arange(n)  # 40 ops of ~1 MiB: ~10 slices
-    res = await write_sliced(dev.run, arb, 3, np.arange(n) * 2 * MiB, np.arange(n, dtype=np.uint64) + 1, lens)
-    assert res.tolist() == (lens - 1).tolist()
-    assert dev.max_inflight <= arb.window_slices * 4 * MiB
-    assert arb.stats["write_slices"] == len(slice_bounds(lens, 4 * MiB)) >= 9
-    # two concurrent batches share the one window
-    dev2 = FakeDevice()
-    a, b = (write_sliced(dev2.run, arb, 3, np.zeros(20), np.ones(20, np.uint64), np.full(20, MiB)) for _ in range(2))
-    ra, rb = await asyncio.gather(a, b)
-    assert ra.tolist() == rb.tolist() == [MiB - 1] * 20 and dev2.max_inflight <= arb.window_slices * 4 * MiB
+def test_write_window_bounds_bytes_in_flight_and_keeps_results_in_op_order(window):
+    async def main(loop):
+        dev, arb = FakeDevice(), Arbiter(4 * MiB, window_slices=window, clock=loop.time)
+        assert arb.window_slices == (WINDOW_SLICES if window is None else window)
+        n = 40
+        lens = np.full(n, MiB, np.int64) + np.arange(n)  # 40 ops of ~1 MiB: ~10 slices
+        res = await write_sliced(dev.run, arb, 3, np.arange(n) * 2 * MiB, np.arange(n, dtype=np.uint64) + 1, lens)
+        assert res.tolist() == (lens - 1).tolist()
+        assert dev.max_inflight <= arb.window_slices * 4 * MiB
+        assert arb.stats["write_slices"] == len(slice_bounds(lens, 4 * MiB)) >= 9
+        # two concurrent batches share the one window
+        dev2 = FakeDevice()
+        a, b = (write_sliced(dev2.run, arb, 3, np.zeros(20), np.ones(20, np.uint64), np.full(20, MiB))
+                for _ in range(2))  # fmt: skip
+        ra, rb = await asyncio.gather(a, b)
+        assert ra.tolist() == rb.tolist() == [MiB - 1] * 20 and dev2.max_inflight <= arb.window_slices * 4 * MiB
+
+    run_virtual(main)
 
 
-async def test_without_slicing_the_whole_batch_goes_at_once():
-    dev = FakeDevice()
-    res = await write_sliced(dev.run, None, 3, np.zeros(16), np.ones(16, np.uint64), np.full(16, MiB))
-    assert res.tolist() == [MiB - 1] * 16 and dev.max_inflight == 16 * MiB
-    dev = FakeDevice()
-    await write_sliced(dev.run, Arbiter(0), 3, np.zeros(16), np.ones(16, np.uint64), np.full(16, MiB))
-    assert dev.max_inflight == 16 * MiB
+def test_without_slicing_the_whole_batch_goes_at_once():
+    async def main(loop):
+        dev = FakeDevice()
+        res = await write_sliced(dev.run, None, 3, np.zeros(16), np.ones(16, np.uint64), np.full(16, MiB))
+        assert res.tolist() == [MiB - 1] * 16 and dev.max_inflight == 16 * MiB
+        dev = FakeDevice()
+        await write_sliced(dev.run, Arbiter(0), 3, np.zeros(16), np.ones(16, np.uint64), np.full(16, MiB))
+        assert dev.max_inflight == 16 * MiB
+
+    run_virtual(main)
 
 
-async def test_a_read_behind_a_queued_write_batch_finishes_before_its_last_slice():
-    # one cut slice beside reads (read_window_slices=1), so the narrowing is visible against the full window
-    dev, arb = FakeDevice(per_mib_s=0.004), Arbiter(2 * MiB, quiet_s=1.0, window_slices=2, read_window_slices=1)
-    n = 32  # 32 MiB in 16 slices of 2 MiB, ~8 ms each
-    write = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB)))
-    await asyncio.sleep(0.012)  # the batch is at the device and most of it queued in the window
-    assert dev.inflight == 2 * 2 * MiB  # no reads yet: the full window
-    arb.read_started()
-    t_read0 = time.monotonic()
-    await asyncio.sleep(0.040)  # the read's own time at the device
-    arb.read_done()
-    t_read1 = time.monotonic()
-    await write
-    ends = [t for ev, t, _ in dev.log if ev == "end"]
-    assert t_read1 < max(ends)  # the read did not wait for the batch
-    after = [inflight for ev, t, inflight in dev.log if ev == "start" and t > t_read0 + 0.010]
-    # once the slices queued before the read ended, one slice at a time: during and quiet_s after it
-    assert after and max(after) <= 2 * MiB
-    assert arb.stats["write_slices_held"] > 0
+def test_a_read_behind_a_queued_write_batch_finishes_before_its_last_slice():
+    async def main(loop):
+        # one cut slice beside reads (read_window_slices=1), so the narrowing is visible against the full window
+        dev = FakeDevice(per_mib_s=0.004)
+        arb = Arbiter(2 * MiB, quiet_s=1.0, window_slices=2, read_window_slices=1, clock=loop.time)
+        n = 32  # 32 MiB in 16 slices of 2 MiB, 8 ms each
+        write = asyncio.ensure_future(
+            write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB)))
+        await asyncio.sleep(0.012)  # the batch is at the device and most of it queued in the window
+        assert dev.inflight == 2 * 2 * MiB  # no reads yet: the full window
+        arb.read_started()
+        t_read0 = loop.time()
+        await asyncio.sleep(0.040)  # the read's own time at the device
+        arb.read_done()
+        t_read1 = loop.time()
+        await write
+        ends = [t for ev, t, _ in dev.log if ev == "end"]
+        assert t_read1 < max(ends)  # the read did not wait for the batch
+        after = [inflight for ev, t, inflight in dev.log if ev == "start" and t > t_read0 + 0.010]
+        # once the slices queued before the read ended, one slice at a time: during and quiet_s after it
+        assert after and max(after) <= 2 * MiB
+        assert arb.stats["write_slices_held"] > 0
+
+    run_virtual(main)
 
 
 @pytest.mark.parametrize("hold_reads", [True, False])
-async def test_the_window_widens_again_once_reads_are_quiet(hold_reads):
-    dev, arb = FakeDevice(per_mib_s=0.004), Arbiter(MiB, quiet_s=0.03, window_slices=2, hold_reads=hold_reads,
-                                                     read_window_slices=1)  # fmt: skip
-    arb.read_started()
-    arb.read_done()  # a read just ended: one slice at a time for 30 ms (unless reads never narrow it)
-    n = 40  # 40 slices of ~4 ms (the fake device runs the two of a full window side by side)
-    t0 = time.monotonic()
-    await write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB))
-    starts = [(t - t0, inflight) for ev, t, inflight in dev.log if ev == "start"]
-    early = [i for t, i in starts if t < 0.02]
-    late = [i for t, i in starts if t > 0.045]
-    assert max(early) == (MiB if hold_reads else 2 * MiB)
-    assert max(late) == 2 * MiB  # quiet: the next slice is queued behind the running one again
+def test_the_window_widens_again_once_reads_are_quiet(hold_reads):
+    async def main(loop):
+        dev = FakeDevice(per_mib_s=0.004)
+        arb = Arbiter(MiB, quiet_s=0.03, window_slices=2, hold_reads=hold_reads, read_window_slices=1,
+                      clock=loop.time)  # fmt: skip
+        arb.read_started()
+        arb.read_done()  # a read just ended: one slice at a time for 30 ms (unless reads never narrow it)
+        n = 40  # 40 slices of 4 ms (the fake device runs the two of a full window side by side)
+        t0 = loop.time()
+        await write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB))
+        starts = [(t - t0, inflight) for ev, t, inflight in dev.log if ev == "start"]
+        early = [i for t, i in starts if t < 0.02]
+        late = [i for t, i in starts if t > 0.045]
+        assert max(early) == (MiB if hold_reads else 2 * MiB)
+        assert max(late) == 2 * MiB  # quiet: the next slice is queued behind the running one again
+
+    run_virtual(main)
 
 
-async def test_a_never_ending_read_stream_still_lets_the_backup_move():
-    dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(MiB, window_slices=2)
-    arb.read_started()  # a read stream that never ends
-    try:
-        t0 = time.monotonic()
-        res = await asyncio.wait_for(
-            write_sliced(dev.run, arb, 3, np.zeros(8), np.ones(8, np.uint64), np.full(8, MiB)), 30.0
-        )  # a hang guard: a starved backup never returns
-        assert res.tolist() == [MiB - 1] * 8
-        assert arb.read_window_slices == 2  # the default: two cut slices, every slice moved
-        assert dev.max_inflight == 2 * MiB
-    finally:
-        arb.read_done()
+def test_a_never_ending_read_stream_still_lets_the_backup_move():
+    async def main(loop):
+        dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(MiB, window_slices=2, clock=loop.time)
+        arb.read_started()  # a read stream that never ends
+        try:
+            res = await asyncio.wait_for(
+                write_sliced(dev.run, arb, 3, np.zeros(8), np.ones(8, np.uint64), np.full(8, MiB)), 30.0
+            )  # a starved backup never returns: 30 s of virtual time pass at once and this raises
+            assert res.tolist() == [MiB - 1] * 8
+            assert arb.read_window_slices == 2  # the default: two cut slices, every slice moved
+            assert dev.max_inflight == 2 * MiB
+        finally:
+            arb.read_done()
+
+    run_virtual(main)
 
 
 @pytest.mark.parametrize("op_mib", [1, 4])
-async def test_beside_reads_the_read_window_keeps_that_many_cut_slices_in_flight(op_mib):
+def test_beside_reads_the_read_window_keeps_that_many_cut_slices_in_flight(op_mib):
     """read_window_slices=2: the next cut slice is queued behind the running one (the device never
     waits for the loop between slices), never a third; an op larger than the cut is one slice."""
-    dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, read_window_slices=2)
-    assert arb.read_slice_bytes == 2 * MiB
-    arb.read_started()
-    try:
-        n = 32 // op_mib
-        res = await write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, op_mib * MiB))
-    finally:
-        arb.read_done()
-    assert res.tolist() == [op_mib * MiB - 1] * n
-    starts = [inflight for ev, _, inflight in dev.log if ev == "start"]
-    assert max(starts) == 2 * max(2, op_mib) * MiB  # two slices side by side, not three
-    assert set(dev.sizes) == {max(2, op_mib) * MiB}  # every slice cut to the read slice (or one op)
-    assert arb.granted == (0, 0)  # every grant handed back
+
+    async def main(loop):
+        dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, read_window_slices=2, clock=loop.time)
+        assert arb.read_slice_bytes == 2 * MiB
+        arb.read_started()
+        try:
+            n = 32 // op_mib
+            res = await write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, op_mib * MiB))
+        finally:
+            arb.read_done()
+        assert res.tolist() == [op_mib * MiB - 1] * n
+        starts = [inflight for ev, _, inflight in dev.log if ev == "start"]
+        assert max(starts) == 2 * max(2, op_mib) * MiB  # two slices side by side, not three
+        assert set(dev.sizes) == {max(2, op_mib) * MiB}  # every slice cut to the read slice (or one op)
+        assert arb.granted == (0, 0)  # every grant handed back
+
+    run_virtual(main)
     with pytest.raises(ValueError, match="read_window_slices"):
         Arbiter(8 * MiB, read_window_slices=0)
 
@@ -235,72 +264,90 @@ def test_bench_mixed_module_runs_as_a_script():
     assert "umbp-nvme bench mixed" in proc.stdout and "--read-fraction" in proc.stdout
 
 
-async def test_slices_are_cut_while_reads_are_about_and_full_when_idle():
-    dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, quiet_s=0.0)  # full again once the read ends
-    n = 160  # 160 MiB of 1 MiB ops, submitted while idle: 8 MiB slices, two in flight
-    write = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB)))
-    await asyncio.sleep(0.020)
-    idle = list(dev.sizes)
-    assert idle and set(idle) == {8 * MiB} and dev.max_inflight == 16 * MiB
-    arb.read_started()  # slices queued before the read are cut when their turn comes
-    mark = len(dev.sizes)
-    await asyncio.sleep(0.060)
-    arb.read_done()
-    during = dev.sizes[mark + 1:]  # one slice may have been granted in the same step as the read began
-    assert during and set(during) == {2 * MiB}  # a quarter of 8 MiB
-    mark = len(dev.sizes)
-    res = await write
-    assert res.tolist() == [MiB - 1] * n
-    after = dev.sizes[mark + 1:-1]  # past one granted beside the read; the last may be a short tail
-    assert after and set(after) == {8 * MiB}  # quiet again: full slices
-    assert sum(dev.sizes) == n * MiB and arb.stats["write_slices_cut"] >= len(during)
-    assert arb.granted[0] == 0 and not arb.waiting
-
-
-async def test_beside_reads_one_cut_slice_at_a_time_and_small_batches_go_whole():
-    dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(8 * MiB, read_slice_fraction=0.5, read_window_slices=1)  # 4 MiB
-    arb.read_started()
-    try:
-        res = await write_sliced(dev.run, arb, 3, np.zeros(20), np.ones(20, np.uint64), np.full(20, MiB))
-        assert res.tolist() == [MiB - 1] * 20
-        assert dev.sizes == [4 * MiB] * 5 and dev.max_inflight == 4 * MiB
-        dev.sizes.clear()
-        await write_sliced(dev.run, arb, 3, np.zeros(3), np.ones(3, np.uint64), np.full(3, MiB))
-        await write_sliced(dev.run, arb, 3, np.zeros(6), np.ones(6, np.uint64), np.full(6, MiB))
-        assert dev.sizes == [3 * MiB, 4 * MiB, 2 * MiB]
-    finally:
+def test_slices_are_cut_while_reads_are_about_and_full_when_idle():
+    async def main(loop):
+        # quiet_s=0: full again once the read ends
+        dev, arb = FakeDevice(per_mib_s=0.002), Arbiter(8 * MiB, quiet_s=0.0, clock=loop.time)
+        n = 160  # 160 MiB of 1 MiB ops, submitted while idle: 8 MiB slices, two in flight
+        write = asyncio.ensure_future(
+            write_sliced(dev.run, arb, 3, np.zeros(n), np.ones(n, np.uint64), np.full(n, MiB)))
+        await asyncio.sleep(0.020)
+        idle = list(dev.sizes)
+        assert idle and set(idle) == {8 * MiB} and dev.max_inflight == 16 * MiB
+        arb.read_started()  # slices queued before the read are cut when their turn comes
+        mark = len(dev.sizes)
+        await asyncio.sleep(0.060)
         arb.read_done()
-    arb.quiet_s = 0.0
-    dev.sizes.clear()
-    await write_sliced(dev.run, arb, 3, np.zeros(6), np.ones(6, np.uint64), np.full(6, MiB))
-    assert dev.sizes == [6 * MiB]  # no reads about: one full-size slice
+        during = dev.sizes[mark + 1:]  # one slice may have been granted in the same step as the read began
+        assert during and set(during) == {2 * MiB}  # a quarter of 8 MiB
+        mark = len(dev.sizes)
+        res = await write
+        assert res.tolist() == [MiB - 1] * n
+        after = dev.sizes[mark + 1:-1]  # past one granted beside the read; the last may be a short tail
+        assert after and set(after) == {8 * MiB}  # quiet again: full slices
+        assert sum(dev.sizes) == n * MiB and arb.stats["write_slices_cut"] >= len(during)
+        assert arb.granted[0] == 0 and not arb.waiting
+
+    run_virtual(main)
 
 
-async def test_a_failed_slice_stops_the_batch_and_frees_the_window():
-    dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(2 * MiB, window_slices=1)
-    calls = []
+def test_beside_reads_one_cut_slice_at_a_time_and_small_batches_go_whole():
+    async def main(loop):
+        dev = FakeDevice(per_mib_s=0.001)
+        arb = Arbiter(8 * MiB, read_slice_fraction=0.5, read_window_slices=1, clock=loop.time)  # 4 MiB
+        arb.read_started()
+        try:
+            res = await write_sliced(dev.run, arb, 3, np.zeros(20), np.ones(20, np.uint64), np.full(20, MiB))
+            assert res.tolist() == [MiB - 1] * 20
+            assert dev.sizes == [4 * MiB] * 5 and dev.max_inflight == 4 * MiB
+            dev.sizes.clear()
+            await write_sliced(dev.run, arb, 3, np.zeros(3), np.ones(3, np.uint64), np.full(3, MiB))
+            await write_sliced(dev.run, arb, 3, np.zeros(6), np.ones(6, np.uint64), np.full(6, MiB))
+            assert dev.sizes == [3 * MiB, 4 * MiB, 2 * MiB]
+        finally:
+            arb.read_done()
+        arb.quiet_s = 0.0
+        dev.sizes.clear()
+        await write_sliced(dev.run, arb, 3, np.zeros(6), np.ones(6, np.uint64), np.full(6, MiB))
+        assert dev.sizes == [6 * MiB]  # no reads about: one full-size slice
 
-    async def run(fds, offs, addrs, lens):
-        calls.append(len(lens))
-        if len(calls) == 2:
-            raise OSError(5, "EIO")
-        return await dev.run(fds, offs, addrs, lens)
-
-    with pytest.raises(OSError):
-        await write_sliced(run, arb, 3, np.zeros(16), np.ones(16, np.uint64), np.full(16, MiB))
-    assert len(calls) < 8  # not every slice of the batch was submitted after the failure
-    assert arb.granted[0] == 0 and not arb.waiting
+    run_virtual(main)
 
 
-async def test_cancelled_sliced_write_waits_for_its_running_slices():
-    dev, arb = FakeDevice(per_mib_s=0.01), Arbiter(MiB)
-    task = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(8), np.ones(8, np.uint64), np.full(8, MiB)))
-    await asyncio.sleep(0.015)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert dev.inflight == 0  # nothing left at the "device" once the await returned
-    assert arb.granted[0] == 0 and not arb.waiting  # the window is whole again
+def test_a_failed_slice_stops_the_batch_and_frees_the_window():
+    async def main(loop):
+        dev, arb = FakeDevice(per_mib_s=0.001), Arbiter(2 * MiB, window_slices=1, clock=loop.time)
+        calls = []
+
+        async def run(fds, offs, addrs, lens):
+            calls.append(len(lens))
+            if len(calls) == 2:
+                raise OSError(5, "EIO")
+            return await dev.run(fds, offs, addrs, lens)
+
+        with pytest.raises(OSError):
+            await write_sliced(run, arb, 3, np.zeros(16), np.ones(16, np.uint64), np.full(16, MiB))
+        assert len(calls) < 8  # not every slice of the batch was submitted after the failure
+        assert arb.granted[0] == 0 and not arb.waiting
+
+    run_virtual(main)
+
+
+def test_cancelled_sliced_write_waits_for_its_running_slices():
+    async def main(loop):
+        dev, arb = FakeDevice(per_mib_s=0.01), Arbiter(MiB, clock=loop.time)
+        task = asyncio.ensure_future(
+            write_sliced(dev.run, arb, 3, np.zeros(8), np.ones(8, np.uint64), np.full(8, MiB)))
+        await asyncio.sleep(0.015)  # the second pair of slices at the device, the fifth waiting for a turn
+        assert dev.inflight == 2 * MiB and arb.waiting == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert loop.time() == pytest.approx(0.020)  # returned when the running slice ended, not before
+        assert dev.inflight == 0  # nothing left at the "device" once the await returned
+        assert arb.granted[0] == 0 and not arb.waiting  # the window is whole again
+
+    run_virtual(main)
 
 
 async def test_uring_engine_keeps_at_most_the_window_of_write_ops_in_the_ring(tmp_path):

@@ -27,7 +27,7 @@ from umbp_nvme.cli.maintenance import rebuild_index_dir
 from umbp_nvme.store import PageStore, layout
 from umbp_nvme.store.index import INDEX_FILE, Index
 from umbp_nvme.store import index_swap
-from umbp_nvme.store.index_swap import TEMP_SUFFIX
+from umbp_nvme.store.index_swap import DAMAGED_COPIES_KEPT, REPLACED_SUFFIX, TEMP_SUFFIX
 from umbp_nvme.store.records import area_blocks
 from umbp_nvme.store.rebuild import OPEN_STEPS, VERIFY_STEPS
 
@@ -203,10 +203,27 @@ def leftovers(path: str) -> list[str]:
     return sorted(f for f in os.listdir(path) if f.startswith(INDEX_FILE + TEMP_SUFFIX))
 
 
+# two damaged copies an earlier rebuild kept: a rebuild that keeps one more removes the older first
+SEEDED = [INDEX_FILE + ".corrupt-20240101-000000", INDEX_FILE + ".corrupt-20240101-000001"]
+
+
+def seed_copies(path: str) -> None:
+    for f in SEEDED:
+        with open(os.path.join(path, f), "wb") as fh:
+            fh.write(f.encode())
+
+
+def asides(path: str) -> list[str]:
+    """The replaced file and the damaged copies beside the index (by name: the time, then .n)."""
+    return sorted(f for f in os.listdir(path) if f in (INDEX_FILE + REPLACED_SUFFIX,)
+                  or f.startswith(INDEX_FILE + ".corrupt-"))  # fmt: skip
+
+
 async def interrupted_case(rebuilt_base, tmp_path, kind: str, target: str, sig: int, route: str) -> dict:
     c, base, model, nv = rebuilt_base
     path = str(tmp_path / "store")
     shutil.copytree(base, path)
+    seed_copies(path)
     model = copy.deepcopy(model)
     if kind == "open":
         version_crash.rebuild_by(route, path, c.capacity)  # the next open rebuilds
@@ -214,17 +231,20 @@ async def interrupted_case(rebuilt_base, tmp_path, kind: str, target: str, sig: 
     assert run.stopped_at == target, (run.steps, run.stderr[-2000:])
     want_rc = -signal.SIGKILL if sig == signal.SIGKILL else 130  # Ctrl-C: `umbp-nvme` says "interrupted"
     assert run.returncode == want_rc, (run.returncode, run.stderr[-2000:])
-    left = leftovers(path)
+    left, aside = leftovers(path), asides(path)
     after_kill = await checked(c, path, model)
     assert leftovers(path) == [], "the next writer's open removes what the interrupted rebuild left"
+    # the old index was sound (or gone): never kept as damaged, and a replaced one a kill left is removed
+    assert asides(path) == SEEDED, (target, asides(path))
     await reput_and_delete(c, path, model, nv, seed=hash((kind, target, sig, route)) & 0xFFFF)
     if kind == "open":
         version_crash.rebuild_by("power_loss", path, c.capacity)
     else:
         rebuild_index_dir(path)
     after_rebuild = await checked(c, path, model)
-    return {"left": left, "after_kill": after_kill.figures(), "after_rebuild": after_rebuild.figures(),
-            "examples": after_kill.examples + after_rebuild.examples}  # fmt: skip
+    assert asides(path) == SEEDED, (target, asides(path))
+    return {"left": left, "aside": aside, "after_kill": after_kill.figures(),
+            "after_rebuild": after_rebuild.figures(), "examples": after_kill.examples + after_rebuild.examples}
 
 
 CLEAN = {"wrong_bytes": 0, "stale_served": 0, "resurrected": 0, "lost_acknowledged": 0}
@@ -250,6 +270,9 @@ def test_interrupted_rebuild_at_open_every_step(rebuilt_base, tmp_path, route):
         tmp = INDEX_FILE + TEMP_SUFFIX
         left = {"created": [tmp, tmp + "-lock"], "committed": [tmp, tmp + "-lock"], "marked": [tmp], "set_aside": [tmp]}
         assert out["left"] == left.get(target, []), (target, out["left"])
+        # the sound old index waits as index.lmdb.replaced from the move aside until it is removed
+        replaced = route == "power_loss" and target in ("set_aside", "renamed", "dir_synced")
+        assert out["aside"] == sorted(SEEDED + [INDEX_FILE + REPLACED_SUFFIX] * replaced), (target, out["aside"])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["sigkill", "sigint"])
@@ -261,6 +284,9 @@ def test_interrupted_rebuild_by_verify_every_step(rebuilt_base, tmp_path, sig):
         assert_clean(out, c)
         if sig == signal.SIGINT:  # Ctrl-C cleans up: no temporary file stays
             assert out["left"] == [], (target, out["left"])
+        # Ctrl-C after the move aside still finishes the rename (index_swap.py), not the removal
+        replaced = target in ("set_aside", "renamed", "dir_synced")
+        assert out["aside"] == sorted(SEEDED + [INDEX_FILE + REPLACED_SUFFIX] * replaced), (target, out["aside"])
 
 
 @pytest.mark.parametrize("kind", ["open", "verify"])
@@ -337,9 +363,16 @@ def test_interrupted_index_replacement_without_records_every_step(tmp_path):
     for target in index_swap.STEPS:
         path = str(tmp_path / target)
         shutil.copytree(base, path)
+        seed_copies(path)
         run = rebuild_kills.run_child("open", path, c, target)
         assert run.stopped_at == target and run.returncode == -signal.SIGKILL, (run.steps, run.stderr[-2000:])
+        # the damaged file is kept: before the build the oldest copy goes, so never more than the bound
+        after_kill = asides(path)
+        added = [f for f in after_kill if f not in SEEDED]
+        assert after_kill == SEEDED[1:] + added and len(added) == (index_swap.STEPS.index(target) >= 3), target
         assert asyncio.run(served(path)) == keys[:-1], target
+        now = asides(path)  # killed before the move aside, the next open replaced it again
+        assert len(now) == DAMAGED_COPIES_KEPT and now[0] == SEEDED[1] and now[1] not in SEEDED, (target, now)
 
 
 def _follower_tally(view: list, c, model, *, durable: bool) -> Tally:

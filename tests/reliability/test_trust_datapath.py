@@ -22,6 +22,7 @@ from conftest import KiB, MiB, mount_tmpfs, payload, small_config
 from umbp_nvme.store import space as space_mod
 from umbp_nvme.engine import uring as uring_mod
 from support.faults import EngineHooks
+from support.waits import until
 from umbp_nvme.engine.posix import PosixEngine, read_full
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.hooks import StoreHooks
@@ -110,14 +111,14 @@ async def test_a_bad_key_after_submit_cannot_lose_a_later_acknowledged_batch(sto
     for j in range(4):
         arena.at((8 + j) * OBJ, OBJ)[:] = pl(second[j], OBJ)
     t1 = asyncio.ensure_future(st.put_many(first, [(arena.base + j * OBJ, OBJ) for j in range(5)]))
-    await asyncio.wait_for(entered.wait(), 5)  # the first batch is inside its write now
+    await asyncio.wait_for(entered.wait(), 30)  # the first batch is inside its write now
     try:
-        r2 = await asyncio.wait_for(st.put_many(second, [(arena.base + (8 + j) * OBJ, OBJ) for j in range(4)]), 5)
+        r2 = await asyncio.wait_for(st.put_many(second, [(arena.base + (8 + j) * OBJ, OBJ) for j in range(4)]), 30)
     finally:
         release.set()
     r1 = await t1
     assert r1 == [True] * 4 + [False] and r2 == [True] * 4
-    await asyncio.wait_for(landed.wait(), 5)  # the first batch's write has landed, late or not
+    await asyncio.wait_for(landed.wait(), 30)  # the first batch's write has landed, late or not
     arena.inside()[:] = 0
     both = first[:4] + second
     assert await st.get_many(both, [(arena.base + j * OBJ, OBJ) for j in range(8)]) == [True] * 8
@@ -368,7 +369,7 @@ async def test_a_stalled_read_never_lands_in_the_caller_after_get_returned(store
         if not task.done():  # a kernel that cannot cancel the pipe read: the get must still wait
             assert st.stats()["stalled_ops"] == 1 and st.stats()["late_completions"] == 0
             os.write(wfd, b"\xab" * OBJ)
-            assert await asyncio.wait_for(task, 5) == [False]
+            assert await asyncio.wait_for(task, 30) == [False]
             assert bytes(out) == b"\xab" * OBJ  # landed before get_many returned
         else:  # io_uring cancelled the read (IORING_OP_ASYNC_CANCEL)
             assert task.result() == [False] and time.monotonic() - t0 >= 0.3
@@ -398,11 +399,12 @@ async def test_an_uncancellable_stalled_read_holds_the_call_until_it_ends(store_
     try:
         task = asyncio.ensure_future(st.get_many(["x"], [out]))
         assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)  # the read runs
-        await asyncio.sleep(1.0)  # two io_timeout_s
-        assert not task.done()
-        assert st.stats()["stalled_ops"] == 1 and st.stats()["late_completions"] == 0
+        # io_timeout_s passed (waited for, not slept: a loaded loop may run its timer late)
+        assert await until(lambda: st.stats()["stalled_ops"] == 1, 30)
+        assert not task.done()  # the read still runs: the call waits for it
+        assert st.stats()["late_completions"] == 0
         os.write(wfd, b"\xab" * OBJ)
-        assert await asyncio.wait_for(task, 5) == [False]
+        assert await asyncio.wait_for(task, 30) == [False]
         landed = bytes(out)
         assert landed == b"\xab" * OBJ  # it landed before get_many returned
         assert st.stats()["late_completions"] == 1
@@ -430,10 +432,10 @@ def test_sync_get_never_returns_while_the_store_waits_for_the_kernel(store_dir, 
     th = threading.Thread(target=call)
     try:
         th.start()
-        assert entered.wait(5)  # the read runs
+        assert entered.wait(30)  # the read runs
         assert not done.wait(2.5)  # the sync limit (1.3 s) passed long ago: still waiting
         os.write(wfd, b"\xab" * OBJ)
-        assert done.wait(5) and result == [[False]]
+        assert done.wait(30) and result == [[False]]
         assert bytes(out) == b"\xab" * OBJ  # landed before the call returned, never after
     finally:
         if not done.is_set():
@@ -489,7 +491,7 @@ async def test_a_real_device_stall_holds_the_get_until_the_drive_resumes(monkeyp
         assert _fake_drives("stall", "0").returncode == 0
         try:
             task = asyncio.ensure_future(st.get_many(keys, outs))
-            await asyncio.sleep(1.2)  # four io_timeout_s
+            assert await until(lambda: st.stats()["stalled_ops"] >= 1, 30)  # io_timeout_s passed
             hung = not task.done()
             assert _fake_drives("resume", "0").returncode == 0
             resumed = True

@@ -395,15 +395,14 @@ def test_replay_timeout_bounds_a_reply_that_drips_in(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('"a"\n')
     with _loopback_server(_Dripper) as url:
-        t0 = time.monotonic()
         rc, out, err, _ = cli_proc("warmup", "--replay", str(prompts), "--server", url, "--timeout", "1", "--json",
                                    timeout=60)
-        took = time.monotonic() - t0
+    # a socket timeout alone (it restarts with every byte) reads the whole ~17 s reply and counts it
+    # ok: the counts and the message tell, with no bound on elapsed time that a loaded machine could miss
     assert rc == 1 and "Traceback" not in err, err
     s = summary_json(out)
     assert (s["sent"], s["ok"], s["failed"], s["malformed"]) == (1, 0, 1, 0), s
     assert "timed out (the reply was not complete after 1 s)" in s["errors"][0]
-    assert took < 8, f"{took:.1f} s for a 1 s --timeout"
 
 
 def test_parse_reply_accepts_only_generate_replies():

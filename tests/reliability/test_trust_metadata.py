@@ -577,7 +577,7 @@ def test_sglang_follower_on_a_damaged_index_starts_and_misses_until_the_leader_r
         leader = E.load_backend(E.storage_config(root, tp_rank=0, tp_size=2, is_mla=True), pool.host)  # repairs
         assert glob.glob(ipath + ".corrupt-*")
         assert all(leader.batch_set_v1(hashes[:64], idx[: 64 * E.PAGE_SIZE], E.extra_info([])))
-        deadline = time.monotonic() + 10  # a follower retries its open at most every 50 ms
+        deadline = time.monotonic() + 30  # a hang guard: a follower retries its open at most every 50 ms
         while (got := follower.send("check 64 61"))[1] != "64" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert got == ["checked", "64", "64", "True", "[True,", "True]", "0"]

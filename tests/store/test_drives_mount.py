@@ -95,7 +95,7 @@ async def test_an_unmounted_drive_is_held_out_and_joins_once_mounted(tmp_path, m
     assert os.listdir(drives[1]) == [] and st.stats()["drives"][1]["objects"] == 0
 
     mounted.add(drives[1])  # the drive is mounted: the probe opens it, creating its store
-    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 30)
     assert os.path.isfile(os.path.join(roots[1], "MANIFEST.json"))
     assert st.stats()["drives"][1]["capacity_bytes"] == 8 << 20  # its share of 16 MiB, sized once mounted
     fresh = _keys(40, "late")
@@ -132,7 +132,7 @@ async def test_a_drive_with_its_store_mounted_late_serves_its_pages_again(tmp_pa
     os.rmdir(drives[1])  # mounted again, with its store
     os.rename(parked, drives[1])
     mounted.add(drives[1])
-    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 30)
     res, wrong = await _get(st, keys)
     assert res == [True] * 120 and wrong == 0
     assert st.drive_of(keys) == where
@@ -158,7 +158,7 @@ async def test_require_mount_holds_out_every_root_not_on_a_mounted_drive(tmp_pat
     await asyncio.sleep(0.2)
     assert _files(drives[2]) == before  # not even its DRIVES.json was written
     mounted.add(drives[2])
-    assert await until(lambda: st.stats()["drives"][2]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][2]["state"] == "healthy", 30)
     res, wrong = await _get(st, keys)
     assert res == [True] * 60 and wrong == 0
     await st.close()
@@ -286,7 +286,7 @@ def test_an_mla_follower_serves_the_open_drives_while_one_is_held_out_as_unmount
         fpool.close()
 
 
-def _wait(pred, timeout_s: float = 10.0) -> bool:
+def _wait(pred, timeout_s: float = 30.0) -> bool:
     import time
 
     end = time.monotonic() + timeout_s

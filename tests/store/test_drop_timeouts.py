@@ -149,7 +149,7 @@ async def test_a_cancelled_delete_is_in_doubt_and_a_retry_finishes_it(tmp_path):
 
     root, st, keys = await _stored(tmp_path, 2, hooks=StoreHooks(tombstone=slow_tombstone))
     task = asyncio.ensure_future(st.delete_many(keys[:2]))
-    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.wait_for(entered.wait(), 30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

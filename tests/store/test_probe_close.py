@@ -45,7 +45,7 @@ async def test_close_cancels_and_awaits_a_probe_under_way(tmp_path, monkeypatch)
     monkeypatch.setattr(drive_probe, "reads_back", slow_read_back)
     plan.set_rules([FaultRule("eio", ops=("read",), predicate=_on(roots[1]))])
     await st.get_many(on1[:1], [np.zeros(OBJ, np.uint8)])
-    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.wait_for(entered.wait(), 30)
     before = _others()
     assert before  # the probe loop and the probe
     await st.close()
@@ -74,7 +74,7 @@ async def test_close_during_a_reopen_closes_the_store_the_probe_opened(tmp_path,
     monkeypatch.setattr(owed_deletes, "apply", slow_apply)
     os.unlink(os.path.dirname(roots[1]))
     os.rename(parked, os.path.dirname(roots[1]))  # back: the probe opens it
-    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.wait_for(entered.wait(), 30)
     await st.close()
     assert _others() == []
     monkeypatch.undo()
@@ -91,6 +91,6 @@ async def test_a_probe_that_rejoins_a_drive_still_works_after_the_change(tmp_pat
     roots, plan, st, keys = await filled_writer(tmp_path, 20, probe_interval_s=0.02)
     on1 = [k for k, d in zip(keys, st.drive_of(keys)) if d == 1]
     await degrade_by_eio(plan, st, roots[1], on1, limit=1)
-    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 5)
+    assert await until(lambda: st.stats()["drives"][1]["state"] == "healthy", 30)
     await st.close()
     assert _others() == []

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import KiB, MiB, damage_object, payload, small_config
+from support.waits import until
 from umbp_nvme._uring import crc32c_many
 from umbp_nvme.config import StoreConfig
 from umbp_nvme.engine.arbiter import Arbiter
@@ -54,11 +55,8 @@ async def test_jobs_run_on_one_worker_at_the_policy_which_ends_when_idle(monkeyp
         if policy != "idle":
             assert got_nice == CFG.ssd_crc_nice
     assert put_crc.thread_policy(threading.get_native_id()) == (os.SCHED_OTHER, os.getpriority(os.PRIO_PROCESS, 0))
-    for _ in range(500):  # idle for IDLE_EXIT_S (an earlier test's worker: up to its 2 s): it ends
-        if not _alive(tid):
-            break
-        await asyncio.sleep(0.01)
-    assert not _alive(tid)
+    # idle for IDLE_EXIT_S (an earlier test's worker: up to its 2 s): it ends
+    assert await until(lambda: not _alive(tid), 30, every_s=0.01)
     again, _ = await _low(_me, policy=policy)  # and the next job starts a new one
     assert again != tid and _alive(again)
 
@@ -82,7 +80,7 @@ async def test_overlapping_jobs_run_side_by_side_up_to_the_cap(monkeypatch):
 def test_a_forked_child_starts_its_own_worker():
     # the parent's worker thread does not exist in a child: its jobs must not queue for it forever
     async def job(v):
-        return await asyncio.wait_for(_low(lambda: v), 5.0)
+        return await asyncio.wait_for(_low(lambda: v), 30)
 
     assert asyncio.run(job(5)) == 5  # the parent's worker is alive now
     pid = os.fork()
@@ -120,7 +118,7 @@ async def test_unknown_policy_is_refused_and_its_jobs_still_run():
     with pytest.raises(ValueError, match="ssd_crc_policy must be one of"):
         StoreConfig(ssd_crc_policy="fast")  # a store never gets one
     # a worker that cannot apply it must not strand the put
-    assert await asyncio.wait_for(_low(lambda: 3, policy="fast"), 5.0) == 3
+    assert await asyncio.wait_for(_low(lambda: 3, policy="fast"), 30) == 3
     assert put_crc.Counts.applied == "normal"
 
 

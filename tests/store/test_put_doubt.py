@@ -16,6 +16,7 @@ import pytest
 
 from conftest import payload, small_config
 from support.paged import OBJ, get_checked, page_keys
+from support.waits import until
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.hooks import StoreHooks
 
@@ -151,7 +152,7 @@ async def test_a_put_cancelled_during_its_commit_is_in_doubt_and_settles(tmp_pat
 
     st = await PageStore.open(root, small_config(), hooks=StoreHooks(commit=commit))
     task = asyncio.ensure_future(_put(st, a))
-    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.wait_for(entered.wait(), 30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -170,11 +171,7 @@ async def test_a_put_cancelled_waiting_for_the_commit_lock_frees_its_slots_at_on
     a = _keys(2, "a")
     async with st.writer.commit_lock:  # another commit holds the lock: this put never reaches its commit
         task = asyncio.ensure_future(_put(st, a))
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if st.writer.commit_lock._waiters:
-                break
-        assert st.writer.commit_lock._waiters, "the put never waited for the commit lock"
+        assert await until(lambda: st.writer.commit_lock._waiters, 30), "the put never waited for the commit lock"
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import KiB, MiB, damage_object, payload, small_config
 from support.faults import EngineHooks
+from support.waits import until
 from umbp_nvme.store import PageStore, get_path
 from umbp_nvme.store.get_path import read_parts
 
@@ -79,11 +80,8 @@ async def test_a_cancelled_get_waits_for_every_part_in_flight(store_dir):
     hooks.read = hold_third
     outs = [np.zeros(128 * KiB, np.uint8) for _ in keys]
     task = asyncio.ensure_future(st.get_many(keys, outs))
-    for _ in range(200):
-        await asyncio.sleep(0.005)
-        if len(started) == 8 and in_flight[0] == 1:
-            break
-    assert len(started) == 8 and in_flight[0] == 1  # all parts submitted at once; one still held
+    # all parts submitted at once; the other seven end, one stays held (a real read each: no bound)
+    assert await until(lambda: len(started) == 8 and in_flight[0] == 1, 30)
     task.cancel()
     for _ in range(20):
         await asyncio.sleep(0.005)

@@ -51,27 +51,27 @@ def test_a_segment_being_opened_on_a_worker_is_not_answered_open_before_its_fd_i
     `files` without the lock: ensure must never say True while fds[i] is still -1 (a put would
     then write to fd -1). The stand-in file's fd read is where a thread switch lands."""
     import threading
-    import time
 
     from umbp_nvme.engine.files import PAGE_CACHE
     from umbp_nvme.store.segments import SegmentFiles
 
     sf = SegmentFiles(str(tmp_path), 1 << 20, readonly=False, o_direct=False, n_segments=4)
-    reading_fd = threading.Event()
+    reading_fd, looked = threading.Event(), threading.Event()
 
     class SlowFile:
         direct, align, facts = False, 4096, PAGE_CACHE
 
         @property
-        def fd(self):
+        def fd(self):  # the install stops here until the test has looked (was: 200 ms, hoping it looked)
             reading_fd.set()
-            time.sleep(0.2)
+            looked.wait(30)
             return 99
 
     t = threading.Thread(target=sf.install, args=(1, SlowFile()))
     t.start()
-    assert reading_fd.wait(5)
+    assert reading_fd.wait(30)
     seen = (1 in sf.files, int(sf.fds[1]))
+    looked.set()
     t.join()
     assert seen == (False, -1), seen  # not published while its fd is unset
     assert (1 in sf.files, int(sf.fds[1])) == (True, 99)

@@ -266,7 +266,9 @@ def cmd_rebuild_index(args) -> int:
     bad = s["bad_records"] + s["data_bad"]
     text = (f"rebuilt the index of {args.store} from {s['segments']} segments in {s['seconds']:.2f} s: "
             f"{s['records']} objects" + (f"; {bad} records failed their checks and were left out" if bad else "")
-            + (f"; {s['long_keys']} objects with keys over 208 bytes cannot be rebuilt" if s["long_keys"] else ""))
+            + (f"; {s['long_keys']} objects with keys over 208 bytes cannot be rebuilt" if s["long_keys"] else "")
+            + (f"; the old index was damaged: kept as {s['moved_aside']}" if s.get("moved_aside") else "")
+            + ("; the old index (sound) was removed" if s.get("old_index_removed") else ""))
     _emit(args, s, text)
     return EXIT_OK if not bad and not s["long_keys"] else EXIT_PROBLEMS
 

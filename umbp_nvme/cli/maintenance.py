@@ -395,12 +395,14 @@ def free_ranges(path: str) -> tuple[dict[int, list[tuple[int, int]]], set[int], 
 
 def rebuild_index_dir(path: str, *, step=None) -> dict:
     """``verify --rebuild-index``: write a new index.lmdb from the records in the segments, rewrite
-    every record area from it, mark it clean and put it in place of the old one (moved aside),
-    atomically: until the new file is complete the old one stays at the path, so an interrupted
-    run (Ctrl-C, a kill) leaves the store as it found it, less a temporary file the next writer or
-    run removes. Takes the writer lock (StoreLockedError while a writer runs). ``step(name)`` is
-    called after each step (rebuild.VERIFY_STEPS): the seam crash tests kill the process at."""
-    from ..store.index_swap import settle_leftovers
+    every record area from it, mark it clean and put it in place of the old one, atomically: until
+    the new file is complete the old one stays at the path, so an interrupted run (Ctrl-C, a kill)
+    leaves the store as it found it, less a temporary file the next writer or run removes. The old
+    file is then removed, or kept as ``index.lmdb.corrupt-<time>`` when it does not open or scan
+    clean (the newest index_swap.DAMAGED_COPIES_KEPT such copies are kept). Takes the writer lock
+    (StoreLockedError while a writer runs). ``step(name)`` is called after each step
+    (rebuild.VERIFY_STEPS): the seam crash tests kill the process at."""
+    from ..store.index_swap import index_damage, settle_leftovers
     from ..store.layout import map_size_bytes
     from ..store.rebuild import rebuild_index
 
@@ -421,8 +423,10 @@ def rebuild_index_dir(path: str, *, step=None) -> dict:
         done = settle_leftovers(ipath, map_size_bytes(cap))
         if done is not None:
             log.warning("%s: an index rebuild was interrupted: %s", path, done)
-        summary = rebuild_index(path, ipath, seg, n_segments, map_size_bytes(cap), "verify --rebuild-index",
-                                state=b"clean", rewrite=True, step=step)  # fmt: skip
+        damage = index_damage(ipath, map_size_bytes(cap))  # a sound old index is not kept as "corrupt"
+        why = "verify --rebuild-index" + (f" (the old index is damaged: {damage})" if damage else "")
+        summary = rebuild_index(path, ipath, seg, n_segments, map_size_bytes(cap), why, state=b"clean",
+                                old_damaged=damage is not None, rewrite=True, step=step)  # fmt: skip
     finally:
         os.close(fd)
     summary["store"] = path

@@ -86,10 +86,10 @@ class TokenBucket:
     async def take(self, nbytes: int, stop: threading.Event | None = None) -> None:
         """Wait until nbytes may be used; a set ``stop`` (Ctrl-C) ends the wait within 0.2 s."""
         d = self.delay_for(nbytes)
-        end = time.monotonic() + d
+        end = self._clock() + d
         while d > 0 and not (stop is not None and stop.is_set()):
             await asyncio.sleep(min(d, 0.2) if stop is not None else d)
-            d = end - time.monotonic()
+            d = end - self._clock()
 
 
 class Progress:

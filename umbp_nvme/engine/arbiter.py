@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
@@ -58,8 +59,11 @@ class Arbiter:
 
     def __init__(self, slice_bytes: int = DEFAULT_SLICE_BYTES, *, hold_reads: bool = True,
                  quiet_s: float | None = None, window_slices: int | None = None,
-                 read_slice_fraction: float | None = None, read_window_slices: int | None = None):  # fmt: skip
+                 read_slice_fraction: float | None = None, read_window_slices: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
         # None: the module's value at construction (bench mixed's sweep flags set those)
+        # clock: seconds for quiet_s; tests pass a virtual loop's time() so no step depends on wall time
+        self.clock = clock
         self.slice_bytes = check_slice_bytes(slice_bytes)
         frac = READ_SLICE_FRACTION if read_slice_fraction is None else read_slice_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
@@ -105,13 +109,13 @@ class Arbiter:
     def read_done(self) -> None:
         self._reads -= 1
         if self._reads == 0:
-            self._read_end = time.monotonic()
+            self._read_end = self.clock()
 
     # -- writes -----------------------------------------------------------------------------
 
     def reads_about(self) -> bool:
         """A read batch is in flight or one ended within quiet_s (and reads narrow the window)."""
-        return self.hold_reads and bool(self._reads or time.monotonic() - self._read_end < self.quiet_s)
+        return self.hold_reads and bool(self._reads or self.clock() - self._read_end < self.quiet_s)
 
     def _may_go(self, reads_about: bool) -> bool:
         """A slice goes when nothing is in flight, else when one more full slice fits the window;

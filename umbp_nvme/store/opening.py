@@ -215,6 +215,7 @@ class OpenSteps:
         records = layout.has_records(self.manifest)
         o.migrate = not readonly and not records
         why = None
+        damaged = False  # the old file is kept as a damaged copy only when it is one (index_swap.py)
         if not readonly:
             done = settle_leftovers(ipath, map_size)
             if done is not None:
@@ -229,7 +230,7 @@ class OpenSteps:
             lock = ipath + "-lock"
             if os.path.lexists(lock):
                 os.unlink(lock)
-            self._rebuild_from_segments(ipath, map_size, why, o)
+            self._rebuild_from_segments(ipath, map_size, why, o, damaged=False)
             return
         try:
             self.state.index = Index(ipath, readonly=readonly, map_size=map_size, durable=False)
@@ -241,6 +242,7 @@ class OpenSteps:
             state = self.state.index.writer_state()
             if self.state.index.scan_damage is not None:
                 why = why or f"the store index {ipath} is damaged ({self.state.index.scan_damage})"
+                damaged = True
                 if not records:
                     self._rebuild_index(ipath, map_size, o)
                     why = None
@@ -262,10 +264,11 @@ class OpenSteps:
                 self.state.index.close()
                 self.state.index = None
             why = f"the store index {ipath} is damaged ({e})"
+            damaged = True
             if not records:
                 self._reset_index(ipath, map_size, e, o)
                 return
-        self._rebuild_from_segments(ipath, map_size, why, o)
+        self._rebuild_from_segments(ipath, map_size, why, o, damaged=damaged)
 
     def _reset_index(self, ipath: str, map_size: int, reason, o: OpenFacts) -> None:
         """A store without records: a damaged index is replaced by an empty one and the writer starts empty."""
@@ -301,7 +304,8 @@ class OpenSteps:
         """A store without records: put a new index that ``fill`` writes at the path, marked as this
         writer's, atomically (index_swap.py), and open it; where the damaged file went."""
         try:
-            dest = replace_index(ipath, map_size, fill, state=b"open:" + boot_id(), step=self.state.hooks.rebuild_step)
+            dest = replace_index(ipath, map_size, fill, state=b"open:" + boot_id(), old_damaged=True,
+                                 step=self.state.hooks.rebuild_step)  # fmt: skip
             self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False)
         except OSError as e:
             raise StoreError(

@@ -21,8 +21,8 @@ import numpy as np
 
 from ..engine.files import open_regular, zero_range
 from ..keybytes import decode_keys, encode_key
-from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, aside_name, key_crcs
-from .index_swap import replace_index
+from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, key_crcs
+from .index_swap import damaged_copy_name, replace_index
 from .layout import GENERATION_MAX, SLOT_ALIGN_BYTES, record_slots, segment_files
 from .records import (KEY_INLINE, MAGIC, PER_BLOCK, area_blocks, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE,
                       record_crcs)  # fmt: skip
@@ -285,25 +285,29 @@ def rewrite_areas(directory: str, segment_bytes: int, n_segments: int, keys: lis
 
 
 # the steps of a rebuild at open and of ``verify --rebuild-index`` (``step`` is called after each;
-# index_swap.py says what each leaves on disk): the records read | the temporary index made | its
-# records committed and synced | (verify) every area rewritten from them | then index_swap's last
-# steps | (at open) the new file reopened at the path
-OPEN_STEPS = ("records_read", "created", "committed", "marked", "set_aside", "renamed", "dir_synced", "reopened")
-VERIFY_STEPS = ("records_read", "created", "committed", "areas_rewritten", "marked", "set_aside", "renamed",
-                "dir_synced")  # fmt: skip
+# index_swap.py says what each leaves on disk): the records read | older damaged copies pruned |
+# the temporary index made | its records committed and synced | (verify) every area rewritten from
+# them | then index_swap's last steps | (at open) the new file reopened at the path
+OPEN_STEPS = ("records_read", "pruned", "created", "committed", "marked", "set_aside", "renamed", "dir_synced",
+              "old_removed", "reopened")  # fmt: skip
+VERIFY_STEPS = ("records_read", "pruned", "created", "committed", "areas_rewritten", "marked", "set_aside",
+                "renamed", "dir_synced", "old_removed")  # fmt: skip
 
 
 def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: int, map_size: int, why: str, *,
-                  state: bytes, rewrite: bool = False, step=None) -> dict:  # fmt: skip
+                  state: bytes, old_damaged: bool, rewrite: bool = False, step=None) -> dict:  # fmt: skip
     """Write a new index from the segments' records and put it at ``ipath`` marked ``state``,
     atomically (index_swap.py: the old file, if any, stays at the path until the new one is
-    complete, then is moved aside); returns the summary. ``rewrite``: every record area is
-    rewritten from the new index before it is marked (no writer follows to do it). Progress and
-    the outcome are logged."""
+    complete, then is kept as a damaged copy when ``old_damaged``, else removed); returns the
+    summary. ``rewrite``: every record area is rewritten from the new index before it is marked
+    (no writer follows to do it). Progress and the outcome are logged."""
     step = step or (lambda name: None)
-    aside = aside_name(ipath) if os.path.lexists(ipath) else None
-    log.error("%s: %s; rebuilding it from the record areas of the segments%s", directory, why,
-              f" (the old file goes to {aside} once the new one is complete)" if aside else "")  # fmt: skip
+    aside = damaged_copy_name(ipath) if old_damaged and os.path.lexists(ipath) else None
+    if aside:
+        then = f" (the old file goes to {aside} once the new one is complete)"
+    else:
+        then = " (the old file is removed once the new one is in place)" if os.path.lexists(ipath) else ""
+    log.error("%s: %s; rebuilding it from the record areas of the segments%s", directory, why, then)
     last = [time.monotonic()]
 
     def progress(done, total, found):
@@ -327,9 +331,12 @@ def rebuild_index(directory: str, ipath: str, segment_bytes: int, n_segments: in
             summary.update(rewrite_areas(directory, segment_bytes, n_segments, keys, recs))
             step("areas_rewritten")
 
-    dest = replace_index(ipath, map_size, fill, state=state, aside=aside, step=step)
+    had_old = os.path.lexists(ipath)
+    dest = replace_index(ipath, map_size, fill, state=state, old_damaged=old_damaged, aside=aside, step=step)
     if dest:
         summary["moved_aside"] = dest
+    elif had_old:
+        summary["old_index_removed"] = True
     log.warning(
         "%s: rebuilt the index from %d segments in %.2f s: %d objects (%d records failed their checks, %d unconfirmed "
         "records checked against their data of which %d did not match, %d older duplicates, %d keys too long to "

@@ -239,16 +239,17 @@ class RecordSteps:
         return make_records(t.seg[rows], t.off[rows], t.len[rows], t.gen[rows], t.crc[rows], t.depth[rows],
                             key_crcs(enc), enc, R_VALID | R_CONFIRMED)  # fmt: skip
 
-    def _rebuild_from_segments(self, ipath: str, map_size: int, why: str, o: OpenFacts) -> None:
+    def _rebuild_from_segments(self, ipath: str, map_size: int, why: str, o: OpenFacts, *, damaged: bool) -> None:
         """Write a new index from the segments' records, marked as this writer's, and put it at
-        the path (the old file, if any, stays there until the new one is complete)."""
+        the path (the old file, if any, stays there until the new one is complete; then it is
+        kept as a damaged copy when ``damaged``, else removed: the records are the truth)."""
         if self.state.index is not None:
             self.state.index.close()
             self.state.index = None
         step = self.state.hooks.rebuild_step
         try:
             rebuild_index(self.path, ipath, self.segment_bytes, self.capacity_bytes // self.segment_bytes, map_size, why,
-                          state=b"open:" + boot_id(), step=step)  # fmt: skip
+                          state=b"open:" + boot_id(), old_damaged=damaged, step=step)  # fmt: skip
             self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False)
         except OSError as e:
             raise StoreError(f"{why}, and rebuilding it from the segments failed: {e}") from None
