@@ -89,6 +89,7 @@ def _rss_bytes() -> int:
 
 
 SOAK_UNIVERSE = 800
+MIN_CHECKED = 200  # reads checked on the writer's side before a short soak may end
 
 
 def _soak_extra(root: str) -> dict:
@@ -184,7 +185,11 @@ def soak_run(root: str, *, seconds: float = 60.0, follower: bool = True, log=Non
         fproc.start()
     rss_warm = None
     hangs = 0
-    while _time.monotonic() - t0 < seconds:
+    # On a loaded machine the first seconds can pass in start-up (threads, the follower's imports):
+    # run on, up to 4x as long, until the writer side has checked some reads.
+    while _time.monotonic() - t0 < seconds or (
+        sum(c.checked for c in callers.values()) < MIN_CHECKED and _time.monotonic() - t0 < 4 * seconds
+    ):
         _time.sleep(0.5)
         now = _time.monotonic()
         if rss_warm is None and now - t0 >= seconds * 0.25:
