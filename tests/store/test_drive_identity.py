@@ -16,10 +16,9 @@ import logging
 import os
 import shutil
 
-import numpy as np
 
 from conftest import small_config
-from support.versions import version_in, versioned
+from support.versions import put_versions, read_versions
 from umbp_nvme.store import PageStore
 
 OBJ = 16 << 10
@@ -39,14 +38,11 @@ def _keys(pages: int, tag: str = "p") -> list[str]:
 
 
 async def _put(st, keys, version: int) -> list[bool]:
-    return await st.put_many(keys, [versioned(k, version, OBJ) for k in keys])
+    return await put_versions(st, keys, version, OBJ)
 
 
 async def _versions(st, keys) -> list[int | None]:
-    """The version each key reads back as (None: a miss; -1: bytes of no version of that key)."""
-    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
-    res = await st.get_many(keys, outs)
-    return [(-1 if version_in(k, o) is None else version_in(k, o)) if ok else None for ok, k, o in zip(res, keys, outs)]
+    return await read_versions(st, keys, OBJ)
 
 
 async def _run(roots, fn=None, **kw):
@@ -56,6 +52,25 @@ async def _run(roots, fn=None, **kw):
         return await fn(st) if fn else None
     finally:
         await st.close()
+
+
+async def _put_v1(roots, keys) -> dict:
+    """A session over ``roots`` puts version 1 of ``keys``: the drive each landed on."""
+
+    async def run1(st):
+        assert await _put(st, keys, 1) == [True] * len(keys)
+        return dict(zip(keys, st.drive_of(keys)))
+
+    return await _run(roots, run1)
+
+
+async def _old_copy_put_back(tmp_path, root, meanwhile) -> None:
+    """``root``'s drive copied, ``await meanwhile()``, then the copy put back in its place (an old disk returned)."""
+    snapshot = str(tmp_path / "snapshot")
+    shutil.copytree(os.path.dirname(root), snapshot, symlinks=True)
+    await meanwhile()
+    shutil.rmtree(os.path.dirname(root))
+    shutil.copytree(snapshot, os.path.dirname(root), symlinks=True)
 
 
 def _record(root: str) -> dict:
@@ -72,11 +87,7 @@ async def test_runs_on_disjoint_drive_subsets_never_serve_a_page_a_run_replaced(
     A, B, C, D = _roots(tmp_path, 4)
     keys = _keys(30)
 
-    async def run1(st):
-        assert await _put(st, keys, 1) == [True] * len(keys)
-        return dict(zip(keys, st.drive_of(keys)))
-
-    where = await _run([A, B, C], run1)
+    where = await _put_v1([A, B, C], keys)
     on_b = [k for k in keys if where[k] == 1]
     assert on_b
 
@@ -112,23 +123,15 @@ async def test_a_restored_older_copy_of_a_drive_serves_nothing_deleted_or_replac
     A, B, C = _roots(tmp_path, 3)
     keys = _keys(30)
 
-    async def run1(st):
-        assert await _put(st, keys, 1) == [True] * len(keys)
-        return dict(zip(keys, st.drive_of(keys)))
-
-    where = await _run([A, B, C], run1)
+    where = await _put_v1([A, B, C], keys)
     on_b = [k for k in keys if where[k] == 1]
     gone, reput = on_b[: len(on_b) // 2], on_b[len(on_b) // 2 :]
-    snapshot = str(tmp_path / "snapshot")
-    shutil.copytree(os.path.dirname(B), snapshot, symlinks=True)
 
     async def run2(st):
         assert await st.delete_many(gone + reput) == [True] * len(on_b)
         assert await _put(st, reput, 2) == [True] * len(reput)
 
-    await _run([A, B, C], run2)
-    shutil.rmtree(os.path.dirname(B))
-    shutil.copytree(snapshot, os.path.dirname(B), symlinks=True)  # the old disk is put back
+    await _old_copy_put_back(tmp_path, B, lambda: _run([A, B, C], run2))
 
     async def run3(st):
         return await _versions(st, gone), await _versions(st, reput), st.stats()["drives"][1]
@@ -145,17 +148,9 @@ async def test_a_reader_holds_out_a_restored_older_copy_until_a_writer_cleared_i
     A, B = _roots(tmp_path, 2)
     keys = _keys(20)
 
-    async def run1(st):
-        assert await _put(st, keys, 1) == [True] * len(keys)
-        return dict(zip(keys, st.drive_of(keys)))
-
-    where = await _run([A, B], run1)
+    where = await _put_v1([A, B], keys)
     on_b = [k for k in keys if where[k] == 1]
-    snapshot = str(tmp_path / "snapshot")
-    shutil.copytree(os.path.dirname(B), snapshot, symlinks=True)
-    await _run([A, B], lambda st: st.delete_many(on_b))
-    shutil.rmtree(os.path.dirname(B))
-    shutil.copytree(snapshot, os.path.dirname(B), symlinks=True)
+    await _old_copy_put_back(tmp_path, B, lambda: _run([A, B], lambda st: st.delete_many(on_b)))
     rd = await PageStore.open([A, B], _cfg([A, B]), readonly=True, probe_interval_s=60)
     try:
         assert await _versions(rd, on_b) == [None] * len(on_b)
@@ -174,11 +169,7 @@ async def test_a_drive_from_another_store_is_refused_and_left_untouched(tmp_path
     E, F = [str(tmp_path / f"other{i}" / "store") for i in range(2)]
     keys = _keys(20)
 
-    async def run1(st):
-        assert await _put(st, keys, 1) == [True] * len(keys)
-        return dict(zip(keys, st.drive_of(keys)))
-
-    where = await _run([A, B], run1)
+    where = await _put_v1([A, B], keys)
 
     async def other(st):
         assert await _put(st, keys, 2) == [True] * len(keys)  # the same key names, another store's bytes
@@ -253,17 +244,9 @@ async def test_a_drive_whose_record_is_lost_is_not_vouched_for_by_the_others(tmp
     A, B = _roots(tmp_path, 2)
     keys = _keys(20)
 
-    async def run1(st):
-        assert await _put(st, keys, 1) == [True] * len(keys)
-        return dict(zip(keys, st.drive_of(keys)))
-
-    where = await _run([A, B], run1)
+    where = await _put_v1([A, B], keys)
     on_b = [k for k in keys if where[k] == 1]
-    snapshot = str(tmp_path / "snapshot")
-    shutil.copytree(os.path.dirname(B), snapshot, symlinks=True)
-    await _run([A, B], lambda st: st.delete_many(on_b))
-    shutil.rmtree(os.path.dirname(B))
-    shutil.copytree(snapshot, os.path.dirname(B), symlinks=True)
+    await _old_copy_put_back(tmp_path, B, lambda: _run([A, B], lambda st: st.delete_many(on_b)))
     os.unlink(os.path.join(B, "DRIVES.json"))  # an old copy whose record is lost as well
     assert await _run([A, B], lambda st: _versions(st, on_b)) == [None] * len(on_b)
 
@@ -288,11 +271,7 @@ async def test_an_older_copy_that_comes_back_while_the_writer_runs_is_cleared_be
     A, B = _roots(tmp_path, 2)
     keys = _keys(20)
 
-    async def run1(st):
-        assert await _put(st, keys, 1) == [True] * len(keys)
-        return dict(zip(keys, st.drive_of(keys)))
-
-    where = await _run([A, B], run1)
+    where = await _put_v1([A, B], keys)
     on_b = [k for k in keys if where[k] == 1]
     snapshot = str(tmp_path / "snapshot")
     shutil.copytree(os.path.dirname(B), snapshot, symlinks=True)
@@ -348,11 +327,7 @@ async def test_a_drive_left_unstamped_by_the_first_stamping_session_keeps_its_pa
     A, B = _roots(tmp_path, 2)
     keys = _keys(20)
 
-    async def run1(st):
-        assert await _put(st, keys, 1) == [True] * len(keys)
-        return dict(zip(keys, st.drive_of(keys)))
-
-    where = await _run([A, B], run1)
+    where = await _put_v1([A, B], keys)
     on_b = [k for k in keys if where[k] == 1]
     _strip_identities([A, B])
 

@@ -17,11 +17,10 @@ import logging
 import os
 import subprocess
 
-import numpy as np
 import pytest
 
 from conftest import mount_tmpfs, small_config
-from support.versions import version_in, versioned
+from support.versions import put_versions, read_versions
 from support.waits import until
 from umbp_nvme import metrics
 from umbp_nvme.doctor.report import report
@@ -42,13 +41,11 @@ def _keys(pages: int, tag: str = "p") -> list[str]:
 
 
 async def _put(st, keys, version: int) -> list[bool]:
-    return await st.put_many(keys, [versioned(k, version, OBJ) for k in keys])
+    return await put_versions(st, keys, version, OBJ)
 
 
 async def _versions(st, keys) -> list[int | None]:
-    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
-    res = await st.get_many(keys, outs)
-    return [(-1 if version_in(k, o) is None else version_in(k, o)) if ok else None for ok, k, o in zip(res, keys, outs)]
+    return await read_versions(st, keys, OBJ)
 
 
 class FailingRecords:

@@ -83,6 +83,18 @@ def version_in(key: str, buf, comp: int = 0) -> int | None:
 # --- host pools (support.host_pool.HostPool): one version per page, one header per component ---
 
 
+async def put_versions(st, keys, version: int, nbytes: int) -> list[bool]:
+    """``put_many`` of each key's ``version`` bytes on a PageStore."""
+    return await st.put_many(keys, [versioned(k, version, nbytes) for k in keys])
+
+
+async def read_versions(st, keys, nbytes: int) -> list[int | None]:
+    """The version each key reads back as from a PageStore (None: a miss; -1: bytes of no version of that key)."""
+    outs = [np.zeros(nbytes, np.uint8) for _ in keys]
+    res = await st.get_many(keys, outs)
+    return [(-1 if version_in(k, o) is None else version_in(k, o)) if ok else None for ok, k, o in zip(res, keys, outs)]
+
+
 def fill_page(pool, page: int, key: str, version: int) -> None:
     for c, view in enumerate(pool.component_views(page)):
         view[:] = versioned(key, version, len(view), c)
