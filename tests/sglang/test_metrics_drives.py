@@ -7,6 +7,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from conftest import KiB, payload, small_config
+from support.drive_pages import page_keys as _keys
 from support.faults import FaultPlan, FaultRule, on_files_under as _on
 from test_metrics_scrape import scrape, value
 from umbp_nvme import metrics
@@ -15,10 +16,6 @@ from umbp_nvme.store.sync import SyncPageStore
 OBJ = 64 * KiB
 
 
-
-
-def _keys(pages: int) -> list[str]:
-    return [f"p{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
 
 
 def test_a_two_drive_store_exports_each_drives_state_objects_bytes_errors_and_gbps(tmp_path):

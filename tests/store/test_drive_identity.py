@@ -18,6 +18,7 @@ import shutil
 
 
 from conftest import small_config
+from support.drive_pages import drive_roots as _roots, page_keys as _keys, park_drive as _park, unpark_drive as _unpark
 from support.versions import put_versions, read_versions
 from umbp_nvme.store import PageStore
 
@@ -27,14 +28,6 @@ SHARE = 5 << 20  # each drive's capacity, whatever the number of roots
 
 def _cfg(roots):
     return small_config(ssd_capacity_bytes=SHARE * len(roots))
-
-
-def _roots(tmp_path, n: int) -> list[str]:
-    return [str(tmp_path / f"drive{i}" / "store") for i in range(n)]
-
-
-def _keys(pages: int, tag: str = "p") -> list[str]:
-    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
 
 
 async def _put(st, keys, version: int) -> list[bool]:
@@ -252,17 +245,6 @@ async def test_a_drive_whose_record_is_lost_is_not_vouched_for_by_the_others(tmp
 
 
 # ------------------------------------------------------------------ drives the probe opens later
-
-
-def _park(root: str, parked: str) -> None:
-    """The drive cannot open (its directory moved away, a file in its place)."""
-    os.rename(os.path.dirname(root), parked)
-    open(os.path.dirname(root), "w").close()
-
-
-def _unpark(root: str, parked: str) -> None:
-    os.unlink(os.path.dirname(root))
-    os.rename(parked, os.path.dirname(root))
 
 
 async def test_an_older_copy_that_comes_back_while_the_writer_runs_is_cleared_before_it_serves(tmp_path):

@@ -18,6 +18,7 @@ import textwrap
 import numpy as np
 
 from conftest import ROOT, payload, small_config
+from support.drive_pages import drive_roots as _roots, page_keys as _keys, park_drive as _park, unpark_drive as _unpark
 from support.faults import FaultPlan, FaultRule, on_files_under
 from support.waits import until
 from umbp_nvme.store import PageStore
@@ -29,14 +30,6 @@ SHARE = 5 << 20  # each drive's capacity, whatever the number of roots (a larger
 
 def _cfg(roots):
     return small_config(ssd_capacity_bytes=SHARE * len(roots))
-
-
-def _roots(tmp_path, n: int) -> list[str]:
-    return [str(tmp_path / f"drive{i}" / "store") for i in range(n)]
-
-
-def _keys(pages: int, tag: str = "p") -> list[str]:
-    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
 
 
 def _bytes(key: str, version: str) -> np.ndarray:
@@ -69,17 +62,6 @@ async def _run_one(roots, keys_v1) -> dict[str, int]:
 def _drive_set(root: str) -> dict:
     with open(os.path.join(root, "DRIVES.json")) as f:
         return json.load(f)
-
-
-def _park(root: str, parked: str) -> None:
-    """The drive cannot open (its directory moved away, a file in its place)."""
-    os.rename(os.path.dirname(root), parked)
-    open(os.path.dirname(root), "w").close()
-
-
-def _unpark(root: str, parked: str) -> None:
-    os.unlink(os.path.dirname(root))
-    os.rename(parked, os.path.dirname(root))
 
 
 # ------------------------------------------------------------------ scenario 3: a drive removed from the roots

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, small_config
+from support.drive_pages import page_keys as _keys
 from support.versions import AckLog, Tally, read_log, seal_after_kill, version_in, versioned
 from umbp_nvme.store import PageStore
 
@@ -74,10 +75,6 @@ _CHILD = textwrap.dedent("""
 
 def _cfg(roots):
     return small_config(ssd_capacity_bytes=SHARE * len(roots))
-
-
-def _keys(pages: int) -> list[str]:
-    return [f"p{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
 
 
 async def _read_all(roots, keys, readonly: bool) -> list[int | None]:

@@ -13,18 +13,11 @@ import numpy as np
 import pytest
 
 from conftest import KiB, payload, small_config
+from support.drive_pages import drive_roots as _roots, page_keys as _keys
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.sync import SyncPageStore
 
 OBJ = 64 * KiB
-
-
-def _keys(pages: int, tag: str = "p") -> list[str]:
-    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
-
-
-def _roots(tmp_path, n: int) -> list[str]:
-    return [str(tmp_path / f"drive{i}" / "store") for i in range(n)]
 
 
 ROW_FIELDS = ("objects", "bytes_used", "capacity_bytes", "bytes_read", "bytes_written", "errors", "path")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import payload, small_config
+from support.drive_pages import drive_roots as _roots, page_keys as _keys
 from support.drive_stores import degrade_by_eio, filled_writer
 from support.faults import FaultPlan, FaultRule, on_files_under as _on
 from umbp_nvme.config import load_config
@@ -25,14 +26,6 @@ from umbp_nvme.store.drives import MultiDriveStore
 from support.waits import until
 
 OBJ = 16 << 10
-
-
-def _keys(pages: int, tag: str = "p") -> list[str]:
-    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
-
-
-def _roots(tmp_path, n: int) -> list[str]:
-    return [str(tmp_path / f"drive{i}" / "store") for i in range(n)]
 
 
 async def _put(st, keys) -> list[bool]:

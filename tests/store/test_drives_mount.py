@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import payload, small_config
+from support.drive_pages import page_keys as _keys
 from umbp_nvme.config import load_config
 from umbp_nvme.errors import DriveNotMountedError
 from umbp_nvme.store import PageStore
@@ -22,10 +23,6 @@ from umbp_nvme.store.mounts import drive_dirs, mount_above, unmounted_reason
 from support.waits import until
 
 OBJ = 16 << 10
-
-
-def _keys(pages: int, tag: str = "p") -> list[str]:
-    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
 
 
 async def _put(st, keys) -> list[bool]:

@@ -17,15 +17,12 @@ import numpy as np
 import pytest
 
 from conftest import payload, small_config
+from support.drive_pages import page_keys as _keys
 from support.drive_stores import degrade_by_eio, filled_writer
 from support.waits import until
 from umbp_nvme.store import PageStore, owed_deletes
 
 OBJ = 16 << 10
-
-
-def _keys(pages: int, tag: str = "p") -> list[str]:
-    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
 
 
 async def _read(st, keys, tag: str = "") -> tuple[list[bool], int]:

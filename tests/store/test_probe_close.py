@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from conftest import payload, small_config
+from support.drive_pages import page_keys as _keys
 from support.drive_stores import degrade_by_eio, filled_writer
 from support.faults import FaultRule, on_files_under as _on
 from support.waits import until
@@ -18,10 +19,6 @@ from umbp_nvme.store import drive_probe, owed_deletes
 from umbp_nvme.store import PageStore
 
 OBJ = 16 << 10
-
-
-def _keys(pages: int) -> list[str]:
-    return [f"p{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
 
 
 def _others() -> list[asyncio.Task]:

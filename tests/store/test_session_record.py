@@ -20,6 +20,7 @@ import subprocess
 import pytest
 
 from conftest import mount_tmpfs, small_config
+from support.drive_pages import page_keys as _keys
 from support.versions import put_versions, read_versions
 from support.waits import until
 from umbp_nvme import metrics
@@ -34,10 +35,6 @@ SHARE = 5 << 20
 
 def _cfg(roots):
     return small_config(ssd_capacity_bytes=SHARE * len(roots))
-
-
-def _keys(pages: int, tag: str = "p") -> list[str]:
-    return [f"{tag}{i:04d}_0_{c}" for i in range(pages) for c in "kv"]
 
 
 async def _put(st, keys, version: int) -> list[bool]:
