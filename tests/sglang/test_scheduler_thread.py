@@ -145,7 +145,7 @@ def test_drive_rows_follow_a_change_made_outside_any_call(tmp_path):
     refresh anything) sees it healthy again."""
     import os
 
-    from support.faults import FaultPlan, FaultRule
+    from support.faults import FaultPlan, FaultRule, on_files_under
     from support.waits import until
     from umbp_nvme.sglang.backend import UMBPNvmeStore
 
@@ -156,15 +156,7 @@ def test_drive_rows_follow_a_change_made_outside_any_call(tmp_path):
     idx = pool.alloc_pages(60)
     E.fill_random(pool.host, idx, seed=12)
     assert all(backend.batch_set_v1(hashes, idx))
-    bad_root = os.path.realpath(backend.store_dirs[1])
-
-    def on_bad(op, fd, offset, length):
-        try:
-            return os.readlink(f"/proc/self/fd/{fd}").startswith(bad_root + os.sep)
-        except OSError:
-            return False
-
-    plan.set_rules([FaultRule("eio", ops=("read",), predicate=on_bad)])
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=on_files_under(backend.store_dirs[1]))])
     backend.batch_get_v1(hashes, idx)
     assert [r["state"] for r in backend.get_stats().drives] == ["healthy", "degraded"]  # right after the call
     plan.clear()

@@ -99,7 +99,7 @@ def test_an_existing_single_directory_store_configured_with_two_roots_serves_eve
 def test_a_failing_drive_under_the_backend_costs_only_its_pages_and_rejoins(tmp_path):
     import time
 
-    from support.faults import FaultPlan, FaultRule
+    from support.faults import FaultPlan, FaultRule, on_files_under
     from umbp_nvme.sglang.backend import UMBPNvmeStore
 
     roots = _roots(tmp_path)
@@ -111,15 +111,7 @@ def test_a_failing_drive_under_the_backend_costs_only_its_pages_and_rejoins(tmp_
     written = E.fill_random(pool.host, idx, seed=82)
     assert set_all(backend, hashes, idx) == 60
     where = backend.store.store.drive_of([h + "_0_k" for h in hashes])
-    bad_root = os.path.realpath(backend.store_dirs[1])
-
-    def on_bad(op, fd, offset, length):
-        try:
-            return os.readlink(f"/proc/self/fd/{fd}").startswith(bad_root + os.sep)
-        except OSError:
-            return False
-
-    plan.set_rules([FaultRule("eio", ops=("read",), predicate=on_bad)])
+    plan.set_rules([FaultRule("eio", ops=("read",), predicate=on_files_under(backend.store_dirs[1]))])
     E.zero_pages(pool.host, idx)
     res = backend.batch_get_v1(hashes, idx)  # never raises: the bad drive's pages are misses
     assert res == [d == 0 for d in where]
