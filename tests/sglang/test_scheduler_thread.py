@@ -143,8 +143,6 @@ def test_get_stats_answers_while_the_store_loop_is_blocked(tmp_path, drives):
 def test_drive_rows_follow_a_change_made_outside_any_call(tmp_path):
     """A drive the probe re-admits in the background: get_stats() alone (no other call that could
     refresh anything) sees it healthy again."""
-    import os
-
     from support.faults import FaultPlan, FaultRule, on_files_under
     from support.waits import until
     from umbp_nvme.sglang.backend import UMBPNvmeStore
