@@ -1,5 +1,5 @@
-"""Small batches are checksummed (put) and verified (get: the objects of the parts that completed
-together, up to 4 MiB) on the loop thread, large ones on a worker: either way every stored CRC is
+"""Small batches are checksummed (put) and verified (get: each completed part of up to 4 MiB, one
+by one) on the loop thread, large ones on a worker: either way every stored CRC is
 its object's and a damaged object fails alone."""
 
 from __future__ import annotations
