@@ -57,6 +57,7 @@ setup(
                 "native/uring_register.c",
                 "native/uring_probe.c",
                 "native/uring_arrays.c",
+                "native/uring_pairs.c",
                 "native/crc32c_module.c",
                 "native/crc32c.c",
             ],

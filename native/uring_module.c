@@ -99,6 +99,9 @@ static PyMethodDef module_methods[] = {
     {"crc32c", (PyCFunction)(void (*)(void))mod_crc32c, METH_VARARGS | METH_KEYWORDS,
      "crc32c(data | (address, nbytes), seed=0, force_table=False, impl=None) -> int; chainable via seed; GIL "
      "released; impl names one implementation (see crc32c_impls())"},
+    {"pairs_into", (PyCFunction)mod_pairs_into, METH_VARARGS,
+     "pairs_into(buffers, addrs int64[], nbytes int64[]) -> bool: (address, nbytes) tuples of ints as arrays; "
+     "False (outputs unspecified) for anything else"},
     {"crc32c_many", (PyCFunction)mod_crc32c_many, METH_VARARGS,
      "crc32c_many(addrs uint64[], lengths int64[], out uint32[]) -> n; one CRC per range, GIL released"},
     {"crc32c_impl", (PyCFunction)mod_crc32c_impl, METH_NOARGS,

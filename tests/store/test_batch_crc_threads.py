@@ -1,5 +1,5 @@
-"""Small batches are checksummed (put) and verified (get: the objects of the parts that completed
-together, up to 4 MiB) on the loop thread, large ones on a worker: either way every stored CRC is
+"""Small batches are checksummed (put) and verified (get: each completed part of up to 4 MiB, one
+by one) on the loop thread, large ones on a worker: either way every stored CRC is
 its object's and a damaged object fails alone."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 from conftest import KiB, MiB, damage_object, payload, small_config
 from umbp_nvme.store import PageStore, get_path, put_path
 
-SMALL = [200 * KiB + 7 * i for i in range(40)]  # ~8 MiB: CRC inline in 4 MiB chunks, a get part (~1 MiB) inline
+SMALL = [180 * KiB + 7 * i for i in range(40)]  # ~7 MiB: CRC inline in 4 MiB chunks, a get part (<= 4 MiB) inline
 LARGE = [1 * MiB] * 20  # 20 MiB: CRC on a worker thread; get parts completing together (> 4 MiB) too
 
 

@@ -1,4 +1,4 @@
-"""A get reads its objects in parts: a small batch in ~1 MiB parts all in flight at once, a large
+"""A get reads its objects in parts: a small batch in parts of at most ~PART_BYTES (4 MiB) all in flight at once, a large
 one a few parts at a time; each part is verified as it completes, and the call never returns
 (not even cancelled) while a part's read may still write the caller's memory."""
 
@@ -17,17 +17,18 @@ from umbp_nvme.store.get_path import read_parts
 
 
 @pytest.mark.parametrize("sizes", [[64 * KiB] * 256, [128 * KiB] * 256, [200 * KiB + 7 * i for i in range(40)],
-                                   [4096] * 3 + [3 * MiB] + [4096] * 50])  # fmt: skip
-def test_a_small_batch_is_about_1_mib_parts_all_in_flight(sizes):
+                                   [4096] * 3 + [12 * MiB] + [4096] * 50])  # fmt: skip
+def test_a_small_batch_is_in_parts_of_at_most_part_bytes_all_in_flight(sizes):
     lens = np.asarray(sizes, np.int64)
     bounds, window = read_parts(lens)
     assert bounds[0] == 0 and bounds[-1] == len(lens) and all(a < b for a, b in zip(bounds, bounds[1:]))
     assert window == len(bounds) - 1  # every part in flight at once
     parts = [int(lens[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
-    want = min(get_path.SMALL_PARTS_MAX, int(lens.sum()) // get_path.PART_BYTES)
+    want = min(get_path.SMALL_PARTS_MAX, -(-int(lens.sum()) // get_path.PART_BYTES))
     assert len(parts) == want if len(set(sizes)) == 1 else 1 < len(parts) <= want  # one big op may take a cut's place
     mean = lens.sum() / len(parts)
     assert all(p <= mean + lens.max() for p in parts)  # equal bytes, an op never split
+    assert all(p <= get_path.PART_BYTES + lens.max() for p in parts)  # a part's fixed cost spread over <= PART_BYTES
 
 
 def test_tiny_and_large_batches():
@@ -41,8 +42,8 @@ def test_tiny_and_large_batches():
 async def test_parts_return_exact_bytes_and_a_damaged_object_fails_alone(store_dir):
     cfg = small_config(ssd_capacity_bytes=96 * MiB, ssd_segment_size_bytes=8 * MiB)
     st = await PageStore.open(store_dir, cfg)
-    keys = [f"p{i}" for i in range(96)]
-    vals = [payload(k, 96 * KiB + 512 * (i % 3)) for i, k in enumerate(keys)]  # ~9 MiB: 9 parts, some bounced
+    keys = [f"p{i}" for i in range(256)]
+    vals = [payload(k, 96 * KiB + 512 * (i % 3)) for i, k in enumerate(keys)]  # ~24 MiB: 7 parts, some bounced
     assert await st.put_many(keys, vals) == [True] * len(keys)
     assert len(read_parts(np.asarray([len(v) for v in vals], np.int64))[0]) > 5
     damage_object(store_dir, st, "p50", 100, b"\xde\xad")
@@ -55,10 +56,10 @@ async def test_parts_return_exact_bytes_and_a_damaged_object_fails_alone(store_d
 
 async def test_a_cancelled_get_waits_for_every_part_in_flight(store_dir):
     hooks = EngineHooks()
-    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=64 * MiB, ssd_segment_size_bytes=8 * MiB),
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=96 * MiB, ssd_segment_size_bytes=8 * MiB),
                               engine_factory=hooks.engine_factory())  # fmt: skip
-    keys = [f"c{i}" for i in range(64)]
-    vals = [payload(k, 128 * KiB) for k in keys]  # 8 MiB: 8 parts
+    keys = [f"c{i}" for i in range(256)]
+    vals = [payload(k, 128 * KiB) for k in keys]  # 32 MiB: 8 parts
     assert await st.put_many(keys, vals) == [True] * len(keys)
     release, started, in_flight = asyncio.Event(), [], [0]
 
@@ -85,7 +86,7 @@ async def test_a_cancelled_get_waits_for_every_part_in_flight(store_dir):
     task.cancel()
     for _ in range(20):
         await asyncio.sleep(0.005)
-    assert not task.done()  # the held part may still write outs[16:24]
+    assert not task.done()  # the held part may still write outs[64:96]
     release.set()
     with pytest.raises(asyncio.CancelledError):
         await task

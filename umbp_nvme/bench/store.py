@@ -42,6 +42,9 @@ Extra rows:
   op "rebuild"      seconds to open the writer on that store after index.lmdb was deleted: the
                     index is rebuilt from the records in the segments (target <= 30 s per 1 M).
 
+``--device ram`` (root): the put / get rounds on a RAM-backed loop device the command sets up and
+tears down, with fio's 4 KiB reads and the CRC's cost beside (bench/store_ram.py, issue 36).
+
 Rows follow benchlib's format ("bench": "store"); queue_depth is objects per call.
 """
 
@@ -63,14 +66,11 @@ import numpy as np
 
 from .engine import HugePages, Memory
 from .common import (Sample, Stopwatch, WorkDir, as_info, check_buffers, drop_caches, finish, make_row, page_keys,
-                     paired_ratio, parse_bytes, print_table)  # fmt: skip
-from . import nixl_posix
+                     parse_bytes, print_table)  # fmt: skip
+from .store_tput import SegFds, store_config, bench_throughput, store_extents  # noqa: F401 - names of this module before the split
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES
 from umbp_nvme.config import StoreConfig
-from umbp_nvme.engine import open_data_file, open_engine
-from umbp_nvme.engine.files import NO_FILES, Files
-from umbp_nvme.store.segments import segment_name
 from umbp_nvme.store import PageStore
 
 BENCH = "store"
@@ -118,6 +118,8 @@ def parse_args(argv):
     p.add_argument("--stall", type=int, default=None, help="with --roots: stall this fake drive mid-run (0-3)")
     p.add_argument("--stall-tool", default=None, help="the fake-drives tool (default $FAKE_DRIVES or fake-drives)")
     p.add_argument("--stall-timeout-s", type=float, default=1.0, help="io_timeout_s of the stall run")
+    p.add_argument("--device", choices=("ram",), default=None, help="ram: run on a RAM-backed loop device set up and "
+                   "torn down by the command (root), with NIXL and fio beside (bench/store_ram.py)")
     p.add_argument("--json", help="write the rows as JSON here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     a = p.parse_args(argv)
@@ -131,6 +133,11 @@ def parse_args(argv):
         a.sample_bytes = a.sample_bytes or ("8m" if s else "64m" if q else "256m")
         if a.segment_bytes == "256m":
             a.segment_bytes = "16m" if s else "64m"
+    if a.device == "ram":  # the per-object cost: 4 KiB too, and no index-scale ops unless asked
+        if a.dir or a.roots or a.keep:
+            p.error("--device ram runs on a RAM device it sets up and removes: --dir, --roots and --keep do not apply")
+        a.sizes = a.sizes or ("4k,64k" if s else "4k,64k,1m" if q else "4k,64k,1m,4m")
+        a.ops = "put,get" if a.ops == p.get_default("ops") else a.ops
     a.sizes = [parse_bytes(x) for x in (a.sizes or ("64k" if s else "64k,1m" if q else "64k,1m,4m")).split(",")]
     a.batch_pages = a.batch_pages or (8 if s else 128)
     a.sample_bytes = parse_bytes(a.sample_bytes or ("4m" if s else "256m" if q else "1g"))
@@ -157,198 +164,6 @@ def parse_args(argv):
     return a
 
 
-# -- keys and helpers --------------------------------------------------------------------------
-
-
-def store_extents(store: PageStore, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(segment, offset) of each key, from the writer's in-memory view of the index.
-
-    The raw engine must hit exactly the store's blocks (PageStore.locate).
-    """
-    ext = store.locate(keys)
-    return np.fromiter((e.segment for e in ext), np.int64, len(keys)), np.fromiter((e.offset for e in ext), np.int64, len(keys))
-
-
-class SegFds:
-    """The raw engine's own descriptors on the store's segment files (O_DIRECT like the store's)."""
-
-    def __init__(self, directory: str):
-        self.directory = directory
-        self.files: dict[int, object] = {}
-
-    def fds(self, segs: np.ndarray) -> Files:
-        """The batch's files with their O_DIRECT facts, as the store hands its own to the engine."""
-        out = np.empty(len(segs), np.int32)
-        facts = NO_FILES
-        for s in np.unique(segs).tolist():
-            f = self.files.get(s)
-            if f is None:
-                f = self.files[s] = open_data_file(os.path.join(self.directory, segment_name(s)))
-            out[segs == s] = f.fd
-            facts = facts.merge(f.facts)
-        return Files(out, facts)
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-        self.files.clear()
-
-
-# -- throughput: put / get ---------------------------------------------------------------------
-
-
-def _store_config(cfg, path: str, capacity: int) -> StoreConfig:
-    """The benchmark's stores: io_uring at QD 256, --segment-bytes and --durability."""
-    return StoreConfig(
-        ssd_storage_dir=path,
-        ssd_capacity_bytes=capacity,
-        ssd_segment_size_bytes=cfg.segment_bytes,
-        ssd_durability_mode=cfg.durability,
-        ssd_io_backend="io_uring",
-        ssd_queue_depth=256,
-        verify_crc=not getattr(cfg, "no_verify", False),
-    )
-
-
-async def bench_throughput(cfg, directory: str, mem: Memory, notes: list[str]) -> list[dict]:
-    n_obj = cfg.batch_pages * OBJECTS_PER_PAGE
-    sample_cap = max(max(cfg.sample_bytes, n_obj * s) for s in cfg.sizes)
-    seg = cfg.segment_bytes
-    capacity = -(-int(sample_cap * 1.5 + 4 * seg) // seg) * seg
-    path = os.path.join(directory, "tput")
-    shutil.rmtree(path, ignore_errors=True)
-    scfg = _store_config(cfg, path, capacity)
-    store = await PageStore.open(path, scfg)
-    raw = await open_engine("io_uring", queue_depth=256)
-    segfds = SegFds(store.path)
-    rows: list[dict] = []
-    nixl = None
-    try:
-        nixl = open_nixl(mem, notes)
-        if raw.capabilities.name != "io_uring":
-            notes.append("umbp_uring: io_uring unavailable, the raw engine fell back to posix")
-        fixed = False
-        ranges = [(b.address, b.nbytes) for b in mem.bufs.values()]
-        for a, n in ranges:
-            fixed = store.register_memory(a, n) or fixed
-        if fixed:
-            fixed = bool(raw.register_buffers(ranges))
-        notes.append(f"store: {cfg.durability}, capacity {capacity >> 20} MiB, segments {seg >> 20} MiB, "
-                     f"fixed buffers {'on' if fixed else 'off'} for both systems, "
-                     f"verify_crc {'on' if store.verify_crc else 'off (--no-verify)'}")  # as the store opened
-        strict = cfg.durability == "strict"
-        rnd = [0]
-
-        async def one_round(size: int, kind: str):
-            buf = mem.bufs[kind]
-            k_batches = max(1, -(-cfg.sample_bytes // (n_obj * size)))
-            rnd[0] += 1
-            keys = [page_keys(f"r{rnd[0]}/{size}/{kind}/{b}", cfg.batch_pages) for b in range(k_batches)]
-            addrs = buf.address + np.arange(n_obj, dtype=np.uint64) * np.uint64(size)
-            tuples = [(int(a), size) for a in addrs.tolist()]
-            lens = np.full(n_obj, size, np.int64)
-            total = k_batches * n_obj
-            out = {}
-            # store put
-            gc.collect()
-            with Stopwatch() as sw:
-                for b in range(k_batches):
-                    res = await store.put_many(keys[b], tuples)
-                    if not all(res):
-                        raise RuntimeError(f"put_many failed for {res.count(False)} of {n_obj} objects ({size} B)")
-            out["put", "umbp_store"] = sw.sample(total * size, total)
-            ext = [store_extents(store, keys[b]) for b in range(k_batches)]
-            plan = [(segfds.fds(s), o) for s, o in ext]
-            # raw put on the same extents
-            with Stopwatch() as sw:
-                for fds, offs in plan:
-                    r = await raw.write_many(fds, offs, addrs, lens)
-                    if (r != lens).any():
-                        raise RuntimeError(f"raw write returned {int(r[r != lens][0])}")
-                    if strict:
-                        await asyncio.gather(*(raw.sync(int(fd)) for fd in np.unique(fds.fds).tolist()))
-            out["put", "umbp_uring"] = sw.sample(total * size, total)
-            if nixl is not None:
-                for fds, _ in plan:
-                    nixl.register_files(fds.fds, seg)
-                with Stopwatch() as sw:
-                    for fds, offs in plan:
-                        nixl.write_many(fds.fds, offs, addrs, lens)
-                        if strict:
-                            for fd in np.unique(fds.fds).tolist():
-                                os.fdatasync(int(fd))
-                out["put", "nixl_posix"] = sw.sample(total * size, total)
-            # store get (cold: O_DIRECT)
-            buf.array[:n_obj * size] = 0
-            with Stopwatch() as sw:
-                for b in range(k_batches):
-                    res = await store.get_many(keys[b], tuples)
-                    if not all(res):
-                        raise RuntimeError(f"get_many missed {res.count(False)} of {n_obj} objects ({size} B)")
-            out["get", "umbp_store"] = sw.sample(total * size, total)
-            with Stopwatch() as sw:
-                for fds, offs in plan:
-                    r = await raw.read_many(fds, offs, addrs, lens)
-                    if (r != lens).any():
-                        raise RuntimeError(f"raw read returned {int(r[r != lens][0])}")
-            out["get", "umbp_uring"] = sw.sample(total * size, total)
-            if nixl is not None:
-                with Stopwatch() as sw:
-                    for fds, offs in plan:
-                        nixl.read_many(fds.fds, offs, addrs, lens)
-                out["get", "nixl_posix"] = sw.sample(total * size, total)
-            for b in range(k_batches):
-                await store.delete_many(keys[b])
-            return out
-
-        for kind, buf in mem.bufs.items():
-            buf.array[:] = np.random.default_rng(7).integers(0, 256, buf.nbytes, dtype=np.uint8)
-        for size in cfg.sizes:
-            for kind in mem.bufs:
-                samples: dict[tuple[str, str], list[Sample]] = {}
-                await one_round(size, kind)  # warm-up: every extent written once
-                for _ in range(cfg.runs):
-                    for key, s in (await one_round(size, kind)).items():
-                        samples.setdefault(key, []).append(s)
-                for op in ("put", "get"):
-                    if op not in cfg.ops:
-                        continue
-                    base = samples[op, "umbp_uring"]
-                    for system in ("umbp_store", "umbp_uring") + (("nixl_posix",) if nixl else ()):
-                        ss = samples[op, system]
-                        vs = paired_ratio(ss, base) if system == "umbp_store" else None
-                        rows.append(make_row(BENCH, system, op, size, n_obj, ss, buffers=kind, fixed=fixed,
-                                             vs_umbp_uring=vs, cold=(op == "get"), verify_crc=store.verify_crc))
-        st = store.stats()
-        if st.get("o_direct") is False:
-            notes.append(f"O_DIRECT refused on {path}: reads were not cold (page cache)")
-        if st.get("crc_errors"):
-            notes.append(f"store reported {st['crc_errors']} CRC errors")
-    finally:
-        segfds.close()
-        raw.close()
-        await store.close()
-        shutil.rmtree(path, ignore_errors=True)
-    return rows
-
-
-def open_nixl(mem: Memory, notes: list[str]):
-    """The NIXL POSIX baseline with every memory kind registered, or None (and a note why)."""
-    why = nixl_posix.load_error()
-    if why is None:
-        try:
-            nixl = nixl_posix.NixlPosix()
-            for b in mem.bufs.values():
-                nixl.register_dram(b.address, b.nbytes)
-            notes.append(f"nixl_posix: NIXL POSIX plugin, one transfer request per call, polled every "
-                         f"{nixl_posix.POLL_S * 1e6:.0f} us (a spinning poll bills NIXL a whole core)")
-            return nixl
-        except Exception as e:  # a plugin that will not start is a missing baseline, not a failed run
-            why = f"{type(e).__name__}: {e}"
-    notes.append(f"nixl_posix: not run ({why}; `pip install nixl` adds it)")
-    return None
-
-
 # -- the large store: exists, reopen -------------------------------------------------------------
 
 
@@ -356,7 +171,7 @@ def _reopen_config(cfg, path: str) -> StoreConfig:
     seg = cfg.segment_bytes
     data = cfg.reopen_objects * cfg.reopen_object_bytes
     capacity = -(-int(data / 0.8 + 2 * seg) // seg) * seg
-    return _store_config(cfg, path, capacity)
+    return store_config(cfg, path, capacity)
 
 
 def reopen_keys(n: int) -> list[str]:
@@ -576,6 +391,12 @@ def main(argv=None) -> int:
               f"{len(cfg.roots)} roots, {time.perf_counter() - started:.0f} s total")
         print_table(rows, ratio_keys=("drives", "vs_n_x_1drive", "vs_before"))
         finish(cfg, rows, notes, targets=drives.targets(rows), title="MultiDriveStore on 1, 2, 4 drives", source="issue 12")
+        return 0
+    if cfg.device == "ram":
+        from . import store_ram
+
+        rows, notes = store_ram.run(cfg, bench)
+        store_ram.report(cfg, rows, notes, time.perf_counter() - started)
         return 0
     rows, notes = asyncio.run(bench(cfg))
     print(f"store benchmark: {len(rows)} rows, {cfg.runs} alternating runs, {cfg.batch_pages} pages x "

@@ -53,7 +53,7 @@ def encode_all(keys, idx=None) -> list[bytes]:
     ``str.encode`` unless a key holds escaped bytes (U+DC80..U+DCFF), which only
     keybytes.encode_key maps back."""
     try:
-        return [k.encode() for k in keys] if idx is None else [keys[i].encode() for i in idx]
+        return list(map(str.encode, keys if idx is None else [keys[i] for i in idx]))
     except UnicodeEncodeError:
         return [encode_key(k) for k in keys] if idx is None else [encode_key(keys[i]) for i in idx]
 

@@ -29,15 +29,18 @@ log = logging.getLogger("umbp_nvme.store")
 PART_BYTES_MIN = 1 << 20  # a read sub-batch moves at least this much (its submit and wake-up cost ~tens of us)
 PARTS_MAX = 8
 READ_PARTS_IN_FLIGHT = 3  # read sub-batches submitted at a time (see _read)
-# A batch of at most SMALL_BATCH_BYTES is read in parts of about PART_BYTES (at most SMALL_PARTS_MAX),
-# all of them in flight at once. Measured here (64 KiB objects, 16 MiB calls): three parts in
-# flight at a time moved 0.8x the raw engine's bytes (the device starved between parts), all parts
-# at once 0.94x; and sixteen 1 MiB submissions moved more than one of the whole batch (the block
-# layer merges a submission's adjacent extents into 4 MiB requests, which this disk serves slower).
+# A batch of at most SMALL_BATCH_BYTES is read in parts of at most about PART_BYTES (at most
+# SMALL_PARTS_MAX), all of them in flight at once. Measured on the virtio disk (64 KiB objects,
+# 16 MiB calls): three parts in flight at a time moved 0.8x the raw engine's bytes (the device
+# starved between parts), all parts at once 0.94x; sixteen 1 MiB parts then moved more than one
+# submission of the whole batch (merged into 4 MiB requests, which that disk served slower). A part costs ~40-50 us of CPU (its engine
+# batch, a wait, a verify call): on a RAM-backed device (issue 36) 16 parts of 1 MiB cost 13.6 us
+# per 64 KiB object, 4 of 4 MiB 11.5 us; on the virtio disk 4 MiB parts moved 0.87x the raw engine
+# against 0.82x for 1 MiB ones in the same hour (docs/benchmarks.md).
 SMALL_BATCH_BYTES = 64 << 20
-PART_BYTES = 1 << 20
+PART_BYTES = 4 << 20
 SMALL_PARTS_MAX = 32
-# Verification of the objects whose reads completed: up to INLINE_VERIFY_BYTES on the loop thread
+# Verification of the objects whose reads completed: a part of up to INLINE_VERIFY_BYTES on the loop thread
 # (one C call, GIL released: handing them to a worker and back costs ~200 us of CPU, more than the
 # CRC of 2 MiB); more goes to a worker so the loop is never blocked for long. (Splitting a large
 # set between the loop and a worker gained nothing here: two cores checking freshly read memory
@@ -61,13 +64,13 @@ def part_bounds(m: int, nbytes: int) -> list[int]:
 
 def read_parts(lens: np.ndarray) -> tuple[list[int], int]:
     """(part bounds, parts in flight at a time) for reads of ``lens`` bytes: a small batch in
-    parts of about PART_BYTES, all in flight; a larger one as part_bounds splits it, a few at a time."""
+    parts of at most about PART_BYTES, all in flight; a larger one as part_bounds splits it, a few at a time."""
     m = len(lens)
     nbytes = int(lens.sum()) if m else 0
     if nbytes > SMALL_BATCH_BYTES:
         bounds = part_bounds(m, nbytes)
         return bounds, READ_PARTS_IN_FLIGHT
-    p = max(1, min(SMALL_PARTS_MAX, m, nbytes // PART_BYTES))
+    p = max(1, min(SMALL_PARTS_MAX, m, -(-nbytes // PART_BYTES)))  # a part holds <= PART_BYTES (+ one op)
     if p == 1:
         return ([0, m] if m else [0]), 1
     # equal bytes per part (an op is never split): the op ending nearest each p-th of the bytes
@@ -231,8 +234,18 @@ class GetPath:
                     ready.append(np.arange(lo, hi))
                 # refill the window before verifying: the device works while the CRCs run
                 self._start_parts(b, plan, todo, running, window - len(running) if not failures else 0, deadline)
-                if ready:
-                    sel = ready[0] if len(ready) == 1 else np.concatenate(ready)
+                # parts small enough to check on the loop thread one by one (the loop turns
+                # between them), the rest together on a worker: a hop costs ~100-200 us of CPU
+                late = []
+                for k, sel in enumerate(ready):
+                    if plan.bounced or int(b.lens[sel].sum()) > INLINE_VERIFY_BYTES:
+                        late.append(sel)
+                        continue
+                    if k:
+                        await asyncio.sleep(0)
+                    verified[sel] = await self._verify(b, plan, sel, good[sel])
+                if late:
+                    sel = late[0] if len(late) == 1 else np.concatenate(late)
                     verified[sel] = await self._verify(b, plan, sel, good[sel])
         except BaseException:
             # cancelled (or failed) while parts are in flight: they own the memory until they end.

@@ -13,7 +13,8 @@ import asyncio
 
 import numpy as np
 
-from .index import FLAG_CRC, REC_BYTES
+from .index import FLAG_CRC
+from .records import record_values
 
 
 class PutPublish:
@@ -41,8 +42,7 @@ class PutPublish:
                     recs, puts = b.pre[0], b.puts
                 else:
                     recs, enc = self._records(b, pj, pub_idx, pub_keys, gen)
-                    blob = recs.tobytes()
-                    puts = list(zip(enc, [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
+                    puts = list(zip(enc, record_values(recs)))
                 begun = True
                 try:
                     committed = await self._commit(puts) if puts else True

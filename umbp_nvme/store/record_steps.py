@@ -20,10 +20,10 @@ from ..errors import StoreError
 from ..keybytes import encode_key
 from . import layout
 from .checks import encode_all
-from .index import FLAG_CRC, FLAG_KEYCRC, REC_BYTES, REC_DTYPE, Index, key_crcs, wrap_lmdb_error
+from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, Index, key_crcs, wrap_lmdb_error
 from .layout import MANIFEST_FILE
 from .rebuild import boot_id, clear_area, rebuild_index, write_area
-from .records import R_CONFIRMED, R_VALID, RecordAreas, confirmed_copy, make_records
+from .records import R_CONFIRMED, R_VALID, RecordAreas, confirmed_copy, make_records, record_values
 from .segments import segment_name
 from .state import OpenFacts
 from .staging import wait_out
@@ -58,8 +58,7 @@ class RecordSteps:
         if early:
             recs48["crc"] = b.crcs
             recs48["generation"] = recs48["group"] = b.gen
-            blob = recs48.tobytes()
-            b.puts = list(zip(enc, [blob[t : t + REC_BYTES] for t in range(0, len(blob), REC_BYTES)]))
+            b.puts = list(zip(enc, record_values(recs48)))
             sub, keys = recs48, enc
         else:
             sub, keys = recs48[j], [enc[i] for i in j.tolist()]
