@@ -31,7 +31,7 @@ def test_chaos_report_quick(tmp_path):
     r = subprocess.run(
         # 9 kills per durability mode: 4 without eviction, 5 evicting (every phase at least once)
         [sys.executable, os.path.join(ROOT, "tools", "chaos_report.py"), "--quick", "--kills", "9", "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=600,
     )
     report = json.loads(out.read_text())
     figures = {k: v for k, v in report.items() if k not in ("details", "parts")}
