@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     b = _sub(subs, "bench", "run a benchmark (umbp_nvme.bench) and print its table",
-             "umbp-nvme bench [engine|store|hicache|gds|mixed|trace|fleet|scheduler] [OPTIONS]: run umbp_nvme.bench.NAME (shipped with "
+             "umbp-nvme bench [engine|store|hicache|gds|mixed|trace|fleet|scheduler|server] [OPTIONS]: run umbp_nvme.bench.NAME (shipped with "
              "the package; default engine). Common options: --quick (small matrix), --dir DIR (store, hicache, mixed: --keep), --json PATH, "
              "--plot PNG (needs matplotlib).")
     b.set_defaults(func=cmd_bench)
