@@ -165,7 +165,7 @@ def run_crash(cfg, workload: list[dict], work: str) -> dict:
             again: list[dict] = []
             send_all(cfg, [dict(r, phase="resent", name=f"resent{i}", of=r["name"]) for i, r in enumerate(before_kill)], again)
         out["checks"] = check_answers(first + again, PAGE_SIZE)
-        v = subprocess.run([cfg.python, "-m", "umbp_nvme.cli", "verify", store_dir], capture_output=True, text=True,
+        v = subprocess.run([cfg.python, "-m", "umbp_nvme.cli", "verify", "--store", store_dir], capture_output=True, text=True,
                            env=launch.server_env(ext_dir=cfg.ext_dir, cpu_shims=False), timeout=300)
         out["verify_rc"], out["verify_tail"] = v.returncode, (v.stdout + v.stderr)[-600:]
         c = out["checks"]
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
               f"{launch.warm_page_hash(launch.server_env(ext_dir=cfg.ext_dir), cfg.python):.1f} s")
         workload = make_workload(seed=cfg.seed, prompt_tokens=cfg.prompt_tokens, fill=cfg.fill,
                                  resend=cfg.resend, fresh=cfg.fresh)
-        for rnd in range(cfg.rounds):
+        for rnd in range(cfg.rounds if cfg.arms else 0):  # --arms '' with --crash: the crash run alone
             order = cfg.arms[rnd % len(cfg.arms):] + cfg.arms[: rnd % len(cfg.arms)]
             entry = {"round": rnd, "order": order, "arms": {}}
             for arm in order:

@@ -131,16 +131,21 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
+def l3_servable(prompt_tokens: int, page_size: int) -> int:
+    """The tokens a cache can serve of a prompt: its full pages, short of the last token (SGLang
+    computes at least one token itself, so a prompt of exactly N pages is served N - 1)."""
+    return (prompt_tokens - 1) // page_size * page_size
+
+
 def check_answers(records: list[dict], page_size: int) -> dict:
     """What the run must show: each re-sent prompt's greedy output equals its first answer, how
-    many re-sent prompts L3 served (every full page but one of the prompt: SGLang recomputes
-    the last page), and that the changed prompt got no cached page and a different answer."""
+    many re-sent prompts L3 served (``l3_servable`` tokens each), and that the changed prompt got no cached page and a different answer."""
     first = {r["name"]: r for r in records if r["phase"] == "fill" and "error" not in r}
     resent = [r for r in records if r["phase"] == "resent"]
     same = [r for r in resent if "error" not in r and r["of"] in first
             and r["output_ids"] == first[r["of"]]["output_ids"]]
     l3 = [r for r in resent if "error" not in r
-          and r["storage_tokens"] >= (r["prompt_tokens"] // page_size - 1) * page_size > 0]
+          and r["storage_tokens"] >= l3_servable(r["prompt_tokens"], page_size) > 0]
     changed = [r for r in records if r["phase"] == "changed" and "error" not in r]
     return {
         "resent": len(resent),
