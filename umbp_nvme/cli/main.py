@@ -106,6 +106,7 @@ Interrupt with Ctrl-C and run the same command again: present keys are skipped."
   umbp-nvme bench store --roots /mnt/nvme0/b,/mnt/nvme1/b --stall 3
   umbp-nvme bench hicache --quick --plot hicache.png
   umbp-nvme bench scheduler --quick --baseline-src /path/to/other/checkout   # get_stats() on SGLang's scheduler thread
+  umbp-nvme bench server --quick --crash --json server.json   # SGLang's real server: this store vs l2, none, file
 Every option after the benchmark's name goes to it: `umbp-nvme bench store --help` lists them.
 Lines starting `bench target` compare with the goal the benchmark was written for; they are
 not failures.""",
