@@ -41,7 +41,8 @@ def test_workload_is_reproducible_and_rejects_bad_sizes():
 
 def _chunk(t, ids, details=None, cached=0, prompt=2000):
     return (t, {"output_ids": ids, "meta_info": {"prompt_tokens": prompt, "cached_tokens": cached,
-                                                 "cached_tokens_details": details, "storage_prefetch_wait": 0.01}})
+                                                 "cached_tokens_details": details, "storage_prefetch_wait": 0.01,
+                                                 "queue_time": 0.2}})
 
 
 def test_parse_answer_takes_ttft_from_the_first_chunk_and_the_rest_from_the_last():
@@ -52,6 +53,7 @@ def test_parse_answer_takes_ttft_from_the_first_chunk_and_the_rest_from_the_last
     assert a["output_ids"] == [7, 8, 9] and a["cached_tokens"] == 1984
     assert (a["device_tokens"], a["host_tokens"], a["storage_tokens"]) == (64, 0, 1920)
     assert a["storage_backend"] == "dynamic" and a["prompt_tokens"] == 2000
+    assert a["prefetch_wait_s"] == pytest.approx(0.01) and a["queue_s"] == pytest.approx(0.2)
 
 
 def test_parse_answer_reads_null_details_as_nothing_cached_and_rejects_errors():

@@ -69,6 +69,7 @@ def parse_answer(chunks: list[tuple[float, dict]], sent_at: float = 0.0) -> dict
         "storage_tokens": int(details.get("storage", 0) or 0),
         "storage_backend": details.get("storage_backend"),
         "prefetch_wait_s": float(meta.get("storage_prefetch_wait", 0.0) or 0.0),
+        "queue_s": float(meta.get("queue_time", 0.0) or 0.0),  # waiting to be scheduled (prefetch included)
     }
 
 
@@ -125,6 +126,8 @@ def summarize(records: list[dict]) -> dict:
             "storage_tokens": sum(r["storage_tokens"] for r in rs),
             "host_tokens": sum(r["host_tokens"] for r in rs),
             "device_tokens": sum(r["device_tokens"] for r in rs),
+            "queue_ms": _median([r.get("queue_s", 0.0) * 1e3 for r in rs]),
+            "prefetch_wait_ms": _median([r.get("prefetch_wait_s", 0.0) * 1e3 for r in rs]),
             "prefill_tok_s": _median([(r["prompt_tokens"] - r["cached_tokens"]) / r["ttft_s"]
                                       for r in rs if r["ttft_s"] > 0]),
         }
