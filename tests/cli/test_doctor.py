@@ -13,7 +13,7 @@ from umbp_nvme.doctor import report as doctor
 from umbp_nvme.cli.main import main
 from umbp_nvme.engine import files as engine_files
 
-ITEMS = {"io_uring", "engine", "o_direct", "memlock", "hugepages", "filesystem", "scheduler", "gpu", "probe", "session"}
+ITEMS = {"io_uring", "engine", "o_direct", "memlock", "hugepages", "filesystem", "scheduler", "gpu", "probe", "session", "page_hash"}
 SHM = "/dev/shm"
 
 

@@ -1,4 +1,4 @@
-"""``umbp-nvme bench engine|store|hicache|gds|mixed|trace|fleet|scheduler [args]`` (or ``python -m umbp_nvme.bench ...``).
+"""``umbp-nvme bench engine|store|hicache|gds|mixed|trace|fleet|scheduler|server [args]`` (or ``python -m umbp_nvme.bench ...``).
 
 Each benchmark is a module here with ``main(argv)``; ``tools/bench_<name>.py`` are thin scripts
 over them. Shared helpers (row format, alternating runs, tables, plots) are in ``common``. They
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("engine", "store", "hicache", "gds", "mixed", "trace", "fleet", "scheduler")
+BENCHES = ("engine", "store", "hicache", "gds", "mixed", "trace", "fleet", "scheduler", "server")
 
 
 def load(name: str):

@@ -106,6 +106,7 @@ Interrupt with Ctrl-C and run the same command again: present keys are skipped."
   umbp-nvme bench store --roots /mnt/nvme0/b,/mnt/nvme1/b --stall 3
   umbp-nvme bench hicache --quick --plot hicache.png
   umbp-nvme bench scheduler --quick --baseline-src /path/to/other/checkout   # get_stats() on SGLang's scheduler thread
+  umbp-nvme bench server --quick --crash --json server.json   # SGLang's real server: this store vs l2, none, file
 Every option after the benchmark's name goes to it: `umbp-nvme bench store --help` lists them.
 Lines starting `bench target` compare with the goal the benchmark was written for; they are
 not failures.""",
@@ -239,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     b = _sub(subs, "bench", "run a benchmark (umbp_nvme.bench) and print its table",
-             "umbp-nvme bench [engine|store|hicache|gds|mixed|trace|fleet|scheduler] [OPTIONS]: run umbp_nvme.bench.NAME (shipped with "
+             "umbp-nvme bench [engine|store|hicache|gds|mixed|trace|fleet|scheduler|server] [OPTIONS]: run umbp_nvme.bench.NAME (shipped with "
              "the package; default engine). Common options: --quick (small matrix), --dir DIR (store, hicache, mixed: --keep), --json PATH, "
              "--plot PNG (needs matplotlib).")
     b.set_defaults(func=cmd_bench)

@@ -19,6 +19,8 @@ Shown by ``umbp-nvme doctor`` (cli/commands.py) and logged by the SGLang backend
   there (else the drive takes no writes), and what a running writer last recorded.
 * ``scheduler``: the block device's I/O scheduler and whether it honours I/O priorities.
 * ``gpu``: GPU / GDS (KvikIO) status, with the exact reason when it is off.
+* ``page_hash`` (``page_hash.py``): with SGLang installed, whether its page-hash extension is
+  built where the server will look (else its first prefetches time out: how to build it first).
 * ``probe`` (``probe.py``): a few seconds of put_many / get_many through a scratch store
   at the store's object size, in GB/s and as a fraction of raw O_DIRECT I/O of the same size on
   the same file system.
@@ -40,6 +42,7 @@ import time
 from ..config import StoreConfig
 from .findings import existing, finding
 from .probe import PROBE_SECONDS, check_probe
+from .page_hash import check_page_hash
 from .session import check_session_record
 from ..sizes import format_bytes
 from ..store.fs_room import stores_in, stores_shortfall
@@ -419,6 +422,7 @@ def report(store_dir: str, config: StoreConfig | None = None, *, probe: bool = T
         ("session", lambda: check_session_record(store_dir, findings)),
         ("scheduler", lambda: check_scheduler(store_dir, findings)),
         ("gpu", lambda: check_gpu(findings)),
+        ("page_hash", lambda: check_page_hash(findings)),
     ]
     if probe:
         checks.append(("probe", lambda: check_probe(store_dir, config, findings, probe_seconds)))
