@@ -15,8 +15,9 @@ is the store's alone:
   reader    a read-only opener (a follower rank): first answer, RSS per object, exists_prefix(128)
 
 RSS per object is (RSS after - RSS before the open) / N, in total and split into anonymous
-memory (the process's own) and file pages (the LMDB map and segment files, page cache that the
-kernel may reclaim). The targets judge total RSS.
+memory (the process's own) and file pages (the LMDB map and segment files: page cache shared
+with every process that maps them, which the kernel reclaims). The targets judge the anonymous
+part, as the issue's figures did (writer ~354 B, reader ~5 B); the file part is printed beside it.
 """
 
 from __future__ import annotations
@@ -290,6 +291,7 @@ def main(cfg) -> int:
         print(line)
         row = {"bench": "store", "system": "umbp_store" if who == "writer" else "umbp_store_ro", "op": "scale_open",
                "objects": n, "runs": vals, "rss_bytes_per_object": statistics.median(rss_t),
+               "rss_anon_bytes_per_object": statistics.median(v["rss_per_object"]["anon"] for v in vals),
                **{k: _med(vals, k) for k in vals[0] if k != "rss_per_object"}}  # fmt: skip
         rows.append(row)
     for line in targets(rows, n):
@@ -311,8 +313,9 @@ def targets(rows: list[dict], n: int) -> list[str]:
             continue
         who = "writer" if r["system"] == "umbp_store" else "reader"
         lim = t[f"{who}_bytes_per_object"]
-        b = r["rss_bytes_per_object"]
-        out.append(f"{who} RSS = {b:.1f} B/object at {n} objects (target <= {lim:g}) {'MET' if b <= lim else 'NOT MET'}")
+        b = r["rss_anon_bytes_per_object"]
+        out.append(f"{who} RSS (anonymous) = {b:.1f} B/object at {n} objects, {r['rss_bytes_per_object']:.1f} with "
+                   f"file pages (target <= {lim:g}) {'MET' if b <= lim else 'NOT MET'}")
         fa = r["first_answer_s"]
         out.append(f"{who} first answer = {fa:.3f} s (target <= {t['first_answer_s']:g}) "
                    f"{'MET' if fa <= t['first_answer_s'] else 'NOT MET'}")  # fmt: skip
