@@ -447,6 +447,52 @@ static PyObject *KI_mapped(KeyIndex *t, PyObject *args) {
     return out;
 }
 
+/* load(lens, blob): rows 0..n-1 hold the packed keys (uint16 lengths, bytes back to back), each
+ * mapped to its row; into an empty table only. No Python object per key. */
+static PyObject *KI_load(KeyIndex *t, PyObject *args) {
+    Py_buffer lv, bv;
+    if (!PyArg_ParseTuple(args, "y*y*", &lv, &bv)) return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t n = lv.len / 2;
+    const uint16_t *l = lv.buf;
+    const char *b = bv.buf;
+    uint64_t total = 0, cap = t->cap;
+    if (t->count || t->used) {
+        PyErr_SetString(PyExc_ValueError, "load into an empty table only");
+        goto out;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (!l[k]) {
+            PyErr_Format(PyExc_ValueError, "packed key %zd is empty", k);
+            goto out;
+        }
+        total += l[k];
+    }
+    if (total != (uint64_t)bv.len || lv.len % 2) {
+        PyErr_Format(PyExc_ValueError, "packed keys: lengths sum to %llu, %zd bytes given",
+                     (unsigned long long)total, bv.len);
+        goto out;
+    }
+    while ((uint64_t)n * 10 > cap * 7) cap *= 2;
+    if (reserve_rows(t, n) < 0 || (cap != t->cap && resize_table(t, cap) < 0)) goto out;
+    char *a = PyMem_RawRealloc(t->arena, total + total / 8 + 16);
+    if (a == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    t->arena = a;
+    t->size = total + total / 8 + 16;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (set_one(t, (uint32_t)k, b, l[k]) < 0) goto out;
+        b += l[k];
+    }
+    ret = PyLong_FromSsize_t(t->count);
+out:
+    PyBuffer_Release(&lv);
+    PyBuffer_Release(&bv);
+    return ret;
+}
+
 static PyObject *KI_nbytes(KeyIndex *t, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(t->cap * 8 + t->nrows * 8 + t->size);
 }
@@ -493,6 +539,7 @@ static PyMethodDef KI_methods[] = {
     {"key_bytes", (PyCFunction)KI_key_bytes, METH_O, "key_bytes(row): the row's key bytes, None when none"},
     {"forget", (PyCFunction)KI_forget, METH_O, "forget(row): the row holds no key (unmapped if it was)"},
     {"mapped_keys", (PyCFunction)KI_mapped, METH_VARARGS, "mapped_keys([limit]): mapped keys (str), row order"},
+    {"load", (PyCFunction)KI_load, METH_VARARGS, "load(lens, blob): rows 0..n-1 hold and map the packed keys"},
     {"nbytes", (PyCFunction)KI_nbytes, METH_NOARGS, "bytes allocated (table, per-row references, arena)"},
     {"narrow_hash_for_tests", (PyCFunction)KI_narrow, METH_O, "keep only the low N bits of each hash (tests)"},
     {NULL, NULL, 0, NULL},

@@ -154,7 +154,7 @@ async def phase_open(a: dict) -> dict:
         with AlignedBuffer(256 * size) as buf:
             store.register_memory(buf.address, buf.nbytes)
             tuples = [(buf.address + i * size, size) for i in range(256)]
-            gets = [keys_at(mid + 256 * (i % 64), 256) for i in range(16)]
+            gets = [keys_at((mid + 256 * i) % max(1, n - 256), min(256, n)) for i in range(16)]  # stored keys only
             lat = []
             for ks in gets:
                 t = time.perf_counter()
@@ -188,6 +188,24 @@ def _phase_main(argv) -> int:
 
 
 # -- the driver --------------------------------------------------------------------------------
+
+
+def add_args(p) -> None:
+    p.add_argument("--scale", default=None, help="fill this many objects (1m, 10m) and measure RAM per object, "
+                   "reopen and lookups at that size (bench/scale.py, issue 36)")  # fmt: skip
+    p.add_argument("--scale-object-bytes", default="4k", help="object size of the --scale store")
+
+
+def check_args(p, a) -> None:
+    if a.scale is None:
+        return
+    from .common import parse_bytes
+
+    try:
+        a.scale = parse_count(a.scale)
+    except ValueError as e:
+        p.error(str(e))
+    a.scale_object_bytes = parse_bytes(a.scale_object_bytes)
 
 
 def parse_count(text: str) -> int:

@@ -64,7 +64,7 @@ import numpy as np
 from .engine import HugePages, Memory
 from .common import (Sample, Stopwatch, WorkDir, as_info, check_buffers, drop_caches, finish, make_row, page_keys,
                      paired_ratio, parse_bytes, print_table)  # fmt: skip
-from . import nixl_posix
+from . import nixl_posix, scale
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES
 from umbp_nvme.config import StoreConfig
@@ -118,9 +118,7 @@ def parse_args(argv):
     p.add_argument("--stall", type=int, default=None, help="with --roots: stall this fake drive mid-run (0-3)")
     p.add_argument("--stall-tool", default=None, help="the fake-drives tool (default $FAKE_DRIVES or fake-drives)")
     p.add_argument("--stall-timeout-s", type=float, default=1.0, help="io_timeout_s of the stall run")
-    p.add_argument("--scale", default=None, help="fill this many objects (1m, 10m) and measure RAM per object, "
-                   "reopen and lookups at that size (bench/scale.py, issue 36)")
-    p.add_argument("--scale-object-bytes", default="4k", help="object size of the --scale store")
+    scale.add_args(p)
     p.add_argument("--json", help="write the rows as JSON here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     a = p.parse_args(argv)
@@ -144,14 +142,7 @@ def parse_args(argv):
     a.reopen_objects = a.reopen_objects or (2000 if s else 100_000 if q else 1_000_000)
     a.reopen_object_bytes = parse_bytes(a.reopen_object_bytes)
     a.exists_calls = a.exists_calls or (200 if s else 2000)
-    if a.scale is not None:
-        from .scale import parse_count
-
-        try:
-            a.scale = parse_count(a.scale)
-        except ValueError as e:
-            p.error(str(e))
-        a.scale_object_bytes = parse_bytes(a.scale_object_bytes)
+    scale.check_args(p, a)
     check_buffers(p, a.buffers)
     tool = a.stall_tool or os.environ.get("FAKE_DRIVES") or "fake-drives"
     if a.stall is not None and shutil.which(tool) is None:  # found before an hour of setup, not after
@@ -580,8 +571,6 @@ def main(argv=None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
     if cfg.scale is not None:
-        from . import scale
-
         return scale.main(cfg)
     if cfg.roots:
         from . import drives

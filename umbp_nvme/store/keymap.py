@@ -56,6 +56,10 @@ class KeyMap:
         """The row holds no key any more (released); unmapped if it still was."""
         self._t.forget(int(row))
 
+    def load(self, keys: "PackedKeys") -> None:
+        """Rows 0..n-1 hold ``keys`` and each maps to its row; an empty map only."""
+        self._t.load(keys.lens.tobytes() if not keys.lens.flags.c_contiguous else keys.lens, keys.blob)
+
     def nbytes(self) -> int:
         return self._t.nbytes()
 
@@ -123,3 +127,32 @@ class RowKeys:
 
     def __getitem__(self, row) -> str | None:
         return self._m.key_of(row)
+
+
+class PackedKeys:
+    """Keys as bytes back to back with uint16 lengths (an index scan's):
+    what an open hands the row table instead of a Python object per key."""
+
+    __slots__ = ("lens", "blob", "_starts")
+
+    def __init__(self, lens: np.ndarray, blob: bytes):
+        self.lens, self.blob = lens, blob
+        self._starts = None
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def _start(self) -> np.ndarray:
+        if self._starts is None:
+            self._starts = np.concatenate([[0], np.cumsum(self.lens, dtype=np.int64)])
+        return self._starts
+
+    def __getitem__(self, i: int) -> bytes:
+        s = self._start()
+        return self.blob[int(s[i]) : int(s[i + 1])]
+
+    def take(self, idx: np.ndarray) -> "PackedKeys":
+        """The keys at ``idx`` (increasing), packed."""
+        s = self._start()
+        parts = [self.blob[int(s[i]) : int(s[i + 1])] for i in np.asarray(idx).tolist()]
+        return PackedKeys(self.lens[idx].copy(), b"".join(parts))

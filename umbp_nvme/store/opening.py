@@ -35,6 +35,7 @@ from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
 from .mounts import check_mounted
 from .clock import GenerationClock
 from .fs_room import warn_if_short
+from .keymap import PackedKeys
 from .rows import RowTable
 from .state import OpenFacts
 from .segments import SegmentAllocator, SegmentFiles, segment_name
@@ -323,6 +324,7 @@ class OpenSteps:
         finally:
             if gc_was_enabled:
                 gc.enable()
+        _trim_heap()  # the scan's millions of short-lived objects leave free heap pages resident
 
 
     def _load_writer_state_nogc(self, o: OpenFacts) -> None:
@@ -391,7 +393,8 @@ class OpenSteps:
             self._open_segment_for_load(s)
         if keep.all():
             return keys, recs
-        drop = [encode_key(keys[i]) for i in np.flatnonzero(~keep).tolist()]
+        packed = isinstance(keys, PackedKeys)  # a fast scan's keys are bytes already
+        drop = [keys[i] if packed else encode_key(keys[i]) for i in np.flatnonzero(~keep).tolist()]
         if shrunk:
             log.warning(
                 "%s: shrinking from ssd_capacity_bytes=%d to %d (%d -> %d segments): evicting %d objects "
@@ -409,7 +412,7 @@ class OpenSteps:
         except lmdb.Error as e:
             raise wrap_lmdb_error(self.state.index.path, e, f"deleting {len(drop)} records at open") from None
         idx = np.flatnonzero(keep)
-        keys = [keys[i] for i in idx.tolist()]
+        keys = keys.take(idx) if packed else [keys[i] for i in idx.tolist()]
         recs = recs[idx]
         self.writer.alloc.rebuild(recs["segment"], recs["offset"], recs["length"], recs["generation"])
         return keys, recs
@@ -443,3 +446,12 @@ class OpenSteps:
                 "permissions, disk) and open it again"
             ) from None
 
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the kernel (glibc's malloc_trim; nothing elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .keymap import KeyMap, RowKeys
+from .keymap import KeyMap, PackedKeys, RowKeys
 
 COLUMNS = (
     ("seg", np.int32),  # segment numbers come from capacity // segment bytes: far below 2**31
@@ -36,7 +36,7 @@ class RowTable:
     __slots__ = tuple(name for name, _ in COLUMNS) + ("key", "index", "n", "free", "dead_pinned", "_free_slot")
 
     def __init__(self, keys: list, recs: np.ndarray, free_slot):
-        """Rows for ``keys`` (str, or their bytes) and their index records ``recs``; ``free_slot(seg,
+        """Rows for ``keys`` (str, their bytes, or PackedKeys) and their index records ``recs``; ``free_slot(seg,
         off)`` gives a slot back."""
         n = len(keys)
         cap = max(ROWS_MIN, int(n * 1.25))
@@ -53,7 +53,9 @@ class RowTable:
             self.tick[:n] = recs["generation"]  # LRU order after a restart: put order
             self.live[:n] = True
         self.index = KeyMap()
-        if n:
+        if isinstance(keys, PackedKeys):
+            self.index.load(keys)
+        elif n:
             self.index.set_rows(keys, np.arange(n, dtype=np.int64))
         self.key = RowKeys(self.index)
         self.n = n
