@@ -482,10 +482,39 @@ static PyObject *KI_load(KeyIndex *t, PyObject *args) {
     }
     t->arena = a;
     t->size = total + total / 8 + 16;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (set_one(t, (uint32_t)k, b, l[k]) < 0) goto out;
-        b += l[k];
+    /* keys strictly ascending (an index scan's) are distinct: each goes to the first free slot of
+     * its probe, no key compared; hashes first, so the slot of a key further on is prefetched */
+    int ascending = 1;
+    for (Py_ssize_t k = 1, at = l[0]; ascending && k < n; at += l[k], k++) {
+        int c = memcmp(b + at - l[k - 1], b + at, l[k - 1] < l[k] ? l[k - 1] : l[k]);
+        ascending = c < 0 || (c == 0 && l[k - 1] < l[k]);
     }
+    if (!ascending) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (set_one(t, (uint32_t)k, b, l[k]) < 0) goto out;
+            b += l[k];
+        }
+        ret = PyLong_FromSsize_t(t->count);
+        goto out;
+    }
+    uint64_t *h = PyMem_RawMalloc((n ? n : 1) * sizeof(uint64_t));
+    if (h == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t k = 0, at = 0; k < n; at += l[k], k++) h[k] = key_hash(t, b + at, l[k]);
+    memcpy(t->arena, b, total);
+    t->used = total;
+    uint64_t m = t->cap - 1;
+    for (Py_ssize_t k = 0, at = 0; k < n; at += l[k], k++) {
+        if (k + 16 < n) __builtin_prefetch(&t->slots[h[k + 16] & m], 1);
+        uint64_t i = h[k] & m;
+        while (t->slots[i] != EMPTY) i = (i + 1) & m;
+        t->slots[i] = (h[k] & 0xffffffffULL) << 32 | (uint64_t)k;
+        t->ref[k] = (uint64_t)at << 16 | l[k];
+    }
+    t->count = n;
+    PyMem_RawFree(h);
     ret = PyLong_FromSsize_t(t->count);
 out:
     PyBuffer_Release(&lv);
@@ -529,6 +558,110 @@ static void KI_dealloc(KeyIndex *t) {
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
+/* --- module functions: an index scan straight from the mapped file (index_check.py) ------- */
+
+static int int64_view(PyObject *obj, Py_buffer *v, const char *what) {
+    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = v->format ? v->format : "B";
+    char last = f[0] ? f[strlen(f) - 1] : 0;
+    if (v->itemsize != 8 || (last != 'q' && last != 'l')) {
+        PyBuffer_Release(v);
+        PyErr_Format(PyExc_ValueError, "%s must be int64", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* gather(buf, offsets, lengths): the byte ranges back to back, as one bytes object */
+static PyObject *mod_gather(PyObject *mod, PyObject *args) {
+    PyObject *bo, *oo, *lo;
+    if (!PyArg_ParseTuple(args, "OOO", &bo, &oo, &lo)) return NULL;
+    Py_buffer b, o, l;
+    if (PyObject_GetBuffer(bo, &b, PyBUF_SIMPLE) < 0) return NULL;
+    if (int64_view(oo, &o, "offsets") < 0) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    if (int64_view(lo, &l, "lengths") < 0) {
+        PyBuffer_Release(&b);
+        PyBuffer_Release(&o);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t n = o.len / 8;
+    const int64_t *off = o.buf, *len = l.buf;
+    uint64_t total = 0;
+    if (l.len != o.len) {
+        PyErr_SetString(PyExc_ValueError, "offsets and lengths differ in count");
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (off[k] < 0 || len[k] < 0 || off[k] + len[k] > b.len) {
+            PyErr_Format(PyExc_ValueError, "range %zd (%lld, %lld) is outside the buffer", k, (long long)off[k],
+                         (long long)len[k]);
+            goto done;
+        }
+        total += len[k];
+    }
+    out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL) goto done;
+    char *d = PyBytes_AS_STRING(out);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        memcpy(d, (const char *)b.buf + off[k], len[k]);
+        d += len[k];
+    }
+done:
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&o);
+    PyBuffer_Release(&l);
+    return out;
+}
+
+/* unordered(blob, lengths): indices i where key i-1 is not strictly below key i (memcmp order,
+ * a shorter prefix first: LMDB's default order) */
+static PyObject *mod_unordered(PyObject *mod, PyObject *args) {
+    Py_buffer b, l;
+    PyObject *lo;
+    if (!PyArg_ParseTuple(args, "y*O", &b, &lo)) return NULL;
+    if (int64_view(lo, &l, "lengths") < 0) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    Py_ssize_t n = l.len / 8;
+    const int64_t *len = l.buf;
+    const char *p = b.buf, *prev = NULL;
+    int64_t plen = 0, at = 0;
+    for (Py_ssize_t k = 0; out && k < n; k++) {
+        if (len[k] < 0 || at + len[k] > b.len) {
+            Py_CLEAR(out);
+            PyErr_SetString(PyExc_ValueError, "lengths run past the keys");
+            break;
+        }
+        if (prev) {
+            int64_t m = plen < len[k] ? plen : len[k];
+            int c = memcmp(prev, p + at, m);
+            if (c > 0 || (c == 0 && plen >= len[k])) {
+                PyObject *i = PyLong_FromSsize_t(k);
+                if (i == NULL || PyList_Append(out, i) < 0) Py_CLEAR(out);
+                Py_XDECREF(i);
+            }
+        }
+        prev = p + at;
+        plen = len[k];
+        at += len[k];
+    }
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&l);
+    return out;
+}
+
+static PyMethodDef mod_methods[] = {
+    {"gather", mod_gather, METH_VARARGS, "gather(buf, offsets, lengths): the byte ranges back to back (bytes)"},
+    {"unordered", mod_unordered, METH_VARARGS, "unordered(blob, lengths): i where key i-1 >= key i"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef KI_methods[] = {
     {"lookup", (PyCFunction)KI_lookup, METH_VARARGS, "lookup(keys, out): out[i] = key i's row or -1; the hit count"},
     {"prefix", (PyCFunction)KI_prefix, METH_O, "prefix(keys): how many keys, from the first, are mapped"},
@@ -560,7 +693,7 @@ static PyTypeObject KeyIndexType = {
 };
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "umbp_nvme._keyindex",
-                                        "The writer's key -> row table (keyindex.c).", -1, NULL};
+                                        "The writer's key -> row table (keyindex.c).", -1, mod_methods};
 
 PyMODINIT_FUNC PyInit__keyindex(void) {
     if (PyType_Ready(&KeyIndexType) < 0) return NULL;

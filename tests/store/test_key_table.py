@@ -96,3 +96,28 @@ async def test_the_table_holds_no_python_object_per_key(store_dir):
     assert st.keys() == keys  # put order
     assert st.writer.keys.nbytes() < 500 * 200  # table, row references and key bytes
     await st.close()
+
+
+async def test_the_writers_open_reads_the_index_from_its_page_walk_as_a_scan_would(store_dir):
+    import os
+
+    from umbp_nvme.store.index import INDEX_FILE, Index
+
+    st = await PageStore.open(store_dir, small_config())
+    keys = [f"w{i:03d}" + ("\udcff" if i % 5 == 0 else "") for i in range(300)]
+    src = [payload(f"p{i}", 4 * KiB) for i in range(300)]
+    assert await st.put_many(keys, src) == [True] * 300
+    await st.close()
+    ipath = os.path.join(store_dir, INDEX_FILE)
+    ix = Index(ipath, readonly=False, map_size=1 << 30, durable=False)
+    walked_keys, walked = ix.scan_walked()
+    scanned_keys, scanned = ix.scan()
+    ix.close()
+    assert [bytes(k).decode("utf-8", "surrogateescape") for k in walked_keys] == scanned_keys
+    assert sorted(scanned_keys) == sorted(keys)
+    assert walked.tobytes() == scanned.tobytes()
+    st = await PageStore.open(store_dir, small_config())  # and a reopen finds every object by it
+    outs = [bytearray(4 * KiB) for _ in keys]
+    assert await st.get_many(keys, outs) == [True] * 300
+    assert [bytes(o) for o in outs] == [bytes(x) for x in src]
+    await st.close()

@@ -151,6 +151,11 @@ class PackedKeys:
         s = self._start()
         return self.blob[int(s[i]) : int(s[i + 1])]
 
+    def __iter__(self):
+        s = self._start().tolist()
+        blob = self.blob
+        return (blob[s[i] : s[i + 1]] for i in range(len(self.lens)))
+
     def take(self, idx: np.ndarray) -> "PackedKeys":
         """The keys at ``idx`` (increasing), packed."""
         s = self._start()

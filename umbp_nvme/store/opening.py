@@ -238,7 +238,7 @@ class OpenSteps:
             if readonly:
                 self.state.watch = IndexWatch(self.state, map_size)  # every lookup follows the writer's replacements
                 return
-            o.scan = self.state.index.scan()
+            o.scan = self.state.index.scan_walked()  # keys packed, from the page walk of this open
             o.scan_next_gen = self.state.index.next_generation()
             state = self.state.index.writer_state()
             if self.state.index.scan_damage is not None:
@@ -293,7 +293,8 @@ class OpenSteps:
         self.state.index.close()
         self.state.index = None
         blob = recs.tobytes()
-        puts = [(encode_key(k), blob[i * REC_BYTES : (i + 1) * REC_BYTES]) for i, k in enumerate(keys)]
+        puts = [(k if type(k) is bytes else encode_key(k), blob[i * REC_BYTES : (i + 1) * REC_BYTES])
+                for i, k in enumerate(keys)]  # fmt: skip
         dest = self._replace_index(ipath, map_size, reason,
                                    lambda ix, step: ix.commit(puts=puts, next_generation=o.scan_next_gen))  # fmt: skip
         log.error(
