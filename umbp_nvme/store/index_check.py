@@ -140,6 +140,7 @@ def _walk_file(fd: int, psize: int, last_pg: int, roots, capture=None) -> str | 
     try:
         return _walk_pages(np.frombuffer(mm, np.uint8), psize, last_pg, roots, capture)
     finally:
+        trim_heap()  # the walk's large temporaries are freed: hand their pages back
         try:
             mm.close()
         except BufferError:  # a view is still referenced: the map goes when it does
@@ -346,6 +347,16 @@ def _check_free_list(pg: _Pages, n: _Nodes, data: np.ndarray) -> None:
         pages = pg.u64(o + 8 + 8 * np.arange(count, dtype=np.int64))
         if (pages < 2).any() or (pages > pg.last_pg).any():
             raise _Bad("a free-list entry names pages outside the file")
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the kernel (glibc's malloc_trim; nothing elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _writer_alive(index_path: str) -> bool:

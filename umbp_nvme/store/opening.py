@@ -28,6 +28,7 @@ from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, Unsafe
 from ..keybytes import encode_key
 from . import layout
 from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
+from .index_check import trim_heap
 from .index_swap import replace_index, settle_leftovers
 from .follower import IndexWatch
 from .rebuild import boot_id
@@ -325,7 +326,7 @@ class OpenSteps:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        _trim_heap()  # the scan's millions of short-lived objects leave free heap pages resident
+        trim_heap()  # the scan's millions of short-lived objects leave free heap pages resident
 
 
     def _load_writer_state_nogc(self, o: OpenFacts) -> None:
@@ -446,13 +447,3 @@ class OpenSteps:
                 "store was not opened and its index was left as it is: fix the cause (open-file limit, "
                 "permissions, disk) and open it again"
             ) from None
-
-
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the kernel (glibc's malloc_trim; nothing elsewhere)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
