@@ -147,11 +147,13 @@ static int resize_table(KeyIndex *t, uint64_t cap) {
     return 0;
 }
 
-static int reserve_rows(KeyIndex *t, uint64_t rows) {
+/* room for rows 0..rows-1: grown by a quarter (puts), or to exactly ``rows`` (an open's load) */
+static int reserve_rows_as(KeyIndex *t, uint64_t rows, int exact) {
     if (rows <= t->nrows) return 0;
     if (rows > (uint64_t)ROW_MAX) return PyErr_SetString(PyExc_OverflowError, "more than 2**32-2 rows"), -1;
     uint64_t n = t->nrows ? t->nrows : 1024;
-    while (n < rows) n += n / 2;
+    while (n < rows) n += n / 4;
+    if (exact) n = rows;
     uint64_t *ref = PyMem_RawRealloc(t->ref, n * 8);
     if (ref == NULL) return PyErr_NoMemory(), -1;
     t->ref = ref;
@@ -159,6 +161,8 @@ static int reserve_rows(KeyIndex *t, uint64_t rows) {
     t->nrows = n;
     return 0;
 }
+
+static int reserve_rows(KeyIndex *t, uint64_t rows) { return reserve_rows_as(t, rows, 0); }
 
 /* Rewrite the arena without the bytes of forgotten keys (keys of every row that has one stay). */
 static int compact(KeyIndex *t) {
@@ -205,7 +209,7 @@ static int arena_put(KeyIndex *t, const char *p, Py_ssize_t n, uint64_t *off) {
         if (t->garbage > (t->used >> 1) && compact(t) < 0) return -1;
         if (t->used + n > t->size) {
             uint64_t size = t->size ? t->size : 1 << 16;
-            while (size < t->used + n) size += size / 2;
+            while (size < t->used + n) size += size / 4; /* large: realloc moves pages, not bytes */
             char *a = PyMem_RawRealloc(t->arena, size);
             if (a == NULL) return PyErr_NoMemory(), -1;
             t->arena = a;
@@ -474,14 +478,14 @@ static PyObject *KI_load(KeyIndex *t, PyObject *args) {
         goto out;
     }
     while ((uint64_t)n * 10 > cap * 7) cap *= 2;
-    if (reserve_rows(t, n) < 0 || (cap != t->cap && resize_table(t, cap) < 0)) goto out;
-    char *a = PyMem_RawRealloc(t->arena, total + total / 8 + 16);
+    if (reserve_rows_as(t, n, 1) < 0 || (cap != t->cap && resize_table(t, cap) < 0)) goto out;
+    char *a = PyMem_RawRealloc(t->arena, total + total / 64 + 16);
     if (a == NULL) {
         PyErr_NoMemory();
         goto out;
     }
     t->arena = a;
-    t->size = total + total / 8 + 16;
+    t->size = total + total / 64 + 16;
     /* keys strictly ascending (an index scan's) are distinct: each goes to the first free slot of
      * its probe, no key compared; hashes first, so the slot of a key further on is prefetched */
     int ascending = 1;

@@ -6,7 +6,9 @@ atomic, so a record is visible only together with everything committed beside it
 
 One record (``REC_DTYPE``, 48 bytes little endian) per key in the ``objects`` database; the
 ``meta`` database holds the generation high-water mark. The writer keeps its own in-memory view
-(see ``store.py``) built from one ``scan()`` at open; readers query LMDB directly.
+(rows.py, keymap.py) built at open from ``scan_walked()``: the records the page walk before the
+open already read (index_check.py), keys packed, no Python object per key; readers query LMDB
+directly.
 
 LMDB must not be opened twice in one process (closing a second handle drops the first one's
 POSIX locks), so environments are shared per process through ``_ENVS`` with a reference count.

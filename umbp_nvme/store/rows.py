@@ -39,7 +39,7 @@ class RowTable:
         """Rows for ``keys`` (str, their bytes, or PackedKeys) and their index records ``recs``; ``free_slot(seg,
         off)`` gives a slot back."""
         n = len(keys)
-        cap = max(ROWS_MIN, int(n * 1.25))
+        cap = max(ROWS_MIN, n + n // 16)  # little slack at a full node's size: puts grow it by a quarter
         for name, dtype in COLUMNS:
             setattr(self, name, np.zeros(cap, dtype))
         if n:
