@@ -231,7 +231,9 @@ def _run(phase: str, a: dict) -> dict:
 
 
 def fits(n: int, size: int, directory: str, notes: list[str]) -> int:
-    """N, or the largest N the disk holds with 5 GiB to spare."""
+    """N, or the largest N the disk holds with 5 GiB to spare (a kept store of N is reused as it is)."""
+    if os.path.exists(os.path.join(directory, f"scale-{n}-{size}", MARKER)):
+        return n
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize - (5 << 30)
     per = -(-size // 4096) * 4096 + 256 + 200  # slot, its record, the index
