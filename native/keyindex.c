@@ -488,6 +488,10 @@ static PyObject *KI_load(KeyIndex *t, PyObject *args) {
     t->size = total + total / 64 + 16;
     /* keys strictly ascending (an index scan's) are distinct: each goes to the first free slot of
      * its probe, no key compared; hashes first, so the slot of a key further on is prefetched */
+    if (n == 0) {
+        ret = PyLong_FromLong(0);
+        goto out;
+    }
     int ascending = 1;
     for (Py_ssize_t k = 1, at = l[0]; ascending && k < n; at += l[k], k++) {
         int c = memcmp(b + at - l[k - 1], b + at, l[k - 1] < l[k] ? l[k - 1] : l[k]);
