@@ -90,7 +90,7 @@ async def test_the_table_holds_no_python_object_per_key(store_dir):
     assert await st.put_many(keys, [payload(k, 4 * KiB) for k in keys]) == [True] * 500
     import gc
 
-    big = [o for o in gc.get_objects() if isinstance(o, (dict, list)) and len(o) >= 500 and o is not keys]
+    big = [o for o in gc.get_objects() if type(o) in (dict, list) and len(o) >= 500 and o is not keys]
     mine = set(keys)
     assert not [o for o in big if mine <= {x for x in o if type(x) is str}], "a dict or list of every key"
     assert st.keys() == keys  # put order
