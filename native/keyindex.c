@@ -151,8 +151,8 @@ static int resize_table(KeyIndex *t, uint64_t cap) {
 static int reserve_rows_as(KeyIndex *t, uint64_t rows, int exact) {
     if (rows <= t->nrows) return 0;
     if (rows > (uint64_t)ROW_MAX) return PyErr_SetString(PyExc_OverflowError, "more than 2**32-2 rows"), -1;
-    uint64_t n = t->nrows ? t->nrows : 1024;
-    while (n < rows) n += n / 4;
+    uint64_t n = t->nrows;
+    while (n < rows) n += n / 4 > 1024 ? n / 4 : 1024; /* by a quarter, never by nothing (a load sized it exactly) */
     if (exact) n = rows;
     uint64_t *ref = PyMem_RawRealloc(t->ref, n * 8);
     if (ref == NULL) return PyErr_NoMemory(), -1;

@@ -121,3 +121,13 @@ async def test_the_writers_open_reads_the_index_from_its_page_walk_as_a_scan_wou
     assert await st.get_many(keys, outs) == [True] * 300
     assert [bytes(o) for o in outs] == [bytes(x) for x in src]
     await st.close()
+
+
+def test_a_map_loaded_with_a_few_keys_takes_more():
+    from umbp_nvme.store.keymap import PackedKeys
+
+    m = KeyMap()
+    m.load(PackedKeys(np.array([1, 1], np.uint16), b"ab"))  # rows sized exactly: 2
+    for i in range(2, 3000):  # each new row grows them (once hung here: a quarter of 2 is 0)
+        m[f"k{i}"] = i
+    assert len(m) == 3000 - 2 + 2 and m.get("a") == 0 and m.get("k2999") == 2999
