@@ -63,6 +63,11 @@ setup(
             ],
             depends=["native/uring.h", "native/uring_internal.h", "native/crc32c.h", "native/crc32c_consts.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-        )
+        ),
+        Extension(
+            "umbp_nvme._keyindex",  # the writer's key -> row table (store/keymap.py)
+            sources=["native/keyindex.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        ),
     ],
 )

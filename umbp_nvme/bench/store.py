@@ -68,6 +68,7 @@ from .engine import HugePages, Memory
 from .common import (Sample, Stopwatch, WorkDir, as_info, check_buffers, drop_caches, finish, make_row, page_keys,
                      parse_bytes, print_table)  # fmt: skip
 from .store_tput import SegFds, store_config, bench_throughput, store_extents  # noqa: F401 - names of this module before the split
+from . import scale
 
 from umbp_nvme.buffers import HUGE_PAGE_BYTES
 from umbp_nvme.config import StoreConfig
@@ -120,6 +121,7 @@ def parse_args(argv):
     p.add_argument("--stall-timeout-s", type=float, default=1.0, help="io_timeout_s of the stall run")
     p.add_argument("--device", choices=("ram",), default=None, help="ram: run on a RAM-backed loop device set up and "
                    "torn down by the command (root), with NIXL and fio beside (bench/store_ram.py)")
+    scale.add_args(p)
     p.add_argument("--json", help="write the rows as JSON here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     a = p.parse_args(argv)
@@ -148,6 +150,7 @@ def parse_args(argv):
     a.reopen_objects = a.reopen_objects or (2000 if s else 100_000 if q else 1_000_000)
     a.reopen_object_bytes = parse_bytes(a.reopen_object_bytes)
     a.exists_calls = a.exists_calls or (200 if s else 2000)
+    scale.check_args(p, a)
     check_buffers(p, a.buffers)
     tool = a.stall_tool or os.environ.get("FAKE_DRIVES") or "fake-drives"
     if a.stall is not None and shutil.which(tool) is None:  # found before an hour of setup, not after
@@ -383,6 +386,8 @@ def targets(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
+    if cfg.scale is not None:
+        return scale.main(cfg)
     if cfg.roots:
         from . import drives
 

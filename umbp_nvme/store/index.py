@@ -6,7 +6,9 @@ atomic, so a record is visible only together with everything committed beside it
 
 One record (``REC_DTYPE``, 48 bytes little endian) per key in the ``objects`` database; the
 ``meta`` database holds the generation high-water mark. The writer keeps its own in-memory view
-(see ``store.py``) built from one ``scan()`` at open; readers query LMDB directly.
+(rows.py, keymap.py) built at open from ``scan_walked()``: the records the page walk before the
+open already read (index_check.py), keys packed, no Python object per key; readers query LMDB
+directly.
 
 LMDB must not be opened twice in one process (closing a second handle drops the first one's
 POSIX locks), so environments are shared per process through ``_ENVS`` with a reference count.
@@ -107,7 +109,7 @@ _DETACHED: list[list] = []  # entries of files moved aside while another handle 
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> lmdb.Environment:
+def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool, capture: dict | None = None) -> lmdb.Environment:
     real = os.path.realpath(path)
     with _ENVS_LOCK:
         entry = _ENVS.get(real)
@@ -127,7 +129,7 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool) -> 
         # a new store (writer) or FileNotFoundError above (reader).
         check_own_file(f"{path}-lock")
         try:
-            check_index_file(path, readonly=readonly)
+            check_index_file(path, readonly=readonly, capture=capture)
         except FileNotFoundError:
             if readonly:
                 raise FileNotFoundError(f"no store index at {path}; a writer must create the store first") from None
@@ -250,6 +252,7 @@ def _release_env(env: lmdb.Environment) -> None:
 class Index:
     def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool, wait_s: float = _CREATING_WAIT_S):
         self.path = path
+        self._walked: dict = {}  # what the page walk before a writer's open read (scan_walked)
         self.readonly = readonly
         self.durable = durable
         # a writer creating the store makes the file, then its meta pages, then its databases:
@@ -257,7 +260,8 @@ class Index:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                self._env = _acquire_env(path, readonly=readonly, map_size=map_size, durable=durable)
+                self._env = _acquire_env(path, readonly=readonly, map_size=map_size, durable=durable,
+                                         capture=None if readonly else self._walked)  # fmt: skip
                 break
             except IndexFileDamage as e:
                 if not readonly or time.monotonic() >= deadline or e.size >= _NEW_ENV_BYTES:
@@ -363,6 +367,50 @@ class Index:
         finally:
             if gc_was_enabled:
                 gc.enable()
+
+    def scan_walked(self):
+        """``scan()`` from what the page walk before this open read (index_check.py), keys packed:
+        no Python object per key. The same checks drop the same damage; falls back to ``scan()``
+        when the walk did not run here (the environment was already open in this process) or the
+        index has changed since it did."""
+        got, self._walked = self._walked, {}
+        if "objects" not in got or got.get("txnid") != self._env.info()["last_txnid"]:
+            return self.scan()
+        from .._keyindex import gather, unordered
+        from .keymap import PackedKeys
+
+        klen, blob, is_rec, rec_blob = got.pop("objects")
+        self.scan_damage = None
+        n = len(klen)
+        keep = np.ones(n, bool)
+        bad_order = unordered(blob, klen)
+        if bad_order:  # LMDB keeps keys strictly ascending: drop both sides of each break (as scan)
+            bad = np.asarray(bad_order, np.int64)
+            keep[bad] = keep[bad - 1] = False
+            self.scan_damage = f"{int((~keep).sum())} keys out of order (damaged nodes)"
+        if not is_rec.all():
+            log.warning("%s: %d index records have a bad size; ignoring them", self.path, int((~is_rec).sum()))
+        recs = np.zeros(n, REC_DTYPE)
+        recs[is_rec] = np.frombuffer(rec_blob, REC_DTYPE)
+        keep &= is_rec
+        starts = np.concatenate([[0], np.cumsum(klen)[:-1]]).astype(np.int64)
+        has = (recs["flags"] & FLAG_KEYCRC) != 0
+        if has.any():
+            from .._uring import crc32c_many
+
+            crcs = np.zeros(n, np.uint32)
+            base = np.frombuffer(blob or b"\0", np.uint8)
+            crc32c_many(np.uint64(base.ctypes.data) + starts.astype(np.uint64), klen, crcs)
+            renamed = keep & has & (crcs != recs["key_crc"])
+            if renamed.any():
+                why = f"{int(renamed.sum())} keys that do not match their record's key checksum"
+                self.scan_damage = why if self.scan_damage is None else f"{self.scan_damage}; {why}"
+                keep &= ~renamed
+        if keep.all():
+            return PackedKeys(klen.astype(np.uint16), blob), recs
+        idx = np.flatnonzero(keep)
+        return PackedKeys(klen[idx].astype(np.uint16), gather(np.frombuffer(blob or b"\0", np.uint8), starts[idx],
+                                                               klen[idx])), recs[idx]  # fmt: skip
 
     def get_records(self, keys: list[bytes]) -> list[bytes | None]:
         """Each key's record, None when absent or when the record's key checksum says it is not this key's."""

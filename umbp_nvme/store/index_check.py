@@ -59,7 +59,7 @@ def _read_meta(fd: int, off: int, size: int, which: str) -> tuple:
     return m
 
 
-def check_index_file(path: str, *, walk: bool = True, readonly: bool = False) -> None:
+def check_index_file(path: str, *, walk: bool = True, readonly: bool = False, capture: dict | None = None) -> None:
     """Raise IndexFileDamage unless ``path`` is an LMDB file that LMDB can map without SIGBUS.
 
     LMDB maps the file and trusts its newest meta page: a page number past the end of a truncated
@@ -69,7 +69,8 @@ def check_index_file(path: str, *, walk: bool = True, readonly: bool = False) ->
     checks every page of its trees (``_walk_pages``): LMDB asserts (aborts) on a page of the wrong
     type and reads node sizes unchecked, so a zeroed or scribbled page is a crash there. Raises
     FileNotFoundError when the file is missing and UnsafeStorePathError when it is not this
-    user's regular file.
+    user's regular file. ``capture`` (a dict) receives what the walk read of the ``objects``
+    database (``_capture_leaves``) and the transaction it saw: a writer's open scan without LMDB.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -113,9 +114,11 @@ def check_index_file(path: str, *, walk: bool = True, readonly: bool = False) ->
         if walk and (not readonly or not _writer_alive(path)):
             # a live writer reuses free pages under a reader that holds no LMDB snapshot: only a
             # file no writer holds is walked (the writer walked it at its own open)
-            reason = _walk_file(fd, psize, last_pg, ((newest[14], newest[9]), (newest[22], newest[17])))
+            reason = _walk_file(fd, psize, last_pg, ((newest[14], newest[9]), (newest[22], newest[17])), capture)
             if reason is not None:
                 raise IndexFileDamage(f"{reason} (txn {newest[-1]})", size)
+            if capture is not None:
+                capture["txnid"] = newest[-1]
     except OSError as e:
         raise StoreError(f"cannot read store index {path}: {e.strerror or e}") from None
     finally:
@@ -127,15 +130,17 @@ _P_TYPES = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40  # branch, leaf, overflow, me
 _F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
 _DB_BYTES = 48  # MDB_db: pad u32, flags u16, depth u16, 4 page/entry counts u64, root u64
 _MAX_DEPTH = 64
+_REC_BYTES = 48  # index.REC_BYTES (index.py imports this module)
 
 
-def _walk_file(fd: int, psize: int, last_pg: int, roots) -> str | None:
+def _walk_file(fd: int, psize: int, last_pg: int, roots, capture=None) -> str | None:
     import mmap
 
     mm = mmap.mmap(fd, (last_pg + 1) * psize, mmap.MAP_SHARED, mmap.PROT_READ)
     try:
-        return _walk_pages(np.frombuffer(mm, np.uint8), psize, last_pg, roots)
+        return _walk_pages(np.frombuffer(mm, np.uint8), psize, last_pg, roots, capture)
     finally:
+        trim_heap()  # the walk's large temporaries are freed: hand their pages back
         try:
             mm.close()
         except BufferError:  # a view is still referenced: the map goes when it does
@@ -178,7 +183,7 @@ class _Nodes(NamedTuple):
     end: np.ndarray  # page offset where the node ends
 
 
-def _walk_pages(buf: np.ndarray, psize: int, last_pg: int, roots) -> str | None:
+def _walk_pages(buf: np.ndarray, psize: int, last_pg: int, roots, capture=None) -> str | None:
     """Why the trees from ``roots`` ((root, depth) of the free list and the main DB, whose leaves
     name the sub-databases) are not what LMDB may walk safely, or None.
 
@@ -187,26 +192,43 @@ def _walk_pages(buf: np.ndarray, psize: int, last_pg: int, roots) -> str | None:
     free-list page number lies inside the file. Vectorised per tree level: ~0.1 s per 1M keys.
     """
     pg = _Pages(buf, psize, last_pg)
-    trees = [("free-list", roots[0][0], roots[0][1]), ("main", roots[1][0], roots[1][1])]
+    trees = [("free-list", roots[0][0], roots[0][1], b""), ("main", roots[1][0], roots[1][1], b"")]
     try:
         while trees:
-            name, root, depth = trees.pop()
+            name, root, depth, db = trees.pop()
             if root != _P_INVALID:
-                trees.extend(_walk_tree(pg, name, root, depth))
+                trees.extend(_walk_tree(pg, name, root, depth, capture if db == b"objects" else None))
     except _Bad as e:
         return str(e)
     return None
 
 
-def _walk_tree(pg: _Pages, name: str, root: int, depth: int) -> list:
-    """Check one tree, level by level; returns the (name, root, depth) of the sub-databases its leaves name."""
+def _walk_tree(pg: _Pages, name: str, root: int, depth: int, capture=None) -> list:
+    """Check one tree, level by level; returns the (name, root, depth, db name) of the sub-databases
+    its leaves name. With ``capture``, its leaves' keys and values are kept there."""
     if not 1 <= depth <= _MAX_DEPTH:
         raise _Bad(f"{name} tree has depth {depth}")
     level = np.array([root], np.uint64)
     for _ in range(depth - 1):
         n = _level_nodes(pg, name, level, _P_BRANCH)
         level = (n.lo | (n.hi << 16) | (n.nflags << 32)).astype(np.uint64)  # child page number: 48 bits
-    return _check_leaves(pg, name, _level_nodes(pg, name, level, _P_LEAF))
+    leaves = _level_nodes(pg, name, level, _P_LEAF)
+    trees = _check_leaves(pg, name, leaves)
+    if capture is not None:
+        _capture_leaves(pg, leaves, capture)
+    return trees
+
+
+def _capture_leaves(pg: _Pages, n: _Nodes, capture: dict) -> None:
+    """The leaves of a checked tree in key order (levels are walked left to right): key lengths,
+    keys back to back, which values are one record wide, and those records back to back."""
+    from .._keyindex import gather
+
+    koff = (n.node + 8).astype(np.int64)
+    klen = n.ksize.astype(np.int64)
+    rec = ~n.big & (n.dsize == _REC_BYTES)
+    capture["objects"] = (klen, gather(pg.buf, koff, klen), rec,
+                          gather(pg.buf, (koff + klen)[rec], np.full(int(rec.sum()), _REC_BYTES, np.int64)))
 
 
 def _check_level_pages(pg: _Pages, name: str, level: np.ndarray, want: int):
@@ -303,8 +325,15 @@ def _sub_databases(pg: _Pages, n: _Nodes, data: np.ndarray) -> list:
         sflags, sdepth = int(pg.u64(np.array([o + 4]), 2)[0]), int(pg.u64(np.array([o + 6]), 2)[0])
         if sflags & ~0x0E:  # REVERSEKEY, DUPSORT... none of them is ours except none at all
             raise _Bad(f"a sub-database has flags {sflags:#x}")
-        trees.append((f"sub-database at {o}", int(pg.u64(np.array([o + 40]))[0]), sdepth))
+        trees.append((f"sub-database at {o}", int(pg.u64(np.array([o + 40]))[0]), sdepth, _key_at(pg, n, o)))
     return trees
+
+
+def _key_at(pg: _Pages, n: _Nodes, data_at: int) -> bytes:
+    """The key of the leaf node whose value starts at ``data_at`` (a sub-database's name)."""
+    i = int(np.flatnonzero(n.node + 8 + n.ksize == data_at)[0])
+    start = int(n.node[i]) + 8
+    return pg.buf[start : start + int(n.ksize[i])].tobytes()
 
 
 def _check_free_list(pg: _Pages, n: _Nodes, data: np.ndarray) -> None:
@@ -318,6 +347,16 @@ def _check_free_list(pg: _Pages, n: _Nodes, data: np.ndarray) -> None:
         pages = pg.u64(o + 8 + 8 * np.arange(count, dtype=np.int64))
         if (pages < 2).any() or (pages > pg.last_pg).any():
             raise _Bad("a free-list entry names pages outside the file")
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the kernel (glibc's malloc_trim; nothing elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _writer_alive(index_path: str) -> bool:

@@ -48,11 +48,7 @@ class Lookups:
             return [False] * len(keys)
         if self.writer is None:
             return [v is not None for v in self._index_lookup(keys)]
-        d = self.writer.keys
-        try:
-            return [k in d for k in keys]
-        except TypeError:  # an unhashable key
-            return [type(k) is str and k in d for k in keys]
+        return (self.writer.keys.rows(keys) >= 0).tolist()  # a key that is not a str is absent
 
     def exists_prefix_nowait(self, keys: list[str]) -> int:
         """``exists_prefix`` without the event loop: callable from any thread (reads the index directly)."""
@@ -64,16 +60,7 @@ class Lookups:
             if None in enc:
                 enc = enc[: enc.index(None)]
             return self.state.watch.read(lambda ix: ix.exists_prefix(enc), 0)
-        d = self.writer.keys
-        n = 0
-        try:
-            for k in keys:
-                if k not in d:
-                    break
-                n += 1
-        except TypeError:  # an unhashable key is absent: the prefix ends there
-            pass
-        return n
+        return self.writer.keys.prefix(keys)  # a key that is not a str is absent: the prefix ends there
 
     async def exists_many(self, keys: list[str]) -> list[bool]:
         """Per key, whether ``get_many`` would find it now (True) or it is absent (False).
@@ -125,11 +112,7 @@ class Lookups:
 
     def _writer_rows(self, keys) -> list:
         """Writers: the row per key, None when absent (a key that is not a str is never present)."""
-        try:
-            return list(map(self.writer.keys.get, keys))
-        except TypeError:  # an unhashable key
-            get = self.writer.keys.get
-            return [get(k) if type(k) is str else None for k in keys]
+        return [None if r < 0 else r for r in self.writer.keys.rows(keys).tolist()]
 
     def _lookup_reader(self, keys: list[str]) -> ReadBatch | None:
         """Readers: records from LMDB for the present keys."""
@@ -158,20 +141,21 @@ class Lookups:
                 if not self.state.files.ensure(s):
                     b.keep(b.segs != s)
             return b if len(b) else None
-        rows_l = self._writer_rows(keys)
-        if None in rows_l:
-            idx_l = [i for i, r in enumerate(rows_l) if r is not None]
-            if not idx_l:
-                return None
-            idx = np.asarray(idx_l, np.int64)
-            rows = np.asarray([rows_l[i] for i in idx_l], np.int64)
+        rows = self.writer.keys.rows(keys)
+        if not len(rows):
+            return None
+        hit = rows >= 0
+        if hit.all():
+            idx = np.arange(len(rows), dtype=np.int64)
         else:
-            if not len(keys):
+            idx = np.flatnonzero(hit)
+            if not len(idx):
                 return None
-            idx = np.arange(len(keys), dtype=np.int64)
-            rows = np.asarray(rows_l, np.int64)
+            rows = rows[idx]
         t = self.writer.rows
-        return ReadBatch(idx, t.seg[rows], t.off[rows], t.len[rows], t.crc[rows], t.flags[rows], t.gen[rows], rows)
+        # the columns are narrow (rows.py); the read path computes in int64
+        return ReadBatch(idx, t.seg[rows].astype(np.int64), t.off[rows], t.len[rows].astype(np.int64), t.crc[rows],
+                         t.flags[rows].astype(np.uint32), t.gen[rows], rows)  # fmt: skip
 
     def _unchanged(self, b: ReadBatch, keys) -> np.ndarray:
         """Readers: which keys still have the generation looked up (another process may have

@@ -28,6 +28,7 @@ from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, Unsafe
 from ..keybytes import encode_key
 from . import layout
 from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
+from .index_check import trim_heap
 from .index_swap import replace_index, settle_leftovers
 from .follower import IndexWatch
 from .rebuild import boot_id
@@ -35,6 +36,7 @@ from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
 from .mounts import check_mounted
 from .clock import GenerationClock
 from .fs_room import warn_if_short
+from .keymap import PackedKeys
 from .rows import RowTable
 from .state import OpenFacts
 from .segments import SegmentAllocator, SegmentFiles, segment_name
@@ -237,7 +239,7 @@ class OpenSteps:
             if readonly:
                 self.state.watch = IndexWatch(self.state, map_size)  # every lookup follows the writer's replacements
                 return
-            o.scan = self.state.index.scan()
+            o.scan = self.state.index.scan_walked()  # keys packed, from the page walk of this open
             o.scan_next_gen = self.state.index.next_generation()
             state = self.state.index.writer_state()
             if self.state.index.scan_damage is not None:
@@ -292,7 +294,8 @@ class OpenSteps:
         self.state.index.close()
         self.state.index = None
         blob = recs.tobytes()
-        puts = [(encode_key(k), blob[i * REC_BYTES : (i + 1) * REC_BYTES]) for i, k in enumerate(keys)]
+        puts = [(k if type(k) is bytes else encode_key(k), blob[i * REC_BYTES : (i + 1) * REC_BYTES])
+                for i, k in enumerate(keys)]  # fmt: skip
         dest = self._replace_index(ipath, map_size, reason,
                                    lambda ix, step: ix.commit(puts=puts, next_generation=o.scan_next_gen))  # fmt: skip
         log.error(
@@ -323,6 +326,7 @@ class OpenSteps:
         finally:
             if gc_was_enabled:
                 gc.enable()
+        trim_heap()  # the scan's millions of short-lived objects leave free heap pages resident
 
 
     def _load_writer_state_nogc(self, o: OpenFacts) -> None:
@@ -391,7 +395,8 @@ class OpenSteps:
             self._open_segment_for_load(s)
         if keep.all():
             return keys, recs
-        drop = [encode_key(keys[i]) for i in np.flatnonzero(~keep).tolist()]
+        packed = isinstance(keys, PackedKeys)  # a fast scan's keys are bytes already
+        drop = [keys[i] if packed else encode_key(keys[i]) for i in np.flatnonzero(~keep).tolist()]
         if shrunk:
             log.warning(
                 "%s: shrinking from ssd_capacity_bytes=%d to %d (%d -> %d segments): evicting %d objects "
@@ -409,7 +414,7 @@ class OpenSteps:
         except lmdb.Error as e:
             raise wrap_lmdb_error(self.state.index.path, e, f"deleting {len(drop)} records at open") from None
         idx = np.flatnonzero(keep)
-        keys = [keys[i] for i in idx.tolist()]
+        keys = keys.take(idx) if packed else [keys[i] for i in idx.tolist()]
         recs = recs[idx]
         self.writer.alloc.rebuild(recs["segment"], recs["offset"], recs["length"], recs["generation"])
         return keys, recs
@@ -442,4 +447,3 @@ class OpenSteps:
                 "store was not opened and its index was left as it is: fix the cause (open-file limit, "
                 "permissions, disk) and open it again"
             ) from None
-

@@ -271,9 +271,9 @@ class PageStore(
     def any_key(self) -> str | None:
         """Writers: one published key (None when there is none, or on a read-only opener): what a
         drive probe reads back, without a snapshot of every key."""
-        if self.writer is None or not self.writer.keys:
+        if self.writer is None or self.writer.keys is None:
             return None
-        return next(iter(self.writer.keys))
+        return self.writer.keys.any_key()
 
     def locate(self, keys) -> list[Extent | None]:
         """Writers: where each key's object lives (segment, offset, length, depth); None when absent.

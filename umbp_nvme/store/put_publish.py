@@ -97,11 +97,7 @@ class PutPublish:
         t.tick[rows] = gen
         t.pins[rows] = 0
         t.live[rows] = True
-        rows_l = rows.tolist()
-        row_key = t.key
-        for r, k in zip(rows_l, pub_keys):
-            row_key[r] = k
-        self.writer.keys.update(zip(pub_keys, rows_l))
+        t.index.set_rows(pub_keys, rows)  # each row holds its key, mapped to it
         if self.writer.residency is not None:
             self.writer.residency.shown(pub_keys)
         self.state.counters["bytes_written"] += int(b.nbytes[pj].sum())

@@ -234,7 +234,8 @@ class RecordSteps:
         rows = np.flatnonzero(t.live[:n] & (t.seg[:n] == seg))
         if not len(rows):
             return None
-        enc = [encode_key(t.key[r]) for r in rows.tolist()]
+        kb = t.index.key_bytes_of
+        enc = [kb(r) for r in rows.tolist()]
         return make_records(t.seg[rows], t.off[rows], t.len[rows], t.gen[rows], t.crc[rows], t.depth[rows],
                             key_crcs(enc), enc, R_VALID | R_CONFIRMED)  # fmt: skip
 

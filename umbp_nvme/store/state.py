@@ -74,7 +74,7 @@ class WriterState:
     commit_lock: asyncio.Lock | None = None  # one index commit at a time, in call order
     alloc: Any = None  # segments.SegmentAllocator
     rows: Any = None  # rows.RowTable: the published objects
-    keys: dict | None = None  # key -> row (the row table's dict)
+    keys: Any = None  # keymap.KeyMap: key -> row (the row table's)
     clock: Any = None  # clock.GenerationClock (shared by the drives of one writer)
     open_clock: int = 0  # generations up to this one were put before this open (confirmed on disk)
     areas: Any = None  # records.RecordAreas: the record areas in memory

@@ -1,0 +1,133 @@
+"""The writer's key table (native/keyindex.c, store/keymap.py): a dict's answers without a Python
+object per key, and a hash collision never answers another key's row or bytes."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from conftest import KiB, payload, small_config
+from umbp_nvme.store import PageStore
+from umbp_nvme.store.keymap import KeyMap
+
+
+@pytest.mark.parametrize("bits", [64, 2, 0])
+def test_the_key_map_answers_as_a_dict_does_even_when_every_hash_collides(bits):
+    m = KeyMap(seed=11)
+    m.narrow_hash_for_tests(bits)  # 0 bits: every key has the same hash
+    model: dict[str, int] = {}  # key -> row
+    held: dict[int, str] = {}  # row -> its key, until the row is forgotten
+    rnd = random.Random(bits)
+    row = 0
+    for _ in range(3000):
+        k = f"key{rnd.randrange(400)}" + ("\udc80" if rnd.random() < 0.1 else "")
+        op = rnd.random()
+        if op < 0.5:
+            m[k] = row
+            model[k], held[row] = row, k
+            row += 1
+        elif op < 0.8:
+            assert m.get(k) == model.get(k)
+            if k in model:
+                del m[k]
+                del model[k]
+            else:
+                with pytest.raises(KeyError):
+                    del m[k]
+        elif held:
+            r = rnd.choice(sorted(held))
+            m.forget_row(r)
+            k2 = held.pop(r)
+            if model.get(k2) == r:
+                del model[k2]
+    assert len(m) == len(model)
+    probe = [f"key{i}" for i in range(400)] + [f"key{i}\udc80" for i in range(400)] + ["never"]
+    want = [model.get(k, -1) for k in probe]
+    assert m.rows(probe).tolist() == want
+    assert sorted(m) == sorted(model)
+    for r, k in held.items():
+        assert m.key_of(r) == k
+    assert m.key_of(row + 5) is None
+
+
+def test_keys_that_are_not_storable_strs_are_misses_and_refused_on_insert():
+    m = KeyMap()
+    m["k"] = 0
+    m["\udcc3"] = 1  # an escaped byte: a storable key
+    assert m.rows(["k", b"k", 7, None, "", "\udcc3"]).tolist() == [0, -1, -1, -1, -1, 1]
+    assert m.prefix(["k", "\udcc3", b"k", "k"]) == 2
+    with pytest.raises(ValueError, match="byte form"):
+        m.set_rows(["ok", "\udcc3\udca9"], np.array([2, 3]))  # would read back as "é": refused, all of it
+    assert "ok" not in m and len(m) == 2
+    with pytest.raises(ValueError):
+        m.set_rows([""], np.array([2]))
+
+
+async def test_colliding_keys_in_a_store_each_read_their_own_bytes(store_dir):
+    st = await PageStore.open(store_dir, small_config())
+    st.writer.keys.narrow_hash_for_tests(0)  # every key collides with every other
+    keys = [f"c{i}" for i in range(20)]
+    src = [payload(k, 8 * KiB) for k in keys]
+    assert await st.put_many(keys, src) == [True] * 20
+    outs = [bytearray(8 * KiB) for _ in keys]
+    assert await st.get_many(keys, outs) == [True] * 20
+    assert [bytes(o) for o in outs] == [bytes(s) for s in src]
+    assert await st.exists_many(["c3", "c99", "c19"]) == [True, False, True]
+    assert await st.delete_many(["c3"]) == [True]
+    out = bytearray(8 * KiB)
+    assert await st.get_many(["c3"], [out]) == [False]
+    assert await st.get_many(["c4"], [out]) == [True] and bytes(out) == bytes(src[4])
+    assert await st.exists_prefix(["c0", "c1", "c3"]) == 2
+    assert st.stats()["objects"] == 19
+    await st.close()
+
+
+async def test_the_table_holds_no_python_object_per_key(store_dir):
+    st = await PageStore.open(store_dir, small_config())
+    keys = [f"table-only-{i}" for i in range(500)]  # names no other test uses
+    assert await st.put_many(keys, [payload(k, 4 * KiB) for k in keys]) == [True] * 500
+    import gc
+
+    big = [o for o in gc.get_objects() if type(o) in (dict, list) and len(o) >= 500 and o is not keys]
+    mine = set(keys)
+    assert not [o for o in big if mine <= {x for x in o if type(x) is str}], "a dict or list of every key"
+    assert st.keys() == keys  # put order
+    assert st.writer.keys.nbytes() < 500 * 200  # table, row references and key bytes
+    await st.close()
+
+
+async def test_the_writers_open_reads_the_index_from_its_page_walk_as_a_scan_would(store_dir):
+    import os
+
+    from umbp_nvme.store.index import INDEX_FILE, Index
+
+    st = await PageStore.open(store_dir, small_config())
+    keys = [f"w{i:03d}" + ("\udcff" if i % 5 == 0 else "") for i in range(300)]
+    src = [payload(f"p{i}", 4 * KiB) for i in range(300)]
+    assert await st.put_many(keys, src) == [True] * 300
+    await st.close()
+    ipath = os.path.join(store_dir, INDEX_FILE)
+    ix = Index(ipath, readonly=False, map_size=1 << 30, durable=False)
+    walked_keys, walked = ix.scan_walked()
+    scanned_keys, scanned = ix.scan()
+    ix.close()
+    assert [bytes(k).decode("utf-8", "surrogateescape") for k in walked_keys] == scanned_keys
+    assert sorted(scanned_keys) == sorted(keys)
+    assert walked.tobytes() == scanned.tobytes()
+    st = await PageStore.open(store_dir, small_config())  # and a reopen finds every object by it
+    outs = [bytearray(4 * KiB) for _ in keys]
+    assert await st.get_many(keys, outs) == [True] * 300
+    assert [bytes(o) for o in outs] == [bytes(x) for x in src]
+    await st.close()
+
+
+def test_a_map_loaded_with_a_few_keys_takes_more():
+    from umbp_nvme.store.keymap import PackedKeys
+
+    m = KeyMap()
+    m.load(PackedKeys(np.array([1, 1], np.uint16), b"ab"))  # rows sized exactly: 2
+    for i in range(2, 3000):  # each new row grows them (once hung here: a quarter of 2 is 0)
+        m[f"k{i}"] = i
+    assert len(m) == 3000 - 2 + 2 and m.get("a") == 0 and m.get("k2999") == 2999
