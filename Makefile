@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch comes from its CPU wheel first so that nothing pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test bench wheel mutation clean
+.PHONY: venv demo test bench wheel test-pythons test-sglang-versions mutation clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,15 @@ bench: $(VENV)/.installed
 PYTHONS ?=
 wheel: $(BIN)/python
 	PYTHONS="$(PYTHONS)" bash tools/build_wheel.sh $(BIN)/python
+
+# Not in .ci/run (minutes each, GBs of wheels): the store, engine and CLI tests on each CPython
+# 3.10-3.13 (PYTHONS=..., TESTS=...), and tests/sglang against each supported SGLang release
+# (VERSIONS=...), each in a venv of its own under /tmp. Each prints one summary line per venv.
+test-pythons:
+	bash tools/test_pythons.sh
+
+test-sglang-versions:
+	bash tools/test_sglang_versions.sh
 
 # Mutation report for keys, hits, config and the segment allocator (not part of .ci/run):
 # writes tools/mutation/report.md; MODULES="keys hits" for some, JOBS=2 for two workers.

@@ -24,8 +24,9 @@ for v in $want; do
   if py=$(find_python "$v"); then builds+=("$py"); else missing+=("$v"); missing_python "$v" build_wheel; fi
 done
 if ((${#missing[@]})) && [[ -n "${PYTHONS:-}" || "${CI:-}" == true ]]; then
-  echo "build_wheel: stopped: no interpreter for ${missing[*]}" \
-       "(${PYTHONS:+PYTHONS names it}${PYTHONS:-CI builds every supported version})" >&2
+  why="CI builds every supported version"
+  [[ -n "${PYTHONS:-}" ]] && why="PYTHONS names it"
+  echo "build_wheel: stopped: no interpreter for ${missing[*]} ($why)" >&2
   exit 1
 fi
 ((${#builds[@]})) || { echo "build_wheel: no interpreter for any of: $want" >&2; exit 1; }
