@@ -37,3 +37,13 @@ def skip_unless_config_has(config_cls, field: str, what: str, since: str, *, mod
 
         pytest.skip(f"sglang {sglang.__version__} has no {what} (HiCacheStorageConfig.{field}, sglang {since}+)",
                     allow_module_level=module)
+
+
+def sglang_version() -> str:
+    """The installed sglang release, for skip reasons ("none" without the wheel)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return "none"
