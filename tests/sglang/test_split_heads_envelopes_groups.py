@@ -161,7 +161,10 @@ def test_split_heads_objects_differ_from_unsplit_keys(root):
 
 
 def _unified_pool(layout="page_first", heads=E.HEADS):
-    from sglang.srt.mem_cache.pool_host.unified import UnifiedPageEnvelopeHostPool
+    unified_mod = pytest.importorskip(
+        "sglang.srt.mem_cache.pool_host.unified", reason=f"sglang {E.sglang_version()} has no page-envelope host pools (0.5.21+)"
+    )
+    UnifiedPageEnvelopeHostPool = unified_mod.UnifiedPageEnvelopeHostPool
     from sglang.srt.mem_cache.unified_memory_pool import (
         MHASubPoolSpec,
         UnifiedKVPool,
