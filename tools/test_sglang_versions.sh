@@ -22,6 +22,10 @@ for v in $VERSIONS; do
   [[ " $supported " == *" $v "* ]] || { echo "test_sglang_versions: $v is not in install_sglang.sh's SUPPORTED_SGLANG ($supported)" >&2; exit 2; }
   venv="$VENVS/$v"
   log="$VENVS/$v.log"
+  # Each release JIT-builds its own page-hash extension under one name: in the shared
+  # ~/.cache/torch_extensions, one venv's build replaces another's (and races any other sglang
+  # test on this machine). Each venv builds into its own folder.
+  export TORCH_EXTENSIONS_DIR="$venv/torch_extensions"
   t0=$SECONDS
   {
     [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"

@@ -13,7 +13,7 @@ torch = ns.torch
 from test_backend_on_real_wheel import hit_pages, transfer
 
 from umbp_nvme.sglang import hits as H
-from umbp_nvme.sglang.backend import _stores_page_envelope
+from umbp_nvme.sglang.backend import stores_page_envelope
 from umbp_nvme.store.layout import read_manifest
 
 
@@ -188,7 +188,7 @@ def test_page_envelope_anchor_round_trip(root, layout, split):
     pool = _unified_pool(layout)
     host = pool.host
     # 0.5.22+ says so in stores_page_envelope; 0.5.21's pool of this class does not say
-    assert getattr(host, "stores_page_envelope", True) is True and _stores_page_envelope(host) is True
+    assert getattr(host, "stores_page_envelope", True) is True and stores_page_envelope(host) is True
     assert host.kv_buffer is not None
     fields = {"tp_lcm_size": 2, "should_split_heads": True} if split else {}
     backend = E.load_backend(E.storage_config(root, layout=layout, **fields), host)
