@@ -3,6 +3,7 @@ import glob
 import os
 import shlex
 import shutil
+import sys
 import sysconfig
 
 from setuptools import Extension, setup
@@ -23,22 +24,23 @@ class BuildExt(build_ext):
         if missing:
             raise SystemExit(
                 f"umbp_nvme: building its C extension needs {' and '.join(missing)}: on Debian/Ubuntu "
-                "`apt-get install gcc python3.11-dev`, or install a prebuilt wheel instead (`make wheel` on a "
-                "machine that has them, then `pip install dist/umbp_nvme-*.whl`)"
+                f"`apt-get install gcc python{sys.version_info[0]}.{sys.version_info[1]}-dev`, or install a prebuilt "
+                "wheel instead (`make wheel` on a machine that has them, then `pip install --find-links dist umbp_nvme`)"
             )
         super().run()
 
 
 class BuildPy(build_py):
     """Ship docs/ inside the package (umbp_nvme/docs), so an installed package has the docs
-    its `--help` names."""
+    its `--help` names, and the changelog beside them (LICENSE goes in as license_files)."""
 
     def run(self):
         super().run()
         here = os.path.dirname(os.path.abspath(__file__))
         out = os.path.join(self.build_lib, "umbp_nvme", "docs")
         os.makedirs(out, exist_ok=True)
-        for f in glob.glob(os.path.join(here, "docs", "*.md")) + glob.glob(os.path.join(here, "docs", "*.png")):
+        docs = glob.glob(os.path.join(here, "docs", "*.md")) + glob.glob(os.path.join(here, "docs", "*.png"))
+        for f in docs + [os.path.join(here, "CHANGELOG.md")]:
             shutil.copy2(f, out)
 
 

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# Install the real `sglang==0.5.23` wheel for the SGLang integration tests, on a
-# CPU-only machine, without touching torch.
+# Install the real sglang wheel (0.5.23 unless told otherwise) for the SGLang integration
+# tests, on a CPU-only machine, without touching torch.
 #
-#   tools/install_sglang.sh [PYTHON]          # install into PYTHON's environment
-#   tools/install_sglang.sh [PYTHON] --check  # only report whether it imports
+#   tools/install_sglang.sh [PYTHON]                    # install 0.5.23 into PYTHON's environment
+#   tools/install_sglang.sh [PYTHON] --version 0.5.21   # another release (SUPPORTED_SGLANG below)
+#   tools/install_sglang.sh [PYTHON] --check            # only report whether it imports
 #
 # PYTHON defaults to $PYTHON, then python3 (CI passes .venv/bin/python). Idempotent: a few
-# seconds plus the smoke import when everything is already there.
+# seconds plus the smoke import when everything is already there. `make test-sglang-versions`
+# (tools/test_sglang_versions.sh) runs tests/sglang against each supported release, each in a
+# venv of its own.
 #
 # What it does:
-#   1. `pip install --no-deps -r tools/requirements-sglang.txt` (pinned; --no-deps so
-#      pip never resolves sglang's own torch/triton/CUDA pins and never replaces the
-#      CPU torch that is installed globally).
+#   1. `pip install --no-deps -r tools/requirements-sglang.txt` with the sglang line set to the
+#      version asked for (pinned; --no-deps so pip never resolves sglang's own torch/triton/CUDA
+#      pins and never replaces the CPU torch that is installed globally). The other pins are
+#      0.5.23's; the older supported releases import with the same set.
 #   2. Makes sure g++ and the OpenSSL headers exist (sglang JIT-builds its native
 #      page-hash extension with torch.utils.cpp_extension + ninja on first use).
 #   3. Smoke test: imports the modules the tests use and computes one page hash,
@@ -24,14 +28,24 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(dirname "$here")"
 PY="${PYTHON:-python3}"
+# The releases the backend is tested against (make test-sglang-versions); the oldest is the first
+# whose storage API it supports as tested (docs/sglang.md, "SGLang versions").
+SUPPORTED_SGLANG="0.5.20 0.5.21 0.5.22 0.5.23"
+VERSION=0.5.23
 check_only=0
-for arg in "$@"; do
-    case "$arg" in
+while (($#)); do
+    case "$1" in
         --check) check_only=1 ;;
-        -*) echo "install_sglang.sh: unknown option $arg" >&2; exit 2 ;;
-        *) PY="$arg" ;;
+        --version) VERSION="${2:?install_sglang.sh: --version needs a release, one of: $SUPPORTED_SGLANG}"; shift ;;
+        -*) echo "install_sglang.sh: unknown option $1" >&2; exit 2 ;;
+        *) PY="$1" ;;
     esac
+    shift
 done
+if [[ " $SUPPORTED_SGLANG " != *" $VERSION "* ]]; then
+    echo "install_sglang.sh: sglang $VERSION is not one the backend is tested against ($SUPPORTED_SGLANG)" >&2
+    exit 2
+fi
 
 smoke() {
     PYTHONPATH="$repo/umbp_nvme/bench/sglang_shims${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'PYEOF'
@@ -51,13 +65,16 @@ for p in range(2):
     prev = hashlib.sha256(prev + b"".join(struct.pack("<I", t) for t in range(4 * p, 4 * p + 4))).digest()
     want.append(prev.hex())
 assert got == want, (got, want)
+import os
+expect = os.environ.get("SGLANG_EXPECT")
+assert not expect or __import__("sglang").__version__ == expect, (__import__("sglang").__version__, expect)
 print(f"sglang {__import__('sglang').__version__} OK (torch {torch.__version__}, "
       f"HiCacheFile={hs.HiCacheFile.__name__}, native page hash OK)")
 PYEOF
 }
 
 if ((check_only)); then
-    smoke
+    smoke  # whichever version is there
     exit $?
 fi
 
@@ -92,7 +109,10 @@ if [[ -n "$missing_base" ]]; then
     # shellcheck disable=SC2086  # one requirement per word
     "${pip_install[@]}" $missing_base
 fi
-"${pip_install[@]}" -r "$here/requirements-sglang.txt"
+reqs="$(mktemp)"
+trap 'rm -f "$reqs"' EXIT
+sed "s/^sglang==.*/sglang==$VERSION/" "$here/requirements-sglang.txt" >"$reqs"
+"${pip_install[@]}" -r "$reqs"
 
 torch_after="$("$PY" -c 'import torch; print(torch.__version__)')"
 if [[ "$torch_after" != "$torch_before" ]]; then
@@ -100,4 +120,4 @@ if [[ "$torch_after" != "$torch_before" ]]; then
     exit 1
 fi
 
-smoke
+SGLANG_EXPECT="$VERSION" smoke

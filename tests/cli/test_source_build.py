@@ -13,9 +13,11 @@ import sys
 
 from conftest import ROOT
 
+# the headers package named is the running Python's own (python3.10-dev ... python3.13-dev)
 LINE = re.compile(r"^umbp_nvme: building its C extension needs a C compiler \((\S+) is not on PATH\): on "
-                  r"Debian/Ubuntu `apt-get install gcc python3\.11-dev`, or install a prebuilt wheel instead "
-                  r"\(`make wheel` on a machine that has them, then `pip install dist/umbp_nvme-\*\.whl`\)$", re.M)
+                  rf"Debian/Ubuntu `apt-get install gcc python{sys.version_info[0]}\.{sys.version_info[1]}-dev`, "
+                  r"or install a prebuilt wheel instead \(`make wheel` on a machine that has them, then "
+                  r"`pip install --find-links dist umbp_nvme`\)$", re.M)
 
 
 def _source_tree(tmp_path):
@@ -24,14 +26,15 @@ def _source_tree(tmp_path):
     shutil.copytree(os.path.join(ROOT, "native"), tmp_path / "native")
     (tmp_path / "umbp_nvme").mkdir()
     shutil.copy(os.path.join(ROOT, "umbp_nvme", "__init__.py"), tmp_path / "umbp_nvme")
-    bin_dir = tmp_path / "bin"  # PATH holds python alone: no gcc, cc or make
+    bin_dir = tmp_path / "bin"  # PATH holds nothing: no gcc, cc or make
     bin_dir.mkdir()
-    os.symlink(sys.executable, bin_dir / "python")
     return bin_dir
 
 
 def _build(tmp_path, bin_dir, **env):
-    return subprocess.run(["python", "setup.py", "build_ext", "--inplace"], cwd=tmp_path, capture_output=True,
+    # this venv's python by its path (a symlink to it elsewhere would run the base interpreter,
+    # without the venv's setuptools)
+    return subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, env={"PATH": str(bin_dir), "HOME": str(tmp_path), **env})
 
 

@@ -13,6 +13,7 @@ import os
 from support import sglang_env as E
 
 ns = E.require_sglang()
+E.skip_unless_config_has(ns.HiCacheStorageConfig, "dcp_size", "decode-context-parallel storage", "0.5.23", module=True)
 
 TP, DCP = 4, 2
 

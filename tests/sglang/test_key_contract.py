@@ -8,7 +8,9 @@ store directory, or that drifts from UMBP's literal format, fails here.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import sys
 from collections import Counter
 from types import SimpleNamespace as NS
 
@@ -133,6 +135,8 @@ def test_dcp_on_mha_config_changes_nothing():
 
 def test_with_sglang_dcp_config_when_installed():
     hs = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+    if "dcp_size" not in {f.name for f in dataclasses.fields(hs.HiCacheStorageConfig)}:
+        pytest.skip(f"sglang {sys.modules['sglang'].__version__} has no DCP storage config (sglang 0.5.23+)")
     for tp_rank in range(4):
         config = hs.HiCacheStorageConfig(
             tp_rank=tp_rank, tp_size=4, pp_rank=1, pp_size=2, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,

@@ -5,6 +5,7 @@ the loop keeps), and its first call imports nothing."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -207,6 +208,10 @@ FIRST_CALL_CHILD = textwrap.dedent(
 def test_the_first_get_stats_imports_nothing(tmp_path):
     """SGLang's StorageMetrics is found when the backend is made (with storage metrics on), not in
     the scheduler's first pass (before: that import cost the first call 65-110 ms)."""
+    try:  # 0.5.20's collector imports openai, which a server has and tools/install_sglang.sh's set does not
+        importlib.import_module("sglang.srt.observability.metrics_collector")
+    except ImportError as e:
+        pytest.skip(f"sglang {E.sglang_version()}'s metrics collector does not import in this test install ({e})")
     r = subprocess.run([sys.executable, "-c", FIRST_CALL_CHILD, _roots(tmp_path, 2)], env=E.subprocess_env(),
                        capture_output=True, text=True, timeout=240)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]

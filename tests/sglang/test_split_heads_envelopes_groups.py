@@ -13,6 +13,7 @@ torch = ns.torch
 from test_backend_on_real_wheel import hit_pages, transfer
 
 from umbp_nvme.sglang import hits as H
+from umbp_nvme.sglang.backend import stores_page_envelope
 from umbp_nvme.store.layout import read_manifest
 
 
@@ -160,7 +161,10 @@ def test_split_heads_objects_differ_from_unsplit_keys(root):
 
 
 def _unified_pool(layout="page_first", heads=E.HEADS):
-    from sglang.srt.mem_cache.pool_host.unified import UnifiedPageEnvelopeHostPool
+    unified_mod = pytest.importorskip(
+        "sglang.srt.mem_cache.pool_host.unified", reason=f"sglang {E.sglang_version()} has no page-envelope host pools (0.5.21+)"
+    )
+    UnifiedPageEnvelopeHostPool = unified_mod.UnifiedPageEnvelopeHostPool
     from sglang.srt.mem_cache.unified_memory_pool import (
         MHASubPoolSpec,
         UnifiedKVPool,
@@ -183,7 +187,9 @@ def _unified_pool(layout="page_first", heads=E.HEADS):
 def test_page_envelope_anchor_round_trip(root, layout, split):
     pool = _unified_pool(layout)
     host = pool.host
-    assert host.stores_page_envelope is True and host.kv_buffer is not None
+    # 0.5.22+ says so in stores_page_envelope; 0.5.21's pool of this class does not say
+    assert getattr(host, "stores_page_envelope", True) is True and stores_page_envelope(host) is True
+    assert host.kv_buffer is not None
     fields = {"tp_lcm_size": 2, "should_split_heads": True} if split else {}
     backend = E.load_backend(E.storage_config(root, layout=layout, **fields), host)
     try:
@@ -218,6 +224,12 @@ def test_page_envelope_anchor_round_trip(root, layout, split):
 
 
 # -- 3. BLOCK_GROUPS and 4. restorable_prefix_pages through batch_exists_v2 ----------------------
+
+
+HAS_BLOCK_GROUPS = hasattr(ns.PoolHitPolicy, "BLOCK_GROUPS")  # SGLang 0.5.22+
+needs_block_groups = pytest.mark.skipif(
+    not HAS_BLOCK_GROUPS, reason=f"sglang {E.sglang_version()} has no PoolHitPolicy.BLOCK_GROUPS (sglang 0.5.22+)"
+)
 
 
 def _block_transfer(hashes, block_pages, group_pages, name="swa"):
@@ -256,6 +268,7 @@ def _reference(backend, hashes, kv_hit, transfers):
     )
 
 
+@needs_block_groups
 def test_block_groups_verdict_never_gates_kv(hybrid):
     backend, kv, swa, _mamba = hybrid
     hashes = _kv_and(backend, kv, 12, seed=90)
@@ -287,6 +300,7 @@ def test_block_groups_verdict_never_gates_kv(hybrid):
     assert bad.kv_hit_pages == 12 and ns.PoolName.SWA not in bad.extra_pool_hit_pages
 
 
+@needs_block_groups
 def test_block_groups_judges_the_prefix_left_by_earlier_pools(hybrid):
     backend, kv, swa, mamba = hybrid
     hashes = _kv_and(backend, kv, 12, seed=92)
@@ -338,6 +352,8 @@ def test_restorable_prefix_pages_with_trailing_window(hybrid):
     assert rb.extra_pool_hit_pages == {ns.PoolName.KV: 12, ns.PoolName.SWA: 7, ns.PoolName.MAMBA: 4}
     assert tuple(_reference(backend, hashes, 12, both)) == (rb.kv_hit_pages, rb.extra_pool_hit_pages, rb.restorable_prefix_pages)
 
+    if not HAS_BLOCK_GROUPS:  # before 0.5.22 the rest cannot be asked (the skips above say so)
+        return
     # A BLOCK_GROUPS pool never narrows the restorable set.
     with_bg = [window2, _block_transfer(hashes, 4, 2)]
     rg = backend.batch_exists_v2(hashes, with_bg)

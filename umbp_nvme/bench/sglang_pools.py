@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import warnings
@@ -152,6 +153,12 @@ class PoolBundle:
         return idx
 
 
+def _takes_device_pool(host_cls) -> bool:
+    """SGLang up to 0.5.22 builds a host pool from the device pool itself (Mamba's up to 0.5.21);
+    0.5.23 from the device pool's buffer_info and capacities."""
+    return list(inspect.signature(host_cls.__init__).parameters)[1:2] == ["device_pool"]
+
+
 def _token_pool(device_cls, host_cls, dims, layout, pages, page_size, layers, dtype, pool_label, host_kw=None):
     """A CPU TokenToKVPool (dims: what comes between dtype and layer_num) and its host pool, as
     hybrid_pool_assembler builds them; host_kw(device) adds the host class's own arguments."""
@@ -160,6 +167,11 @@ def _token_pool(device_cls, host_cls, dims, layout, pages, page_size, layers, dt
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         device = device_cls(page_size * 4, page_size, dtype, *dims, layers, "cpu", False, start_layer=0, end_layer=layers - 1)
+        if _takes_device_pool(host_cls):  # SGLang <= 0.5.22: the size is a ratio to the device pool's
+            accepted = inspect.signature(host_cls.__init__).parameters
+            kw = {k: v for k, v in (host_kw(device) if host_kw else {}).items() if k in accepted}
+            host = host_cls(device, pages * page_size / device.size, 0, page_size, layout, pin_memory=False, **kw)
+            return PoolBundle(host, device, pool_label)
         host = host_cls(
             device.get_device_pool_infos()[0].buffer_info,
             2.0,
@@ -231,6 +243,8 @@ def mamba_pool(layout: str = "page_first", *, slots: int = 64, mamba_layers=(0, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         device = ns.MambaPool(size=slots // 2, spec_state_size=0, cache_params=params, mamba_layer_ids=list(mamba_layers), device="cpu")
+        if _takes_device_pool(ns.MambaPoolHost):  # SGLang <= 0.5.21
+            return PoolBundle(ns.MambaPoolHost(device, 2.0, 0, pin_memory=False, layout=layout), device, "mamba")
         host = ns.MambaPoolHost(
             device.get_device_pool_infos()[0].buffer_info,
             2.0,

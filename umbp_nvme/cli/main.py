@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
 import sys
 
+from .. import __version__
 from .commands import (
     EXIT_ERROR, EXIT_INTERRUPTED, CliError, cmd_compact, cmd_doctor, cmd_export, cmd_inspect, cmd_stats,
     cmd_verify, cmd_warmup,
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,  # the docs path on one line
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    p.add_argument("--version", action="version", version=f"umbp-nvme {__version__} (Python {platform.python_version()})")
     subs = p.add_subparsers(dest="command", metavar="SUBCOMMAND")
 
     w = _sub(subs, "warmup", "import pages into a store, or warm a live server from prompts",

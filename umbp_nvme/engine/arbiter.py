@@ -236,6 +236,7 @@ async def write_sliced(run, arbiter: Arbiter | None, files, offsets, addrs, leng
     out = np.zeros(len(b), dtype=RESULT_DTYPE)
     ends = np.cumsum(b.lengths)
     tasks: list[asyncio.Task] = []
+    held: dict[int, int] = {}  # slice start -> bytes granted and not yet released
     failed = False
 
     async def one(s: int, e: int, nbytes: int) -> None:
@@ -246,7 +247,8 @@ async def write_sliced(run, arbiter: Arbiter | None, files, offsets, addrs, leng
             failed = True  # stop cutting slices; gather below raises it
             raise
         finally:
-            arbiter.release(nbytes)
+            if held.pop(s, None) is not None:
+                arbiter.release(nbytes)
 
     try:
         s = 0
@@ -255,6 +257,7 @@ async def write_sliced(run, arbiter: Arbiter | None, files, offsets, addrs, leng
             e = slice_end(ends, s, granted)
             nbytes = int(ends[e - 1] - (ends[s - 1] if s else 0))
             arbiter.settle(granted, nbytes)
+            held[s] = nbytes
             tasks.append(asyncio.ensure_future(one(s, e, nbytes)))
             s = e
         await asyncio.gather(*tasks)
@@ -267,5 +270,10 @@ async def write_sliced(run, arbiter: Arbiter | None, files, offsets, addrs, leng
                 await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
             except asyncio.CancelledError:
                 continue
+        # A slice cancelled before its first step never runs its finally (seen on Python 3.12 and
+        # 3.13 when a slice fails while the next is being granted): its grant is handed back here.
+        for nbytes in held.values():
+            arbiter.release(nbytes)
+        held.clear()
         raise
     return out

@@ -75,6 +75,15 @@ LAYOUT_ERROR = "UMBP store only supports page_first, page_first_direct, or page_
 _METRICS_MAX = 4096  # batch calls kept for the metrics between two get_stats() calls (the oldest go first)
 
 
+
+def stores_page_envelope(pool) -> bool:
+    """One object per page holding the whole unified page (§3). SGLang 0.5.22+ says so in
+    ``stores_page_envelope``; 0.5.21's UnifiedPageEnvelopeHostPool is one and does not say."""
+    flag = getattr(pool, "stores_page_envelope", None)
+    if flag is not None:
+        return bool(flag)
+    return type(pool).__name__ == "UnifiedPageEnvelopeHostPool"
+
 class UMBPNvmeStore(HiCacheStorage):
     """HiCacheStorage on local NVMe. See the module docstring for the rules it keeps."""
 
@@ -183,7 +192,7 @@ class UMBPNvmeStore(HiCacheStorage):
         seam.anchor = mem_pool_host
         seam.page_size = int(getattr(mem_pool_host, "page_size", 1) or 1)
         seam.logical_anchor = getattr(mem_pool_host, "kv_buffer", None) is None
-        seam.envelope = bool(getattr(mem_pool_host, "stores_page_envelope", False))
+        seam.envelope = stores_page_envelope(mem_pool_host)
         seam.v1_sfx = self.scheme.v1_suffixes(envelope=seam.envelope)
         seam.namespace = stores.make_namespace(seam, mem_pool_host)
         stores.add_ranges(seam, mem_pool_host)

@@ -26,6 +26,8 @@ from .memory import int_arg
 from . import admit_gate, put_crc, staging
 from .staging import settle, wait_out
 
+_ASYNCIO_TIMEOUT = hasattr(asyncio, "timeout")
+
 log = logging.getLogger("umbp_nvme.store")
 
 INT32_MIN, INT32_END = -(1 << 31), 1 << 31
@@ -367,8 +369,11 @@ class PutPath:
         fdl = self.state.files.fds
         if len(touched) == 1:
             try:
-                async with asyncio.timeout(self.timeout_s):  # no task per sync, as wait_for makes
-                    await sync(int(fdl[touched[0]]))
+                if _ASYNCIO_TIMEOUT:  # 3.11+: no task per sync, as wait_for makes on 3.11
+                    async with asyncio.timeout(self.timeout_s):
+                        await sync(int(fdl[touched[0]]))
+                else:  # Python 3.10 has no asyncio.timeout
+                    await asyncio.wait_for(sync(int(fdl[touched[0]])), self.timeout_s)
                 done = [None]
             except Exception as e:  # noqa: BLE001 - incl. timeout
                 done = [e]
