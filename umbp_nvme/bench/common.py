@@ -203,6 +203,17 @@ def bench_dir(cfg, default: str, prefix: str) -> tuple[str, str | None]:
     return directory, tmpdir
 
 
+def kept_store(path: str, marker: str, want: dict) -> dict | None:
+    """The marker a kept bench store left in ``path`` when it was made as ``want`` says, else None
+    (the caller rebuilds it)."""
+    try:
+        with open(os.path.join(path, marker)) as f:
+            have = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return have if isinstance(have, dict) and all(have.get(k) == v for k, v in want.items()) else None
+
+
 def check_buffers(parser, buffers: Iterable[str]) -> None:
     """--buffers takes memory kinds 4k and/or huge; anything else is a usage error."""
     for b in buffers:

@@ -245,19 +245,16 @@ def fits(n: int, size: int, directory: str, notes: list[str]) -> int:
 
 
 def ensure_filled(cfg, directory: str, n: int, notes: list[str]) -> tuple[str, dict | None]:
+    from .common import kept_store
+
     size = cfg.scale_object_bytes
     path = os.path.join(directory, f"scale-{n}-{size}")
     marker = os.path.join(path, MARKER)
     want = {"objects": n, "object_bytes": size, "segment_bytes": cfg.segment_bytes, "keys": "sha256(scale/i)_0_k|v"}
-    if os.path.exists(marker):
-        try:
-            with open(marker) as f:
-                have = json.load(f)
-        except (OSError, ValueError):
-            have = None
-        if have and all(have.get(k) == v for k, v in want.items()):
-            notes.append(f"scale store: reused {path} (filled in {have.get('fill_s', 0):.0f} s)")
-            return path, None
+    have = kept_store(path, MARKER, want)
+    if have:
+        notes.append(f"scale store: reused {path} (filled in {have.get('fill_s', 0):.0f} s)")
+        return path, None
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
     res = _run("fill", {"path": path, "n": n, "size": size, "segment_bytes": cfg.segment_bytes})

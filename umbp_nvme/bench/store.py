@@ -65,8 +65,8 @@ import time
 import numpy as np
 
 from .engine import HugePages, Memory
-from .common import (Sample, Stopwatch, WorkDir, as_info, check_buffers, drop_caches, finish, make_row, page_keys,
-                     parse_bytes, print_table)  # fmt: skip
+from .common import (Sample, Stopwatch, WorkDir, as_info, check_buffers, drop_caches, finish, kept_store, make_row,
+                     page_keys, parse_bytes, print_table)  # fmt: skip
 from .store_tput import SegFds, store_config, bench_throughput, store_extents  # noqa: F401 - names of this module before the split
 from . import scale
 
@@ -188,15 +188,10 @@ async def ensure_reopen_store(cfg, directory: str, notes: list[str]) -> tuple[st
     want = {"objects": n, "object_bytes": size, "segment_bytes": cfg.segment_bytes, "keys": "sha256(reopen/i)_0_k|v",
             "build": "put_many", "format": "records-in-segments"}
     keys = reopen_keys(n)
-    if not cfg.rebuild and os.path.exists(marker):
-        try:
-            with open(marker) as f:
-                have = json.load(f)
-        except (OSError, ValueError):
-            have = None
-        if have and all(have.get(k) == v for k, v in want.items()):
-            notes.append(f"reopen store: reused {path} ({n} objects, built in {have.get('build_s', 0):.1f} s)")
-            return path, keys
+    have = None if cfg.rebuild else kept_store(path, REOPEN_MARKER, want)
+    if have:
+        notes.append(f"reopen store: reused {path} ({n} objects, built in {have.get('build_s', 0):.1f} s)")
+        return path, keys
     shutil.rmtree(path, ignore_errors=True)
     scfg = dataclasses.replace(_reopen_config(cfg, path), ssd_durability_mode="relaxed")  # building only; one flush at close
     t0 = time.perf_counter()
