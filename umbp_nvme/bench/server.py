@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -267,8 +268,14 @@ def plot(doc: dict, path: str) -> bool:
     return True
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop the servers and busy loops
+
+
 def main(argv=None) -> int:
     cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)  # `timeout` or a job runner: leave no server behind
     work = cfg.dir or tempfile.mkdtemp(prefix="umbp-bench-server-")
     os.makedirs(work, exist_ok=True)
     cfg.ext_dir = cfg.ext_dir or os.path.join(work, "torch_extensions")
