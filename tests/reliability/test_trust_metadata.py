@@ -435,6 +435,27 @@ async def test_damaged_manifest_is_reported_then_recovered_by_the_writer(store_d
     await st.close()
 
 
+async def test_a_manifest_damaged_at_every_open_keeps_only_the_newest_copies(store_dir, caplog):
+    """Damage at every restart (a bad disk, a broken deploy script) must not fill the disk with copies."""
+    st = await PageStore.open(store_dir, cfg())
+    assert all(await put(st, ["a"]))
+    await st.close()
+    mpath = os.path.join(store_dir, MANIFEST_FILE)
+    caplog.set_level(logging.INFO, logger="umbp_nvme")
+    made = []
+    for i in range(4):
+        _damage_manifest(store_dir, b"garbage %d" % i)
+        st = await PageStore.open(store_dir, cfg())
+        assert await got(st, ["a"]) == [True]
+        await st.close()
+        made.append(sorted(set(glob.glob(mpath + ".corrupt-*")) - set(made))[-1])
+    left = sorted(glob.glob(mpath + ".corrupt-*"))
+    assert sorted(left) == sorted(made[-2:]), (left, made)
+    assert [open(p, "rb").read() for p in sorted(left, key=made.index)] == [b"garbage 2", b"garbage 3"]
+    removed = [r.getMessage() for r in caplog.records if "removed an older damaged copy of MANIFEST.json" in r.getMessage()]
+    assert len(removed) == 2, removed
+
+
 async def test_missing_manifest_beside_store_files_is_recovered(store_dir, caplog):
     st = await PageStore.open(store_dir, cfg())
     assert all(await put(st, ["a", "b"]))

@@ -97,8 +97,8 @@ def prune_damaged(ipath: str, keep: int) -> list[str]:
             log.warning("%s: cannot remove the older damaged copy %s (%s); remove it by hand",
                         os.path.dirname(ipath) or ".", p, e.strerror or e)  # fmt: skip
             continue
-        log.warning("%s: removed an older damaged copy of the index, %s (at most %d are kept)",
-                    os.path.dirname(ipath) or ".", p, DAMAGED_COPIES_KEPT)  # fmt: skip
+        log.warning("%s: removed an older damaged copy of %s, %s (at most %d are kept)",
+                    os.path.dirname(ipath) or ".", os.path.basename(ipath), p, keep)  # fmt: skip
         gone.append(p)
     return gone
 

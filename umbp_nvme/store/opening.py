@@ -29,7 +29,7 @@ from ..keybytes import encode_key
 from . import layout
 from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
 from .index_check import trim_heap
-from .index_swap import replace_index, settle_leftovers
+from .index_swap import DAMAGED_COPIES_KEPT, prune_damaged, replace_index, settle_leftovers
 from .follower import IndexWatch
 from .rebuild import boot_id
 from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
@@ -186,6 +186,7 @@ class OpenSteps:
                 dest = quarantine(mpath, lock_file=False)
             except OSError as e:
                 raise StoreError(f"{damage}, and it cannot be moved aside ({e.strerror or e}); remove it") from None
+            prune_damaged(mpath, DAMAGED_COPIES_KEPT)  # a manifest damaged at every open must not fill the disk
         seg, source = fresh["layout"]["segment_bytes"], "the config"
         on_disk = layout.segment_bytes_on_disk(self.path)
         if on_disk is not None:
