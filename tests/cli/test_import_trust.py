@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import os
 import select
 import socket
@@ -387,3 +388,31 @@ def test_warmup_of_an_object_too_large_for_the_segments_refuses_it_and_evicts_no
     assert any(f"{(1 << 20) - 100} bytes" in e and "1044480" in e for e in s["errors"]), s["errors"]
     assert read_store(dest, list(small)) == small  # all 600 still there, byte-exact
     assert read_store(dest, list(big)) == {k: None for k in big}
+
+
+def test_an_import_larger_than_the_store_says_how_many_objects_it_evicted_again(tmp_path, capsys, caplog):
+    """The summary's imported count what was stored; when the import overflows the store, the summary says how
+    many objects were evicted meanwhile, and the store holds only what fits."""
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    data = items(40, 12 * 1024)  # 2 objects per item, ~1 MiB in all
+    make_store(a, data)
+    small = ["--capacity", "4m", "--config", '{"ssd_segment_size_bytes": 1048576, "ssd_durability_mode": "relaxed"}']
+    big = items(400, 12 * 1024, tag="big")  # 800 objects, ~9.6 MiB: more than the 4 MiB store takes
+    make_store(c, big)
+    caplog.set_level(logging.INFO, logger="umbp_nvme")
+    rc, out, err = run_cli(capsys, "warmup", "--store", b, *small, "--json", c)
+    s = json.loads(out)
+    held = sum(v is not None for v in read_store(b, list(big)).values())
+    assert s["evicted"] > 0 and s["imported"] == len(big) and held == s["imported"] - s["evicted"], (s, held)
+    warned = [r.getMessage() for r in caplog.records if "during the import" in r.getMessage()]
+    assert len(warned) == 1 and f"evicted {s['evicted']} objects" in warned[0], warned
+    rc, out, err = run_cli(capsys, "warmup", "--store", str(tmp_path / "f"), *small, c)
+    assert "evicted meanwhile" in out and "the store is smaller than what was imported" in out, out
+    caplog.clear()
+    # one that fits evicts nothing and says nothing about it
+    rc, out, err = run_cli(capsys, "warmup", "--store", str(tmp_path / "d"), *CAP, "--json", a)
+    s = json.loads(out)
+    assert rc == 0 and s["evicted"] == 0 and s["imported"] == len(data)
+    assert not [r for r in caplog.records if "during the import" in r.getMessage()]
+    rc, out, err = run_cli(capsys, "warmup", "--store", str(tmp_path / "e"), *CAP, a)
+    assert rc == 0 and "evicted meanwhile" not in out

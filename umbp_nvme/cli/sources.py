@@ -35,6 +35,7 @@ class Summary:
     skipped: int = 0  # objects already present (dedup / resume)
     failed: int = 0  # objects that could not be read, verified or stored
     too_large: int = 0  # of those, objects larger than the largest the store takes (refused before any put)
+    evicted: int = 0  # objects the store evicted during the import to make room (imported ones among them are gone)
     refused_files: int = 0  # source files refused whole (size or name does not fit the namespace)
     ignored_files: int = 0  # files of other ranks / models, temporaries: not ours to import
     bytes_imported: int = 0
@@ -83,6 +84,8 @@ class Summary:
             ("skipped (present)", f"{d['skipped']} objects, {d['bytes_skipped'] / 1e9:.3f} GB"),
             ("failed", str(d["failed"]) + (f" ({d['too_large']} larger than the store takes)" if d["too_large"] else "")),
         ]
+        if d["evicted"]:
+            rows.append(("evicted meanwhile", f"{d['evicted']} objects: the store is smaller than what was imported"))
         if d["refused_files"]:
             rows.append(("refused files", str(d["refused_files"])))
         if d["ignored_files"]:

@@ -421,6 +421,7 @@ async def import_sources(
                     total += dir_bytes(src, layout)
             bar = Progress(total or None, desc="warmup", enabled=progress)
             imp = Importer(store, summary, max_gbps=max_gbps, progress=bar, batch_bytes=batch_bytes)
+            evictions0 = store.stats()["evictions"]
             if handle_signals:
                 _install_stop(imp.stop, summary)
             try:
@@ -440,6 +441,11 @@ async def import_sources(
                     await imp.run(units)
                 imp.finish()
             finally:
+                # "imported" counts what was stored; an import larger than the store evicts some of it again
+                summary.evicted = store.stats()["evictions"] - evictions0
+                if summary.evicted:
+                    log.warning("the store evicted %d objects during the import to make room: it holds less than was "
+                                "imported (capacity %d bytes)", summary.evicted, store.capacity_bytes)
                 bar.close()
                 if handle_signals:
                     loop = asyncio.get_running_loop()
