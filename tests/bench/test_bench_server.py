@@ -4,6 +4,8 @@ checks of the answers, the verdicts, the arms' launch arguments, and its options
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
@@ -138,6 +140,39 @@ def test_verdicts_take_medians_of_per_round_ratios_and_skip_failed_arms():
     assert by_file["value"] == pytest.approx(0.5) and by_file["met"] is True
     assert v["L3-served TTFT umbp / recompute (none, resent)"]["value"] == pytest.approx(0.4)
     assert v["umbp: re-sent prompts L3 hits with identical outputs, every round"]["met"] is True
+
+
+def test_verdicts_give_the_l3_threads_cpu_share_as_a_median_over_rounds():
+    rounds = []
+    for umbp_rest, l2_rest in ((2.0, 1.0), (1.5, 1.4), (9.0, 1.0)):
+        r = _round(100, 100, 40, 100, 100)
+        r["arms"]["umbp"]["server_cpu"] = {"cpu_s": 100.0, "rest_s": umbp_rest}
+        r["arms"]["l2"]["server_cpu"] = {"cpu_s": 90.0, "rest_s": l2_rest}
+        rounds.append(r)
+    v = {x["target"]: x for x in verdicts(rounds)}
+    share = v["L3 threads' CPU share of the server (umbp beside-forward-pass CPU - l2's) / umbp CPU"]
+    assert share["value"] == pytest.approx(0.01) and share["rounds"] == 3 and share["met"] is True
+    rounds[1]["arms"]["umbp"]["server_cpu"]["rest_s"] = 5.0  # now 0.01, 0.036, 0.08: median 0.036
+    share = {x["target"]: x for x in verdicts(rounds)}[share["target"]]
+    assert share["value"] == pytest.approx(0.036) and share["met"] is False
+
+
+def test_process_cpu_reads_this_process_and_its_threads():
+    import threading
+    from umbp_nvme.bench.server_client import process_cpu
+    stop = threading.Event()
+    t = threading.Thread(target=lambda: [None for _ in iter(lambda: stop.is_set(), True)])
+    t.start()
+    try:
+        t0 = time.process_time()
+        while time.process_time() - t0 < 0.3:
+            pass
+        got = process_cpu(os.getpid())
+    finally:
+        stop.set()
+        t.join()
+    assert got["threads"] >= 2 and got["cpu_s"] >= 0.3 and 0 <= got["rest_s"] <= got["cpu_s"]
+    assert process_cpu(2 ** 22 + 7) is None  # no such process
 
 
 def test_verdicts_fail_when_one_round_missed_an_l3_hit():

@@ -122,6 +122,7 @@ def run_arm(cfg, arm: str, workload: list[dict], work: str, tag: str) -> dict:
             out["metrics"] = metrics_delta(before, client.metrics(cfg.port))
             sched = client.scheduler_pid(srv.proc.pid)
             out["omp_worker"] = client.omp_worker(sched) if sched else None
+            out["server_cpu"] = client.process_cpu(sched) if sched else None
         out["summary"] = summarize(records)
         out["checks"] = check_answers(records, PAGE_SIZE)
         out["records"] = [{k: v for k, v in r.items() if k != "output_ids"} | {"output_head": r.get("output_ids", [])[:8]}
@@ -226,12 +227,14 @@ def print_arm(rnd: int, res: dict) -> None:
         print(f"round {rnd} {res['arm']:5s} FAILED: {res['error'].splitlines()[0]}")
         return
     s, c, m, w = res["summary"], res["checks"], res["metrics"], res.get("omp_worker") or {}
+    cpu = res.get("server_cpu") or {}
     cell = " ".join(f"{ph}={s[ph]['ttft_ms']:.0f}/{s[ph]['e2e_ms']:.0f}ms" for ph in PHASES if ph in s)
     print(f"round {rnd} {res['arm']:5s} TTFT/e2e {cell}; fresh prefill {s.get('fresh', {}).get('prefill_tok_s') or 0:.0f} tok/s; "
           f"re-sent L3 {c['resent_l3']}/{c['resent']} identical {c['resent_identical']}; "
           f"storage tokens {s.get('resent', {}).get('storage_tokens', 0)} (/metrics {m['storage_prefetch_hit_tokens']:.0f}); "
           f"store gets {m['umbp_gets']:.0f} hits {m['umbp_hits']:.0f} puts {m['umbp_puts']:.0f}; "
-          f"OMP worker vcsw {w.get('vcsw', '-')}; errors {c['errors']}")
+          f"OMP worker vcsw {w.get('vcsw', '-')}; server CPU {cpu.get('cpu_s', '-')} s, {cpu.get('rest_s', '-')} s "
+          f"beside the forward pass; errors {c['errors']}")
 
 
 def write_json(path: str, doc: dict) -> None:

@@ -118,6 +118,24 @@ def omp_worker(pid: int) -> dict | None:
             "nvcsw": int(status.get("nonvoluntary_ctxt_switches", "0").strip() or 0)}
 
 
+def process_cpu(pid: int) -> dict | None:
+    """CPU seconds of the whole process (exited threads included) and of all but its two busiest
+    threads (the scheduler's main thread and its OpenMP worker do the forward pass; the rest are
+    HiCache's and the L3 backend's threads)."""
+    stat = _read(f"/proc/{pid}/stat")
+    fields = stat[stat.rfind(")") + 2:].split()
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return None
+    if len(fields) <= 12:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / hz
+    busiest = sorted((_cpu_ticks(pid, t) for t in tids), reverse=True)[:2]
+    return {"cpu_s": round(total, 2), "rest_s": round(total - sum(busiest) / hz, 2), "threads": len(tids)}
+
+
 def start_busy(n: int) -> list[subprocess.Popen]:
     """``n`` processes that each keep one core busy (a plain Python loop), each in its own group."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True,

@@ -190,6 +190,16 @@ def verdicts(rounds: list[dict]) -> list[dict]:
         value, n = per_round(num[0], num[1], den[0], den[1])
         out.append({"target": name, "value": value, "goal": f"<= {goal}", "rounds": n,
                     "met": None if value is None else value <= goal})
+    # the L3's own threads: what the umbp server spends beside its forward pass over what l2's spends,
+    # as a share of the umbp server's CPU (TTFT ratios swing with a loaded machine's scheduling; this does not)
+    shares = []
+    for r in rounds:
+        u, b = (r.get("arms", {}).get(a, {}).get("server_cpu") or {} for a in ("umbp", "l2"))
+        if u.get("cpu_s") and "rest_s" in b:
+            shares.append((u["rest_s"] - b["rest_s"]) / u["cpu_s"])
+    value = _median(shares)
+    out.append({"target": "L3 threads' CPU share of the server (umbp beside-forward-pass CPU - l2's) / umbp CPU",
+                "value": value, "goal": "<= 0.02", "rounds": len(shares), "met": None if value is None else value <= 0.02})
     checks = [r["arms"]["umbp"]["checks"] for r in rounds if "checks" in r.get("arms", {}).get("umbp", {})]
     if checks:
         ok = all(c["resent_l3"] == c["resent"] == c["resent_identical"] and c["resent"] > 0 for c in checks)
