@@ -386,12 +386,12 @@ class OpenSteps:
         kk = np.flatnonzero(keep)
         ks = segs[kk].astype(np.int64)
         sizes = np.full(n_segments, -1, np.int64)  # -1: the file is gone
-        for s in np.unique(ks).tolist():
+        for s in np.flatnonzero(np.bincount(ks, minlength=n_segments)).tolist():  # no sort of a million
             size = self._segment_size(s)
             sizes[s] = -1 if size is None else size
         ends = recs["offset"][kk].astype(np.int64) + recs["length"][kk].astype(np.int64)
         keep[kk] = ends <= sizes[ks]
-        for s in np.unique(segs[keep]).tolist():
+        for s in np.flatnonzero(np.bincount(segs[keep].astype(np.int64), minlength=n_segments)).tolist():
             self._open_segment_for_load(s)
         if keep.all():
             return keys, recs
