@@ -76,7 +76,11 @@ class OpenSteps:
             self._open_manifest(cfg, namespace, capacity_from_manifest, shrink, o)
             if w is not None:
                 warn_if_short([st.path], st.capacity_bytes)
-            self._open_index(o)
+            background = self._background_index(o)  # loading.py: a large index loads after open returns
+            if background and readonly:
+                self._reader_standin(o)
+            elif not background:
+                self._open_index(o)
             st.files = SegmentFiles(
                 st.path,
                 st.segment_bytes,
@@ -85,7 +89,9 @@ class OpenSteps:
                 n_segments=max(1, st.capacity_bytes // st.segment_bytes),
             )
             if w is not None:
-                self._load_writer_state(o)
+                if not background:
+                    self._load_writer_state(o)
+                    self._start_clock(o.gen_max, o)
                 w.index_pool = ThreadPoolExecutor(1, thread_name_prefix="umbp-index")
                 w.write_sem = asyncio.Semaphore(WRITE_BATCHES_IN_FLIGHT)
                 w.commit_lock = asyncio.Lock()
@@ -94,6 +100,9 @@ class OpenSteps:
             self._release_resources()
             raise
         st.open_seconds = time.perf_counter() - t0
+        if background:
+            self._start_load(o)  # and says so
+            return
         log.info(
             "opened store %s (%s, %s, %d objects, %.3f s, engine %s)",
             st.path,
@@ -257,6 +266,7 @@ class OpenSteps:
                     why = why or f"the store index {ipath} may be behind its segments (the machine restarted " \
                                  "while a writer had it open)"
             if why is None:
+                o.prior_state = state
                 self.state.index.set_writer_state(b"open:" + boot_id())
                 return
         except IndexDamagedError as e:
@@ -356,7 +366,7 @@ class OpenSteps:
         self.writer.rows = RowTable(keys, recs, self.writer.alloc.free)
         self.writer.keys = self.writer.rows.index  # key -> row (the same dict)
         self._load_records(keys, recs, o)
-        self._start_clock(int(recs["generation"].max()) if len(keys) else 0, o)
+        o.gen_max = int(recs["generation"].max()) if len(keys) else 0  # the clock starts above it (_start_clock)
 
     def _start_clock(self, gen_max: int, o: OpenFacts) -> None:
         """Join the generation clock (clock.py) above everything this store may hold: the index's
