@@ -130,9 +130,7 @@ class BackgroundLoad:
         """On the loop thread, once the worker is done: the clock (a writer), the index (a reader)."""
         st = self.state
         if self.writer is not None:
-            if st.load_stop:
-                raise LoadStopped()
-            self._start_clock(o.gen_max, o)
+            self._start_clock(o.gen_max, o)  # loaded, even if close() asked it to stop: close() closes it cleanly
             return
         if st.closed or st.load_stop:
             got.close()
