@@ -235,8 +235,13 @@ from conftest import payload, small_config
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.hooks import StoreHooks
 
-async def main(path, ack_path, rnd, delay):
-    hooks = StoreHooks(load_step=lambda name: time.sleep(delay))  # widen each step: kills land inside
+def step(name, delay, kill_at):
+    if name == kill_at:
+        os.kill(os.getpid(), 9)  # killed at exactly this step of the background load
+    time.sleep(delay)  # widen each step: the parent's kills land inside
+
+async def main(path, ack_path, rnd, delay, kill_at):
+    hooks = StoreHooks(load_step=lambda name: step(name, delay, kill_at))
     st = await PageStore.open(path, small_config(ssd_background_open_bytes=0), hooks=hooks)
     fd = os.open(ack_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     print("ready", flush=True)
@@ -248,7 +253,7 @@ async def main(path, ack_path, rnd, delay):
     os.write(fd, "".join(f"+{{k}}\n" for k, ok in zip(new, res) if ok).encode())
     await st.close()
 
-asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])))
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]))
 """
 
 
@@ -260,12 +265,17 @@ def test_kills_during_the_background_load_lose_nothing_durable_and_serve_nothing
     script = CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
     deleted: set[str] = set()
     added: set[str] = set()
-    for rnd in range(8):
-        p = subprocess.Popen([sys.executable, "-c", script, path, ack, str(rnd), "0.05"], stdout=subprocess.PIPE,
+    for rnd in range(10):
+        kill_at = ("index", "rows")[rnd] if rnd < 2 else "-"  # first at each step, then at random moments
+        p = subprocess.Popen([sys.executable, "-c", script, path, ack, str(rnd), "0.05", kill_at], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL)  # fmt: skip
         try:
-            assert p.stdout.readline().strip() == b"ready"
-            time.sleep(rng.uniform(0.0, 0.2) if rnd % 2 else rng.uniform(0.2, 1.5))  # inside the load, or past it
+            ready = p.stdout.readline().strip()
+            if kill_at != "-":  # it kills itself at that step (before or after it says ready)
+                assert p.wait(30) == -signal.SIGKILL
+            else:
+                assert ready == b"ready"
+                time.sleep(rng.uniform(0.0, 0.2) if rnd % 2 else rng.uniform(0.2, 1.5))  # inside the load, or past it
         finally:
             p.send_signal(signal.SIGKILL)
             p.wait()
