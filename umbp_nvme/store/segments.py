@@ -36,7 +36,7 @@ def size_class(nbytes: int) -> int:
 
 
 def size_classes(lengths: np.ndarray) -> np.ndarray:
-    return (-(-lengths.astype(np.int64) // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
+    return (-(-np.asarray(lengths, np.int64) // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
 
 
 def max_object_bytes(segment_bytes: int, *, records: bool = True) -> int:
@@ -205,8 +205,8 @@ class SegmentAllocator:
         """
         # offsets are u64 on disk: one of 2**63 or more wraps negative in int64, so it is dropped
         # by ``offs >= 0``; every sum below then stays far inside int64
-        segs = segs.astype(np.int64)
-        offs = offs.astype(np.int64)
+        segs = np.asarray(segs, np.int64)  # a copy only when not int64 already (an open passes int64)
+        offs = np.asarray(offs, np.int64)
         cls = size_classes(lengths)
         # slots of each record's class per segment; classes are few (one per pool): a table of them
         grains = cls // SLOT_ALIGN_BYTES  # lengths are u32: at most 2**20 grains
