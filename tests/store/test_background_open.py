@@ -71,7 +71,7 @@ def test_writer_misses_while_loading_and_serves_everything_after(tmp_path, step)
         assert time.perf_counter() - t0 < 1.0
         try:
             assert await asyncio.to_thread(hold.reached.wait, 10)
-            assert st.stats()["loading"] is True
+            assert st.stats()["loading"] is True and st.stats()["index_loading"] == 1  # the metric's number
             assert await st.exists_many(keys[:4]) == [False] * 4
             assert await st.exists_prefix(keys) == 0
             assert await read_back(st, keys[:4]) == [False] * 4
@@ -83,7 +83,7 @@ def test_writer_misses_while_loading_and_serves_everything_after(tmp_path, step)
             assert st.stats()["puts_refused_loading"] == 1
             hold.go.set()
             assert await st.wait_loaded() is True
-            assert st.stats()["loading"] is False and st.object_count() == 60
+            assert st.stats()["loading"] is False and st.stats()["index_loading"] == 0 and st.object_count() == 60
             assert await st.exists_prefix(keys) == 60
             assert all(await read_back(st, keys))
             assert await st.put_many(["new"], [payload("new", SIZE)]) == [True]

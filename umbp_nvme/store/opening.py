@@ -77,10 +77,10 @@ class OpenSteps:
             if w is not None:
                 warn_if_short([st.path], st.capacity_bytes)
             background = self._background_index(o)  # loading.py: a large index loads after open returns
-            if background and readonly:
-                self._reader_standin(o)
-            elif not background:
+            if not background:
                 self._open_index(o)
+            elif readonly:
+                self._reader_standin(o)
             st.files = SegmentFiles(
                 st.path,
                 st.segment_bytes,
@@ -388,8 +388,7 @@ class OpenSteps:
         back: drop it. Any other failure (EMFILE, EACCES, EIO...) may be transient: refuse to open
         rather than destroy the index over it.
         """
-        # each field gathered once from the 48-byte records (a strided read of millions costs)
-        segs, offs, lens = (recs[f].astype(np.int64) for f in ("segment", "offset", "length"))
+        segs, offs, lens = (recs[f].astype(np.int64) for f in ("segment", "offset", "length"))  # strided: once each
         shrunk = int((segs >= n_segments).sum()) if o.shrink_from is not None else 0
         keep = self.writer.alloc.rebuild(segs, offs, lens, recs["generation"])
         # generations count puts: one near 2**64 is damage and would overflow the clock

@@ -403,7 +403,7 @@ class PageStore(
             stalled_ops=self.state.stalled_ops,
             late_completions=self.state.late_completions,
             stalled_wait_s=round(self.state.stalled_wait_s, 3),
-            loading=self.loading_state(),  # loading.py: True while the index loads in the background
+            loading=self.loading_state(), index_loading=int(self._loading()),  # loading.py; a number for metrics.py
         )
         if w is not None and w.alloc is not None and not self._loading():  # a writer whose open built its allocator
             s.update(
