@@ -71,5 +71,10 @@ setup(
             sources=["native/keyindex.c"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         ),
+        Extension(
+            "umbp_nvme._lmdbwalk",  # the index file's page walk before LMDB maps it (store/index_check.py)
+            sources=["native/lmdbwalk.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        ),
     ],
 )

@@ -123,6 +123,10 @@ class StoreConfig:
         "Bypass the page cache where the file system allows it (probed once per store).")
     gds_staging: bool = _f(False, parse_bool, "",
         "CUDA buffers without GPUDirect Storage: stage them through pinned host memory (docs/gpu.md).")
+    # issue 36: a large index loads after open returns (store/loading.py); lookups miss until then
+    ssd_background_open_bytes: int = _f(64 * 1024 * 1024, size_parser(0), "bytes",
+        "A writer whose index file is at least this large returns from open at once and loads the index "
+        "in the background (lookups miss, puts wait up to 1 s, deletes wait); 0: always.")
     # Swift's mount_check: a root must lie on a mounted drive (store/mounts.py), else that drive is
     # degraded and nothing is created there; off: only the multi-drive guard applies.
     ssd_require_mount: bool = _f(False, parse_bool, "",
@@ -328,6 +332,7 @@ ENV_KEYS: dict[str, str] = {
     "UMBP_SSD_WRITE_SLICE_BYTES": "ssd_write_slice_bytes",
     "UMBP_SSD_READ_PRIORITY": "ssd_read_priority",
     "UMBP_SSD_REQUIRE_MOUNT": "ssd_require_mount",
+    "UMBP_SSD_BACKGROUND_OPEN_BYTES": "ssd_background_open_bytes",
     "UMBP_ADMISSION_POLICY": "admission_policy",
     "UMBP_SSD_CRC_WORKER": "ssd_crc_worker",
     "UMBP_SSD_CRC_POLICY": "ssd_crc_policy",

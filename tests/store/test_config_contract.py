@@ -53,6 +53,7 @@ def test_every_default_is_pinned():
         auto_promote_on_read=True,
         gds_staging=False,
         ssd_require_mount=False,
+        ssd_background_open_bytes=64 * MiB,
     )
     assert load() == cfg and cfg.validate() is cfg
     assert (GiB, MiB) == (1 << 30, 1 << 20)
@@ -190,7 +191,7 @@ def test_every_environment_variable_reaches_its_field():
         "UMBP_VERIFY_CRC": "no", "UMBP_SSD_QUEUE_DEPTH": "1", "UMBP_IO_TIMEOUT_S": "0.5", "UMBP_O_DIRECT": "false",
         "UMBP_GDS_STAGING": "on", "UMBP_SSD_WRITE_SLICE_BYTES": str(16 * MiB), "UMBP_SSD_READ_PRIORITY": "off",
         "UMBP_SSD_REQUIRE_MOUNT": "yes", "UMBP_ADMISSION_POLICY": "second", "UMBP_SSD_CRC_WORKER": "off",
-        "UMBP_SSD_CRC_POLICY": " Idle ", "UMBP_SSD_CRC_NICE": "5",
+        "UMBP_SSD_CRC_POLICY": " Idle ", "UMBP_SSD_CRC_NICE": "5", "UMBP_SSD_BACKGROUND_OPEN_BYTES": "1m",
     }
     assert set(env) == set(ENV_KEYS)
     cfg = load(env=env)
@@ -198,6 +199,7 @@ def test_every_environment_variable_reaches_its_field():
     assert (cfg.ssd_high_watermark, cfg.ssd_low_watermark, cfg.eviction_policy) == (0.8, 0.4, "prefix_aware")
     assert (cfg.dram_capacity_bytes, cfg.ssd_segment_size_bytes, cfg.ssd_io_backend) == (0, MiB, "posix")
     assert (cfg.ssd_durability_mode, cfg.verify_crc, cfg.ssd_queue_depth) == ("relaxed", False, 1)
+    assert cfg.ssd_background_open_bytes == MiB
     assert (cfg.io_timeout_s, cfg.o_direct, cfg.gds_staging) == (0.5, False, True)
     assert (cfg.ssd_write_slice_bytes, cfg.ssd_read_priority, cfg.ssd_require_mount) == (16 * MiB, "off", True)
     assert cfg.admission_policy == "second"

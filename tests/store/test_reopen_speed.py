@@ -48,6 +48,7 @@ async def test_reopen_of_1m_objects_finds_them_all(store_dir):
     for _ in range(2):  # a clean close, then the reopen trusts the index again
         t = time.perf_counter()
         st = await PageStore.open(store_dir, cfg)
+        assert await st.wait_loaded()  # an index this large loads after open returns (store/loading.py)
         print(f"reopen of {N} objects: {time.perf_counter() - t:.3f} s")
         assert st.stats()["objects"] == N
         assert st.exists_prefix_nowait(keys[:128]) == 128

@@ -328,6 +328,8 @@ def cmd_compact(args) -> int:
         # holds the writer lock while we work
         store = await PageStore.open(args.store, cfg, capacity_from_manifest=not _capacity_given(args))
         try:
+            if hasattr(store, "wait_loaded"):  # the index loaded before the files change under it
+                await store.wait_loaded()
             return compact_dir(store.path, interior=not args.tail_only)
         finally:
             await store.close()

@@ -405,6 +405,8 @@ async def import_sources(
         store = await PageStore.open(store_path, config, namespace=ns or None,
                                      capacity_from_manifest=capacity_from_manifest, page_of=page_of)
         try:
+            if hasattr(store, "wait_loaded"):  # a large index loads after open returns (store/loading.py)
+                await store.wait_loaded()
             target_ns = store.manifest.get("namespace") or {}
             expected = page_bytes or expected_page_bytes(target_ns, layout)
             max_obj = max_object_bytes(store)

@@ -9,6 +9,7 @@ COUNTERS = (
     "puts", "put_dedup", "put_failed", "gets", "hits", "misses", "crc_errors", "evictions", "deletes",
     "bytes_written", "bytes_read", "timeouts",
     "io_errors_read", "io_errors_write", "io_errors_sync",  # ops that failed with an errno, syncs that raised
+    "loading_misses", "puts_refused_loading",  # lookups missed / puts refused while the index loaded (loading.py)
 )  # fmt: skip
 
 

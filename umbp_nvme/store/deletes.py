@@ -55,6 +55,9 @@ class DeleteSteps:
         results = self._begin_call("delete_many", keys, writes=True)
         if results is None:
             return [False] * len(keys)
+        if self._loading() and not await self._loaded_for_write(None):  # loading.py: a key not loaded yet
+            log.warning("%s: delete_many of %d keys refused: the index did not load", self.path, len(keys))
+            return results
         if self.writer.put_doubt and not self.put_doubt_keys().isdisjoint(k for k in keys if type(k) is str):
             await self._put_doubt_retry()  # settled first: a landed put is then deleted like any other
         rows, where = [], []
@@ -148,6 +151,8 @@ class DeleteSteps:
         w = self.writer
         if self._begin_call("clear", (), writes=True) is None:
             return
+        if self._loading() and not await self._loaded_for_write(None):  # loading.py
+            raise OSError(f"{self.path}: clear refused: the index did not load ({self.loading_state()})")
         async with w.commit_lock:
             rows = list(w.keys.values())
             gone = list(w.keys) if w.residency is not None else ()

@@ -22,6 +22,8 @@ class FlushSteps:
             return False
         if self.writer is None:
             return True
+        if self._loading() and not await self._loaded_for_write(None):  # loading.py
+            return False
         return await self._flush()
 
     async def flush_for_close(self) -> bool:

@@ -56,6 +56,20 @@ def _marked(ix) -> bool:
         return False
 
 
+class LoadingWatch:
+    """A read-only opener's watch while its index opens in the background (loading.py): every lookup
+    is a miss, never an answer from a file not yet checked."""
+
+    def read(self, fn, miss):
+        return miss
+
+    def records(self, keys: list[bytes]) -> list[bytes | None]:
+        return [None] * len(keys)
+
+    def close(self) -> None:
+        pass
+
+
 class IndexWatch:
     """The index a read-only store answers from (``state.index``), kept on the file at the path."""
 

@@ -100,6 +100,11 @@ class GetPath:
         results = self._begin_call("get_many", keys, buffers)
         if results is None:
             return [False] * len(keys)
+        if self._loading():  # loading.py: misses until the index is loaded
+            self._loading_misses(len(keys))
+            self.state.counters["gets"] += len(keys)
+            self.state.counters["misses"] += len(keys)
+            return results
         self._enter()
         try:
             await self._get(keys, buffers, results)

@@ -33,3 +33,7 @@ class StoreHooks:
     # and of a legacy store's index replaced at open (index_swap.STEPS); crash tests kill the
     # process there. Not given the real step: the steps are on-disk states, not calls to replace
     rebuild_step: Any = None
+    # (name) -> None on the background load's worker thread (loading.py), before each of its steps
+    # ("index": check and open the index file, "rows": rows, allocator, record areas): tests hold
+    # the load there, crash tests kill the process there
+    load_step: Any = None

@@ -390,8 +390,11 @@ class Index:
             self.scan_damage = f"{int((~keep).sum())} keys out of order (damaged nodes)"
         if not is_rec.all():
             log.warning("%s: %d index records have a bad size; ignoring them", self.path, int((~is_rec).sum()))
-        recs = np.zeros(n, REC_DTYPE)
-        recs[is_rec] = np.frombuffer(rec_blob, REC_DTYPE)
+        if is_rec.all():  # the usual case: the records as they came, no copy (read-only, as scan()'s)
+            recs = np.frombuffer(rec_blob, REC_DTYPE) if n else np.zeros(0, REC_DTYPE)
+        else:
+            recs = np.zeros(n, REC_DTYPE)
+            recs[is_rec] = np.frombuffer(rec_blob, REC_DTYPE)
         keep &= is_rec
         starts = np.concatenate([[0], np.cumsum(klen)[:-1]]).astype(np.int64)
         has = (recs["flags"] & FLAG_KEYCRC) != 0

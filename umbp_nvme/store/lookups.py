@@ -48,6 +48,9 @@ class Lookups:
             return [False] * len(keys)
         if self.writer is None:
             return [v is not None for v in self._index_lookup(keys)]
+        if self._loading():  # loading.py: nothing is served before it was loaded and checked
+            self._loading_misses(len(keys))
+            return [False] * len(keys)
         return (self.writer.keys.rows(keys) >= 0).tolist()  # a key that is not a str is absent
 
     def exists_prefix_nowait(self, keys: list[str]) -> int:
@@ -60,6 +63,9 @@ class Lookups:
             if None in enc:
                 enc = enc[: enc.index(None)]
             return self.state.watch.read(lambda ix: ix.exists_prefix(enc), 0)
+        if self._loading():
+            self._loading_misses(len(keys))
+            return 0
         return self.writer.keys.prefix(keys)  # a key that is not a str is absent: the prefix ends there
 
     async def exists_many(self, keys: list[str]) -> list[bool]:
@@ -81,6 +87,8 @@ class Lookups:
     def _index_keys(self, keys) -> list[bytes | None]:
         """Index key bytes per key; None for a key no index key can hold (not a str, empty, no
         lossless bytes, too long): that key alone is a miss."""
+        if self.state.index is None:  # a reader whose index opens in the background (loading.py): misses
+            return [None] * len(keys)
         maxk = self.state.index.max_key_bytes
         if plain_keys(keys) and (not keys or max(map(len, keys)) <= maxk):
             return [k.encode() for k in keys]

@@ -76,7 +76,11 @@ class OpenSteps:
             self._open_manifest(cfg, namespace, capacity_from_manifest, shrink, o)
             if w is not None:
                 warn_if_short([st.path], st.capacity_bytes)
-            self._open_index(o)
+            background = self._background_index(o)  # loading.py: a large index loads after open returns
+            if not background:
+                self._open_index(o)
+            elif readonly:
+                self._reader_standin(o)
             st.files = SegmentFiles(
                 st.path,
                 st.segment_bytes,
@@ -85,7 +89,9 @@ class OpenSteps:
                 n_segments=max(1, st.capacity_bytes // st.segment_bytes),
             )
             if w is not None:
-                self._load_writer_state(o)
+                if not background:
+                    self._load_writer_state(o)
+                    self._start_clock(o.gen_max, o)
                 w.index_pool = ThreadPoolExecutor(1, thread_name_prefix="umbp-index")
                 w.write_sem = asyncio.Semaphore(WRITE_BATCHES_IN_FLIGHT)
                 w.commit_lock = asyncio.Lock()
@@ -94,6 +100,9 @@ class OpenSteps:
             self._release_resources()
             raise
         st.open_seconds = time.perf_counter() - t0
+        if background:
+            self._start_load(o)  # and says so
+            return
         log.info(
             "opened store %s (%s, %s, %d objects, %.3f s, engine %s)",
             st.path,
@@ -258,6 +267,7 @@ class OpenSteps:
                     why = why or f"the store index {ipath} may be behind its segments (the machine restarted " \
                                  "while a writer had it open)"
             if why is None:
+                o.prior_state = state
                 self.state.index.set_writer_state(b"open:" + boot_id())
                 return
         except IndexDamagedError as e:
@@ -357,7 +367,7 @@ class OpenSteps:
         self.writer.rows = RowTable(keys, recs, self.writer.alloc.free)
         self.writer.keys = self.writer.rows.index  # key -> row (the same dict)
         self._load_records(keys, recs, o)
-        self._start_clock(int(recs["generation"].max()) if len(keys) else 0, o)
+        o.gen_max = int(recs["generation"].max()) if len(keys) else 0  # the clock starts above it (_start_clock)
 
     def _start_clock(self, gen_max: int, o: OpenFacts) -> None:
         """Join the generation clock (clock.py) above everything this store may hold: the index's
@@ -379,20 +389,20 @@ class OpenSteps:
         back: drop it. Any other failure (EMFILE, EACCES, EIO...) may be transient: refuse to open
         rather than destroy the index over it.
         """
-        segs = recs["segment"]
+        segs, offs, lens = (recs[f].astype(np.int64) for f in ("segment", "offset", "length"))  # strided: once each
         shrunk = int((segs >= n_segments).sum()) if o.shrink_from is not None else 0
-        keep = self.writer.alloc.rebuild(segs, recs["offset"], recs["length"], recs["generation"])
+        keep = self.writer.alloc.rebuild(segs, offs, lens, recs["generation"])
         # generations count puts: one near 2**64 is damage and would overflow the clock
         keep &= recs["generation"] < GENERATION_MAX
         kk = np.flatnonzero(keep)
-        ks = segs[kk].astype(np.int64)
+        ks = segs[kk]
         sizes = np.full(n_segments, -1, np.int64)  # -1: the file is gone
-        for s in np.unique(ks).tolist():
+        for s in np.flatnonzero(np.bincount(ks, minlength=n_segments)).tolist():  # no sort of a million
             size = self._segment_size(s)
             sizes[s] = -1 if size is None else size
-        ends = recs["offset"][kk].astype(np.int64) + recs["length"][kk].astype(np.int64)
+        ends = offs[kk] + lens[kk]
         keep[kk] = ends <= sizes[ks]
-        for s in np.unique(segs[keep]).tolist():
+        for s in np.flatnonzero(np.bincount(segs[keep], minlength=n_segments)).tolist():
             self._open_segment_for_load(s)
         if keep.all():
             return keys, recs

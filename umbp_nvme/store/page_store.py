@@ -40,6 +40,7 @@ from .flushing import FlushSteps
 from .drives import PROBE_INTERVAL_S, MultiDriveStore
 from .get_path import GetPath
 from .hooks import StoreHooks
+from .loading import BackgroundLoad
 from .lookups import Lookups
 from .mapped import unusable_range
 from .opening import OpenSteps
@@ -55,6 +56,8 @@ from .waits import IoWaits
 
 log = logging.getLogger("umbp_nvme.store")
 
+LMDB_MAX_KEY_BYTES = 511  # LMDB's compiled-in key limit (py-lmdb's build): max_key_bytes before the index opens
+
 
 class Extent(NamedTuple):
     segment: int
@@ -66,7 +69,7 @@ class Extent(NamedTuple):
 
 class PageStore(
     CallChecks, OpenSteps, SpaceSteps, PutPath, PutPublish, PutDoubt, RecordSteps, Lookups, GetPath, IoWaits,
-    DeleteSteps, FlushSteps,
+    DeleteSteps, FlushSteps, BackgroundLoad,
 ):
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
@@ -168,6 +171,7 @@ class PageStore(
         if st.closed:
             return
         st.closed = True
+        await self._stop_load()  # loading.py: a background load stops at its next step
         if st.inflight:
             try:
                 await asyncio.wait_for(st.idle.wait(), self.timeout_s)
@@ -176,7 +180,7 @@ class PageStore(
                 # the engines before that would let a late completion land in freed memory
                 log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, st.inflight)
                 await st.idle.wait()
-        if w is not None and st.index is not None:
+        if w is not None and st.index is not None and not self._loading():
             await self._settle_doubts()
             if await self.flush_for_close():
                 try:
@@ -266,12 +270,12 @@ class PageStore(
         """Writers: every published key (a snapshot)."""
         if self.writer is None:
             raise ReadOnlyStoreError(f"store {self.path} was opened read-only; keys() needs the writer's rows")
-        return list(self.writer.keys)
+        return [] if self._loading() else list(self.writer.keys)
 
     def any_key(self) -> str | None:
         """Writers: one published key (None when there is none, or on a read-only opener): what a
         drive probe reads back, without a snapshot of every key."""
-        if self.writer is None or self.writer.keys is None:
+        if self.writer is None or self.writer.keys is None or self._loading():
             return None
         return self.writer.keys.any_key()
 
@@ -283,9 +287,8 @@ class PageStore(
         """
         if self.writer is None:
             raise ReadOnlyStoreError(f"store {self.path} was opened read-only; locate needs the writer's rows")
-        t = self.writer.rows
-        out = []
-        for r in self._writer_rows(keys):
+        t, out = self.writer.rows, []
+        for r in ([None] * len(keys) if self._loading() else self._writer_rows(keys)):  # loading: all absent
             out.append(None if r is None else Extent(int(t.seg[r]), int(t.off[r]), int(t.len[r]), int(t.depth[r])))
         return out
 
@@ -312,7 +315,7 @@ class PageStore(
             if n >= 0:
                 self.state.objects_seen = n
             return n
-        return len(self.writer.keys)
+        return 0 if self._loading() else len(self.writer.keys)
 
     def _tick(self) -> int:
         return self.writer.clock.tick()
@@ -349,7 +352,7 @@ class PageStore(
     @property
     def max_key_bytes(self) -> int:
         """The longest key the index takes, in bytes (LMDB's limit)."""
-        return self.state.index.max_key_bytes
+        return LMDB_MAX_KEY_BYTES if self.state.index is None else self.state.index.max_key_bytes  # None: loading
 
     @property
     def max_object_bytes(self) -> int:
@@ -400,8 +403,9 @@ class PageStore(
             stalled_ops=self.state.stalled_ops,
             late_completions=self.state.late_completions,
             stalled_wait_s=round(self.state.stalled_wait_s, 3),
+            loading=self.loading_state(), index_loading=int(self._loading()),  # loading.py; a number for metrics.py
         )
-        if w is not None and w.alloc is not None:  # a writer whose open built its allocator
+        if w is not None and w.alloc is not None and not self._loading():  # a writer whose open built its allocator
             s.update(
                 objects=len(w.keys),
                 bytes_used=w.alloc.used_bytes,
@@ -434,7 +438,7 @@ class PageStore(
         if w is None:
             s["objects"] = self.state.objects_seen
             return s
-        keys, alloc = w.keys, w.alloc
+        keys, alloc = (None, None) if self._loading() else (w.keys, w.alloc)
         s["objects"] = 0 if keys is None else len(keys)
         if alloc is not None:
             s["bytes_used"] = alloc.used_bytes

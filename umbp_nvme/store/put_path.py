@@ -21,6 +21,7 @@ import numpy as np
 from ..engine.base import errno_name
 from ..keybytes import encode_key, key_error
 from .layout import SLOT_ALIGN_BYTES
+from .loading import PUT_WAIT_S
 from .checks import Refusals, plain_keys
 from .memory import int_arg
 from . import admit_gate, put_crc, staging
@@ -84,6 +85,9 @@ class PutPath:
         if results is None:
             return [False] * len(keys)
         n = len(keys)
+        if self._loading() and not await self._loaded_for_write(PUT_WAIT_S):  # loading.py
+            self.state.counters["puts_refused_loading"] += n
+            return results
         self._enter()
         try:
             await self._put(keys, buffers, self._depth_array(depths, n), results)

@@ -36,7 +36,7 @@ def size_class(nbytes: int) -> int:
 
 
 def size_classes(lengths: np.ndarray) -> np.ndarray:
-    return (-(-lengths.astype(np.int64) // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
+    return (-(-np.asarray(lengths, np.int64) // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
 
 
 def max_object_bytes(segment_bytes: int, *, records: bool = True) -> int:
@@ -205,12 +205,16 @@ class SegmentAllocator:
         """
         # offsets are u64 on disk: one of 2**63 or more wraps negative in int64, so it is dropped
         # by ``offs >= 0``; every sum below then stays far inside int64
-        segs = segs.astype(np.int64)
-        offs = offs.astype(np.int64)
+        segs = np.asarray(segs, np.int64)  # a copy only when not int64 already (an open passes int64)
+        offs = np.asarray(offs, np.int64)
         cls = size_classes(lengths)
-        room = np.zeros(len(cls), np.int64)  # slots of each record's class per segment
-        for c in np.unique(cls).tolist():
-            room[cls == c] = self.slots(int(c))
+        # slots of each record's class per segment; classes are few (one per pool): a table of them
+        grains = cls // SLOT_ALIGN_BYTES  # lengths are u32: at most 2**20 grains
+        present = np.flatnonzero(np.bincount(grains)) if len(grains) else np.zeros(0, np.int64)
+        table = np.zeros(int(present[-1]) + 1 if len(present) else 1, np.int64)
+        for g in present.tolist():
+            table[g] = self.slots(g * SLOT_ALIGN_BYTES)
+        room = table[grains]
         keep = (
             (lengths > 0)
             & (offs >= 0)
@@ -224,51 +228,59 @@ class SegmentAllocator:
         idx = np.flatnonzero(keep)
         if not len(idx):
             return keep
+        # one size class per segment by construction: the majority class heals damage (rare, sorted)
+        seg_cls = np.zeros(self.n_segments, np.int64)
+        seg_cls[segs[idx]] = cls[idx]
+        if (seg_cls[segs[idx]] != cls[idx]).any():
+            idx = self._majority_class(segs, cls, keep, idx)
+            seg_cls[segs[idx]] = cls[idx]
+        # one record per slot, at 4 KiB granularity (slots of every class start on one): a slot
+        # named twice keeps its newest record (rare, sorted)
+        per_seg = self.segment_bytes // SLOT_ALIGN_BYTES
+        grain = segs[idx] * per_seg + offs[idx] // SLOT_ALIGN_BYTES
+        occ = np.zeros(self.n_segments * per_seg, bool)
+        occ[grain] = True
+        if np.count_nonzero(occ) != len(idx):
+            self._newest_per_slot(segs, offs, gens, keep, idx)
+        counts = np.bincount(segs[keep], minlength=self.n_segments)
+        used_segs = np.flatnonzero(counts)
+        for seg in used_segs.tolist():
+            c, k = int(seg_cls[seg]), int(counts[seg])
+            nslots, step = self.slots(c), c // SLOT_ALIGN_BYTES
+            self.seg_class[seg], self.seg_used[seg] = c, k
+            self.used_bytes += c * k
+            # slot i of the segment starts at 4 KiB grain i * step: its bits are one strided slice
+            used = occ[seg * per_seg : seg * per_seg + nslots * step : step].copy()
+            self._in_use[seg] = used
+            if k < nslots:
+                self._class_free.setdefault(c, {})[seg] = (np.flatnonzero(~used)[::-1] * c).tolist()
+        free = np.ones(self.n_segments, bool)
+        free[used_segs] = False
+        self._free_segs = np.flatnonzero(free).tolist()  # ascending: already a heap
+        return keep
+
+    def _majority_class(self, segs, cls, keep, idx) -> np.ndarray:
+        """Drop (from ``keep``) the records whose class is not their segment's most common one; the kept indices."""
         per_seg = self.segment_bytes // SLOT_ALIGN_BYTES + 1
-        # majority size class per segment (one class per segment by construction; this heals damage)
         sc = segs[idx] * per_seg + cls[idx] // SLOT_ALIGN_BYTES
         u, counts = np.unique(sc, return_counts=True)
-        if len(np.unique(u // per_seg)) != len(u):
-            order = np.lexsort((-counts, u // per_seg))
-            u = u[order]
-            first = np.ones(len(u), dtype=bool)
-            first[1:] = (u[1:] // per_seg) != (u[:-1] // per_seg)
-            seg_cls = np.zeros(self.n_segments, dtype=np.int64)
-            seg_cls[u[first] // per_seg] = (u[first] % per_seg) * SLOT_ALIGN_BYTES
-            keep[idx] &= seg_cls[segs[idx]] == cls[idx]
-            idx = np.flatnonzero(keep)
-        # one record per slot: the newest generation wins
+        order = np.lexsort((-counts, u // per_seg))
+        u = u[order]
+        first = np.ones(len(u), dtype=bool)
+        first[1:] = (u[1:] // per_seg) != (u[:-1] // per_seg)
+        seg_cls = np.zeros(self.n_segments, dtype=np.int64)
+        seg_cls[u[first] // per_seg] = (u[first] % per_seg) * SLOT_ALIGN_BYTES
+        keep[idx] &= seg_cls[segs[idx]] == cls[idx]
+        return np.flatnonzero(keep)
+
+    def _newest_per_slot(self, segs, offs, gens, keep, idx) -> None:
+        """Of records sharing a slot, keep (in ``keep``) only the newest generation's."""
         slot = segs[idx] * self.segment_bytes + offs[idx]
-        order = np.argsort(slot, kind="stable")
+        order = np.lexsort((gens[idx], slot))
         sk = slot[order]
-        if len(sk) > 1 and (sk[1:] == sk[:-1]).any():
-            order = np.lexsort((gens[idx], slot))
-            sk = slot[order]
-            last = np.ones(len(order), dtype=bool)
-            last[:-1] = sk[1:] != sk[:-1]
-            keep[idx[order[~last]]] = False
-            order = order[last]
-        # slots in (segment, offset) order: each segment's records are one run
-        s_all, o_all, c_all = segs[idx][order], offs[idx][order], cls[idx][order]
-        bounds = np.flatnonzero(np.diff(s_all)) + 1
-        starts = np.concatenate([[0], bounds]).tolist()
-        ends = np.concatenate([bounds, [len(s_all)]]).tolist()
-        used_segs = set()
-        for a, b in zip(starts, ends):
-            seg, c = int(s_all[a]), int(c_all[a])
-            used_segs.add(seg)
-            self.seg_class[seg] = c
-            self.seg_used[seg] = b - a
-            self.used_bytes += c * (b - a)
-            nslots = self.slots(c)
-            used = np.zeros(nslots, dtype=bool)
-            used[o_all[a:b] // c] = True
-            self._in_use[seg] = used
-            if b - a < nslots:
-                self._class_free.setdefault(c, {})[seg] = (np.flatnonzero(~used)[::-1] * c).tolist()
-        self._free_segs = [i for i in range(self.n_segments) if i not in used_segs]
-        heapq.heapify(self._free_segs)
-        return keep
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = sk[1:] != sk[:-1]
+        keep[idx[order[~last]]] = False
 
     def _reset(self) -> None:
         self.seg_class = [0] * self.n_segments

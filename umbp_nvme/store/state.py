@@ -57,6 +57,10 @@ class StoreState:
     stalled_wait_s: float = 0.0  # longest wait past io_timeout_s
     open_seconds: float | None = None  # how long the open took, once it succeeded
     objects_seen: int = -1  # a reader's object count as of its last object_count() (stats_nowait reports it)
+    # a background load (loading.py): lookups miss, writes wait while it runs
+    loading: Any = None  # asyncio.Future while the index loads in the background
+    load_failed: str | None = None  # why the background load failed (or "stopped by close()")
+    load_stop: bool = False  # close() asked the background load to stop
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -102,3 +106,6 @@ class OpenFacts:
     rebuilt: str | None = None  # why the index was rebuilt from the segments
     unclean: bool = False  # the index was left open by a writer (no clean close)
     migrate: bool = False  # a store made before the records: write them once
+    gen_max: int = 0  # the highest generation among the loaded records (the clock starts above it)
+    prior_state: bytes | None = None  # the index's writer state before this open marked it (loading.py)
+    reader_load: tuple | None = None  # (index path, map size) a read-only opener opens in the background
