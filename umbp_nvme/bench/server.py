@@ -117,8 +117,10 @@ def warm(cfg) -> None:
 def run_arm(cfg, arm: str, workload: list[dict], work: str, tag: str) -> dict:
     store_dir = os.path.join(work, f"{tag}-{arm}-store")
     out = {"arm": arm}
-    watch = events_mod.Watch(events_mod.Ports(cfg.port), work, cfg.dynamo_python) if cfg.kv_events and arm == "umbp" else None
+    watch = None
     try:
+        if cfg.kv_events and arm == "umbp":  # inside: an indexer that fails to start fails this arm only
+            watch = events_mod.Watch(events_mod.Ports(cfg.port), work, cfg.dynamo_python)
         with Server(cfg, arm, store_dir, os.path.join(work, f"{tag}-{arm}.log")) as srv:
             out["start_s"] = srv.start_s
             if watch:
@@ -189,8 +191,10 @@ def run_crash(cfg, workload: list[dict], work: str) -> dict:
     fills = [r for r in workload if r["phase"] == "fill"]
     before_kill = fills[: cfg.crash_after]
     out = {"answered_before_kill": len(before_kill)}
-    watch = events_mod.Watch(events_mod.Ports(cfg.port), work, cfg.dynamo_python) if cfg.kv_events else None
+    watch = None
     try:
+        if cfg.kv_events:
+            watch = events_mod.Watch(events_mod.Ports(cfg.port), work, cfg.dynamo_python)
         with Server(cfg, "umbp", store_dir, os.path.join(work, "crash-1.log")) as srv:
             if watch:
                 watch.attach()
