@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import msgspec
 import pytest
 
 from umbp_nvme.bench import server as S
@@ -14,32 +13,22 @@ from umbp_nvme.bench import server_events as E
 from umbp_nvme.sglang.keys import hash_str_to_int64
 
 
-class _NoSocket(E.TierTally):
-    def __init__(self):  # the tally's bookkeeping without sockets
-        self._dec = msgspec.msgpack.Decoder()
-        self.stats = {"stored": 0, "removed": 0, "cleared": 0}
-        self.tiers = {m: set() for m in E.MEDIUMS}
-        self.blocks = self.tiers["DISK"]
-        self.disk_tokens = {}
-        self.stats.update({f"removed_{m}": 0 for m in E.MEDIUMS})
-
-
 def _batch(*events):
-    return msgspec.msgpack.encode([0.0, list(events), None])
+    return [0.0, list(events), None]
 
 
-def test_the_tally_keeps_each_tier_apart_with_disk_tokens_and_a_clear_empties_them_all():
-    t = _NoSocket()
-    t._apply(1, _batch({"type": "BlockStored", "block_hashes": [1, 2], "token_ids": [7, 8, 9, 10], "medium": "DISK"},
-                       {"type": "BlockStored", "block_hashes": [1], "token_ids": [7, 8], "medium": "GPU"},
-                       {"type": "BlockStored", "block_hashes": [3], "token_ids": [5, 6], "medium": "CPU_PINNED"}))
-    assert t.tiers == {"GPU": {1}, "CPU_PINNED": {3}, "DISK": {1, 2}} and t.blocks is t.tiers["DISK"]
+def test_the_tiers_are_kept_apart_with_disk_tokens_and_a_clear_empties_them_all():
+    t = E.Tiers()
+    t.apply(_batch({"type": "BlockStored", "block_hashes": [1, 2], "token_ids": [7, 8, 9, 10], "medium": "DISK"},
+                   {"type": "BlockStored", "block_hashes": [1], "token_ids": [7, 8], "medium": "GPU"},
+                   {"type": "BlockStored", "block_hashes": [3], "token_ids": [5, 6], "medium": "CPU_PINNED"}))
+    assert t.tiers == {"GPU": {1}, "CPU_PINNED": {3}, "DISK": {1, 2}}
     assert t.disk_tokens == {1: (7, 8), 2: (9, 10)}
-    t._apply(2, _batch({"type": "BlockRemoved", "block_hashes": [1], "medium": "DISK"},
-                       {"type": "BlockRemoved", "block_hashes": [9], "medium": "EXTERNAL"}))
+    t.apply(_batch({"type": "BlockRemoved", "block_hashes": [1], "medium": "DISK"},
+                   {"type": "BlockRemoved", "block_hashes": [9], "medium": "EXTERNAL"}))
     assert t.tiers["DISK"] == {2} and t.tiers["GPU"] == {1} and 1 not in t.disk_tokens
-    assert (t.stats["removed_DISK"], t.stats["removed_GPU"], t.last_seq) == (1, 0, 2)
-    t._apply(3, _batch({"type": "AllBlocksCleared"}))
+    assert (t.stats["removed_DISK"], t.stats["removed_GPU"], t.stats["removed"]) == (1, 0, 1)
+    t.apply(_batch({"type": "AllBlocksCleared"}))
     assert t.tiers == {m: set() for m in E.MEDIUMS} and t.disk_tokens == {} and t.stats["cleared"] == 1
 
 

@@ -61,22 +61,19 @@ def extra_config(p: Ports) -> dict:
             "kv_events_engine_endpoint": f"tcp://*:{p.engine}"}  # fmt: skip
 
 
-class TierTally(DiskTally):
-    """fleet_sub's subscriber (SUB + replay on gaps), keeping every tier: ``tiers[medium]`` holds
-    the event hashes announced there and not removed; AllBlocksCleared empties every tier."""
+class Tiers:
+    """What a subscriber believes each tier holds, from decoded batches applied in order:
+    ``tiers[medium]`` the event hashes announced there and not removed, ``disk_tokens`` a DISK
+    block's token ids as announced; AllBlocksCleared empties every tier."""
 
-    def __init__(self, ctx, endpoint: str, replay_endpoint: str):
-        super().__init__(ctx, endpoint, replay_endpoint)
+    def __init__(self, stats: dict | None = None):
         self.tiers: dict[str, set[int]] = {m: set() for m in MEDIUMS}
-        self.blocks = self.tiers["DISK"]
-        self.disk_tokens: dict[int, tuple] = {}  # a DISK block's token ids, as announced
-        self.stats.update({f"removed_{m}": 0 for m in MEDIUMS})
-        self.stats["quiet_since"] = time.monotonic()
+        self.disk_tokens: dict[int, tuple] = {}
+        self.stats = stats if stats is not None else {}
+        for k in ("stored", "removed", "cleared", *(f"removed_{m}" for m in MEDIUMS)):
+            self.stats.setdefault(k, 0)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
-        self.last_seq = seq
-        self.stats["quiet_since"] = time.monotonic()
-        batch = self._dec.decode(payload)
+    def apply(self, batch) -> None:
         for e in batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else ():
             kind, tier = e.get("type"), self.tiers.get(e.get("medium"))
             if kind == "AllBlocksCleared":
@@ -101,6 +98,22 @@ class TierTally(DiskTally):
                 if e["medium"] == "DISK":
                     for h in e["block_hashes"]:
                         self.disk_tokens.pop(h, None)
+
+
+class TierTally(DiskTally):
+    """fleet_sub's subscriber (SUB + replay on gaps) keeping every tier (``Tiers``)."""
+
+    def __init__(self, ctx, endpoint: str, replay_endpoint: str):
+        super().__init__(ctx, endpoint, replay_endpoint)
+        self.state = Tiers(self.stats)
+        self.tiers, self.disk_tokens = self.state.tiers, self.state.disk_tokens
+        self.blocks = self.tiers["DISK"]
+        self.stats["quiet_since"] = time.monotonic()
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self.last_seq = seq
+        self.stats["quiet_since"] = time.monotonic()
+        self.state.apply(self._dec.decode(payload))
 
 
 def page_keys(store_dir: str) -> dict[str, int]:
