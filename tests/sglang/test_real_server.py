@@ -6,10 +6,12 @@ re-sent, can only come back from L3: each must be served from storage (``cached_
 with the greedy output of its first answer. Then the server is SIGKILLed while the next prompt is
 being prefilled and backed up, restarted on the same store, and every prompt answered before the
 kill must again be an L3 hit with the same output; ``umbp-nvme verify`` finds the store clean.
+A second server (the same command, a 16 MiB store, with SGLang's ``--kv-events-config`` and this
+backend's relay) checks that routers see every tier as it is (docs/fleet.md "The real server").
 
 CPU only: a tiny Llama of dummy weights and the CPU test shims (umbp_nvme/bench/server_launch.py).
 Skips without the server's dependencies (tools/install_sglang_server.sh), fails for want of them
-when ``CI=true``. About 2-4 minutes on a 2-core machine.
+when ``CI=true``. About 2-4 minutes on a 2-core machine, and 75-80 s more for the events.
 """
 
 from __future__ import annotations
@@ -138,3 +140,76 @@ def test_resent_prompts_come_from_l3_and_survive_sigkill(tmp_path, env):
     v = subprocess.run([sys.executable, "-m", "umbp_nvme.cli", "verify", "--store", store], capture_output=True, text=True,
                        env=launch.server_env(ext_dir=env["TORCH_EXTENSIONS_DIR"], cpu_shims=False), timeout=300)
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+def _dynamo_python() -> str:
+    """Dynamo's indexer when it is installed (.ci/run installs it; tools/install_dynamo.sh), else ''."""
+    import os
+
+    from umbp_nvme.bench.fleet_dynamo import available
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    py = os.environ.get("UMBP_DYNAMO_PYTHON") or os.path.join(root, ".venv-dynamo", "bin", "python")
+    return "" if available(py) else py
+
+
+EVENT_FILL = 3  # 3 x 16 pages of 512 KiB overflow a 16 MiB store (DISK evictions) and the 32-page device pool
+
+
+def test_the_real_servers_kv_events_reach_routers_with_tokens_and_removals(tmp_path, env):
+    """The scheduler's own KV events (--kv-events-config) relayed with ours (relay mode): a
+    subscriber on our endpoint (and Dynamo's indexer, when installed) ends with exactly what each
+    tier holds: GPU and CPU_PINNED as the scheduler's own stream says, DISK as the store's index
+    says, after evictions from a small store and after SGLang's /flush_cache (whose
+    AllBlocksCleared wipes every tier of a router: the DISK pages must be announced again).
+    DISK pages carry the prompt's token ids."""
+    from umbp_nvme.bench import server_events as E
+
+    ports = E.Ports(0, [_free_port() for _ in range(5)])
+    model = launch.write_model_dir(str(tmp_path / "model"))
+    store = str(tmp_path / "store")
+    args = R.readme_args_for(model, store, "16MiB")
+    extra = json.loads(args[args.index("--hicache-storage-backend-extra-config") + 1])
+    extra.update(E.extra_config(ports), ssd_segment_size_bytes="4MiB")
+    args = R.swap(args, "--hicache-storage-backend-extra-config", json.dumps(extra)) + E.server_flags(ports)
+    args.append("--skip-server-warmup")  # its request would only cost time here
+    fills = [r["ids"] for r in make_workload(seed=40, prompt_tokens=PROMPT_TOKENS, fill=EVENT_FILL, resend=1, fresh=0)
+             if r["phase"] == "fill"]
+    watch = E.Watch(ports, str(tmp_path), _dynamo_python())
+    try:
+        with Server(args, env, str(tmp_path / "server.log")) as srv:
+            watch.attach()
+            for ids in fills:
+                srv.ask(ids)
+            _wait_backups(srv.port)
+            rows = watch.checkpoint("fill", store)
+            assert all(r["ours_phantom"] == r["ours_missing"] == r.get("dynamo_phantom", 0) == r.get("dynamo_missing", 0) == 0
+                       for r in rows), json.dumps(rows)
+            disk = {r["tier"]: r for r in rows}["DISK"]
+            assert 0 < disk["held"] < EVENT_FILL * PROMPT_TOKENS // PAGE, rows  # some pages evicted, some held
+            assert watch.ours.stats["removed_DISK"] > 0 and watch.ours.stats["removed_GPU"] > 0, watch.ours.stats
+            last = E.prompt_hashes(fills[-1], PAGE)
+            on_disk = [i for i, h in enumerate(last) if h in watch.ours.tiers["DISK"]]
+            assert on_disk, "the last prompt has no page on DISK"
+            for i in on_disk:  # the engine's token ids of that very page
+                assert watch.ours.disk_tokens[last[i]] == tuple(fills[-1][i * PAGE : (i + 1) * PAGE]), i
+
+            client.flush_cache(srv.port)
+            rows = watch.checkpoint("flush_cache", store)
+            assert all(r["ours_phantom"] == r["ours_missing"] == r.get("dynamo_phantom", 0) == r.get("dynamo_missing", 0) == 0
+                       for r in rows), json.dumps(rows)
+            by = {r["tier"]: r for r in rows}
+            assert by["GPU"]["held"] == by["CPU_PINNED"]["held"] == 0 and by["DISK"]["ours_announced"] == disk["held"], rows
+            assert watch.ours.stats["cleared"] >= 1
+            if watch.indexer is not None:  # Dynamo matches the prompt's DISK prefix, and nothing on GPU
+                q = watch.query("flush_cache", fills[-1], PAGE)["dynamo"]
+                assert q["gpu"] == 0 and q["disk"] == PAGE * _prefix(on_disk) > 0, q
+    finally:
+        watch.close()
+
+
+def _prefix(indices: list[int]) -> int:
+    n = 0
+    while n in indices:
+        n += 1
+    return n

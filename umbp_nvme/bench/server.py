@@ -43,6 +43,7 @@ import threading
 import time
 
 from . import server_client as client
+from . import server_events as events_mod
 from . import server_launch as launch
 from .common import target_line
 from .server_workload import PHASES, check_answers, make_workload, metrics_delta, summarize, verdicts
@@ -55,8 +56,10 @@ HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicac
 REPORT_FLAGS = ["--enable-metrics", "--enable-cache-report"]
 
 
-def arm_args(arm: str, *, model_dir: str, port: int, store_dir: str, capacity: str = "4GiB") -> tuple[list[str], dict]:
-    """sglang.launch_server's arguments for one arm, and the environment it adds."""
+def arm_args(arm: str, *, model_dir: str, port: int, store_dir: str, capacity: str = "4GiB",
+             events: events_mod.Ports | None = None) -> tuple[list[str], dict]:
+    """sglang.launch_server's arguments for one arm, and the environment it adds; ``events``
+    (umbp): the scheduler's KV events and the backend's relay of them (server_events.py)."""
     base = ["--model-path", model_dir, "--port", str(port), *launch.CPU_FLAGS, "--page-size", str(PAGE_SIZE)]
     if arm == "none":
         return base + REPORT_FLAGS, {}
@@ -66,9 +69,11 @@ def arm_args(arm: str, *, model_dir: str, port: int, store_dir: str, capacity: s
         return (base + HICACHE_FLAGS + ["--hicache-storage-backend", "file"] + REPORT_FLAGS,
                 {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": store_dir})
     if arm == "umbp":
-        extra = json.dumps(launch.umbp_extra_config(store_dir, capacity))
+        more = events_mod.extra_config(events) if events else {}
+        extra = json.dumps(launch.umbp_extra_config(store_dir, capacity, **more))
+        flags = events_mod.server_flags(events) if events else []
         return (base + HICACHE_FLAGS + ["--hicache-storage-backend", "dynamic",
-                                        "--hicache-storage-backend-extra-config", extra] + REPORT_FLAGS, {})
+                                        "--hicache-storage-backend-extra-config", extra] + REPORT_FLAGS + flags, {})
     raise ValueError(f"unknown arm {arm!r}; expected one of {', '.join(ARMS)}")
 
 
@@ -77,7 +82,8 @@ class Server:
 
     def __init__(self, cfg, arm: str, store_dir: str, log_path: str):
         self.cfg, self.arm, self.log_path = cfg, arm, log_path
-        self.args, extra_env = arm_args(arm, model_dir=cfg.model_dir, port=cfg.port, store_dir=store_dir)
+        events = events_mod.Ports(cfg.port) if cfg.kv_events and arm == "umbp" else None
+        self.args, extra_env = arm_args(arm, model_dir=cfg.model_dir, port=cfg.port, store_dir=store_dir, events=events)
         self.env = {**launch.server_env(ext_dir=cfg.ext_dir, omp_wait_policy=cfg.omp_policy_env), **extra_env}
         self.proc = None
 
@@ -111,18 +117,32 @@ def warm(cfg) -> None:
 def run_arm(cfg, arm: str, workload: list[dict], work: str, tag: str) -> dict:
     store_dir = os.path.join(work, f"{tag}-{arm}-store")
     out = {"arm": arm}
+    watch = None
     try:
+        if cfg.kv_events and arm == "umbp":  # inside: an indexer that fails to start fails this arm only
+            watch = events_mod.Watch(events_mod.Ports(cfg.port), work, cfg.dynamo_python)
         with Server(cfg, arm, store_dir, os.path.join(work, f"{tag}-{arm}.log")) as srv:
             out["start_s"] = srv.start_s
+            if watch:
+                watch.attach()
             warm(cfg)
             before = client.metrics(cfg.port)
             records: list[dict] = []
-            send_all(cfg, workload, records)
+            if watch:  # checkpoints between the phases (the pause lets backups finish: timings differ)
+                fills = [r for r in workload if r["phase"] == "fill"]
+                send_all(cfg, fills, records)
+                _wait_backups_settle(cfg)
+                watch.checkpoint("fill", store_dir)
+                send_all(cfg, workload[len(fills):], records)
+            else:
+                send_all(cfg, workload, records)
             time.sleep(1.0)  # let write-through backups of the last prompts land in the counters
             out["metrics"] = metrics_delta(before, client.metrics(cfg.port))
             sched = client.scheduler_pid(srv.proc.pid)
             out["omp_worker"] = client.omp_worker(sched) if sched else None
             out["server_cpu"] = client.process_cpu(sched) if sched else None
+            if watch:
+                _events_after_workload(cfg, watch, workload, store_dir)
         out["summary"] = summarize(records)
         out["checks"] = check_answers(records, PAGE_SIZE)
         out["records"] = [{k: v for k, v in r.items() if k != "output_ids"} | {"output_head": r.get("output_ids", [])[:8]}
@@ -130,8 +150,29 @@ def run_arm(cfg, arm: str, workload: list[dict], work: str, tag: str) -> dict:
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
+        if watch:
+            out["events"] = _events_result(watch)
         shutil.rmtree(store_dir, ignore_errors=True)
     return out
+
+
+def _events_after_workload(cfg, watch, workload: list[dict], store_dir: str) -> None:
+    """Checkpoints after the re-sends and after SGLang's /flush_cache (GPU and host emptied, L3
+    kept), each with a query of the last re-sent prompt."""
+    resent = [r for r in workload if r["phase"] == "resent"][-1]["ids"]
+    _wait_backups_settle(cfg)
+    watch.checkpoint("re-sends", store_dir)
+    watch.query("re-sends", resent, PAGE_SIZE)
+    client.flush_cache(cfg.port)
+    watch.checkpoint("flush_cache", store_dir)
+    watch.query("flush_cache", resent, PAGE_SIZE)
+
+
+def _events_result(watch) -> dict:
+    res = {"rows": watch.rows, "queries": watch.queries, "failures": events_mod.failures(watch.rows, watch.queries),
+           "dynamo": watch.indexer is not None}  # fmt: skip
+    watch.close()
+    return res
 
 
 def _wait_backups_settle(cfg, timeout_s: float = 30.0) -> None:
@@ -151,21 +192,36 @@ def run_crash(cfg, workload: list[dict], work: str) -> dict:
     fills = [r for r in workload if r["phase"] == "fill"]
     before_kill = fills[: cfg.crash_after]
     out = {"answered_before_kill": len(before_kill)}
+    watch = None
     try:
+        if cfg.kv_events:
+            watch = events_mod.Watch(events_mod.Ports(cfg.port), work, cfg.dynamo_python)
         with Server(cfg, "umbp", store_dir, os.path.join(work, "crash-1.log")) as srv:
+            if watch:
+                watch.attach()
             warm(cfg)
             first: list[dict] = []
             send_all(cfg, before_kill, first)
             _wait_backups_settle(cfg)
+            if watch:
+                watch.checkpoint("before the kill", store_dir)
             inflight = threading.Thread(target=send_all, args=(cfg, [fills[cfg.crash_after]], []), daemon=True)
             inflight.start()
             time.sleep(cfg.kill_after_s)  # the next prompt is being prefilled and backed up
             srv.kill(9)
             inflight.join(30)
+        if watch:
+            watch.detach()
         with Server(cfg, "umbp", store_dir, os.path.join(work, "crash-2.log")) as srv:
             out["restart_s"] = srv.start_s
+            if watch:
+                watch.attach()
             again: list[dict] = []
             send_all(cfg, [dict(r, phase="resent", name=f"resent{i}", of=r["name"]) for i, r in enumerate(before_kill)], again)
+            if watch:
+                _wait_backups_settle(cfg)
+                watch.checkpoint("crash+restart", store_dir)
+                watch.query("crash+restart", before_kill[-1]["ids"], PAGE_SIZE)
         out["checks"] = check_answers(first + again, PAGE_SIZE)
         v = subprocess.run([cfg.python, "-m", "umbp_nvme.cli", "verify", "--store", store_dir], capture_output=True, text=True,
                            env=launch.server_env(ext_dir=cfg.ext_dir, cpu_shims=False), timeout=300)
@@ -175,6 +231,9 @@ def run_crash(cfg, workload: list[dict], work: str) -> dict:
     except Exception as e:
         out["error"], out["ok"] = f"{type(e).__name__}: {e}", False
     finally:
+        if watch:
+            out["events"] = _events_result(watch)
+            out["ok"] = out["ok"] and not out["events"]["failures"]
         shutil.rmtree(store_dir, ignore_errors=True)
     return out
 
@@ -188,6 +247,11 @@ def parse_args(argv):
     p.add_argument("--omp-wait-policy", default="default",
                    help="OMP_WAIT_POLICY for the servers: default (unset), PASSIVE, ACTIVE")
     p.add_argument("--crash", action="store_true", help="also: SIGKILL a umbp server mid-fill, restart, re-send, verify")
+    p.add_argument("--kv-events", action="store_true",
+                   help="umbp arm: the scheduler's KV events relayed with ours, checked per tier (server_events.py)")
+    p.add_argument("--dynamo-python", metavar="PYTHON", default=os.environ.get("UMBP_DYNAMO_PYTHON", ""),
+                   help="--kv-events: also NVIDIA Dynamo's indexer, run by this interpreter (tools/install_dynamo.sh); "
+                        "default $UMBP_DYNAMO_PYTHON")
     p.add_argument("--fill", type=int, default=0, help="distinct prompts first (default 20, --quick 14)")
     p.add_argument("--resend", type=int, default=0, help="fill prompts re-sent (default 10, --quick 4)")
     p.add_argument("--fresh", type=int, default=0, help="fresh prompts between them (default 10, --quick 4)")
@@ -217,12 +281,32 @@ def parse_args(argv):
     if policy.upper() not in ("DEFAULT", "PASSIVE", "ACTIVE"):
         p.error(f"--omp-wait-policy: expected default, PASSIVE or ACTIVE, got {policy!r}")
     cfg.omp_policy_env = None if policy.upper() == "DEFAULT" else policy.upper()
+    cfg.dynamo_note = None
+    if cfg.kv_events and cfg.dynamo_python:
+        from .fleet_dynamo import available
+
+        cfg.dynamo_note = available(cfg.dynamo_python)
+        cfg.dynamo_python = "" if cfg.dynamo_note else cfg.dynamo_python
+    elif cfg.kv_events:
+        cfg.dynamo_note = "no --dynamo-python (tools/install_dynamo.sh)"
     if cfg.crash_after >= cfg.fill:
         p.error(f"--crash-after ({cfg.crash_after}) must be below --fill ({cfg.fill})")
     return cfg
 
 
+def print_events(title: str, ev: dict | None) -> None:
+    if not ev:
+        return
+    print(f"{title}: KV events per tier (truth: GPU/CPU_PINNED = the scheduler's own stream, DISK = the store's index)"
+          + ("" if ev["dynamo"] else "; Dynamo's indexer not run"))
+    if ev["rows"]:
+        events_mod.print_rows(ev["rows"], ev["queries"])
+    for f in ev["failures"]:
+        print(f"  FAILED: {f}")
+
+
 def print_arm(rnd: int, res: dict) -> None:
+    print_events(f"round {rnd} umbp", res.get("events"))
     if "error" in res:
         print(f"round {rnd} {res['arm']:5s} FAILED: {res['error'].splitlines()[0]}")
         return
@@ -285,12 +369,14 @@ def main(argv=None) -> int:
     cfg.model_dir = launch.write_model_dir(os.path.join(work, "model"))
     doc = {"bench": BENCH, "config": {k: getattr(cfg, k) for k in (
         "rounds", "arms", "busy_cores", "omp_wait_policy", "fill", "resend", "fresh", "prompt_tokens",
-        "max_new_tokens", "seed")} | {"loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+        "max_new_tokens", "seed", "kv_events")} | {"loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
         "rounds": []}
     busy = client.start_busy(cfg.busy_cores)
     try:
         print(f"bench server: warming SGLang's page hash in {cfg.ext_dir}: "
               f"{launch.warm_page_hash(launch.server_env(ext_dir=cfg.ext_dir), cfg.python):.1f} s")
+        if cfg.dynamo_note:
+            print(f"note: --kv-events: Dynamo's indexer not run: {cfg.dynamo_note}")
         workload = make_workload(seed=cfg.seed, prompt_tokens=cfg.prompt_tokens, fill=cfg.fill,
                                  resend=cfg.resend, fresh=cfg.fresh)
         for rnd in range(cfg.rounds if cfg.arms else 0):  # --arms '' with --crash: the crash run alone
@@ -308,7 +394,9 @@ def main(argv=None) -> int:
         if cfg.crash:
             doc["crash"] = run_crash(cfg, workload, work)
             cr = doc["crash"]
-            print(f"crash: {'OK' if cr['ok'] else 'FAILED'}: {json.dumps({k: v for k, v in cr.items() if k != 'verify_tail'})}")
+            print_events("crash", cr.get("events"))
+            print(f"crash: {'OK' if cr['ok'] else 'FAILED'}: "
+                  f"{json.dumps({k: v for k, v in cr.items() if k not in ('verify_tail', 'events')})}")
         doc["verdicts"] = verdicts(doc["rounds"])
         for v in doc["verdicts"]:
             val = v["value"] if not isinstance(v["value"], float) else f"{v['value']:.2f}"
@@ -323,5 +411,5 @@ def main(argv=None) -> int:
         client.stop_busy(busy)
         if not cfg.dir and not cfg.keep:
             shutil.rmtree(work, ignore_errors=True)
-    failed = any("error" in a for r in doc["rounds"] for a in r["arms"].values())
+    failed = any("error" in a or a.get("events", {}).get("failures") for r in doc["rounds"] for a in r["arms"].values())
     return 1 if failed or not doc.get("crash", {"ok": True})["ok"] else 0

@@ -43,6 +43,13 @@ def metrics(port: int) -> dict:
         return parse_metrics(r.read().decode("utf-8", "replace"))
 
 
+def flush_cache(port: int) -> str:
+    """SGLang's ``/flush_cache``: the radix tree and the host pool emptied (refused while requests run)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.read().decode("utf-8", "replace")
+
+
 def wait_ready(port: int, proc: subprocess.Popen, log_path: str, timeout_s: float) -> float:
     """Seconds until ``/health_generate`` answers; ServerDied (with the log's tail) if the server
     exits or does not come up in time."""

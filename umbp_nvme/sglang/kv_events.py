@@ -347,6 +347,8 @@ class Publisher:
                         if self.relay is not None:
                             for payload in self.relay.poll():
                                 self._send_payload(payload)
+                            if self.relay.cleared:  # after the clear went out: DISK is announced again
+                                self.relay.cleared, self._resync = False, True
                             self._publish(self.tokens.ripe())
                         self._turn(taken)
                         if self._sync_every_s and time.monotonic() - self._synced_at >= self._sync_every_s:

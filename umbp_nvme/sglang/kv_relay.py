@@ -11,6 +11,9 @@ CPU_PINNED events (``--kv-events-config``). With ``kv_events_engine_endpoint`` s
 - keeps, per engine block hash, the block's token ids and parent (a bounded LRU): a DISK page whose
   event hash matches a block the engine announced is published with those tokens (PageTokens);
   the publisher records them beside the store (kv_tokens.py) so that a restart re-announces with them.
+- after forwarding an engine ``AllBlocksCleared`` (SGLang's ``/flush_cache`` resets the radix tree
+  and the host pool, not L3), has the publisher re-announce the store's pages: a router wipes every
+  tier of the worker on that event (Dynamo 1.6.1 does), DISK included.
 
 A page the engine never announced under the same hash is not announced on DISK in this mode
 (counted as ``skipped_no_tokens``): its hash is namespaced (LoRA adapter, ``cache_salt``, the
@@ -61,7 +64,11 @@ class EngineRelay:
         self._tokens: OrderedDict[int, tuple[array, Optional[int]]] = OrderedDict()
         self._cap = int(cache_blocks)
         self._last_seq: Optional[int] = None
-        self.stats = {"engine_frames": 0, "engine_gaps": 0, "engine_bad_frames": 0, "token_blocks": 0}
+        # an engine AllBlocksCleared was forwarded: a router wipes every tier of the worker on it
+        # (Dynamo 1.6.1), DISK included, so the publisher re-announces what the store holds
+        self.cleared = False
+        self.stats = {"engine_frames": 0, "engine_gaps": 0, "engine_bad_frames": 0, "engine_clears": 0,
+                      "token_blocks": 0}  # fmt: skip
 
     def poll(self) -> list[bytes]:
         """The payloads of the engine frames waiting now (to forward), their tokens learnt."""
@@ -92,6 +99,9 @@ class EngineRelay:
     def _learn(self, batch) -> None:
         events = batch[1] if isinstance(batch, (list, tuple)) and len(batch) >= 2 else ()
         for e in events:
+            if isinstance(e, dict) and e.get("type") == "AllBlocksCleared":
+                self.cleared = True  # SGLang's /flush_cache: the radix tree and host pool, never L3
+                self.stats["engine_clears"] += 1
             if not isinstance(e, dict) or e.get("type") != "BlockStored":
                 continue
             if e.get("lora_id") is not None or e.get("lora_name") or e.get("cache_salt"):
