@@ -27,9 +27,9 @@ from ..engine.base import errno_name
 from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, UnsafeStorePathError
 from ..keybytes import encode_key
 from . import layout
-from .index import INDEX_FILE, REC_BYTES, Index, quarantine, wrap_lmdb_error
+from .index import INDEX_FILE, REC_BYTES, Index, wrap_lmdb_error
 from .index_check import trim_heap
-from .index_swap import DAMAGED_COPIES_KEPT, prune_damaged, replace_index, settle_leftovers
+from .index_swap import DAMAGED_COPIES_KEPT, damaged_copy_name, prune_damaged, replace_index, settle_leftovers
 from .follower import IndexWatch
 from .rebuild import boot_id
 from .layout import GENERATION_MAX, MANIFEST_FILE, SLOT_ALIGN_BYTES
@@ -44,6 +44,17 @@ from .segments import SegmentAllocator, SegmentFiles, segment_name
 log = logging.getLogger("umbp_nvme.store")
 
 WRITE_BATCHES_IN_FLIGHT = 2  # put batches submitting at a time: the device queue keeps room for reads
+
+
+def _set_aside(mpath: str, damage: str) -> str:
+    """A damaged manifest moved aside (its newest copies kept: one damaged at every open must not fill the disk)."""
+    dest = damaged_copy_name(mpath)  # sorts after every copy there, so pruning keeps the newest
+    try:
+        os.rename(mpath, dest)
+    except OSError as e:
+        raise StoreError(f"{damage}, and it cannot be moved aside ({e.strerror or e}); remove it") from None
+    prune_damaged(mpath, DAMAGED_COPIES_KEPT)
+    return dest
 
 
 def _crc32c_fn():
@@ -189,13 +200,7 @@ class OpenSteps:
         open declares; the capacity is re-recorded from the files' extent and the config by
         ``layout.writer_capacity``. Index records that do not fit the derived layout are dropped at load.
         """
-        dest = None
-        if os.path.lexists(mpath):
-            try:
-                dest = quarantine(mpath, lock_file=False)
-            except OSError as e:
-                raise StoreError(f"{damage}, and it cannot be moved aside ({e.strerror or e}); remove it") from None
-            prune_damaged(mpath, DAMAGED_COPIES_KEPT)  # a manifest damaged at every open must not fill the disk
+        dest = _set_aside(mpath, damage) if os.path.lexists(mpath) else None
         seg, source = fresh["layout"]["segment_bytes"], "the config"
         on_disk = layout.segment_bytes_on_disk(self.path)
         if on_disk is not None:
