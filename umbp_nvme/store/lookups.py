@@ -48,7 +48,8 @@ class Lookups:
             return [False] * len(keys)
         if self.writer is None:
             return [v is not None for v in self._index_lookup(keys)]
-        return (self.writer.keys.rows(keys) >= 0).tolist()  # a key that is not a str is absent
+        # from the hash alone: a false positive is a miss on get, at N / 2**63 per absent key (keymap.py)
+        return self.writer.keys.present(keys).tolist()  # a key that is not a str is absent
 
     def exists_prefix_nowait(self, keys: list[str]) -> int:
         """``exists_prefix`` without the event loop: callable from any thread (reads the index directly)."""

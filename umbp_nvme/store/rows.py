@@ -2,8 +2,9 @@
 
 A row holds where the object lives (segment, offset, length), what to check (crc, flags), when
 it was put (generation) and used (tick), its prefix depth, how many reads have it pinned, and
-whether it is live (in the index). ``index`` maps key -> row and ``key[r]`` is row r's key, both
-in the native key table (keymap.py): no Python object per row. Columns are as narrow as their
+whether it is live (in the index). ``index`` maps key -> row (a hash per row in the native key
+table, confirmed against the key on disk: keymap.py) and ``key[r]`` is row r's key, read from its
+record (row_keys.py): no Python object and no key bytes in memory per row. Columns are as narrow as their
 values allow (46 bytes a row); they grow by a quarter, not double, so a full node's table keeps
 little slack. Rows of deleted keys are reused; a row still pinned by a read keeps its slot until
 the read ends (``dead_pinned``). Loop thread only, except ``index`` lookups (keymap.py).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .keymap import KeyMap, PackedKeys, RowKeys
+from .records import KEY_INLINE
 
 COLUMNS = (
     ("seg", np.int32),  # segment numbers come from capacity // segment bytes: far below 2**31
@@ -52,7 +54,7 @@ class RowTable:
             self.depth[:n] = recs["depth"]
             self.tick[:n] = recs["generation"]  # LRU order after a restart: put order
             self.live[:n] = True
-        self.index = KeyMap()
+        self.index = KeyMap(held_over=KEY_INLINE)  # longer keys than a record holds stay in memory
         if isinstance(keys, PackedKeys):
             self.index.load(keys)
         elif n:
@@ -87,13 +89,16 @@ class RowTable:
 
     def release(self, rows) -> None:
         """Give back the slots of rows already gone from the index (deferred while pinned)."""
+        gone = []
         for r in rows:
             if self.pins[r] > 0:
                 self.dead_pinned.add(r)
             else:
                 self._free_slot(int(self.seg[r]), int(self.off[r]))
-                self.index.forget_row(r)
-                self.free.append(r)
+                gone.append(r)
+        if gone:
+            self.index.forget_rows(gone)
+            self.free.extend(gone)
 
     def pin(self, rows: np.ndarray) -> None:
         np.add.at(self.pins, rows, 1)
