@@ -1,13 +1,14 @@
 /* The writer's key -> row table (umbp_nvme/store/keymap.py): no Python object per key, and no key
  * bytes in memory either (issue 36: <= 64 B per indexed object).
  *
- * Each row keeps a 64-bit keyed hash of its key (per-table random seed; the top bit set, so 0
- * means "no key"); the table is open addressing with linear probing over (low 32 hash bits,
- * row) slots. It is a multimap: two keys with one hash each keep their own row, so a collision
+ * Each key has a 64-bit keyed hash (per-table random seed; its top bit set, so 63 bits vary).
+ * Its high half is kept per row (hv[row], 0: the row holds no key) and picks the home slot; the
+ * table is open addressing with linear probing over (low half, row) slots, so a probe compares
+ * all 64 bits and a row's slot is found from hv alone. It is a multimap: two keys with one hash each keep their own row, so a collision
  * never makes one key's row another's. A lookup answers candidate rows only: the caller
  * confirms a candidate against the full key on disk (the LMDB index or the row's record,
  * keymap.py) before serving, deleting or overwriting anything. Deletion shifts the cluster back
- * (no tombstones). About 8 + 8/load bytes a row.
+ * (no tombstones). About 4 + 8/load bytes a row.
  *
  * Every method runs holding the GIL, start to end: readers on other threads (exists_many_nowait
  * on SGLang's thread) see a whole update or none of it, as they did with a dict.
@@ -29,7 +30,7 @@ typedef struct {
     uint64_t *slots;        /* (hash low 32 bits) << 32 | row; EMPTY where free */
     uint64_t cap;           /* power of two, at most 2**32 (the home is the hash's low bits) */
     uint64_t count;         /* rows mapped */
-    uint64_t *hv;           /* per row: its key's hash | HAS_KEY, 0 when the row holds no key */
+    uint32_t *hv;           /* per row: the high half of its key's hash (never 0), 0 when the row holds no key */
     uint64_t nrows;         /* rows with room in hv */
 } KeyIndex;
 
@@ -99,16 +100,18 @@ bad:
 }
 
 static inline uint32_t slot_row(uint64_t s) { return (uint32_t)s; }
-static inline uint64_t slot_home(uint64_t s, uint64_t m) { return (s >> 32) & m; }
+static inline uint32_t hi_of(uint64_t h) { return (uint32_t)(h >> 32); }
 static inline uint64_t slot_of(uint64_t h, uint32_t r) { return (h & 0xffffffffULL) << 32 | r; }
+static inline uint64_t slot_home(const KeyIndex *t, uint64_t s, uint64_t m) { return t->hv[slot_row(s)] & m; }
 
-/* the k-th (from 0) slot whose row has hash h, EMPTY's index never: returns cap when none */
+/* the k-th (from 0) slot whose row has hash h: returns cap when none */
 static uint64_t probe_nth(const KeyIndex *t, uint64_t h, int k) {
-    uint64_t m = t->cap - 1, i = h & m, tag = (h & 0xffffffffULL) << 32;
+    uint64_t m = t->cap - 1, i = hi_of(h) & m, tag = (h & 0xffffffffULL) << 32;
+    uint32_t hi = hi_of(h);
     for (;; i = (i + 1) & m) {
         uint64_t s = t->slots[i];
         if (s == EMPTY) return t->cap;
-        if ((s & 0xffffffff00000000ULL) == tag && t->hv[slot_row(s)] == h && k-- == 0) return i;
+        if ((s & 0xffffffff00000000ULL) == tag && t->hv[slot_row(s)] == hi && k-- == 0) return i;
     }
 }
 
@@ -129,7 +132,7 @@ static int resize_table(KeyIndex *t, uint64_t cap) {
     for (uint64_t j = 0; j < t->cap; j++) {
         uint64_t x = t->slots[j];
         if (x == EMPTY) continue;
-        uint64_t i = slot_home(x, cap - 1);
+        uint64_t i = slot_home(t, x, cap - 1);
         while (s[i] != EMPTY) i = (i + 1) & (cap - 1);
         s[i] = x;
     }
@@ -146,10 +149,10 @@ static int reserve_rows_as(KeyIndex *t, uint64_t rows, int exact) {
     uint64_t n = t->nrows;
     while (n < rows) n += n / 4 > 1024 ? n / 4 : 1024; /* by a quarter, never by nothing (a load sized it exactly) */
     if (exact) n = rows;
-    uint64_t *hv = PyMem_RawRealloc(t->hv, n * 8);
+    uint32_t *hv = PyMem_RawRealloc(t->hv, n * 4);
     if (hv == NULL) return PyErr_NoMemory(), -1;
     t->hv = hv;
-    memset(t->hv + t->nrows, 0, (n - t->nrows) * 8);
+    memset(t->hv + t->nrows, 0, (n - t->nrows) * 4);
     t->nrows = n;
     return 0;
 }
@@ -161,7 +164,7 @@ static void remove_slot(KeyIndex *t, uint64_t i) {
         j = (j + 1) & m;
         uint64_t x = t->slots[j];
         if (x == EMPTY) break;
-        uint64_t home = slot_home(x, m);
+        uint64_t home = slot_home(t, x, m);
         if (((j - home) & m) >= ((j - i) & m)) {
             t->slots[i] = x;
             t->slots[j] = EMPTY;
@@ -178,10 +181,9 @@ static void unmap_row(KeyIndex *t, uint32_t r) {
 
 /* Row r holds hash h and is mapped (beside any other row of the same hash: a multimap). */
 static void add_one(KeyIndex *t, uint32_t r, uint64_t h) {
-    if (t->hv[r] == h && slot_of_row(t, r) < t->cap) return;
     unmap_row(t, r); /* a row holds one key: its old one leaves first */
-    t->hv[r] = h;
-    uint64_t m = t->cap - 1, i = h & m;
+    t->hv[r] = hi_of(h);
+    uint64_t m = t->cap - 1, i = hi_of(h) & m;
     while (t->slots[i] != EMPTY) i = (i + 1) & m;
     t->slots[i] = slot_of(h, r);
     t->count++;
@@ -413,14 +415,24 @@ static PyObject *KI_load(KeyIndex *t, PyObject *args) {
     while ((uint64_t)n * 10 > cap * 7) cap *= 2;
     if (reserve_rows_as(t, n, 1) < 0 || (cap != t->cap && resize_table(t, cap) < 0)) goto out;
     /* hashes first, so the slot of a key further on is prefetched; no key is compared (a multimap) */
-    for (Py_ssize_t k = 0, at = 0; k < n; at += l[k], k++) t->hv[k] = key_hash(t, b + at, l[k]);
+    uint32_t *lo = PyMem_RawMalloc((n ? n : 1) * 4);
+    if (lo == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t k = 0, at = 0; k < n; at += l[k], k++) {
+        uint64_t h = key_hash(t, b + at, l[k]);
+        t->hv[k] = hi_of(h);
+        lo[k] = (uint32_t)h;
+    }
     uint64_t m = t->cap - 1;
     for (Py_ssize_t k = 0; k < n; k++) {
         if (k + 16 < n) __builtin_prefetch(&t->slots[t->hv[k + 16] & m], 1);
         uint64_t i = t->hv[k] & m;
         while (t->slots[i] != EMPTY) i = (i + 1) & m;
-        t->slots[i] = slot_of(t->hv[k], (uint32_t)k);
+        t->slots[i] = (uint64_t)lo[k] << 32 | (uint64_t)k;
     }
+    PyMem_RawFree(lo);
     t->count = n;
     ret = PyLong_FromSsize_t(t->count);
 out:
@@ -430,7 +442,7 @@ out:
 }
 
 static PyObject *KI_nbytes(KeyIndex *t, PyObject *unused) {
-    return PyLong_FromUnsignedLongLong(t->cap * 8 + t->nrows * 8);
+    return PyLong_FromUnsignedLongLong(t->cap * 8 + t->nrows * 4);
 }
 
 static PyObject *KI_narrow(KeyIndex *t, PyObject *arg) {
