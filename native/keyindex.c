@@ -322,6 +322,49 @@ static PyObject *KI_unmap(KeyIndex *t, PyObject *rows) {
     return PyLong_FromSsize_t(done);
 }
 
+/* holds(keys, rows, out): out[i] = 1 where rows[i]'s hash is key i's (all 64 bits while the row is
+ * mapped, the 32 kept per row after): checks a key read back from disk names the row */
+static PyObject *KI_holds(KeyIndex *t, PyObject *args) {
+    PyObject *keys, *rows, *out;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyList_Type, &keys, &rows, &out)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    Py_buffer v, o;
+    if (get_rows_buffer(rows, &v, n, 0) < 0) return NULL;
+    if (PyObject_GetBuffer(out, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&v);
+        return NULL;
+    }
+    if (o.len != n) {
+        PyErr_Format(PyExc_ValueError, "out must be %zd bytes", n);
+        PyBuffer_Release(&v);
+        PyBuffer_Release(&o);
+        return NULL;
+    }
+    const int64_t *r = v.buf;
+    uint8_t *b = o.buf;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const char *p;
+        Py_ssize_t len;
+        PyObject *owner;
+        b[k] = 0;
+        if (r[k] < 0 || (uint64_t)r[k] >= t->nrows || !t->hv[r[k]]) continue;
+        PyObject *key = PyList_GET_ITEM(keys, k);
+        if (PyBytes_CheckExact(key)) {
+            p = PyBytes_AS_STRING(key);
+            len = PyBytes_GET_SIZE(key);
+            owner = NULL;
+        } else if (key_bytes(key, &p, &len, &owner, 0) < 0) {
+            continue;
+        }
+        uint64_t h = key_hash(t, p, len), i = slot_of_row(t, (uint32_t)r[k]);
+        Py_XDECREF(owner);
+        b[k] = t->hv[r[k]] == hi_of(h) && (i >= t->cap || (t->slots[i] >> 32) == (h & 0xffffffffULL));
+    }
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&o);
+    Py_RETURN_NONE;
+}
+
 /* forget(rows): rows hold no key any more (unmapped if they were) */
 static PyObject *KI_forget(KeyIndex *t, PyObject *rows) {
     Py_buffer v;
@@ -586,6 +629,7 @@ static PyMethodDef KI_methods[] = {
     {"prefix", (PyCFunction)KI_prefix, METH_O, "prefix(keys): how many keys, from the first, have a candidate row"},
     {"add", (PyCFunction)KI_add, METH_VARARGS, "add(keys, rows): row i holds key i's hash, mapped"},
     {"unmap", (PyCFunction)KI_unmap, METH_O, "unmap(rows): the rows are no longer mapped; how many were"},
+    {"holds", (PyCFunction)KI_holds, METH_VARARGS, "holds(keys, rows, out): out[i] = 1 where row i has key i's hash"},
     {"forget", (PyCFunction)KI_forget, METH_O, "forget(rows): the rows hold no key (unmapped if they were)"},
     {"mapped", (PyCFunction)KI_mapped, METH_VARARGS, "mapped(rows, out): out[i] = 1 where rows[i] is mapped"},
     {"mapped_rows", (PyCFunction)KI_mapped_rows, METH_VARARGS, "mapped_rows([limit]): int64 bytes, row order"},

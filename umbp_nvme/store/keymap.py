@@ -33,14 +33,20 @@ def _enc(key) -> bytes | None:
     return encode_key(key) if key_error(key) is None else None
 
 
+RECENT = 4096
+
+
 class KeyMap:
-    __slots__ = ("_t", "_held", "held_over", "source")
+    __slots__ = ("_t", "_held", "_recent", "held_over", "source")
     narrow_bits_for_tests: int | None = None  # tests: every new map keeps only this many hash bits
 
     def __init__(self, seed: int | None = None, *, held_over: int = 0, source=None):
         # a per-open random seed: keys crafted to collide cost probes, never a wrong row
         self._t = KeyIndex(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
         self._held: dict[int, bytes] = {}  # row -> key bytes, for keys over held_over bytes
+        # row -> key of the last RECENT rows ``get`` confirmed: a re-put names its rows' keys
+        # next (put_path.py), and would otherwise read each one's record
+        self._recent: dict[int, str] = {}
         self.held_over = held_over
         self.source = source  # keys_of(rows) -> [bytes | None]; confirm(enc, rows) -> bool array
         if KeyMap.narrow_bits_for_tests is not None:
@@ -82,6 +88,17 @@ class KeyMap:
                 return int(r[0])
             nth += 1
 
+    def held(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each row's key is held in memory (longer than held_over bytes)."""
+        held = self._held
+        if not held:
+            return np.zeros(len(rows), bool)
+        return np.fromiter((r in held for r in rows.tolist()), bool, len(rows))
+
+    def confirm(self, keys: list, rows: np.ndarray) -> np.ndarray:
+        """Whether row rows[i] holds keys[i] (held keys in memory, the others through the source)."""
+        return self._confirm(keys, rows)
+
     def _confirm(self, keys: list, rows: np.ndarray) -> np.ndarray:
         enc = [_enc(k) for k in keys]
         ok = np.zeros(len(keys), bool)
@@ -117,6 +134,9 @@ class KeyMap:
             if len(gone):
                 self._t.unmap(gone)
         self._t.add(keys, rows)
+        if self._recent:
+            for r in rows.tolist():
+                self._recent.pop(r, None)
         over = self.held_over
         for j, k in enumerate(keys):
             if over == 0 or len(k) * 4 > over:  # a str of n chars has at most 4n bytes
@@ -133,16 +153,26 @@ class KeyMap:
         rows = np.asarray(rows, np.int64).reshape(-1)
         out: list = [None] * len(rows)
         ask = []
-        held = self._held
+        held, recent = self._held, self._recent
         for j, r in enumerate(rows.tolist()):
             h = held.get(r)
+            if h is None and recent:
+                k = recent.get(r)
+                h = None if k is None else _enc(k)
             if h is not None:
                 out[j] = h
             else:
                 ask.append(j)
         if ask and self.source is not None:
-            for j, e in zip(ask, self.source.keys_of(rows[ask])):
+            got = self.source.keys_of(rows[ask])
+            ok = np.zeros(len(ask), np.uint8)
+            self._t.holds([b"" if e is None else e for e in got], rows[ask], ok)
+            for j, e in zip(ask, got):
                 out[j] = e
+            if not ok.all():  # the record names another key than the row's (damage): the index says
+                lost = [ask[i] for i in np.flatnonzero(ok == 0).tolist()]
+                for j, e in zip(lost, self.source.keys_by_index(rows[lost])):
+                    out[j] = e
         return out
 
     def keys_of(self, rows) -> list[str | None]:
@@ -173,9 +203,10 @@ class KeyMap:
     def forget_rows(self, rows) -> None:
         rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
         self._t.forget(rows)
-        if self._held:
+        if self._held or self._recent:
             for r in rows.tolist():
                 self._held.pop(r, None)
+                self._recent.pop(r, None)
 
     def load(self, keys: "PackedKeys") -> None:
         """Rows 0..n-1 hold ``keys`` and each maps to its row; an empty map only."""
@@ -201,7 +232,14 @@ class KeyMap:
             return default
         if not self._confirm([key], np.asarray([r], np.int64))[0]:
             r = self._other_row(key)
-        return default if r < 0 else r
+        if r < 0:
+            return default
+        if type(key) is str:
+            rec = self._recent
+            rec[r] = key
+            if len(rec) > RECENT:
+                del rec[next(iter(rec))]
+        return r
 
     def __contains__(self, key) -> bool:
         return self.get(key) is not None

@@ -17,14 +17,13 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreError
-from ..keybytes import encode_key
 from . import layout
 from .checks import encode_all
 from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, Index, key_crcs, wrap_lmdb_error
 from .layout import MANIFEST_FILE
 from .rebuild import boot_id, clear_area, rebuild_index, write_area
 from .row_keys import WriterKeys
-from .records import R_CONFIRMED, R_VALID, RecordAreas, confirmed_copy, make_records, record_values
+from .records import R_VALID, RecordAreas, confirmed_copy, make_records, record_values
 from .segments import segment_name
 from .state import OpenFacts
 from .staging import wait_out
