@@ -27,7 +27,8 @@ from .._keyindex import KeyIndex
 from ..keybytes import encode_key, key_error
 
 
-def _enc(key) -> bytes | None:
+def storable_bytes(key) -> bytes | None:
+    """The key's bytes, None when it cannot be a key (not a str, empty, no lossless byte form)."""
     if type(key) is str and key.isascii():
         return key.encode("ascii") if key else None
     return encode_key(key) if key_error(key) is None else None
@@ -100,7 +101,7 @@ class KeyMap:
         return self._confirm(keys, rows)
 
     def _confirm(self, keys: list, rows: np.ndarray) -> np.ndarray:
-        enc = [_enc(k) for k in keys]
+        enc = [storable_bytes(k) for k in keys]
         ok = np.zeros(len(keys), bool)
         held = self._held
         ask = []
@@ -158,7 +159,7 @@ class KeyMap:
             h = held.get(r)
             if h is None and recent:
                 k = recent.get(r)
-                h = None if k is None else _enc(k)
+                h = None if k is None else storable_bytes(k)
             if h is not None:
                 out[j] = h
             else:

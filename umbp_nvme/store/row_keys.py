@@ -30,11 +30,13 @@ import numpy as np
 from ..buffers import AlignedBuffer
 from .index import REC_BYTES, REC_DTYPE
 from .layout import SLOT_ALIGN_BYTES
-from .keymap import _enc
+from .checks import plain_keys
+from .keymap import storable_bytes
 from .records import (KEY_INLINE, MAGIC, PER_BLOCK, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, block_offset,
                       make_records, record_crcs, seal, slot_index)  # fmt: skip
 
 log = logging.getLogger("umbp_nvme.store")
+_WHOLE = np.dtype((np.void, RECORD_DTYPE.itemsize))  # a record as one item: copies in one pass, not field by field
 
 
 class WriterKeys:
@@ -80,15 +82,17 @@ class WriterKeys:
                 a = areas.areas.get(s)
                 if a is not None:
                     ok = idx[js] < len(a)
-                    recs[js[ok]] = a[idx[js[ok]]]
+                    recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
             else:
                 disk[js] = True
-        if disk.any():
-            recs[disk] = await self._read_records(segs[disk], idx[disk])
-        if all(type(e) is str and e.isascii() for e in enc):  # the common keys: numpy encodes them in C
+        if disk.all():  # after an open: every record from disk, no copy
+            recs = await self._read_records(segs, idx)
+        elif disk.any():
+            recs.view(_WHOLE)[disk] = (await self._read_records(segs[disk], idx[disk])).view(_WHOLE)
+        if plain_keys(enc):  # the common keys (non-empty ASCII str): numpy encodes them in C
             klen = np.fromiter(map(len, enc), np.int64, m)
         else:
-            enc = [e if type(e) is bytes or e is None else _enc(e) for e in enc]
+            enc = [e if type(e) is bytes or e is None else storable_bytes(e) for e in enc]
             klen = np.fromiter((-1 if e is None else len(e) for e in enc), np.int64, m)
             enc = [e or b"" for e in enc]
         want = np.array(enc, dtype=f"S{KEY_INLINE}")  # cut at KEY_INLINE: the length says the rest
@@ -122,8 +126,7 @@ class WriterKeys:
         ok = got[inv]
         if ok.any():
             at = (inv[ok] * SLOT_ALIGN_BYTES + (idx[ok] % PER_BLOCK) * RECORD_DTYPE.itemsize)
-            sel = arr[at[:, None] + np.arange(RECORD_DTYPE.itemsize)]
-            out[ok] = np.ascontiguousarray(sel).view(RECORD_DTYPE).reshape(-1)
+            out.view(_WHOLE)[ok] = arr.view(_WHOLE)[at // RECORD_DTYPE.itemsize]
         return out
 
     def keys_of(self, rows: np.ndarray) -> list[bytes | None]:
@@ -147,7 +150,7 @@ class WriterKeys:
                 a = areas.areas.get(s)
                 if a is not None:
                     ok = idx[js] < len(a)
-                    recs[js[ok]] = a[idx[js[ok]]]
+                    recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
             else:
                 disk[js] = True
         if disk.any():
