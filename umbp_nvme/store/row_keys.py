@@ -36,7 +36,8 @@ from .records import (KEY_INLINE, MAGIC, PER_BLOCK, R_CONFIRMED, R_KEY_TRUNC, R_
                       make_records, record_crcs, seal, slot_index)  # fmt: skip
 
 log = logging.getLogger("umbp_nvme.store")
-_WHOLE = np.dtype((np.void, RECORD_DTYPE.itemsize))  # a record as one item: copies in one pass, not field by field
+_WHOLE = np.dtype((np.void, RECORD_DTYPE.itemsize))
+WHOLE_AREA_ROWS = 4096  # naming more rows of one segment than this reads its whole area once  # a record as one item: copies in one pass, not field by field
 
 
 class WriterKeys:
@@ -151,6 +152,10 @@ class WriterKeys:
                 if a is not None:
                     ok = idx[js] < len(a)
                     recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
+            elif len(js) > WHOLE_AREA_ROWS:  # many of its rows (a listing): the whole area in one read, not kept
+                a = self._area_from_disk(s)
+                ok = idx[js] < len(a)
+                recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
             else:
                 disk[js] = True
         if disk.any():
@@ -169,6 +174,16 @@ class WriterKeys:
                 out[j] = e
         return out
 
+    def _area_from_disk(self, seg: int) -> np.ndarray:
+        from .rebuild import read_area
+        from .segments import segment_name
+
+        try:
+            return read_area(os.path.join(self.st.path, segment_name(seg)), self.st.segment_bytes)[0]
+        except OSError as e:
+            log.error("%s: reading the records of segment %d failed: %s", self.st.path, seg, e)
+            return np.zeros(0, RECORD_DTYPE)
+
     def _pread_records(self, segs: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """The records of slots ``idx`` of segments ``segs``, each 4 KiB block read once (pread: the
         control paths that name a row's key are synchronous)."""
@@ -176,8 +191,10 @@ class WriterKeys:
         blk = idx // PER_BLOCK
         buf = AlignedBuffer(SLOT_ALIGN_BYTES)  # O_DIRECT: 4 KiB-aligned
         files = self.st.state.files
-        for s, b in sorted(set(zip(segs.tolist(), blk.tolist()))):
-            js = np.flatnonzero((segs == s) & (blk == b))
+        order = np.lexsort((blk, segs))
+        cut = np.flatnonzero(np.diff(segs[order]) | np.diff(blk[order])) + 1
+        for js in np.split(order, cut) if len(order) else ():  # one group per (segment, block), in file order
+            s, b = int(segs[js[0]]), int(blk[js[0]])
             try:
                 n = os.preadv(int(files.fds[s]), [buf.array], block_offset(self.st.segment_bytes, b))
             except OSError as e:
@@ -220,14 +237,7 @@ class WriterKeys:
             enc = [self.st.writer.keys.key_bytes_of(r) if r >= len(open_keys) else _bytes(open_keys[r])
                    for r in rows.tolist()]  # fmt: skip
             return _made(t, rows, enc)
-        from .rebuild import read_area
-        from .segments import segment_name
-
-        try:
-            area, _ = read_area(os.path.join(self.st.path, segment_name(seg)), self.st.segment_bytes)
-        except OSError as e:
-            log.error("%s: reading the records of segment %d failed: %s", self.st.path, seg, e)
-            area = np.zeros(0, area_dtype())
+        area = self._area_from_disk(seg)
         idx = slot_index(t.off[rows], t.len[rows])
         inside = idx < len(area)
         rec = np.zeros(len(rows), area.dtype)
@@ -249,12 +259,6 @@ class WriterKeys:
             if keep.any():
                 rec = np.concatenate([rec, _made(t, bad[keep], [e for e in enc if e is not None])])
         return rec
-
-
-def area_dtype():
-    from .records import RECORD_DTYPE
-
-    return RECORD_DTYPE
 
 
 def _bytes(k) -> bytes:
