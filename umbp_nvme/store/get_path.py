@@ -164,12 +164,17 @@ class GetPath:
             except OSError as e:
                 for j in range(m_host, m):
                     refused.add(keys[int(b.idx[j])], str(e))
+        conf = await self._confirm_begin(b, keys)  # writers: the rows' records read beside the data (keymap.py)
         outcome = await self._read(b, m_host, route)
         if outcome is None:
             return  # timed out: counted and logged by _await_io
         good, verified = outcome
         if self.writer is None:
             verified &= self._unchanged(b, keys)
+        else:  # another key's row (a hash collision): a miss, neither a hit nor damage
+            mine = await conf
+            good &= mine
+            verified &= mine
         await self._account(b, keys, good, verified, results, refused)
 
     async def _read(self, b: ReadBatch, m_host: int, route):
