@@ -114,3 +114,48 @@ async def test_one_part_checked_in_chunks_on_the_loop_catches_damage_in_every_ch
     assert all(np.array_equal(outs[i], vals[i]) for i in range(256) if i not in bad)
     assert st.stats()["crc_errors"] == len(bad)
     await st.close()
+
+
+async def test_a_cancelled_one_part_get_returns_only_once_its_read_ended(store_dir):
+    hooks = EngineHooks()
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=96 * MiB, ssd_segment_size_bytes=8 * MiB),
+                              engine_factory=hooks.engine_factory())  # fmt: skip
+    keys = [f"o{i}" for i in range(32)]
+    vals = [payload(k, 64 * KiB) for k in keys]  # 2 MiB: one part
+    assert read_parts(np.full(len(keys), 64 * KiB, np.int64)) == ([0, len(keys)], 1)
+    assert await st.put_many(keys, vals) == [True] * len(keys)
+    release, started, in_flight = asyncio.Event(), [], [0]
+
+    async def hold(real, *a):
+        """The read behaves like one the kernel still owns: cancelling it waits for the release."""
+        started.append(len(a[3]))
+        in_flight[0] += 1
+        try:
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                await release.wait()
+                raise
+            return await real(*a)
+        finally:
+            in_flight[0] -= 1
+
+    hooks.read = hold
+    outs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
+    task = asyncio.ensure_future(st.get_many(keys, outs))
+    assert await until(lambda: started == [len(keys)] and in_flight[0] == 1, 30)
+    task.cancel()
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+    assert not task.done()  # the read may still write every buffer
+    assert st.stats()["pinned_slots"] == len(keys)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert in_flight[0] == 0 and st.stats()["pinned_slots"] == 0
+    hooks.read = None
+    outs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
+    assert await st.get_many(keys, outs) == [True] * len(keys)
+    assert all(np.array_equal(o, v) for o, v in zip(outs, vals))
+    await st.close()
+
