@@ -60,6 +60,7 @@ setup(
                 "native/uring_probe.c",
                 "native/uring_arrays.c",
                 "native/uring_pairs.c",
+                "native/uring_keycrc.c",
                 "native/crc32c_module.c",
                 "native/crc32c.c",
             ],

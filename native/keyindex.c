@@ -1,12 +1,14 @@
-/* The writer's key -> row table (umbp_nvme/store/keymap.py): no Python object per key.
+/* The writer's key -> row table (umbp_nvme/store/keymap.py): no Python object per key, and no key
+ * bytes in memory either (issue 36: <= 64 B per indexed object).
  *
- * Keys live as their bytes (UTF-8, surrogateescape: keybytes.py) in one arena; each row has one
- * uint64 reference (offset << 16 | length: keys are at most LMDB's 511 bytes). The table is open
- * addressing with linear probing; a slot holds the low 32 bits of the key's hash beside its row,
- * so a probe touches the row's key only when those bits match, then compares the full key bytes:
- * a hash collision never answers another key's row. Deletion shifts the cluster back (no
- * tombstones). The hash is seeded per table (random per store open): keys chosen to collide
- * cost probes, never a wrong answer. About 8 + 8/load bytes a key beside its bytes.
+ * Each key has a 64-bit keyed hash (per-table random seed; its top bit set, so 63 bits vary).
+ * Its high half is kept per row (hv[row], 0: the row holds no key) and picks the home slot; the
+ * table is open addressing with linear probing over (low half, row) slots, so a probe compares
+ * all 64 bits and a row's slot is found from hv alone. It is a multimap: two keys with one hash each keep their own row, so a collision
+ * never makes one key's row another's. A lookup answers candidate rows only: the caller
+ * confirms a candidate against the full key on disk (the LMDB index or the row's record,
+ * keymap.py) before serving, deleting or overwriting anything. Deletion shifts the cluster back
+ * (no tombstones). About 4 + 8/load bytes a row.
  *
  * Every method runs holding the GIL, start to end: readers on other threads (exists_many_nowait
  * on SGLang's thread) see a whole update or none of it, as they did with a dict.
@@ -19,8 +21,7 @@
 #define EMPTY UINT64_MAX
 #define ROW_MAX (UINT32_MAX - 1)
 #define KEY_MAX 0xffff
-#define REF_OFF(x) ((x) >> 16)
-#define REF_LEN(x) ((uint32_t)((x) & 0xffff))
+#define HAS_KEY (1ULL << 63)
 
 typedef struct {
     PyObject_HEAD
@@ -28,11 +29,9 @@ typedef struct {
     uint64_t hash_mask;     /* all ones; tests narrow it to force collisions */
     uint64_t *slots;        /* (hash low 32 bits) << 32 | row; EMPTY where free */
     uint64_t cap;           /* power of two, at most 2**32 (the home is the hash's low bits) */
-    uint64_t count;         /* keys mapped */
-    uint64_t *ref;          /* per row: arena offset << 16 | key bytes (0: the row holds no key) */
-    uint64_t nrows;         /* rows with room in ref */
-    char *arena;
-    uint64_t used, size, garbage;
+    uint64_t count;         /* rows mapped */
+    uint32_t *hv;           /* per row: the high half of its key's hash (never 0), 0 when the row holds no key */
+    uint64_t nrows;         /* rows with room in hv */
 } KeyIndex;
 
 static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
@@ -58,7 +57,7 @@ static uint64_t key_hash(const KeyIndex *t, const char *p, size_t n) {
     uint64_t w = 0;
     memcpy(&w, p + i, n - i);
     h = rotl(h ^ (w * k2), 29) * k1;
-    return fmix(h) & t->hash_mask;
+    return (fmix(h) & t->hash_mask) | HAS_KEY;
 }
 
 /* The key's bytes: ASCII strs in place, others through surrogateescape with the round trip
@@ -100,33 +99,29 @@ bad:
     return -1;
 }
 
-static inline int row_is(const KeyIndex *t, uint32_t r, const char *p, Py_ssize_t n) {
-    uint64_t x = t->ref[r];
-    return REF_LEN(x) == (uint32_t)n && memcmp(t->arena + REF_OFF(x), p, n) == 0;
-}
-
 static inline uint32_t slot_row(uint64_t s) { return (uint32_t)s; }
-static inline uint64_t slot_home(uint64_t s, uint64_t m) { return (s >> 32) & m; }
+static inline uint32_t hi_of(uint64_t h) { return (uint32_t)(h >> 32); }
+static inline uint64_t slot_of(uint64_t h, uint32_t r) { return (h & 0xffffffffULL) << 32 | r; }
+static inline uint64_t slot_home(const KeyIndex *t, uint64_t s, uint64_t m) { return t->hv[slot_row(s)] & m; }
 
-/* slot of the key, or the free slot where it would go (*found says which) */
-static uint64_t probe(const KeyIndex *t, uint64_t h, const char *p, Py_ssize_t n, int *found) {
-    uint64_t m = t->cap - 1, i = h & m, tag = (h & 0xffffffffULL) << 32;
-    for (;;) {
+/* the k-th (from 0) slot whose row has hash h: returns cap when none */
+static uint64_t probe_nth(const KeyIndex *t, uint64_t h, int k) {
+    uint64_t m = t->cap - 1, i = hi_of(h) & m, tag = (h & 0xffffffffULL) << 32;
+    uint32_t hi = hi_of(h);
+    for (;; i = (i + 1) & m) {
         uint64_t s = t->slots[i];
-        if (s == EMPTY) {
-            *found = 0;
-            return i;
-        }
-        if ((s & 0xffffffff00000000ULL) == tag && row_is(t, slot_row(s), p, n)) {
-            *found = 1;
-            return i;
-        }
-        i = (i + 1) & m;
+        if (s == EMPTY) return t->cap;
+        if ((s & 0xffffffff00000000ULL) == tag && t->hv[slot_row(s)] == hi && k-- == 0) return i;
     }
 }
 
-static inline uint64_t row_hash(const KeyIndex *t, uint32_t r) {
-    return key_hash(t, t->arena + REF_OFF(t->ref[r]), REF_LEN(t->ref[r]));
+/* the slot mapping row r (found from the row's own hash), cap when the row is not mapped */
+static uint64_t slot_of_row(const KeyIndex *t, uint32_t r) {
+    if (r >= t->nrows || !t->hv[r]) return t->cap;
+    uint64_t m = t->cap - 1, i = t->hv[r] & m;
+    for (; t->slots[i] != EMPTY; i = (i + 1) & m)
+        if (slot_row(t->slots[i]) == r) return i;
+    return t->cap;
 }
 
 static int resize_table(KeyIndex *t, uint64_t cap) {
@@ -137,7 +132,7 @@ static int resize_table(KeyIndex *t, uint64_t cap) {
     for (uint64_t j = 0; j < t->cap; j++) {
         uint64_t x = t->slots[j];
         if (x == EMPTY) continue;
-        uint64_t i = slot_home(x, cap - 1);
+        uint64_t i = slot_home(t, x, cap - 1);
         while (s[i] != EMPTY) i = (i + 1) & (cap - 1);
         s[i] = x;
     }
@@ -154,93 +149,11 @@ static int reserve_rows_as(KeyIndex *t, uint64_t rows, int exact) {
     uint64_t n = t->nrows;
     while (n < rows) n += n / 4 > 1024 ? n / 4 : 1024; /* by a quarter, never by nothing (a load sized it exactly) */
     if (exact) n = rows;
-    uint64_t *ref = PyMem_RawRealloc(t->ref, n * 8);
-    if (ref == NULL) return PyErr_NoMemory(), -1;
-    t->ref = ref;
-    memset(t->ref + t->nrows, 0, (n - t->nrows) * 8);
+    uint32_t *hv = PyMem_RawRealloc(t->hv, n * 4);
+    if (hv == NULL) return PyErr_NoMemory(), -1;
+    t->hv = hv;
+    memset(t->hv + t->nrows, 0, (n - t->nrows) * 4);
     t->nrows = n;
-    return 0;
-}
-
-static int reserve_rows(KeyIndex *t, uint64_t rows) { return reserve_rows_as(t, rows, 0); }
-
-/* Rewrite the arena without the bytes of forgotten keys (keys of every row that has one stay). */
-static int compact(KeyIndex *t) {
-    uint64_t live = t->used - t->garbage, size = live + live / 4 + 4096;
-    char *a = PyMem_RawMalloc(size);
-    if (a == NULL) return PyErr_NoMemory(), -1;
-    uint64_t at = 0;
-    for (uint64_t r = 0; r < t->nrows; r++) {
-        uint32_t n = REF_LEN(t->ref[r]);
-        if (!n) continue;
-        memcpy(a + at, t->arena + REF_OFF(t->ref[r]), n);
-        t->ref[r] = at << 16 | n;
-        at += n;
-    }
-    PyMem_RawFree(t->arena);
-    t->arena = a;
-    t->used = at;
-    t->size = size;
-    t->garbage = 0;
-    return 0;
-}
-
-static void remove_slot(KeyIndex *t, uint64_t i);
-
-static void forget_row_key(KeyIndex *t, uint32_t r) {
-    if (r < t->nrows && t->ref[r]) {
-        t->garbage += REF_LEN(t->ref[r]);
-        t->ref[r] = 0;
-    }
-}
-
-/* Unmap row r's key if the table maps it to r (its slot is found from the row's own hash). */
-static void unmap_row(KeyIndex *t, uint32_t r) {
-    uint64_t m = t->cap - 1, i = row_hash(t, r) & m;
-    for (; t->slots[i] != EMPTY; i = (i + 1) & m)
-        if (slot_row(t->slots[i]) == r) {
-            remove_slot(t, i);
-            return;
-        }
-}
-
-static int arena_put(KeyIndex *t, const char *p, Py_ssize_t n, uint64_t *off) {
-    if (t->used + n > t->size) {
-        if (t->garbage > (t->used >> 1) && compact(t) < 0) return -1;
-        if (t->used + n > t->size) {
-            uint64_t size = t->size ? t->size : 1 << 16;
-            while (size < t->used + n) size += size / 4; /* large: realloc moves pages, not bytes */
-            char *a = PyMem_RawRealloc(t->arena, size);
-            if (a == NULL) return PyErr_NoMemory(), -1;
-            t->arena = a;
-            t->size = size;
-        }
-    }
-    memcpy(t->arena + t->used, p, n);
-    *off = t->used;
-    t->used += n;
-    return 0;
-}
-
-/* Give row r key (p, n) and map the key to r (replacing the key's earlier row, as dict[k] = r). */
-static int set_one(KeyIndex *t, uint32_t r, const char *p, Py_ssize_t n) {
-    if (n > KEY_MAX) return PyErr_Format(PyExc_ValueError, "key of %zd bytes (at most %d)", n, KEY_MAX), -1;
-    if (reserve_rows(t, (uint64_t)r + 1) < 0) return -1;
-    if ((t->count + 1) * 10 > t->cap * 7 && resize_table(t, t->cap * 2) < 0) return -1;
-    uint64_t h = key_hash(t, p, n), off;
-    if (t->ref[r] && !row_is(t, r, p, n)) { /* a row holds one key: its old one leaves first */
-        unmap_row(t, r);
-        forget_row_key(t, r);
-    }
-    int found;
-    uint64_t i = probe(t, h, p, n, &found);
-    if (found && slot_row(t->slots[i]) == r) return 0;
-    if (!t->ref[r]) {
-        if (arena_put(t, p, n, &off) < 0) return -1;
-        t->ref[r] = off << 16 | (uint64_t)n;
-    }
-    if (!found) t->count++;
-    t->slots[i] = (h & 0xffffffffULL) << 32 | r;
     return 0;
 }
 
@@ -251,7 +164,7 @@ static void remove_slot(KeyIndex *t, uint64_t i) {
         j = (j + 1) & m;
         uint64_t x = t->slots[j];
         if (x == EMPTY) break;
-        uint64_t home = slot_home(x, m);
+        uint64_t home = slot_home(t, x, m);
         if (((j - home) & m) >= ((j - i) & m)) {
             t->slots[i] = x;
             t->slots[j] = EMPTY;
@@ -261,6 +174,27 @@ static void remove_slot(KeyIndex *t, uint64_t i) {
     t->count--;
 }
 
+static void unmap_row(KeyIndex *t, uint32_t r) {
+    uint64_t i = slot_of_row(t, r);
+    if (i < t->cap) remove_slot(t, i);
+}
+
+/* Row r holds hash h and is mapped (beside any other row of the same hash: a multimap). */
+static void add_one(KeyIndex *t, uint32_t r, uint64_t h) {
+    unmap_row(t, r); /* a row holds one key: its old one leaves first */
+    t->hv[r] = hi_of(h);
+    uint64_t m = t->cap - 1, i = hi_of(h) & m;
+    while (t->slots[i] != EMPTY) i = (i + 1) & m;
+    t->slots[i] = slot_of(h, r);
+    t->count++;
+}
+
+static int grow_for(KeyIndex *t, uint64_t more) {
+    uint64_t cap = t->cap;
+    while ((t->count + more) * 10 > cap * 7) cap *= 2;
+    return cap != t->cap ? resize_table(t, cap) : 0;
+}
+
 /* --- the Python methods ------------------------------------------------------------------- */
 
 static int get_rows_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t n, int writable) {
@@ -268,17 +202,21 @@ static int get_rows_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t n, int wri
         return -1;
     const char *f = view->format ? view->format : "B";
     char last = f[0] ? f[strlen(f) - 1] : 0;
-    if (view->itemsize != 8 || view->len != n * 8 || (last != 'q' && last != 'l')) {
-        PyErr_Format(PyExc_ValueError, "rows must be %zd int64 values", n);
+    if (view->itemsize != 8 || (n >= 0 && view->len != n * 8) || (last != 'q' && last != 'l')) {
+        if (n >= 0) PyErr_Format(PyExc_ValueError, "rows must be %zd int64 values", n);
+        else PyErr_SetString(PyExc_ValueError, "rows must be int64 values");
         PyBuffer_Release(view);
         return -1;
     }
     return 0;
 }
 
+/* lookup(keys, out[, nth]): out[i] = the nth candidate row of key i (same hash), -1 when none;
+ * returns how many keys have one. Candidates are not confirmed: see keymap.py. */
 static PyObject *KI_lookup(KeyIndex *t, PyObject *args) {
     PyObject *keys, *out;
-    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &keys, &out)) return NULL;
+    int nth = 0;
+    if (!PyArg_ParseTuple(args, "O!O|i", &PyList_Type, &keys, &out, &nth)) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys), hits = 0;
     Py_buffer v;
     if (get_rows_buffer(out, &v, n, 1) < 0) return NULL;
@@ -289,16 +227,25 @@ static PyObject *KI_lookup(KeyIndex *t, PyObject *args) {
         PyObject *owner;
         o[k] = -1;
         if (key_bytes(PyList_GET_ITEM(keys, k), &p, &len, &owner, 0) < 0) continue;
-        int found;
-        uint64_t i = probe(t, key_hash(t, p, len), p, len, &found);
-        if (found) {
+        uint64_t i = probe_nth(t, key_hash(t, p, len), nth);
+        Py_XDECREF(owner);
+        if (i < t->cap) {
             o[k] = slot_row(t->slots[i]);
             hits++;
         }
-        Py_XDECREF(owner);
     }
     PyBuffer_Release(&v);
     return PyLong_FromSsize_t(hits);
+}
+
+static PyObject *KI_first(KeyIndex *t, PyObject *key) {
+    const char *p;
+    Py_ssize_t len;
+    PyObject *owner;
+    if (key_bytes(key, &p, &len, &owner, 0) < 0) return PyLong_FromLong(-1);
+    uint64_t i = probe_nth(t, key_hash(t, p, len), 0);
+    Py_XDECREF(owner);
+    return PyLong_FromLongLong(i < t->cap ? (long long)slot_row(t->slots[i]) : -1);
 }
 
 static PyObject *KI_prefix(KeyIndex *t, PyObject *keys) {
@@ -309,36 +256,26 @@ static PyObject *KI_prefix(KeyIndex *t, PyObject *keys) {
         Py_ssize_t len;
         PyObject *owner;
         if (key_bytes(PyList_GET_ITEM(keys, k), &p, &len, &owner, 0) < 0) break;
-        int found;
-        probe(t, key_hash(t, p, len), p, len, &found);
+        uint64_t i = probe_nth(t, key_hash(t, p, len), 0);
         Py_XDECREF(owner);
-        if (!found) break;
+        if (i >= t->cap) break;
     }
     return PyLong_FromSsize_t(k);
 }
 
-static PyObject *KI_get(KeyIndex *t, PyObject *key) {
-    const char *p;
-    Py_ssize_t len;
-    PyObject *owner;
-    if (key_bytes(key, &p, &len, &owner, 0) < 0) return PyLong_FromLong(-1);
-    int found;
-    uint64_t i = probe(t, key_hash(t, p, len), p, len, &found);
-    Py_XDECREF(owner);
-    return PyLong_FromLongLong(found ? (long long)slot_row(t->slots[i]) : -1);
-}
-
-static PyObject *KI_set_many(KeyIndex *t, PyObject *args) {
+/* add(keys, rows): row rows[i] holds key i's hash and is mapped (all or nothing: every key and row
+ * is checked first). Replacing a key's earlier row is the caller's (it confirms which row that is). */
+static PyObject *KI_add(KeyIndex *t, PyObject *args) {
     PyObject *keys, *rows;
     if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &keys, &rows)) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     Py_buffer v;
     if (get_rows_buffer(rows, &v, n, 0) < 0) return NULL;
     const int64_t *r = v.buf;
-    PyObject *ret = Py_None;
+    uint64_t *h = PyMem_RawMalloc((n ? n : 1) * 8);
+    PyObject *ret = h ? Py_None : PyErr_NoMemory();
     int64_t rmax = -1;
-    uint64_t total = 0;
-    for (Py_ssize_t k = 0; k < n; k++) { /* all or nothing: every key and row checked first */
+    for (Py_ssize_t k = 0; ret && k < n; k++) {
         const char *p;
         Py_ssize_t len;
         PyObject *owner;
@@ -351,103 +288,144 @@ static PyObject *KI_set_many(KeyIndex *t, PyObject *args) {
             ret = NULL;
             break;
         }
-        Py_XDECREF(owner);
         if (len > KEY_MAX) {
             PyErr_Format(PyExc_ValueError, "key of %zd bytes (at most %d)", len, KEY_MAX);
             ret = NULL;
-            break;
+        } else {
+            h[k] = key_hash(t, p, len);
         }
-        rmax = r[k] > rmax ? r[k] : rmax;
-        total += len;
-    }
-    /* room for the whole batch at once (an open loads millions): one rehash, one realloc each */
-    if (ret && rmax >= 0 && reserve_rows(t, (uint64_t)rmax + 1) < 0) ret = NULL;
-    if (ret && t->used + total > t->size && total > 4096) {
-        char *a = PyMem_RawRealloc(t->arena, t->used + total + total / 8);
-        if (a == NULL) ret = PyErr_NoMemory();
-        else t->arena = a, t->size = t->used + total + total / 8;
-    }
-    if (ret) {
-        uint64_t cap = t->cap;
-        while ((t->count + n) * 10 > cap * 7) cap *= 2;
-        if (cap != t->cap && resize_table(t, cap) < 0) ret = NULL;
-    }
-    for (Py_ssize_t k = 0; ret && k < n; k++) {
-        const char *p;
-        Py_ssize_t len;
-        PyObject *owner;
-        key_bytes(PyList_GET_ITEM(keys, k), &p, &len, &owner, 1);
-        if (set_one(t, (uint32_t)r[k], p, len) < 0) ret = NULL;
         Py_XDECREF(owner);
+        rmax = r[k] > rmax ? r[k] : rmax;
     }
+    /* room for the whole batch at once (an open loads millions): one rehash, one realloc */
+    if (ret && rmax >= 0 && reserve_rows_as(t, (uint64_t)rmax + 1, 0) < 0) ret = NULL;
+    if (ret && grow_for(t, n) < 0) ret = NULL;
+    for (Py_ssize_t k = 0; ret && k < n; k++) add_one(t, (uint32_t)r[k], h[k]);
+    PyMem_RawFree(h);
     PyBuffer_Release(&v);
     Py_XINCREF(ret);
     return ret;
 }
 
-static PyObject *KI_discard(KeyIndex *t, PyObject *args) {
-    PyObject *key;
-    long long row = -1;
-    if (!PyArg_ParseTuple(args, "O|L", &key, &row)) return NULL;
-    const char *p;
-    Py_ssize_t len;
-    PyObject *owner;
-    if (key_bytes(key, &p, &len, &owner, 0) < 0) Py_RETURN_FALSE;
-    int found;
-    uint64_t i = probe(t, key_hash(t, p, len), p, len, &found);
-    Py_XDECREF(owner);
-    if (!found || (row >= 0 && slot_row(t->slots[i]) != (uint64_t)row)) Py_RETURN_FALSE;
-    remove_slot(t, i);
-    Py_RETURN_TRUE;
-}
-
-static PyObject *key_str(const KeyIndex *t, uint32_t r) {
-    return PyUnicode_DecodeUTF8(t->arena + REF_OFF(t->ref[r]), REF_LEN(t->ref[r]), "surrogateescape");
-}
-
-static PyObject *KI_key(KeyIndex *t, PyObject *arg) {
-    long long r = PyLong_AsLongLong(arg);
-    if (r == -1 && PyErr_Occurred()) return NULL;
-    if (r < 0 || (uint64_t)r >= t->nrows || !t->ref[r]) Py_RETURN_NONE;
-    return key_str(t, (uint32_t)r);
-}
-
-static PyObject *KI_key_bytes(KeyIndex *t, PyObject *arg) {
-    long long r = PyLong_AsLongLong(arg);
-    if (r == -1 && PyErr_Occurred()) return NULL;
-    if (r < 0 || (uint64_t)r >= t->nrows || !t->ref[r]) Py_RETURN_NONE;
-    return PyBytes_FromStringAndSize(t->arena + REF_OFF(t->ref[r]), REF_LEN(t->ref[r]));
-}
-
-static PyObject *KI_forget(KeyIndex *t, PyObject *arg) {
-    long long r = PyLong_AsLongLong(arg);
-    if (r == -1 && PyErr_Occurred()) return NULL;
-    if (r >= 0 && (uint64_t)r < t->nrows && t->ref[r]) {
-        unmap_row(t, (uint32_t)r); /* a row still mapped leaves the table with its key */
-        forget_row_key(t, (uint32_t)r);
+/* unmap(rows): rows no longer mapped (they keep their hash until forget) */
+static PyObject *KI_unmap(KeyIndex *t, PyObject *rows) {
+    Py_buffer v;
+    if (get_rows_buffer(rows, &v, -1, 0) < 0) return NULL;
+    const int64_t *r = v.buf;
+    Py_ssize_t n = v.len / 8, done = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (r[k] < 0 || (uint64_t)r[k] >= t->nrows) continue;
+        uint64_t i = slot_of_row(t, (uint32_t)r[k]);
+        if (i < t->cap) remove_slot(t, i), done++;
     }
+    PyBuffer_Release(&v);
+    return PyLong_FromSsize_t(done);
+}
+
+/* holds(keys, rows, out): out[i] = 1 where rows[i]'s hash is key i's (all 64 bits while the row is
+ * mapped, the 32 kept per row after): checks a key read back from disk names the row */
+static PyObject *KI_holds(KeyIndex *t, PyObject *args) {
+    PyObject *keys, *rows, *out;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyList_Type, &keys, &rows, &out)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    Py_buffer v, o;
+    if (get_rows_buffer(rows, &v, n, 0) < 0) return NULL;
+    if (PyObject_GetBuffer(out, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&v);
+        return NULL;
+    }
+    if (o.len != n) {
+        PyErr_Format(PyExc_ValueError, "out must be %zd bytes", n);
+        PyBuffer_Release(&v);
+        PyBuffer_Release(&o);
+        return NULL;
+    }
+    const int64_t *r = v.buf;
+    uint8_t *b = o.buf;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const char *p;
+        Py_ssize_t len;
+        PyObject *owner;
+        b[k] = 0;
+        if (r[k] < 0 || (uint64_t)r[k] >= t->nrows || !t->hv[r[k]]) continue;
+        PyObject *key = PyList_GET_ITEM(keys, k);
+        if (PyBytes_CheckExact(key)) {
+            p = PyBytes_AS_STRING(key);
+            len = PyBytes_GET_SIZE(key);
+            owner = NULL;
+        } else if (key_bytes(key, &p, &len, &owner, 0) < 0) {
+            continue;
+        }
+        uint64_t h = key_hash(t, p, len), i = slot_of_row(t, (uint32_t)r[k]);
+        Py_XDECREF(owner);
+        b[k] = t->hv[r[k]] == hi_of(h) && (i >= t->cap || (t->slots[i] >> 32) == (h & 0xffffffffULL));
+    }
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&o);
     Py_RETURN_NONE;
 }
 
+/* forget(rows): rows hold no key any more (unmapped if they were) */
+static PyObject *KI_forget(KeyIndex *t, PyObject *rows) {
+    Py_buffer v;
+    if (get_rows_buffer(rows, &v, -1, 0) < 0) return NULL;
+    const int64_t *r = v.buf;
+    for (Py_ssize_t k = 0; k < v.len / 8; k++) {
+        if (r[k] < 0 || (uint64_t)r[k] >= t->nrows) continue;
+        unmap_row(t, (uint32_t)r[k]);
+        t->hv[r[k]] = 0;
+    }
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+/* mapped(rows, out): out[i] = 1 where rows[i] is mapped (uint8) */
 static PyObject *KI_mapped(KeyIndex *t, PyObject *args) {
+    PyObject *rows, *out;
+    if (!PyArg_ParseTuple(args, "OO", &rows, &out)) return NULL;
+    Py_buffer v, o;
+    if (get_rows_buffer(rows, &v, -1, 0) < 0) return NULL;
+    if (PyObject_GetBuffer(out, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&v);
+        return NULL;
+    }
+    Py_ssize_t n = v.len / 8;
+    if (o.len != n) {
+        PyErr_Format(PyExc_ValueError, "out must be %zd bytes", n);
+        PyBuffer_Release(&v);
+        PyBuffer_Release(&o);
+        return NULL;
+    }
+    const int64_t *r = v.buf;
+    uint8_t *b = o.buf;
+    for (Py_ssize_t k = 0; k < n; k++)
+        b[k] = r[k] >= 0 && (uint64_t)r[k] < t->nrows && slot_of_row(t, (uint32_t)r[k]) < t->cap;
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&o);
+    Py_RETURN_NONE;
+}
+
+/* mapped_rows([limit]): the mapped rows in row order (bytes of int64: put order within a session,
+ * the index's order after an open, as the dict's was) */
+static PyObject *KI_mapped_rows(KeyIndex *t, PyObject *args) {
     Py_ssize_t limit = -1;
     if (!PyArg_ParseTuple(args, "|n", &limit)) return NULL;
-    PyObject *out = PyList_New(0);
+    uint64_t want = limit < 0 ? t->count : ((uint64_t)limit < t->count ? (uint64_t)limit : t->count);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, want * 8);
     if (out == NULL) return NULL;
-    /* row order: put order within a session, the index's order after an open (as the dict's was) */
-    for (uint64_t r = 0; r < t->nrows && (limit < 0 || PyList_GET_SIZE(out) < limit); r++) {
-        if (!t->ref[r]) continue;
-        int found;
-        uint64_t i = probe(t, row_hash(t, (uint32_t)r), t->arena + REF_OFF(t->ref[r]), REF_LEN(t->ref[r]), &found);
-        if (!found || slot_row(t->slots[i]) != r) continue;
-        PyObject *s = key_str(t, (uint32_t)r);
-        if (s == NULL || PyList_Append(out, s) < 0) {
-            Py_XDECREF(s);
-            Py_DECREF(out);
-            return NULL;
-        }
-        Py_DECREF(s);
+    int64_t *o = (int64_t *)PyBytes_AS_STRING(out);
+    uint64_t k = 0;
+    /* every mapped slot marks its row, then the rows in order */
+    uint8_t *mark = PyMem_RawCalloc(t->nrows ? t->nrows : 1, 1);
+    if (mark == NULL) {
+        Py_DECREF(out);
+        return PyErr_NoMemory();
     }
+    for (uint64_t i = 0; i < t->cap; i++)
+        if (t->slots[i] != EMPTY) mark[slot_row(t->slots[i])] = 1;
+    for (uint64_t r = 0; r < t->nrows && k < want; r++)
+        if (mark[r]) o[k++] = (int64_t)r;
+    PyMem_RawFree(mark);
     return out;
 }
 
@@ -461,7 +439,7 @@ static PyObject *KI_load(KeyIndex *t, PyObject *args) {
     const uint16_t *l = lv.buf;
     const char *b = bv.buf;
     uint64_t total = 0, cap = t->cap;
-    if (t->count || t->used) {
+    if (t->count) {
         PyErr_SetString(PyExc_ValueError, "load into an empty table only");
         goto out;
     }
@@ -479,50 +457,26 @@ static PyObject *KI_load(KeyIndex *t, PyObject *args) {
     }
     while ((uint64_t)n * 10 > cap * 7) cap *= 2;
     if (reserve_rows_as(t, n, 1) < 0 || (cap != t->cap && resize_table(t, cap) < 0)) goto out;
-    char *a = PyMem_RawRealloc(t->arena, total + total / 64 + 16);
-    if (a == NULL) {
+    /* hashes first, so the slot of a key further on is prefetched; no key is compared (a multimap) */
+    uint32_t *lo = PyMem_RawMalloc((n ? n : 1) * 4);
+    if (lo == NULL) {
         PyErr_NoMemory();
         goto out;
     }
-    t->arena = a;
-    t->size = total + total / 64 + 16;
-    /* keys strictly ascending (an index scan's) are distinct: each goes to the first free slot of
-     * its probe, no key compared; hashes first, so the slot of a key further on is prefetched */
-    if (n == 0) {
-        ret = PyLong_FromLong(0);
-        goto out;
-    }
-    int ascending = 1;
-    for (Py_ssize_t k = 1, at = l[0]; ascending && k < n; at += l[k], k++) {
-        int c = memcmp(b + at - l[k - 1], b + at, l[k - 1] < l[k] ? l[k - 1] : l[k]);
-        ascending = c < 0 || (c == 0 && l[k - 1] < l[k]);
-    }
-    if (!ascending) {
-        for (Py_ssize_t k = 0; k < n; k++) {
-            if (set_one(t, (uint32_t)k, b, l[k]) < 0) goto out;
-            b += l[k];
-        }
-        ret = PyLong_FromSsize_t(t->count);
-        goto out;
-    }
-    uint64_t *h = PyMem_RawMalloc((n ? n : 1) * sizeof(uint64_t));
-    if (h == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (Py_ssize_t k = 0, at = 0; k < n; at += l[k], k++) h[k] = key_hash(t, b + at, l[k]);
-    memcpy(t->arena, b, total);
-    t->used = total;
-    uint64_t m = t->cap - 1;
     for (Py_ssize_t k = 0, at = 0; k < n; at += l[k], k++) {
-        if (k + 16 < n) __builtin_prefetch(&t->slots[h[k + 16] & m], 1);
-        uint64_t i = h[k] & m;
-        while (t->slots[i] != EMPTY) i = (i + 1) & m;
-        t->slots[i] = (h[k] & 0xffffffffULL) << 32 | (uint64_t)k;
-        t->ref[k] = (uint64_t)at << 16 | l[k];
+        uint64_t h = key_hash(t, b + at, l[k]);
+        t->hv[k] = hi_of(h);
+        lo[k] = (uint32_t)h;
     }
+    uint64_t m = t->cap - 1;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (k + 16 < n) __builtin_prefetch(&t->slots[t->hv[k + 16] & m], 1);
+        uint64_t i = t->hv[k] & m;
+        while (t->slots[i] != EMPTY) i = (i + 1) & m;
+        t->slots[i] = (uint64_t)lo[k] << 32 | (uint64_t)k;
+    }
+    PyMem_RawFree(lo);
     t->count = n;
-    PyMem_RawFree(h);
     ret = PyLong_FromSsize_t(t->count);
 out:
     PyBuffer_Release(&lv);
@@ -531,7 +485,7 @@ out:
 }
 
 static PyObject *KI_nbytes(KeyIndex *t, PyObject *unused) {
-    return PyLong_FromUnsignedLongLong(t->cap * 8 + t->nrows * 8 + t->size);
+    return PyLong_FromUnsignedLongLong(t->cap * 8 + t->nrows * 4);
 }
 
 static PyObject *KI_narrow(KeyIndex *t, PyObject *arg) {
@@ -539,7 +493,7 @@ static PyObject *KI_narrow(KeyIndex *t, PyObject *arg) {
     int bits = PyLong_AsLong(arg);
     if (bits == -1 && PyErr_Occurred()) return NULL;
     if (t->count) return PyErr_SetString(PyExc_ValueError, "narrow an empty table only"), NULL;
-    t->hash_mask = bits >= 64 ? UINT64_MAX : ((1ULL << bits) - 1);
+    t->hash_mask = bits >= 63 ? ~HAS_KEY : ((1ULL << bits) - 1);
     Py_RETURN_NONE;
 }
 
@@ -549,7 +503,7 @@ static int KI_init(KeyIndex *t, PyObject *args, PyObject *kwds) {
     unsigned long long seed = 0;
     if (!PyArg_ParseTuple(args, "K", &seed)) return -1;
     t->seed = seed;
-    t->hash_mask = UINT64_MAX;
+    t->hash_mask = ~HAS_KEY;
     if (t->slots == NULL) {
         t->cap = 1024;
         t->slots = PyMem_RawMalloc(t->cap * 8);
@@ -561,8 +515,7 @@ static int KI_init(KeyIndex *t, PyObject *args, PyObject *kwds) {
 
 static void KI_dealloc(KeyIndex *t) {
     PyMem_RawFree(t->slots);
-    PyMem_RawFree(t->ref);
-    PyMem_RawFree(t->arena);
+    PyMem_RawFree(t->hv);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -671,17 +624,17 @@ static PyMethodDef mod_methods[] = {
 };
 
 static PyMethodDef KI_methods[] = {
-    {"lookup", (PyCFunction)KI_lookup, METH_VARARGS, "lookup(keys, out): out[i] = key i's row or -1; the hit count"},
-    {"prefix", (PyCFunction)KI_prefix, METH_O, "prefix(keys): how many keys, from the first, are mapped"},
-    {"get", (PyCFunction)KI_get, METH_O, "get(key): its row, -1 when not mapped"},
-    {"set_many", (PyCFunction)KI_set_many, METH_VARARGS, "set_many(keys, rows): row i holds key i, mapped to it"},
-    {"discard", (PyCFunction)KI_discard, METH_VARARGS, "discard(key[, row]): unmap key (if mapped to row); mapped?"},
-    {"key", (PyCFunction)KI_key, METH_O, "key(row): the row's key (str), None when it has none"},
-    {"key_bytes", (PyCFunction)KI_key_bytes, METH_O, "key_bytes(row): the row's key bytes, None when none"},
-    {"forget", (PyCFunction)KI_forget, METH_O, "forget(row): the row holds no key (unmapped if it was)"},
-    {"mapped_keys", (PyCFunction)KI_mapped, METH_VARARGS, "mapped_keys([limit]): mapped keys (str), row order"},
+    {"lookup", (PyCFunction)KI_lookup, METH_VARARGS, "lookup(keys, out[, nth]): out[i] = key i's nth candidate row or -1"},
+    {"first", (PyCFunction)KI_first, METH_O, "first(key): its first candidate row, -1 when none"},
+    {"prefix", (PyCFunction)KI_prefix, METH_O, "prefix(keys): how many keys, from the first, have a candidate row"},
+    {"add", (PyCFunction)KI_add, METH_VARARGS, "add(keys, rows): row i holds key i's hash, mapped"},
+    {"unmap", (PyCFunction)KI_unmap, METH_O, "unmap(rows): the rows are no longer mapped; how many were"},
+    {"holds", (PyCFunction)KI_holds, METH_VARARGS, "holds(keys, rows, out): out[i] = 1 where row i has key i's hash"},
+    {"forget", (PyCFunction)KI_forget, METH_O, "forget(rows): the rows hold no key (unmapped if they were)"},
+    {"mapped", (PyCFunction)KI_mapped, METH_VARARGS, "mapped(rows, out): out[i] = 1 where rows[i] is mapped"},
+    {"mapped_rows", (PyCFunction)KI_mapped_rows, METH_VARARGS, "mapped_rows([limit]): int64 bytes, row order"},
     {"load", (PyCFunction)KI_load, METH_VARARGS, "load(lens, blob): rows 0..n-1 hold and map the packed keys"},
-    {"nbytes", (PyCFunction)KI_nbytes, METH_NOARGS, "bytes allocated (table, per-row references, arena)"},
+    {"nbytes", (PyCFunction)KI_nbytes, METH_NOARGS, "bytes allocated (table, per-row hashes)"},
     {"narrow_hash_for_tests", (PyCFunction)KI_narrow, METH_O, "keep only the low N bits of each hash (tests)"},
     {NULL, NULL, 0, NULL},
 };
@@ -692,7 +645,7 @@ static PyTypeObject KeyIndexType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "umbp_nvme._keyindex.KeyIndex",
     .tp_basicsize = sizeof(KeyIndex),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "key -> row table with the keys' bytes in one arena (keyindex.c)",
+    .tp_doc = "key hash -> rows multimap (keyindex.c)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)KI_init,
     .tp_dealloc = (destructor)KI_dealloc,

@@ -104,6 +104,8 @@ static PyMethodDef module_methods[] = {
      "False (outputs unspecified) for anything else"},
     {"crc32c_many", (PyCFunction)mod_crc32c_many, METH_VARARGS,
      "crc32c_many(addrs uint64[], lengths int64[], out uint32[]) -> n; one CRC per range, GIL released"},
+    {"crc32c_each", (PyCFunction)mod_crc32c_each, METH_VARARGS,
+     "crc32c_each(list of bytes, out uint32[]) -> n; the CRC32C of each item, one C pass (index key CRCs)"},
     {"crc32c_impl", (PyCFunction)mod_crc32c_impl, METH_NOARGS,
      "crc32c_impl() -> str: the dispatched implementation (table, sse42, pclmul, vpclmul256, vpclmul); "
      "UMBP_CRC32C_IMPL caps it"},

@@ -90,6 +90,33 @@ def test_crc32c_of_address_pair_and_many():
     assert out.tolist() == expect
 
 
+def test_crc32c_each_is_each_items_crc():
+    keys = [b"", b"a", b"key/0", bytes(range(256)) * 3]
+    out = np.full(len(keys), 7, dtype=np.uint32)
+    assert _uring.crc32c_each(keys, out) == len(keys)
+    assert out.tolist() == [_crc32c_reference(k) for k in keys]
+    assert _uring.crc32c_each((), np.zeros(0, np.uint32)) == 0
+
+
+def test_crc32c_each_refuses_bad_input_before_writing():
+    out = np.full(2, 7, dtype=np.uint32)
+    with pytest.raises(TypeError, match="item 1 must be bytes, got str"):
+        _uring.crc32c_each([b"a", "b"], out)
+    with pytest.raises(TypeError, match="item 0 must be bytes, got bytearray"):
+        _uring.crc32c_each([bytearray(b"a"), b"b"], out)
+    assert out.tolist() == [7, 7]  # nothing written
+    with pytest.raises(TypeError, match="list or tuple of bytes"):
+        _uring.crc32c_each(iter([b"a", b"b"]), out)
+    with pytest.raises(ValueError, match="one entry per item"):
+        _uring.crc32c_each([b"a"], out)  # out too long
+    with pytest.raises(ValueError, match="one entry per item"):
+        _uring.crc32c_each([b"a", b"b", b"c"], out)  # out too short
+    with pytest.raises(TypeError, match="format I"):
+        _uring.crc32c_each([b"a", b"b"], np.zeros(2, np.int64))  # wrong dtype
+    with pytest.raises(TypeError, match="writable"):
+        _uring.crc32c_each([b"a", b"b"], np.frombuffer(bytes(8), np.uint32))  # read-only memory
+
+
 def test_crc32c_refuses_bad_input():
     with pytest.raises(ValueError, match="not a valid range"):
         _uring.crc32c((0, 10))

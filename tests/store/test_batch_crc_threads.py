@@ -1,5 +1,5 @@
-"""Small batches are checksummed (put) and verified (get: each completed part of up to 4 MiB, one
-by one) on the loop thread, large ones on a worker: either way every stored CRC is
+"""Small batches are checksummed (put) and verified (get: each completed part of up to 16 MiB, one
+by one, in calls of up to 4 MiB) on the loop thread, large ones on a worker: either way every stored CRC is
 its object's and a damaged object fails alone."""
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ import numpy as np
 from conftest import KiB, MiB, damage_object, payload, small_config
 from umbp_nvme.store import PageStore, get_path, put_path
 
-SMALL = [180 * KiB + 7 * i for i in range(40)]  # ~7 MiB: CRC inline in 4 MiB chunks, a get part (<= 4 MiB) inline
-LARGE = [1 * MiB] * 20  # 20 MiB: CRC on a worker thread; get parts completing together (> 4 MiB) too
+SMALL = [180 * KiB + 7 * i for i in range(40)]  # ~7 MiB: CRC inline in 4 MiB chunks, a get part (<= 16 MiB) inline in chunks
+LARGE = [1 * MiB + 512] * 20  # 20 MiB: CRC on a worker thread; get parts bounced (odd lengths): copied and checked on a worker
 
 
 def test_the_batches_cover_both_paths():
     assert put_path.INLINE_CRC_CHUNK < sum(SMALL) <= put_path.INLINE_CRC_BYTES < sum(LARGE)
     small_parts = np.diff(get_path.read_parts(np.asarray(SMALL, np.int64))[0])
-    assert len(small_parts) > 1 and max(small_parts) * max(SMALL) <= get_path.INLINE_VERIFY_BYTES
-    assert sum(LARGE) > get_path.INLINE_VERIFY_BYTES
+    assert get_path.INLINE_VERIFY_BYTES < sum(SMALL) <= get_path.INLINE_PART_BYTES  # inline, in > 1 CRC call
+    assert max(small_parts) * max(SMALL) <= get_path.INLINE_PART_BYTES
+    assert all(n % 4096 for n in LARGE)  # O_DIRECT cannot read them into the caller's memory: bounced
 
 
 async def test_inline_and_worker_crcs_are_the_objects_and_catch_damage(store_dir):

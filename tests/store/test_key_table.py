@@ -74,12 +74,14 @@ async def test_colliding_keys_in_a_store_each_read_their_own_bytes(store_dir):
     outs = [bytearray(8 * KiB) for _ in keys]
     assert await st.get_many(keys, outs) == [True] * 20
     assert [bytes(o) for o in outs] == [bytes(s) for s in src]
-    assert await st.exists_many(["c3", "c99", "c19"]) == [True, False, True]
-    assert await st.delete_many(["c3"]) == [True]
+    # exists answers from the hash alone (keymap.py): with every hash equal, an absent key is
+    # reported (a false positive: its get misses); a real 63-bit hash makes that ~N / 2**63
+    assert await st.exists_many(["c3", "c99", "c19"]) == [True, True, True]
+    assert await st.delete_many(["c3", "c99"]) == [True, False]
     out = bytearray(8 * KiB)
     assert await st.get_many(["c3"], [out]) == [False]
+    assert await st.get_many(["c99"], [out]) == [False]
     assert await st.get_many(["c4"], [out]) == [True] and bytes(out) == bytes(src[4])
-    assert await st.exists_prefix(["c0", "c1", "c3"]) == 2
     assert st.stats()["objects"] == 19
     await st.close()
 
@@ -94,7 +96,7 @@ async def test_the_table_holds_no_python_object_per_key(store_dir):
     mine = set(keys)
     assert not [o for o in big if mine <= {x for x in o if type(x) is str}], "a dict or list of every key"
     assert st.keys() == keys  # put order
-    assert st.writer.keys.nbytes() < 500 * 200  # table, row references and key bytes
+    assert st.writer.keys.nbytes() < 500 * 40  # table and per-row hashes: no key bytes
     await st.close()
 
 

@@ -1,4 +1,4 @@
-"""A get reads its objects in parts: a small batch in parts of at most ~PART_BYTES (4 MiB) all in flight at once, a large
+"""A get reads its objects in parts: a small batch in parts of at most ~PART_BYTES (16 MiB) all in flight at once, a large
 one a few parts at a time; each part is verified as it completes, and the call never returns
 (not even cancelled) while a part's read may still write the caller's memory."""
 
@@ -16,8 +16,8 @@ from umbp_nvme.store import PageStore, get_path
 from umbp_nvme.store.get_path import read_parts
 
 
-@pytest.mark.parametrize("sizes", [[64 * KiB] * 256, [128 * KiB] * 256, [200 * KiB + 7 * i for i in range(40)],
-                                   [4096] * 3 + [12 * MiB] + [4096] * 50])  # fmt: skip
+@pytest.mark.parametrize("sizes", [[64 * KiB] * 256, [128 * KiB] * 256, [200 * KiB + 7 * i for i in range(160)],
+                                   [4096] * 3 + [40 * MiB] + [4096] * 50, [256 * KiB] * 240])  # fmt: skip
 def test_a_small_batch_is_in_parts_of_at_most_part_bytes_all_in_flight(sizes):
     lens = np.asarray(sizes, np.int64)
     bounds, window = read_parts(lens)
@@ -43,9 +43,9 @@ async def test_parts_return_exact_bytes_and_a_damaged_object_fails_alone(store_d
     cfg = small_config(ssd_capacity_bytes=96 * MiB, ssd_segment_size_bytes=8 * MiB)
     st = await PageStore.open(store_dir, cfg)
     keys = [f"p{i}" for i in range(256)]
-    vals = [payload(k, 96 * KiB + 512 * (i % 3)) for i, k in enumerate(keys)]  # ~24 MiB: 7 parts, some bounced
+    vals = [payload(k, 96 * KiB + 512 * (i % 3)) for i, k in enumerate(keys)]  # ~24 MiB: 2 parts, some bounced
     assert await st.put_many(keys, vals) == [True] * len(keys)
-    assert len(read_parts(np.asarray([len(v) for v in vals], np.int64))[0]) > 5
+    assert len(read_parts(np.asarray([len(v) for v in vals], np.int64))[0]) > 2
     damage_object(store_dir, st, "p50", 100, b"\xde\xad")
     outs = [np.zeros(len(v), np.uint8) for v in vals]
     assert await st.get_many(keys, outs) == [k != "p50" for k in keys]
@@ -58,8 +58,8 @@ async def test_a_cancelled_get_waits_for_every_part_in_flight(store_dir):
     hooks = EngineHooks()
     st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=96 * MiB, ssd_segment_size_bytes=8 * MiB),
                               engine_factory=hooks.engine_factory())  # fmt: skip
-    keys = [f"c{i}" for i in range(256)]
-    vals = [payload(k, 128 * KiB) for k in keys]  # 32 MiB: 8 parts
+    keys = [f"c{i}" for i in range(224)]
+    vals = [payload(k, 256 * KiB) for k in keys]  # 56 MiB: 4 parts
     assert await st.put_many(keys, vals) == [True] * len(keys)
     release, started, in_flight = asyncio.Event(), [], [0]
 
@@ -79,20 +79,83 @@ async def test_a_cancelled_get_waits_for_every_part_in_flight(store_dir):
             in_flight[0] -= 1
 
     hooks.read = hold_third
-    outs = [np.zeros(128 * KiB, np.uint8) for _ in keys]
+    outs = [np.zeros(256 * KiB, np.uint8) for _ in keys]
     task = asyncio.ensure_future(st.get_many(keys, outs))
-    # all parts submitted at once; the other seven end, one stays held (a real read each: no bound)
-    assert await until(lambda: len(started) == 8 and in_flight[0] == 1, 30)
+    # all parts submitted at once; the other three end, one stays held (a real read each: no bound)
+    assert len(read_parts(np.full(len(keys), 256 * KiB, np.int64))[0]) == 5
+    assert await until(lambda: len(started) == 4 and in_flight[0] == 1, 30)
     task.cancel()
     for _ in range(20):
         await asyncio.sleep(0.005)
-    assert not task.done()  # the held part may still write outs[64:96]
+    assert not task.done()  # the held part may still write outs[112:168]
     release.set()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert in_flight[0] == 0
     hooks.read = None
-    outs = [np.zeros(128 * KiB, np.uint8) for _ in keys]
+    outs = [np.zeros(256 * KiB, np.uint8) for _ in keys]
     assert await st.get_many(keys, outs) == [True] * len(keys)  # nothing left pinned or broken
     assert all(np.array_equal(o, v) for o, v in zip(outs, vals))
     await st.close()
+
+
+async def test_one_part_checked_in_chunks_on_the_loop_catches_damage_in_every_chunk(store_dir):
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=96 * MiB, ssd_segment_size_bytes=8 * MiB))
+    keys = [f"q{i}" for i in range(256)]
+    vals = [payload(k, 64 * KiB) for k in keys]  # 16 MiB: one part, four CRC calls of 4 MiB
+    assert read_parts(np.full(256, 64 * KiB, np.int64)) == ([0, 256], 1)
+    assert 256 * 64 * KiB // get_path.INLINE_VERIFY_BYTES == 4 and 256 * 64 * KiB <= get_path.INLINE_PART_BYTES
+    assert await st.put_many(keys, vals) == [True] * len(keys)
+    bad = {0, 63, 64, 130, 255}  # the first and last object, both sides of a chunk's edge
+    for i in bad:
+        damage_object(store_dir, st, keys[i], 4096 * (i % 16), b"\x01")
+    outs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
+    assert await st.get_many(keys, outs) == [i not in bad for i in range(256)]
+    assert all(np.array_equal(outs[i], vals[i]) for i in range(256) if i not in bad)
+    assert st.stats()["crc_errors"] == len(bad)
+    await st.close()
+
+
+async def test_a_cancelled_one_part_get_returns_only_once_its_read_ended(store_dir):
+    hooks = EngineHooks()
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=96 * MiB, ssd_segment_size_bytes=8 * MiB),
+                              engine_factory=hooks.engine_factory())  # fmt: skip
+    keys = [f"o{i}" for i in range(32)]
+    vals = [payload(k, 64 * KiB) for k in keys]  # 2 MiB: one part
+    assert read_parts(np.full(len(keys), 64 * KiB, np.int64)) == ([0, len(keys)], 1)
+    assert await st.put_many(keys, vals) == [True] * len(keys)
+    release, started, in_flight = asyncio.Event(), [], [0]
+
+    async def hold(real, *a):
+        """The read behaves like one the kernel still owns: cancelling it waits for the release."""
+        started.append(len(a[3]))
+        in_flight[0] += 1
+        try:
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                await release.wait()
+                raise
+            return await real(*a)
+        finally:
+            in_flight[0] -= 1
+
+    hooks.read = hold
+    outs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
+    task = asyncio.ensure_future(st.get_many(keys, outs))
+    assert await until(lambda: started == [len(keys)] and in_flight[0] == 1, 30)
+    task.cancel()
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+    assert not task.done()  # the read may still write every buffer
+    assert st.stats()["pinned_slots"] == len(keys)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert in_flight[0] == 0 and st.stats()["pinned_slots"] == 0
+    hooks.read = None
+    outs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
+    assert await st.get_many(keys, outs) == [True] * len(keys)
+    assert all(np.array_equal(o, v) for o, v in zip(outs, vals))
+    await st.close()
+

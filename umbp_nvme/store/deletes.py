@@ -100,10 +100,24 @@ class DeleteSteps:
         w = self.writer
         if not rows:
             return True
-        keys = [w.rows.key[r] for r in rows]
-        was_live = [(r, k) for r, k in zip(rows, keys) if w.keys.get(k) == r]
-        for _, k in was_live:
-            del w.keys[k]  # invisible to new readers first: nothing new pins these rows
+        # the rows' keys from their records, in one pass (the key table holds only hashes: keymap.py)
+        keys = [w.drop_doubt.get(r) if w.drop_doubt and r in w.drop_doubt else None for r in rows]
+        ask = [j for j, k in enumerate(keys) if k is None]
+        if ask:
+            for j, k in zip(ask, w.keys.keys_of([rows[j] for j in ask])):
+                keys[j] = k
+        if None in keys:  # neither its record nor the index names it: nothing to delete by (logged)
+            lost = [r for r, k in zip(rows, keys) if k is None]
+            log.error("%s: %d rows to drop have no key on disk; hidden, their slots kept", self.path, len(lost))
+            w.keys.unmap(lost)
+            w.rows.live[lost] = False
+            rows = [r for r, k in zip(rows, keys) if k is not None]
+            keys = [k for k in keys if k is not None]
+            if not rows:
+                return False
+        mapped = w.keys.mapped(rows)
+        was_live = [(r, k) for r, k, m in zip(rows, keys, mapped.tolist()) if m]
+        w.keys.unmap([r for r, _ in was_live])  # invisible to new readers first: nothing new pins these rows
         if w.residency is not None:
             w.residency.hidden([k for _, k in was_live])
         w.rows.live[rows] = False

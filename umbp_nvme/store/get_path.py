@@ -36,9 +36,11 @@ READ_PARTS_IN_FLIGHT = 3  # read sub-batches submitted at a time (see _read)
 # submission of the whole batch (merged into 4 MiB requests, which that disk served slower). A part costs ~40-50 us of CPU (its engine
 # batch, a wait, a verify call): on a RAM-backed device (issue 36) 16 parts of 1 MiB cost 13.6 us
 # per 64 KiB object, 4 of 4 MiB 11.5 us; on the virtio disk 4 MiB parts moved 0.87x the raw engine
-# against 0.82x for 1 MiB ones in the same hour (docs/benchmarks.md).
+# against 0.82x for 1 MiB ones in the same hour (docs/benchmarks.md). One 16 MiB part checked on
+# the loop thread (INLINE_PART_BYTES) then cost 0.84x the CPU of four 4 MiB parts on the RAM device
+# and moved more bytes (one process, batches alternated).
 SMALL_BATCH_BYTES = 64 << 20
-PART_BYTES = 4 << 20
+PART_BYTES = 16 << 20
 SMALL_PARTS_MAX = 32
 # Verification of the objects whose reads completed: a part of up to INLINE_VERIFY_BYTES on the loop thread
 # (one C call, GIL released: handing them to a worker and back costs ~200 us of CPU, more than the
@@ -46,6 +48,10 @@ SMALL_PARTS_MAX = 32
 # set between the loop and a worker gained nothing here: two cores checking freshly read memory
 # each ran at half speed.)
 INLINE_VERIFY_BYTES = 4 << 20
+# A part of up to INLINE_PART_BYTES with nothing bounced is checked on the loop thread too, in
+# calls of INLINE_VERIFY_BYTES with the loop turning between them: the worker hop cost more CPU
+# than the CRC of a 16 MiB part's last chunk blocks the loop (issue 36, RAM device).
+INLINE_PART_BYTES = 16 << 20
 
 
 def part_bounds(m: int, nbytes: int) -> list[int]:
@@ -164,12 +170,17 @@ class GetPath:
             except OSError as e:
                 for j in range(m_host, m):
                     refused.add(keys[int(b.idx[j])], str(e))
+        conf = await self._confirm_begin(b, keys)  # writers: the rows' records read beside the data (keymap.py)
         outcome = await self._read(b, m_host, route)
         if outcome is None:
             return  # timed out: counted and logged by _await_io
         good, verified = outcome
         if self.writer is None:
             verified &= self._unchanged(b, keys)
+        else:  # another key's row (a hash collision): a miss, neither a hit nor damage
+            mine = await conf
+            good &= mine
+            verified &= mine
         await self._account(b, keys, good, verified, results, refused)
 
     async def _read(self, b: ReadBatch, m_host: int, route):
@@ -219,6 +230,8 @@ class GetPath:
         the objects of each part as soon as its read completes, so the CRC overlaps the rest's I/O.
         Raises the first part's failure (a TimeoutError first) once no part is in flight."""
         bounds, window = read_parts(b.lens[:m_host])
+        if len(bounds) == 2:
+            return await self._read_one_part(b, plan, m_host, good, verified)
         todo = list(zip(bounds, bounds[1:]))[::-1]
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         running: dict[asyncio.Future, tuple[int, int, asyncio.Future]] = {}  # wait -> (lo, hi, engine batch)
@@ -239,11 +252,11 @@ class GetPath:
                     ready.append(np.arange(lo, hi))
                 # refill the window before verifying: the device works while the CRCs run
                 self._start_parts(b, plan, todo, running, window - len(running) if not failures else 0, deadline)
-                # parts small enough to check on the loop thread one by one (the loop turns
-                # between them), the rest together on a worker: a hop costs ~100-200 us of CPU
+                # parts small enough to check on the loop thread one by one (in chunks, the loop
+                # turns between them), the rest together on a worker: a hop costs ~100-200 us of CPU
                 late = []
                 for k, sel in enumerate(ready):
-                    if plan.bounced or int(b.lens[sel].sum()) > INLINE_VERIFY_BYTES:
+                    if plan.bounced or int(b.lens[sel].sum()) > INLINE_PART_BYTES:
                         late.append(sel)
                         continue
                     if k:
@@ -263,6 +276,18 @@ class GetPath:
             raise
         if failures:
             raise next((e for e in failures if isinstance(e, asyncio.TimeoutError)), failures[0])
+
+    async def _read_one_part(self, b: ReadBatch, plan, m: int, good, verified) -> None:
+        """_read_parts for a batch read in one part (the common small batch): its engine batch
+        awaited directly, no wait task or asyncio.wait per part (each costs loop turns)."""
+        io = asyncio.ensure_future(self.state.read_engine.read_many(
+            self.state.files.batch(b.segs[:m]), b.offs[:m], plan.io_addr[:m], plan.io_len[:m]))  # fmt: skip
+        res = await self._await_io(io, "read", b.segs[:m], self.timeout_s)  # returns once the batch has ended
+        if res is None:
+            raise asyncio.TimeoutError
+        sel = np.arange(m)
+        good[:m] = ok = res >= b.lens[:m]  # the object must come back whole; more is padding
+        verified[:m] = await self._verify(b, plan, sel, ok)
 
     def _start_parts(self, b: ReadBatch, plan, todo: list, running: dict, k: int, deadline: float) -> None:
         """Start up to k parts from ``todo``: their engine batches first, so the next loop step
@@ -284,8 +309,8 @@ class GetPath:
         CRCs checked, on the loop thread when small and nothing is bounced, else on a worker."""
         if not self.verify_crc and not plan.bounced:
             return ok
-        if not plan.bounced and int(b.lens[sel].sum()) <= INLINE_VERIFY_BYTES:
-            return self._check(b, plan, sel, ok)
+        if not plan.bounced and int(b.lens[sel].sum()) <= INLINE_PART_BYTES:
+            return await self._check_inline(b, sel, ok)
         # the thread copies into the caller's memory: wait_out keeps us here until it has ended
         return await wait_out(asyncio.get_running_loop().run_in_executor(None, self._check, b, plan, sel, ok))
 
@@ -296,6 +321,22 @@ class GetPath:
         if res is None:
             raise asyncio.TimeoutError
         return res
+
+    async def _check_inline(self, b: ReadBatch, sel: np.ndarray, ok: np.ndarray) -> np.ndarray:
+        """CRCs of ops ``sel`` (nothing bounced) on the loop thread, one C call per
+        INLINE_VERIFY_BYTES or so, other tasks running between the calls."""
+        lens = b.lens[sel]
+        got = np.empty(len(sel), np.uint32)
+        ends = np.cumsum(lens)
+        lo, m = 0, len(sel)
+        while lo < m:
+            start = int(ends[lo] - lens[lo])
+            hi = max(lo + 1, int(np.searchsorted(ends, start + INLINE_VERIFY_BYTES, "right")))
+            if lo:
+                await asyncio.sleep(0)
+            self.state.crc32c_many(b.dst[sel[lo:hi]], lens[lo:hi], got[lo:hi])
+            lo = hi
+        return ok & ((got == b.crcs[sel]) | ((b.flags[sel] & FLAG_CRC) == 0))
 
     def _check(self, b: ReadBatch, plan, sel: np.ndarray, ok: np.ndarray) -> np.ndarray:
         """Copy bounced objects of ``sel`` out, then check their CRCs in one C call (a worker

@@ -8,6 +8,8 @@ Reads: writer.keys and writer.rows (writers), state.watch and state.index (reade
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from ..keybytes import encode_key, key_error
@@ -51,7 +53,8 @@ class Lookups:
         if self._loading():  # loading.py: nothing is served before it was loaded and checked
             self._loading_misses(len(keys))
             return [False] * len(keys)
-        return (self.writer.keys.rows(keys) >= 0).tolist()  # a key that is not a str is absent
+        # from the hash alone: a false positive is a miss on get, at N / 2**63 per absent key (keymap.py)
+        return self.writer.keys.present(keys).tolist()  # a key that is not a str is absent
 
     def exists_prefix_nowait(self, keys: list[str]) -> int:
         """``exists_prefix`` without the event loop: callable from any thread (reads the index directly)."""
@@ -140,7 +143,8 @@ class Lookups:
         )
 
     def _lookup(self, keys) -> ReadBatch | None:
-        """The stored objects among ``keys`` (None when there is none)."""
+        """The stored objects among ``keys`` (None when there is none). A writer's rows are its key
+        table's candidates: a get confirms them while it reads (``_confirm_begin``)."""
         if self.writer is None:
             b = self._lookup_reader(keys)
             if b is None:
@@ -149,7 +153,44 @@ class Lookups:
                 if not self.state.files.ensure(s):
                     b.keep(b.segs != s)
             return b if len(b) else None
-        rows = self.writer.keys.rows(keys)
+        km = self.writer.keys
+        rows = km.candidates(keys)
+        hit = np.flatnonzero(rows >= 0)
+        if len(hit):
+            hk = keys if len(hit) == len(keys) else [keys[i] for i in hit.tolist()]
+            multi = np.flatnonzero(km.candidates(hk, 1) >= 0)
+            for j in multi.tolist():  # a hash shared by stored keys (rare): the key's own row, confirmed now
+                rows[hit[j]] = km.get(hk[j], -1)
+        return self._batch_of_rows(rows)
+
+    async def _confirm_begin(self, b: ReadBatch, keys):
+        """Writers: a task answering, per object of ``b``, whether its row holds the key (a hash hit
+        is a candidate: keymap.py): held long keys in memory, the others by their records, read
+        while the data is (row_keys.py). None for readers (their index lookup compared the key)."""
+        if self.writer is None:
+            return None
+        task = asyncio.ensure_future(self._confirmed(b, keys))
+        await asyncio.sleep(0)  # it submits its few record reads now, ahead of the data's (a full ring queues the rest)
+        return task
+
+    async def _confirmed(self, b: ReadBatch, keys) -> np.ndarray:
+        km = self.writer.keys
+        rows = b.rows
+        ks = [keys[i] for i in b.idx.tolist()]
+        held = km.held(rows)
+        ok = np.zeros(len(rows), bool)
+        if held.any():  # keys longer than a record holds: compared in memory
+            ok[held] = km.confirm([ks[j] for j in np.flatnonzero(held).tolist()], rows[held])
+        if not held.all() and km.source is not None:
+            rest = np.flatnonzero(~held)
+            ok[rest] = await km.source.confirm_reads(ks if len(rest) == len(ks) else [ks[j] for j in rest.tolist()],
+                                                     rows[rest])  # fmt: skip
+        no = np.flatnonzero(~ok)
+        if len(no):  # a collision, or a record that disagrees with the index (damage): the index decides
+            ok[no] = km.confirm([ks[j] for j in no.tolist()], rows[no])
+        return ok
+
+    def _batch_of_rows(self, rows) -> ReadBatch | None:
         if not len(rows):
             return None
         hit = rows >= 0

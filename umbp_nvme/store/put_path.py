@@ -216,8 +216,8 @@ class PutPath:
             return None
         if max(map(len, keys)) > self.state.index.max_key_bytes:  # the caller checked: ASCII, len == bytes
             return None
-        known = self.writer.keys
-        if any(map(known.__contains__, keys)) or len(set(keys)) != n:
+        # one native lookup for the batch (a Python call per key cost ~0.2 us each)
+        if int(self.writer.keys.rows(keys).max()) >= 0 or len(set(keys)) != n:
             return None
         pair = self.state.memory.resolve_pairs(buffers)
         if pair is None:

@@ -32,7 +32,7 @@ class PutPublish:
                 pub_idx = range(m) if full else b.todo[pj].tolist()
                 pub_keys = b.keys if full else [b.keys[i] for i in pub_idx]
                 kd = self.writer.keys
-                if any(map(kd.__contains__, pub_keys)):
+                if len(pub_keys) and int(kd.rows(pub_keys).max()) >= 0:  # published meanwhile: one native lookup
                     keep = [t for t, k in enumerate(pub_keys) if k not in kd]
                     pj = pj[keep]
                     pub_idx = [pub_idx[t] for t in keep]

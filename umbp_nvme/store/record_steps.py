@@ -17,13 +17,13 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreError
-from ..keybytes import encode_key
 from . import layout
 from .checks import encode_all
 from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, Index, key_crcs, wrap_lmdb_error
 from .layout import MANIFEST_FILE
 from .rebuild import boot_id, clear_area, rebuild_index, write_area
-from .records import R_CONFIRMED, R_VALID, RecordAreas, confirmed_copy, make_records, record_values
+from .row_keys import WriterKeys
+from .records import R_VALID, RecordAreas, confirmed_copy, make_records, record_values
 from .segments import segment_name
 from .state import OpenFacts
 from .staging import wait_out
@@ -200,9 +200,17 @@ class RecordSteps:
         confirmed, then every area is written and synced. A clean open writes nothing.
         """
         self.writer.areas = RecordAreas(self.segment_bytes, self._segment_records)
+        src = self.writer.keys.source = WriterKeys(self)  # the keys are on disk, their hashes in memory
         n = len(keys)
         if not (o.migrate or o.rebuilt or o.unclean):
             return
+        src.open_keys = keys  # rows 0..n-1 hold these while every area is written
+        try:
+            self._write_all_areas(o, n)
+        finally:
+            src.open_keys = None
+
+    def _write_all_areas(self, o: OpenFacts, n: int) -> None:
         t0 = time.perf_counter()
         segs = sorted(self.state.files.files)
         self.writer.areas.load_all(segs)
@@ -227,17 +235,9 @@ class RecordSteps:
         o.migrate = False
 
     def _segment_records(self, seg: int):
-        """The sealed records of segment ``seg``'s published objects, from the rows (all confirmed:
-        a clean close confirmed them on disk; other opens write every area before serving)."""
-        t = self.writer.rows
-        n = t.n
-        rows = np.flatnonzero(t.live[:n] & (t.seg[:n] == seg))
-        if not len(rows):
-            return None
-        kb = t.index.key_bytes_of
-        enc = [kb(r) for r in rows.tolist()]
-        return make_records(t.seg[rows], t.off[rows], t.len[rows], t.gen[rows], t.crc[rows], t.depth[rows],
-                            key_crcs(enc), enc, R_VALID | R_CONFIRMED)  # fmt: skip
+        """The sealed records of segment ``seg``'s published objects (row_keys.py): from the open's
+        index scan while it writes every area, else from the segment's own records."""
+        return self.writer.keys.source.segment_records(seg)
 
     def _rebuild_from_segments(self, ipath: str, map_size: int, why: str, o: OpenFacts, *, damaged: bool) -> None:
         """Write a new index from the segments' records, marked as this writer's, and put it at

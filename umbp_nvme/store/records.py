@@ -168,6 +168,10 @@ class RecordAreas:
         if recs is not None and len(recs):
             self.put(recs)
 
+    def loaded(self, seg: int) -> bool:
+        """Whether segment ``seg``'s area is in memory (then it, not the disk, holds the truth)."""
+        return seg in self._loaded
+
     def size_class(self, seg: int) -> int | None:
         """The size class segment ``seg``'s area holds records for (its records loaded first); None: no area."""
         self._ensure(seg)

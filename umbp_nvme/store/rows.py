@@ -2,10 +2,11 @@
 
 A row holds where the object lives (segment, offset, length), what to check (crc, flags), when
 it was put (generation) and used (tick), its prefix depth, how many reads have it pinned, and
-whether it is live (in the index). ``index`` maps key -> row and ``key[r]`` is row r's key, both
-in the native key table (keymap.py): no Python object per row. Columns are as narrow as their
-values allow (46 bytes a row); they grow by a quarter, not double, so a full node's table keeps
-little slack. Rows of deleted keys are reused; a row still pinned by a read keeps its slot until
+whether it is live (in the index). ``index`` maps key -> row (a hash per row in the native key
+table, confirmed against the key on disk: keymap.py) and ``key[r]`` is row r's key, read from its
+record (row_keys.py): no Python object and no key bytes in memory per row. Columns are as narrow as their
+values allow (42 bytes a row: the offset is kept in 4 KiB units, ``off`` reads and writes bytes);
+they grow by a quarter, not double, so a full node's table keeps little slack. Rows of deleted keys are reused; a row still pinned by a read keeps its slot until
 the read ends (``dead_pinned``). Loop thread only, except ``index`` lookups (keymap.py).
 
 State: its own (the table); a writer's is writer.rows (writer.keys is its key map).
@@ -16,10 +17,11 @@ from __future__ import annotations
 import numpy as np
 
 from .keymap import KeyMap, PackedKeys, RowKeys
+from .records import KEY_INLINE
 
 COLUMNS = (
     ("seg", np.int32),  # segment numbers come from capacity // segment bytes: far below 2**31
-    ("off", np.int64),
+    ("off_4k", np.uint32),  # offset / 4 KiB (slots are 4 KiB-aligned; 2**32 of them reach 16 TiB > segments' 1 TiB)
     ("len", np.uint32),  # object bytes; records hold them as uint32 too
     ("crc", np.uint32),
     ("flags", np.uint8),  # FLAG_CRC | FLAG_KEYCRC
@@ -30,6 +32,29 @@ COLUMNS = (
     ("live", bool),
 )
 ROWS_MIN = 1024
+OFF_SHIFT = 12  # the offset column's unit: SLOT_ALIGN_BYTES
+
+
+class ByteOffsets:
+    """``rows.off``: the offset column in bytes (int64) over its 4 KiB units, for reads and writes."""
+
+    __slots__ = ("_a",)
+
+    def __init__(self, a: np.ndarray):
+        self._a = a
+
+    def __getitem__(self, i):
+        v = self._a[i]
+        return v.astype(np.int64) << OFF_SHIFT if isinstance(v, np.ndarray) else int(v) << OFF_SHIFT
+
+    def __setitem__(self, i, v) -> None:
+        v = np.asarray(v, np.int64)
+        if (v & ((1 << OFF_SHIFT) - 1)).any():
+            raise ValueError("object offsets are 4 KiB-aligned")
+        self._a[i] = v >> OFF_SHIFT
+
+    def __len__(self) -> int:
+        return len(self._a)
 
 
 class RowTable:
@@ -39,7 +64,7 @@ class RowTable:
         """Rows for ``keys`` (str, their bytes, or PackedKeys) and their index records ``recs``; ``free_slot(seg,
         off)`` gives a slot back."""
         n = len(keys)
-        cap = max(ROWS_MIN, n + n // 16)  # little slack at a full node's size: puts grow it by a quarter
+        cap = max(ROWS_MIN, n + n // 64)  # little slack at a full node's size: puts grow it by a quarter
         for name, dtype in COLUMNS:
             setattr(self, name, np.zeros(cap, dtype))
         if n:
@@ -52,7 +77,7 @@ class RowTable:
             self.depth[:n] = recs["depth"]
             self.tick[:n] = recs["generation"]  # LRU order after a restart: put order
             self.live[:n] = True
-        self.index = KeyMap()
+        self.index = KeyMap(held_over=KEY_INLINE)  # longer keys than a record holds stay in memory
         if isinstance(keys, PackedKeys):
             self.index.load(keys)
         elif n:
@@ -62,6 +87,10 @@ class RowTable:
         self.free: list[int] = []
         self.dead_pinned: set[int] = set()  # deleted rows whose slot waits for a read to finish
         self._free_slot = free_slot
+
+    @property
+    def off(self) -> ByteOffsets:
+        return ByteOffsets(self.off_4k)
 
     def new(self, k: int) -> np.ndarray:
         """k unused rows (reused ones first)."""
@@ -87,13 +116,16 @@ class RowTable:
 
     def release(self, rows) -> None:
         """Give back the slots of rows already gone from the index (deferred while pinned)."""
+        gone = []
         for r in rows:
             if self.pins[r] > 0:
                 self.dead_pinned.add(r)
             else:
                 self._free_slot(int(self.seg[r]), int(self.off[r]))
-                self.index.forget_row(r)
-                self.free.append(r)
+                gone.append(r)
+        if gone:
+            self.index.forget_rows(gone)
+            self.free.extend(gone)
 
     def pin(self, rows: np.ndarray) -> None:
         np.add.at(self.pins, rows, 1)

@@ -1,0 +1,126 @@
+"""Forced hash collisions through a real store (issue 36): the writer keeps only a hash per key,
+so every hit is confirmed against the key on disk. With the hash narrowed to a few bits (the
+test seam KeyMap.narrow_bits_for_tests, applied to every map opened meanwhile, reopens too),
+get never serves another key's bytes, delete never removes another key, a put never overwrites
+another key, and eviction deletes exactly the evicted keys' index entries."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import KiB, MiB, payload, small_config
+from umbp_nvme.store import PageStore
+from umbp_nvme.store.index import INDEX_FILE, Index
+from umbp_nvme.store.keymap import KeyMap
+
+
+@pytest.fixture
+def narrow(request):
+    KeyMap.narrow_bits_for_tests = getattr(request, "param", 2)  # 4 hash values for every key
+    yield KeyMap.narrow_bits_for_tests
+    KeyMap.narrow_bits_for_tests = None
+
+
+def index_keys(store_dir: str) -> list[str]:
+    ix = Index(os.path.join(store_dir, INDEX_FILE), readonly=True, map_size=1 << 30, durable=False)
+    try:
+        return sorted(ix.scan()[0])
+    finally:
+        ix.close()
+
+
+async def read(st, keys, nbytes):
+    outs = [np.full(nbytes, 0xAA, np.uint8) for _ in keys]
+    res = await st.get_many(keys, outs)
+    return res, outs
+
+
+@pytest.mark.parametrize("narrow", [0, 2], indirect=True)
+async def test_a_get_of_a_colliding_absent_key_misses(store_dir, narrow):
+    st = await PageStore.open(store_dir, small_config())
+    assert await st.put_many(["a"], [payload("a", 8 * KiB)]) == [True]
+    res, outs = await read(st, ["b", "c", "d", "e", "a"], 8 * KiB)
+    # a miss: the record of a's row names a, not them (the read runs beside the record's, so a
+    # missed key's buffer may hold a's bytes, as get_many allows for any False)
+    assert res == [False, False, False, False, True]
+    assert bytes(outs[4]) == bytes(payload("a", 8 * KiB))
+    assert st.generation_of("b") == -1 and st.generation_of("a") > 0
+    assert st.stats()["objects"] == 1 and st.stats()["crc_errors"] == 0  # not taken for damage: nothing dropped
+    await st.close()
+    st = await PageStore.open(store_dir, small_config())  # reopened: a's record is read from its segment
+    assert not st.writer.areas.loaded(int(st.writer.rows.seg[0]))
+    res, outs = await read(st, ["b", "c", "d", "e", "a"], 8 * KiB)
+    assert res == [False, False, False, False, True] and bytes(outs[4]) == bytes(payload("a", 8 * KiB))
+    assert st.stats()["objects"] == 1
+    await st.close()
+
+
+async def test_a_put_of_a_colliding_key_keeps_the_other_keys_bytes(store_dir, narrow):
+    st = await PageStore.open(store_dir, small_config())
+    keys = [f"k{i}" for i in range(24)]  # 4 hash values: each shared by ~6 keys
+    for k in keys:  # one by one: each put meets keys of its hash already stored
+        assert await st.put_many([k], [payload(k, 4 * KiB)]) == [True]
+    assert await st.put_many(keys[:5], [payload("other", 4 * KiB)] * 5) == [True] * 5  # re-puts keep the first bytes
+    res, outs = await read(st, keys, 4 * KiB)
+    assert res == [True] * 24
+    assert [bytes(o) for o in outs] == [bytes(payload(k, 4 * KiB)) for k in keys]
+    assert st.stats()["objects"] == 24 and len(st.keys()) == 24 and sorted(st.keys()) == sorted(keys)
+    await st.close()
+
+
+async def test_a_delete_of_a_colliding_key_removes_only_that_key(store_dir, narrow):
+    st = await PageStore.open(store_dir, small_config())
+    keys = [f"d{i}" for i in range(12)]
+    assert await st.put_many(keys, [payload(k, 4 * KiB) for k in keys]) == [True] * 12
+    assert await st.delete_many(["absent1", "absent2", "d3", "d7"]) == [False, False, True, True]
+    res, outs = await read(st, keys, 4 * KiB)
+    assert res == [k not in ("d3", "d7") for k in keys]
+    assert all(bytes(o) == bytes(payload(k, 4 * KiB)) for o, k, ok in zip(outs, keys, res) if ok)
+    await st.close()
+    assert index_keys(store_dir) == sorted(k for k in keys if k not in ("d3", "d7"))
+    st = await PageStore.open(store_dir, small_config())  # the reopen loads colliding hashes too
+    res, outs = await read(st, keys + ["absent1"], 4 * KiB)
+    assert res == [k not in ("d3", "d7") for k in keys] + [False]
+    assert all(bytes(o) == bytes(payload(k, 4 * KiB)) for o, k, ok in zip(outs, keys, res) if ok)
+    assert await st.delete_many(["d4"]) == [True]
+    await st.close()
+    assert "d4" not in index_keys(store_dir) and len(index_keys(store_dir)) == 9
+
+
+async def test_eviction_deletes_the_evicted_keys_entries_and_no_other(store_dir, narrow):
+    cfg = small_config(ssd_capacity_bytes=4 * MiB, ssd_segment_size_bytes=1 * MiB)
+    st = await PageStore.open(store_dir, cfg)
+    keys = [f"e{i}" for i in range(200)]  # ~12 MiB of 64 KiB objects through 4 MiB: most are evicted
+    for lo in range(0, 100, 10):
+        ks = keys[lo : lo + 10]
+        assert await st.put_many(ks, [payload(k, 64 * KiB) for k in ks]) == [True] * 10
+    await st.close()
+    st = await PageStore.open(store_dir, cfg)  # evict rows loaded by a reopen: their keys come from the records
+    for lo in range(100, 200, 10):
+        ks = keys[lo : lo + 10]
+        assert await st.put_many(ks, [payload(k, 64 * KiB) for k in ks]) == [True] * 10
+    assert st.stats()["evictions"] >= 50  # this session: rows of the first (loaded at the reopen) went first
+    held = sorted(st.keys())
+    res, outs = await read(st, keys, 64 * KiB)
+    assert sorted(k for k, ok in zip(keys, res) if ok) == held
+    assert all(bytes(o) == bytes(payload(k, 64 * KiB)) for o, k, ok in zip(outs, keys, res) if ok)
+    await st.close()
+    assert index_keys(store_dir) == held  # every evicted key's entry gone, every kept one there
+
+
+async def test_long_keys_beyond_a_records_inline_bytes_collide_safely(store_dir, narrow):
+    st = await PageStore.open(store_dir, small_config(ssd_capacity_bytes=2 * MiB, ssd_segment_size_bytes=1 * MiB))
+    keys = ["L" * 300 + str(i) for i in range(40)] + [f"s{i}" for i in range(40)]  # 300-byte keys: a record holds 208
+    for lo in range(0, 80, 8):
+        ks = keys[lo : lo + 8]
+        assert await st.put_many(ks, [payload(k, 64 * KiB) for k in ks]) == [True] * 8
+    held = set(st.keys())
+    assert st.stats()["evictions"] > 0 and held <= set(keys)
+    res, outs = await read(st, keys, 64 * KiB)
+    assert {k for k, ok in zip(keys, res) if ok} == held
+    assert all(bytes(o) == bytes(payload(k, 64 * KiB)) for o, k, ok in zip(outs, keys, res) if ok)
+    await st.close()
+    assert set(index_keys(store_dir)) == held

@@ -1,0 +1,272 @@
+"""Where a writer's keys are, now that its memory holds only their hashes (keymap.py, issue 36).
+
+- Confirming a get's candidate rows (``confirm_reads``, the data path): the row's record holds
+  the key (its first KEY_INLINE bytes and length; longer keys are held in memory) and the row's
+  generation. The record is in memory where this session touched the segment; otherwise its 4
+  KiB block is read through the read engine, one read per distinct block, all in one batch (a
+  prefix's pages were put together, so ~16 of them share a block). The LMDB index was the other
+  candidate, but its leaf pages are page cache the VM drops: 256 keys then cost 256 serial page
+  faults on the loop thread (get(256) at 1 M objects went from 7 to 20-24 ms), where the record
+  blocks are read in parallel beside nothing else.
+- Confirming elsewhere (put dedup, delete, generation_of: control paths, synchronous): the LMDB
+  index, which maps the full key to its record: the row is the key's when that record names the
+  row's segment, offset and generation.
+- Naming a row's key (eviction's and delete's index deletes, events, export): the row's record
+  in its segment's area (records.py), which the writer loads from the segment on first use and
+  keeps, as it did before; a record that does not match its row (damage) is looked up in the
+  index by a scan, once per segment.
+
+State: none of its own beyond the references (a writer's is writer.keys.source).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import numpy as np
+
+from ..buffers import AlignedBuffer
+from .index import REC_BYTES, REC_DTYPE
+from .layout import SLOT_ALIGN_BYTES
+from .checks import plain_keys
+from .keymap import storable_bytes
+from .records import (KEY_INLINE, MAGIC, PER_BLOCK, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, block_offset,
+                      make_records, record_crcs, seal, slot_index)  # fmt: skip
+
+log = logging.getLogger("umbp_nvme.store")
+_WHOLE = np.dtype((np.void, RECORD_DTYPE.itemsize))
+WHOLE_AREA_ROWS = 4096  # naming more rows of one segment than this reads its whole area once  # a record as one item: copies in one pass, not field by field
+
+
+class WriterKeys:
+    """The key source of a writer's KeyMap (``keys_of``, ``confirm``) and its areas' loader."""
+
+    def __init__(self, store):
+        self.st = store
+        self.open_keys = None  # the open's index scan (row i's key at i) while it writes every area
+
+    def confirm(self, enc: list[bytes], rows: np.ndarray) -> np.ndarray:
+        """Whether row rows[i] holds key enc[i]: the key's index record names the row's object."""
+        ix = self.st.state.index
+        if ix is None:
+            return np.zeros(len(enc), bool)
+        vals = ix.get_records(enc)
+        ok = np.fromiter((v is not None and len(v) == REC_BYTES for v in vals), bool, len(vals))
+        if not ok.any():
+            return ok
+        j = np.flatnonzero(ok)
+        recs = np.frombuffer(b"".join(vals[i] for i in j.tolist()), REC_DTYPE)
+        t = self.st.writer.rows
+        r = rows[j]
+        ok[j] = (
+            (recs["segment"].astype(np.int64) == t.seg[r])
+            & (recs["offset"].astype(np.int64) == t.off[r])
+            & (recs["generation"] == t.gen[r])
+        )
+        return ok
+
+    async def confirm_reads(self, enc: list, rows: np.ndarray) -> np.ndarray:
+        """Whether row rows[i] holds key enc[i] (str, its bytes, or None: not a storable key), from its record."""
+        t = self.st.writer.rows
+        areas = self.st.writer.areas
+        m = len(rows)
+        recs = np.zeros(m, RECORD_DTYPE)
+        segs = t.seg[rows].astype(np.int64)
+        offs, lens = t.off[rows], t.len[rows]
+        idx = slot_index(offs, lens)
+        disk = np.zeros(m, bool)
+        for s in np.unique(segs).tolist():
+            js = np.flatnonzero(segs == s)
+            if areas is not None and areas.loaded(s):  # this session's records: memory is the truth
+                a = areas.areas.get(s)
+                if a is not None:
+                    ok = idx[js] < len(a)
+                    recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
+            else:
+                disk[js] = True
+        if disk.all():  # after an open: every record from disk, no copy
+            recs = await self._read_records(segs, idx)
+        elif disk.any():
+            recs.view(_WHOLE)[disk] = (await self._read_records(segs[disk], idx[disk])).view(_WHOLE)
+        if plain_keys(enc):  # the common keys (non-empty ASCII str): numpy encodes them in C
+            klen = np.fromiter(map(len, enc), np.int64, m)
+        else:
+            enc = [e if type(e) is bytes or e is None else storable_bytes(e) for e in enc]
+            klen = np.fromiter((-1 if e is None else len(e) for e in enc), np.int64, m)
+            enc = [e or b"" for e in enc]
+        want = np.array(enc, dtype=f"S{KEY_INLINE}")  # cut at KEY_INLINE: the length says the rest
+        return ((recs["magic"] == MAGIC) & ((recs["flags"] & R_VALID) != 0) & (recs["generation"] == t.gen[rows])
+                & (recs["segment"] == segs) & (recs["offset"] == offs) & (recs["key_len"] == klen)
+                & (klen <= KEY_INLINE) & (recs["key"].view(f"S{KEY_INLINE}").reshape(-1) == want))  # fmt: skip
+
+    async def _read_records(self, segs: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """The records of slots ``idx`` of segments ``segs``, read from their 4 KiB blocks (each once)."""
+        blk = idx // PER_BLOCK
+        pairs, inv = np.unique(segs * (1 << 32) + blk, return_inverse=True)  # (segment, block) once each
+        pairs = np.stack([pairs >> 32, pairs & 0xFFFFFFFF], 1)
+        n = len(pairs)
+        raw = np.empty((n + 1) * SLOT_ALIGN_BYTES, np.uint8)  # O_DIRECT: a 4 KiB-aligned slice of it
+        pad = -raw.ctypes.data % SLOT_ALIGN_BYTES
+        arr = raw[pad : pad + n * SLOT_ALIGN_BYTES]
+        files = self.st.state.files
+        foffs = self.st.segment_bytes - (pairs[:, 1] + 1) * SLOT_ALIGN_BYTES  # block_offset, vectorised
+        addrs = np.uint64(arr.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(SLOT_ALIGN_BYTES)
+        read = asyncio.ensure_future(self.st.state.read_engine.read_many(
+            files.batch(pairs[:, 0].copy()), foffs, addrs, np.full(n, SLOT_ALIGN_BYTES, np.int64)))  # fmt: skip
+        read.add_done_callback(lambda _, raw=raw: None)  # the buffer lives until the kernel is done with it
+        try:
+            res = await asyncio.shield(read)
+        except Exception as e:  # noqa: BLE001 - an unreadable record confirms nothing: a miss
+            log.error("%s: reading %d record blocks failed: %r", self.st.path, n, e)
+            res = np.full(n, -5, np.int64)
+        got = np.asarray(res) == SLOT_ALIGN_BYTES
+        inv = np.asarray(inv).reshape(-1)
+        out = np.zeros(len(segs), RECORD_DTYPE)
+        ok = got[inv]
+        if ok.any():
+            at = (inv[ok] * SLOT_ALIGN_BYTES + (idx[ok] % PER_BLOCK) * RECORD_DTYPE.itemsize)
+            out.view(_WHOLE)[ok] = arr.view(_WHOLE)[at // RECORD_DTYPE.itemsize]
+        return out
+
+    def keys_of(self, rows: np.ndarray) -> list[bytes | None]:
+        """Each row's key from its record: in memory where the segment's area is, else its 4 KiB
+        block read from the segment (an area is not loaded for this: 256 B per slot); None where
+        neither the record nor the index names it."""
+        t = self.st.writer.rows
+        areas = self.st.writer.areas
+        m = len(rows)
+        out: list = [None] * m
+        if areas is None or not m:
+            return out
+        segs = t.seg[rows].astype(np.int64)
+        offs, lens = t.off[rows], t.len[rows]
+        idx = slot_index(offs, lens)
+        recs = np.zeros(m, RECORD_DTYPE)
+        disk = np.zeros(m, bool)
+        for s in np.unique(segs).tolist():
+            js = np.flatnonzero(segs == s)
+            if areas.loaded(s):
+                a = areas.areas.get(s)
+                if a is not None:
+                    ok = idx[js] < len(a)
+                    recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
+            elif len(js) > WHOLE_AREA_ROWS:  # many of its rows (a listing): the whole area in one read, not kept
+                a = self._area_from_disk(s)
+                ok = idx[js] < len(a)
+                recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
+            else:
+                disk[js] = True
+        if disk.any():
+            recs[disk] = self._pread_records(segs[disk], idx[disk])
+        good = ((recs["flags"] & R_VALID) != 0) & (recs["magic"] == MAGIC) & (recs["generation"] == t.gen[rows]) & (
+            recs["offset"] == offs) & (recs["segment"] == segs) & ((recs["flags"] & R_KEY_TRUNC) == 0)  # fmt: skip
+        kl = recs["key_len"].astype(np.int64).tolist()
+        missing = []
+        for j, (k, n, g) in enumerate(zip(recs["key"], kl, good.tolist())):
+            if g:
+                out[j] = k[:n].tobytes()
+            else:
+                missing.append(j)
+        if missing:
+            for j, e in zip(missing, self.keys_by_index(rows[missing])):
+                out[j] = e
+        return out
+
+    def _area_from_disk(self, seg: int) -> np.ndarray:
+        from .rebuild import read_area
+        from .segments import segment_name
+
+        try:
+            return read_area(os.path.join(self.st.path, segment_name(seg)), self.st.segment_bytes)[0]
+        except OSError as e:
+            log.error("%s: reading the records of segment %d failed: %s", self.st.path, seg, e)
+            return np.zeros(0, RECORD_DTYPE)
+
+    def _pread_records(self, segs: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """The records of slots ``idx`` of segments ``segs``, each 4 KiB block read once (pread: the
+        control paths that name a row's key are synchronous)."""
+        out = np.zeros(len(segs), RECORD_DTYPE)
+        blk = idx // PER_BLOCK
+        buf = AlignedBuffer(SLOT_ALIGN_BYTES)  # O_DIRECT: 4 KiB-aligned
+        files = self.st.state.files
+        order = np.lexsort((blk, segs))
+        cut = np.flatnonzero(np.diff(segs[order]) | np.diff(blk[order])) + 1
+        for js in np.split(order, cut) if len(order) else ():  # one group per (segment, block), in file order
+            s, b = int(segs[js[0]]), int(blk[js[0]])
+            try:
+                n = os.preadv(int(files.fds[s]), [buf.array], block_offset(self.st.segment_bytes, b))
+            except OSError as e:
+                log.error("%s: reading a record block of segment %d failed: %s", self.st.path, s, e)
+                continue
+            if n == SLOT_ALIGN_BYTES:
+                out[js] = buf.array.view(RECORD_DTYPE)[idx[js] % PER_BLOCK]
+        return out
+
+    def keys_by_index(self, rows: np.ndarray) -> list[bytes | None]:
+        """Damage only (a record that does not name its row's key): the rows' keys by a scan of the index
+        (its records name segment, offset, generation)."""
+        t = self.st.writer.rows
+        log.error("%s: %d rows' records do not name their keys; looking them up in the index", self.st.path, len(rows))
+        try:
+            keys, recs = self.st.state.index.scan()
+        except Exception as e:  # noqa: BLE001
+            log.error("%s: scanning the index failed: %s", self.st.path, e)
+            return [None] * len(rows)
+        where = {(int(s), int(o), int(g)): i for i, (s, o, g) in
+                 enumerate(zip(recs["segment"].tolist(), recs["offset"].tolist(), recs["generation"].tolist()))}
+        out = []
+        for r in rows.tolist():
+            i = where.get((int(t.seg[r]), int(t.off[r]), int(t.gen[r])))
+            k = None if i is None else keys[i]
+            out.append(k.encode("utf-8", "surrogateescape") if type(k) is str else k)
+        return out
+
+    def segment_records(self, seg: int):
+        """The sealed records of segment ``seg``'s published objects, all confirmed (a clean close
+        confirmed them on disk; other opens write every area before serving, from ``open_keys``:
+        the index scan, row i's key at i). After an open: the segment's own records of its live rows."""
+        t = self.st.writer.rows
+        n = t.n
+        rows = np.flatnonzero(t.live[:n] & (t.seg[:n] == seg))
+        if not len(rows):
+            return None
+        open_keys = self.open_keys
+        if open_keys is not None:
+            enc = [self.st.writer.keys.key_bytes_of(r) if r >= len(open_keys) else _bytes(open_keys[r])
+                   for r in rows.tolist()]  # fmt: skip
+            return _made(t, rows, enc)
+        area = self._area_from_disk(seg)
+        idx = slot_index(t.off[rows], t.len[rows])
+        inside = idx < len(area)
+        rec = np.zeros(len(rows), area.dtype)
+        rec[inside] = area[idx[inside]]
+        good = inside & (rec["magic"] == MAGIC) & ((rec["flags"] & R_VALID) != 0)
+        good &= (rec["segment"] == seg) & (rec["offset"] == t.off[rows]) & (rec["length"] == t.len[rows])
+        good &= (rec["generation"] == t.gen[rows]) & (record_crcs(np.ascontiguousarray(rec)) == rec["rcrc"])
+        rec = rec[good]
+        unconf = (rec["flags"] & R_CONFIRMED) == 0
+        if unconf.any():
+            rec["flags"] |= R_CONFIRMED
+            seal(rec)
+        bad = rows[~good]
+        if len(bad):
+            log.error("%s: %d records of segment %d do not match the index; rewritten from it", self.st.path,
+                      len(bad), seg)  # fmt: skip
+            enc = self.keys_by_index(bad)
+            keep = np.fromiter((e is not None for e in enc), bool, len(enc))
+            if keep.any():
+                rec = np.concatenate([rec, _made(t, bad[keep], [e for e in enc if e is not None])])
+        return rec
+
+
+def _bytes(k) -> bytes:
+    return k.encode("utf-8", "surrogateescape") if type(k) is str else bytes(k)
+
+
+def _made(t, rows, enc):
+    from .index import key_crcs
+
+    return make_records(t.seg[rows], t.off[rows], t.len[rows], t.gen[rows], t.crc[rows], t.depth[rows],
+                        key_crcs(enc), enc, R_VALID | R_CONFIRMED)  # fmt: skip
