@@ -10,7 +10,10 @@ on a gap, every tier, as Dynamo's indexer does), and Dynamo's own indexer when i
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -23,8 +26,6 @@ from test_kv_events import PAGE, held, keys_of, open_backend, put  # noqa: E402
 
 from umbp_nvme.bench.fleet import free_ports  # noqa: E402
 from umbp_nvme.bench.server_events import DYNAMO_TIER, TierTally  # noqa: E402
-from umbp_nvme.sglang import kv_events  # noqa: E402
-
 WORKER = 1
 
 
@@ -39,9 +40,9 @@ def dynamo_python() -> str | None:
 class Node:
     """One worker: an engine PUB (sglang's publisher) and our backend relaying it, on fixed ports."""
 
-    def __init__(self, tmp_path):
-        self.tmp_path = tmp_path
-        self.engine_port, relay, replay, self.dynamo_port = free_ports(4)
+    def __init__(self, tmp_path, ports=None):
+        self.tmp_path, self.ports = tmp_path, ports or free_ports(4)
+        self.engine_port, relay, replay, self.dynamo_port = self.ports
         self.endpoint, self.replay = f"tcp://127.0.0.1:{relay}", f"tcp://127.0.0.1:{replay}"
         self.extra = {"kv_events_endpoint": f"tcp://*:{relay}", "kv_events_replay_endpoint": self.replay,
                       "kv_events_engine_endpoint": f"tcp://127.0.0.1:{self.engine_port}"}  # fmt: skip
@@ -77,10 +78,42 @@ class Node:
         self.engine.shutdown()
 
 
-def converge(router, indexer, pub, truth: dict) -> tuple[dict, dict]:
+# The worker's next life, in a process of its own (as after a crash): the engine starts (its clear
+# lost), the backend opens on the same store, the engine stores NEW; then it waits for the word to die.
+NEXT_LIFE = """
+import json, pathlib, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from test_kv_events_relay_restart import Node, keys_of, held, OLD, NEW
+n = Node(pathlib.Path(sys.argv[3]), json.loads(sys.argv[4]))
+n.start_engine()
+n.open()
+n.store_blocks(keys_of(NEW, "new"), "GPU", base=5000)
+pub = n.be.publisher
+assert pub.flush(60)
+print(json.dumps({"last_seq": pub.last_seq, "stats": pub.stats, "held": held(n.be, keys_of(OLD, "old"))}), flush=True)
+sys.stdin.readline()
+n.crash()
+"""
+OLD, NEW = 3, 4
+
+
+def next_life(n: Node):
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen([sys.executable, "-c", NEXT_LIFE, here, os.path.dirname(here), str(n.tmp_path),
+                              json.dumps(n.ports)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    line = child.stdout.readline()
+    if not line:
+        child.wait(60)
+        pytest.fail(f"the next life's process ended with {child.returncode} before it published")
+    return child, json.loads(line)
+
+
+def converge(router, indexer, pub, truth: dict, last_seq=None) -> tuple[dict, dict]:
     """What the router and Dynamo hold per tier once ours caught up with everything sent."""
-    assert pub.flush(60)
-    assert router.pump(until_seq=pub.last_seq, timeout_s=60)
+    if pub is not None:
+        assert pub.flush(60)
+        last_seq = pub.last_seq
+    assert router.pump(until_seq=last_seq, timeout_s=60)
     ours = {m: set(router.tiers[m]) for m in truth}
     dyn: dict = {}
     deadline = time.monotonic() + 30
@@ -121,13 +154,13 @@ def node(tmp_path):
             n.engine.shutdown()
 
 
-def test_a_restart_in_the_routers_lease_leaves_no_phantom_engine_block(node, monkeypatch):
+def test_a_restart_in_the_routers_lease_leaves_no_phantom_engine_block(node):
     n, router, indexer = node
     n.start_engine()
     n.open()
     if indexer is not None:
         indexer.register(WORKER, n.endpoint, n.replay)
-    old, old_gpu_only, new = keys_of(3, "old"), keys_of(2, "old-gpu"), keys_of(4, "new")
+    old, old_gpu_only, new = keys_of(OLD, "old"), keys_of(2, "old-gpu"), keys_of(NEW, "new")
     n.store_blocks(old + old_gpu_only, "GPU")
     n.store_blocks(old, "CPU_PINNED", base=1000)
     assert put(n.be, old) == [True] * 3  # on DISK with the engine's tokens
@@ -137,19 +170,21 @@ def test_a_restart_in_the_routers_lease_leaves_no_phantom_engine_block(node, mon
     assert ours == before and (indexer is None or dyn == before)  # the router learnt the first life
 
     n.crash()
-    monkeypatch.setattr(kv_events, "_STREAMS_STARTED", set())  # the next life runs in a new process
-    n.start_engine()  # its start-up clear goes out before our relay subscribes: lost
-    n.open()
-    pub = n.be.publisher
-    n.store_blocks(new, "GPU", base=5000)
-    assert held(n.be, old) == [True] * 3  # the store kept its pages across the crash
-    truth = {"GPU": {sglang_hash(k) for k in new}, "CPU_PINNED": set(), "DISK": disk}
-    ours, dyn = converge(router, indexer, pub, truth)
-    assert phantom_missing(ours, truth) == (0, 0), ours
-    assert pub.stats["start_clears"] == 1 and pub.stats["start_clears_skipped"] == 0
-    assert pub.stats["reannounced_pages"] == 3 and router.stats["unfilled_gaps"] == 0
-    if indexer is not None:
-        assert phantom_missing(dyn, truth) == (0, 0), (dyn, indexer.log_tail())
+    n.be = n.engine = None
+    child, got = next_life(n)
+    try:
+        assert got["held"] == [True] * OLD  # the store kept its pages across the crash
+        truth = {"GPU": {sglang_hash(k) for k in new}, "CPU_PINNED": set(), "DISK": disk}
+        ours, dyn = converge(router, indexer, None, truth, got["last_seq"])
+        assert phantom_missing(ours, truth) == (0, 0), ours
+        stats = got["stats"]
+        assert stats["start_clears"] == 1 and stats["start_clears_skipped"] == 0 and stats["reannounced_pages"] == OLD
+        assert router.stats["unfilled_gaps"] == 0
+        if indexer is not None:
+            assert phantom_missing(dyn, truth) == (0, 0), (dyn, indexer.log_tail())
+    finally:
+        child.communicate("die\n", timeout=60)
+    assert child.returncode == 0
 
 
 def test_publishing_restarted_in_the_same_process_sends_no_clear(node):
