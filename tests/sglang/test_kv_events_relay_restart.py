@@ -211,3 +211,16 @@ def test_publishing_restarted_in_the_same_process_sends_no_clear(node):
     assert pub.stats["reannounced_pages"] == 3
     if indexer is not None:
         assert dyn == truth, indexer.log_tail()
+
+
+@pytest.mark.parametrize("prefer_sglang", [True, False])
+def test_the_start_clear_is_sglangs_all_blocks_cleared_byte_for_byte(prefer_sglang):
+    import msgspec
+
+    from umbp_nvme.sglang.kv_events import Encoder
+
+    payload = Encoder(PAGE, dp_rank=2, prefer_sglang=prefer_sglang).encode_clear()
+    ts, events, dp = msgspec.msgpack.decode(payload)
+    assert events == [{"type": "AllBlocksCleared"}] and dp == 2
+    theirs = W.KVEventBatch(ts=ts, events=[W.AllBlocksCleared()], attn_dp_rank=2)
+    assert payload == msgspec.msgpack.encode(theirs)

@@ -299,8 +299,7 @@ class Publisher:
         self.tokens = None  # kv_relay.PageTokens: relay mode: the tokens of DISK pages
         self.stats = dict.fromkeys(("batches", "stored_pages", "removed_pages", "dropped", "dropped_pages",
                                     "replays", "bad_replay_requests", "reannounced_pages", "reannounced_removed",
-                                    "skipped_no_tokens", "errors", "start_clears", "start_clears_skipped"),
-                                   0)  # fmt: skip
+                                    "skipped_no_tokens", "errors", "start_clears", "start_clears_skipped"), 0)  # fmt: skip
         self._stop = threading.Event()
         self._last_send = time.monotonic()
         self._ctx = zmq.Context()
@@ -366,8 +365,12 @@ class Publisher:
         with self._lock:  # before the re-announcement, which reads it (and before flush answers)
             if self.record is not None:
                 self.record.open()
-            if self._clear_first:  # before any engine frame or DISK page of this life
-                self._send_start_clear()
+            try:
+                if self._clear_first:  # before any engine frame or DISK page of this life
+                    self._send_start_clear()
+            except Exception as e:  # noqa: BLE001 - counted; the events go on
+                self.stats["errors"] += 1
+                log.error("umbp_nvme: KV event publisher: the start clear failed: %r", e)
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay.sock, zmq.POLLIN)
