@@ -30,6 +30,13 @@ served from the buffer meanwhile, and a re-announcement asked for meanwhile star
 Sequence numbers start at the wall clock in microseconds, so a restarted publisher continues above
 its previous run: a subscriber (Dynamo's indexer) sees a gap, asks the replay socket, and gets the
 re-announcement instead of ignoring a sequence that went back to 0 (docs/fleet.md).
+
+Relay mode (kv_relay.py), a new life of the worker: the first publisher of a stream in a process
+(the scheduler started, crashed or restarted) first sends ``AllBlocksCleared``, then re-announces
+DISK. The restarted scheduler's own start-up clear went out before our relay subscribed, and a
+router that kept the worker registered would keep its earlier GPU/CPU blocks. A later publisher of
+the same stream in the same process (``set_kv_events(True)`` after off) sends none: the engine
+still holds its blocks, and a clear would make every one of them missing at the router.
 """
 
 from __future__ import annotations
@@ -65,6 +72,20 @@ KEYS = (
     "kv_events_endpoint", "kv_events_topic", "kv_events_replay_endpoint", "kv_events_queue_max",
     "kv_events_buffer_steps", "kv_events_reannounce", "kv_events_engine_endpoint",
 )  # fmt: skip
+
+
+# (pid, our endpoint) of the relay streams started in this process: the first start is a new life
+# of the worker (a clear first), a later one is not (a fork is a new process: the pid tells)
+_STREAMS_STARTED: set[tuple[int, str]] = set()
+_STREAMS_LOCK = threading.Lock()
+
+
+def _first_start(endpoint: str) -> bool:
+    key = (os.getpid(), endpoint)
+    with _STREAMS_LOCK:
+        first = key not in _STREAMS_STARTED
+        _STREAMS_STARTED.add(key)
+    return first
 
 
 def offset_endpoint_port(endpoint: Optional[str], dp_rank: int) -> Optional[str]:
@@ -214,6 +235,10 @@ class Encoder:
                 out.append(tail)
         return out
 
+    def encode_clear(self) -> bytes:
+        """A batch of one ``AllBlocksCleared``: a tagged map with no other field (sglang's bytes)."""
+        return self.encode([{"type": "AllBlocksCleared"}])
+
     def encode(self, events: list, ts: Optional[float] = None) -> bytes:
         batch = self.batch_cls(ts=time.time() if ts is None else ts, events=events, attn_dp_rank=self.dp_rank)
         return self._enc.encode(batch)
@@ -268,11 +293,13 @@ class Publisher:
         self._lock = threading.Lock()
         self.record = TokenLog(record_paths) if record_paths else None
         self._sync_every_s, self._synced_at = float(record_sync_s), time.monotonic()
+        self._clear_first = False  # relay mode, a new life: send AllBlocksCleared before anything
+        self._clear_seq: Optional[int] = None  # its sequence number, until the re-announcement starts
         self.relay = None  # kv_relay.EngineRelay: the engine's stream, forwarded, and its token ids
         self.tokens = None  # kv_relay.PageTokens: relay mode: the tokens of DISK pages
         self.stats = dict.fromkeys(("batches", "stored_pages", "removed_pages", "dropped", "dropped_pages",
                                     "replays", "bad_replay_requests", "reannounced_pages", "reannounced_removed",
-                                    "skipped_no_tokens", "errors"), 0)  # fmt: skip
+                                    "skipped_no_tokens", "errors", "start_clears", "start_clears_skipped"), 0)  # fmt: skip
         self._stop = threading.Event()
         self._last_send = time.monotonic()
         self._ctx = zmq.Context()
@@ -294,6 +321,10 @@ class Publisher:
 
                 self.relay = EngineRelay(self._ctx, offset_endpoint_port(cfg.engine_endpoint, cfg.dp_rank))
                 self.tokens = PageTokens(self.relay, self.record, self.stats)
+                # a new life of the worker: clear its tiers at routers first (module docstring)
+                self._clear_first = _first_start(self.endpoint)
+                if not self._clear_first:
+                    self.stats["start_clears_skipped"] += 1
         except Exception:
             self._close_sockets()
             raise
@@ -331,9 +362,15 @@ class Publisher:
     def _run(self) -> None:
         import zmq
 
-        if self.record is not None:
-            with self._lock:  # before the re-announcement, which reads it (and before flush answers)
+        with self._lock:  # before the re-announcement, which reads it (and before flush answers)
+            if self.record is not None:
                 self.record.open()
+            try:
+                if self._clear_first:  # before any engine frame or DISK page of this life
+                    self._send_start_clear()
+            except Exception as e:  # noqa: BLE001 - counted; the events go on
+                self.stats["errors"] += 1
+                log.error("umbp_nvme: KV event publisher: the start clear failed: %r", e)
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay.sock, zmq.POLLIN)
@@ -360,6 +397,16 @@ class Publisher:
                 self.stats["errors"] += 1
                 log.error("umbp_nvme: KV event publisher: %r", e, exc_info=self.stats["errors"] == 1)
                 time.sleep(_IDLE_POLL_S)
+
+    def _send_start_clear(self) -> None:
+        """``AllBlocksCleared``, then a re-announcement of DISK (a router wipes DISK too)."""
+        self._clear_first = False
+        self._clear_seq = self._next_seq
+        self._send_payload(self.encoder.encode_clear())
+        self.stats["start_clears"] += 1
+        self._resync = self._resync or self._snapshot is not None
+        log.info("umbp_nvme: relay stream %s starts a new life of the worker: AllBlocksCleared sent first "
+                 "(sequence %d)", self.endpoint, self._clear_seq)  # fmt: skip
 
     def _turn(self, taken: list) -> None:
         """The live items first, then one chunk of a running re-announcement: both make progress
@@ -409,8 +456,9 @@ class Publisher:
         full, self._resync, self._resync_full = self._resync_full, False, False
         if self._snapshot is None:
             return
-        if full:  # before the snapshot: a drop meanwhile clears it again
-            self._full_from = self._next_seq
+        if full:  # before the snapshot: a drop meanwhile clears it again; after a start clear, from it
+            self._full_from = self._next_seq if self._clear_seq is None else self._clear_seq
+        self._clear_seq = None
         pages = self._snapshot()
         removed: list = []
         if self.record is not None:
@@ -518,7 +566,7 @@ class Publisher:
                 return False
             try:  # the thread is between turns: what it has not done yet is in these
                 busy = (self._q.unfinished_tasks or self._resync or self._pending or self._pending_removed
-                        or (self.tokens is not None and self.tokens.waiting))  # fmt: skip
+                        or self._clear_first or (self.tokens is not None and self.tokens.waiting))  # fmt: skip
             finally:
                 self._lock.release()
             if not busy:

@@ -14,6 +14,8 @@ CPU_PINNED events (``--kv-events-config``). With ``kv_events_engine_endpoint`` s
 - after forwarding an engine ``AllBlocksCleared`` (SGLang's ``/flush_cache`` resets the radix tree
   and the host pool, not L3), has the publisher re-announce the store's pages: a router wipes every
   tier of the worker on that event (Dynamo 1.6.1 does), DISK included.
+- is preceded, at the publisher's first start in a process, by our own ``AllBlocksCleared``: the
+  restarted scheduler's start-up clear went out before this socket subscribed (kv_events.py).
 
 A page the engine never announced under the same hash is not announced on DISK in this mode
 (counted as ``skipped_no_tokens``): its hash is namespaced (LoRA adapter, ``cache_salt``, the
