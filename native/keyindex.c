@@ -211,6 +211,21 @@ static int get_rows_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t n, int wri
     return 0;
 }
 
+/* out: a writable C-contiguous buffer of exactly n bytes; on failure `held` is released too */
+static int get_out_bytes(PyObject *out, Py_buffer *o, Py_ssize_t n, Py_buffer *held) {
+    if (PyObject_GetBuffer(out, o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(held);
+        return -1;
+    }
+    if (o->len != n) {
+        PyErr_Format(PyExc_ValueError, "out must be %zd bytes", n);
+        PyBuffer_Release(held);
+        PyBuffer_Release(o);
+        return -1;
+    }
+    return 0;
+}
+
 /* lookup(keys, out[, nth]): out[i] = the nth candidate row of key i (same hash), -1 when none;
  * returns how many keys have one. Candidates are not confirmed: see keymap.py. */
 static PyObject *KI_lookup(KeyIndex *t, PyObject *args) {
@@ -330,16 +345,7 @@ static PyObject *KI_holds(KeyIndex *t, PyObject *args) {
     Py_ssize_t n = PyList_GET_SIZE(keys);
     Py_buffer v, o;
     if (get_rows_buffer(rows, &v, n, 0) < 0) return NULL;
-    if (PyObject_GetBuffer(out, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&v);
-        return NULL;
-    }
-    if (o.len != n) {
-        PyErr_Format(PyExc_ValueError, "out must be %zd bytes", n);
-        PyBuffer_Release(&v);
-        PyBuffer_Release(&o);
-        return NULL;
-    }
+    if (get_out_bytes(out, &o, n, &v) < 0) return NULL;
     const int64_t *r = v.buf;
     uint8_t *b = o.buf;
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -385,17 +391,8 @@ static PyObject *KI_mapped(KeyIndex *t, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO", &rows, &out)) return NULL;
     Py_buffer v, o;
     if (get_rows_buffer(rows, &v, -1, 0) < 0) return NULL;
-    if (PyObject_GetBuffer(out, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&v);
-        return NULL;
-    }
     Py_ssize_t n = v.len / 8;
-    if (o.len != n) {
-        PyErr_Format(PyExc_ValueError, "out must be %zd bytes", n);
-        PyBuffer_Release(&v);
-        PyBuffer_Release(&o);
-        return NULL;
-    }
+    if (get_out_bytes(out, &o, n, &v) < 0) return NULL;
     const int64_t *r = v.buf;
     uint8_t *b = o.buf;
     for (Py_ssize_t k = 0; k < n; k++)

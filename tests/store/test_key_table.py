@@ -133,3 +133,27 @@ def test_a_map_loaded_with_a_few_keys_takes_more():
     for i in range(2, 3000):  # each new row grows them (once hung here: a quarter of 2 is 0)
         m[f"k{i}"] = i
     assert len(m) == 3000 - 2 + 2 and m.get("a") == 0 and m.get("k2999") == 2999
+
+
+def test_holds_and_mapped_refuse_an_out_buffer_of_the_wrong_size_or_read_only():
+    from umbp_nvme._keyindex import KeyIndex
+    t = KeyIndex(7)
+    t.add([b"a", b"b"], np.array([0, 1], np.int64))
+    rows = np.array([0, 1], np.int64)
+    out = np.zeros(2, np.uint8)
+    t.holds([b"a", b"x"], rows, out)
+    assert out.tolist() == [1, 0]
+    t.mapped(rows, out)
+    assert out.tolist() == [1, 1]
+    for bad in (np.zeros(3, np.uint8), np.zeros(1, np.uint8)):
+        with pytest.raises(ValueError, match="out must be 2 bytes"):
+            t.holds([b"a", b"b"], rows, bad)
+        with pytest.raises(ValueError, match="out must be 2 bytes"):
+            t.mapped(rows, bad)
+    ro = np.zeros(2, np.uint8)
+    ro.flags.writeable = False
+    for call in (lambda: t.holds([b"a", b"b"], rows, ro), lambda: t.mapped(rows, ro), lambda: t.mapped(rows, b"xx")):
+        with pytest.raises((BufferError, TypeError, ValueError)):
+            call()
+    t.mapped(rows, out)  # the rows' buffer was released on every failure: the table still answers
+    assert out.tolist() == [1, 1]
