@@ -16,6 +16,25 @@ from umbp_nvme.store import PageStore, get_path
 from umbp_nvme.store.get_path import read_parts
 
 
+def held_read(release: asyncio.Event, started: list, in_flight: list, nth: int | None = None):
+    """A read hook: the nth read (every one when None) behaves like a read the kernel still owns,
+    so cancelling it waits for ``release``; ``started`` gets each read's length, ``in_flight[0]`` counts."""
+    async def hook(real, *a):
+        started.append(len(a[3]))
+        in_flight[0] += 1
+        try:
+            if nth is None or len(started) == nth:
+                try:
+                    await release.wait()
+                except asyncio.CancelledError:
+                    await release.wait()
+                    raise
+            return await real(*a)
+        finally:
+            in_flight[0] -= 1
+    return hook
+
+
 @pytest.mark.parametrize("sizes", [[64 * KiB] * 256, [128 * KiB] * 256, [200 * KiB + 7 * i for i in range(160)],
                                    [4096] * 3 + [40 * MiB] + [4096] * 50, [256 * KiB] * 240])  # fmt: skip
 def test_a_small_batch_is_in_parts_of_at_most_part_bytes_all_in_flight(sizes):
@@ -63,22 +82,7 @@ async def test_a_cancelled_get_waits_for_every_part_in_flight(store_dir):
     assert await st.put_many(keys, vals) == [True] * len(keys)
     release, started, in_flight = asyncio.Event(), [], [0]
 
-    async def hold_third(real, *a):
-        """The third part behaves like a read the kernel still owns: cancelling it waits for the release."""
-        started.append(len(a[3]))
-        in_flight[0] += 1
-        try:
-            if len(started) == 3:
-                try:
-                    await release.wait()
-                except asyncio.CancelledError:
-                    await release.wait()
-                    raise
-            return await real(*a)
-        finally:
-            in_flight[0] -= 1
-
-    hooks.read = hold_third
+    hooks.read = held_read(release, started, in_flight, nth=3)
     outs = [np.zeros(256 * KiB, np.uint8) for _ in keys]
     task = asyncio.ensure_future(st.get_many(keys, outs))
     # all parts submitted at once; the other three end, one stays held (a real read each: no bound)
@@ -126,21 +130,7 @@ async def test_a_cancelled_one_part_get_returns_only_once_its_read_ended(store_d
     assert await st.put_many(keys, vals) == [True] * len(keys)
     release, started, in_flight = asyncio.Event(), [], [0]
 
-    async def hold(real, *a):
-        """The read behaves like one the kernel still owns: cancelling it waits for the release."""
-        started.append(len(a[3]))
-        in_flight[0] += 1
-        try:
-            try:
-                await release.wait()
-            except asyncio.CancelledError:
-                await release.wait()
-                raise
-            return await real(*a)
-        finally:
-            in_flight[0] -= 1
-
-    hooks.read = hold
+    hooks.read = held_read(release, started, in_flight)
     outs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
     task = asyncio.ensure_future(st.get_many(keys, outs))
     assert await until(lambda: started == [len(keys)] and in_flight[0] == 1, 30)
