@@ -161,7 +161,12 @@ def test_process_cpu_reads_this_process_and_its_threads():
     import threading
     from umbp_nvme.bench.server_client import process_cpu
     stop = threading.Event()
-    t = threading.Thread(target=lambda: [None for _ in iter(lambda: stop.is_set(), True)])
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=spin)
     t.start()
     try:
         t0 = time.process_time()
@@ -171,7 +176,7 @@ def test_process_cpu_reads_this_process_and_its_threads():
     finally:
         stop.set()
         t.join()
-    assert got["threads"] >= 2 and got["cpu_s"] >= 0.3 and 0 <= got["rest_s"] <= got["cpu_s"]
+    assert got["threads"] >= 2 and got["cpu_s"] >= 0.2 and 0 <= got["rest_s"] <= got["cpu_s"]  # 0.3 s spent; /proc counts whole ticks
     assert process_cpu(2 ** 22 + 7) is None  # no such process
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, payload, small_config
-from umbp_nvme.store import PageStore
+from umbp_nvme.store import PageStore, put_path
 from umbp_nvme.store.hooks import StoreHooks
 from umbp_nvme.store.index import INDEX_FILE
 
@@ -99,8 +99,10 @@ def test_writer_misses_while_loading_and_serves_everything_after(tmp_path, step)
     asyncio.run(run())
 
 
-def test_a_put_during_the_load_lands_when_the_load_ends_within_its_wait(tmp_path):
+def test_a_put_during_the_load_lands_when_the_load_ends_within_its_wait(tmp_path, monkeypatch):
     path, keys = str(tmp_path / "s"), keys_of(20)
+    # the wait made long: the load's last steps after the release must not race a 1-s bound on a loaded machine
+    monkeypatch.setattr(put_path, "PUT_WAIT_S", 30.0)
 
     async def run():
         await fill(path, keys)
