@@ -153,6 +153,30 @@ class Arbiter:
                 self._drop(fut)
             raise
 
+    def take_whole(self, lengths: np.ndarray, total: int) -> int:
+        """Slices charged when a batch of ``total`` bytes goes to the device as one run, or 0 (slice
+        it): only when slicing it now would grant every slice at once (an empty window, no read
+        about, nothing waiting, each slice fitting beside those before it), so the device holds
+        the same bytes either way and one submission replaces one task per slice."""
+        if self._wbytes or self._waiting or total > self._limit or self.reads_about():
+            return 0
+        bounds = slice_bounds(lengths, self.slice_bytes)
+        if len(bounds) > 1:
+            ends = np.cumsum(lengths)
+            before = [int(ends[s - 1]) for s, _ in bounds[1:]]
+            if max(before) + self.slice_bytes > self._limit:
+                return 0
+        k = len(bounds)
+        self._wbytes += total
+        self._wslices += k
+        self.stats["write_slices"] += k
+        return k
+
+    def release_whole(self, total: int, k: int) -> None:
+        self._wbytes -= total
+        self._wslices -= k
+        self._wake()
+
     def settle(self, granted: int, used: int) -> None:
         """The slice cut from a grant holds ``used`` bytes (ops are never split): charge that instead."""
         self._wbytes += used - granted
@@ -232,6 +256,12 @@ async def write_sliced(run, arbiter: Arbiter | None, files, offsets, addrs, leng
             return await run(files, offsets, addrs, lengths)
         finally:
             arbiter.release(total)
+    k = arbiter.take_whole(lens, total)
+    if k:
+        try:
+            return await run(files, offsets, addrs, lengths)
+        finally:
+            arbiter.release_whole(total, k)
     b = IoBatch.of(files, offsets, addrs, lengths)
     out = np.zeros(len(b), dtype=RESULT_DTYPE)
     ends = np.cumsum(b.lengths)

@@ -37,6 +37,14 @@ def storable_bytes(key) -> bytes | None:
 RECENT = 4096
 
 
+def _short_ascii(keys: list, limit: int) -> bool:
+    """Every key a str of ASCII (a char is a byte) of at most ``limit`` chars, in C-level passes."""
+    try:
+        return max(map(len, keys), default=0) <= limit and "".join(keys).isascii()
+    except TypeError:  # a bytes key
+        return False
+
+
 class KeyMap:
     __slots__ = ("_t", "_held", "_recent", "held_over", "source")
     narrow_bits_for_tests: int | None = None  # tests: every new map keeps only this many hash bits
@@ -139,6 +147,11 @@ class KeyMap:
             for r in rows.tolist():
                 self._recent.pop(r, None)
         over = self.held_over
+        if over and _short_ascii(keys, over):  # the put path's batches: no key held, no per-key step
+            if self._held:
+                for r in rows.tolist():
+                    self._held.pop(r, None)
+            return
         for j, k in enumerate(keys):
             if over == 0 or len(k) * 4 > over:  # a str of n chars has at most 4n bytes
                 e = k if type(k) is bytes else encode_key(k)
