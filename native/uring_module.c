@@ -5,7 +5,8 @@
  * umbp_nvme/engine/uring.py. Every system call runs with the GIL released.
  *
  * One file per ring step, as liburing is laid out: uring_setup.c (setup, teardown),
- * uring_submit.c, uring_reap.c, uring_cancel.c, uring_register.c, uring_probe.c; shared pieces in
+ * uring_submit.c, uring_reap.c, uring_cancel.c, uring_register.c, uring_probe.c; batch helpers in
+ * uring_pairs.c, uring_keycrc.c and uring_records.c (a put batch's records); shared pieces in
  * uring_internal.h and uring_arrays.c; crc32c_module.c over crc32c.c. This file is the module
  * glue: the Ring type's attributes and methods, the module's functions and constants.
  */
@@ -106,6 +107,10 @@ static PyMethodDef module_methods[] = {
      "crc32c_many(addrs uint64[], lengths int64[], out uint32[]) -> n; one CRC per range, GIL released"},
     {"crc32c_each", (PyCFunction)mod_crc32c_each, METH_VARARGS,
      "crc32c_each(list of bytes, out uint32[]) -> n; the CRC32C of each item, one C pass (index key CRCs)"},
+    {"put_records", (PyCFunction)mod_put_records, METH_VARARGS,
+     "put_records(keys list of bytes, segs int64[], offs int64[], lens int64[], depths int32[], crcs uint32[], "
+     "generation, out48 uint8[], out256 uint8[], conf256 uint8[] | None) -> n; a put batch's LMDB values, sealed "
+     "segment records and their confirmed copies in one pass"},
     {"crc32c_impl", (PyCFunction)mod_crc32c_impl, METH_NOARGS,
      "crc32c_impl() -> str: the dispatched implementation (table, sse42, pclmul, vpclmul256, vpclmul); "
      "UMBP_CRC32C_IMPL caps it"},

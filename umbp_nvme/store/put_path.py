@@ -309,14 +309,11 @@ class PutPath:
                 if b.route is None:
                     # the write task submits within the next loop passes (a sliced write: one
                     # pass to cut the slices, one for their tasks to submit); the CRC must not
-                    # hold the loop before that, or the device idles for a CRC chunk. The
-                    # index records (all but CRC and generation) are packed while it runs.
-                    # Keys and depths were checked before the slots were reserved: this cannot fail.
+                    # hold the loop before that, or the device idles for a CRC chunk.
                     for _ in range(SUBMIT_PASSES):
                         await asyncio.sleep(0)
                     if b.crc_job is None:
                         await self._crc_inline(b)
-                    b.pre = self._pack_pending(b)
                     # once the CRCs are in, the records go out while the data is still landing:
                     # the fdatasync after both covers both, and a record whose data did not land
                     # is unconfirmed, so a rebuild checks it against the data

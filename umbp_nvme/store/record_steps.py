@@ -23,7 +23,7 @@ from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, Index, key_crcs, wrap_lmdb_
 from .layout import MANIFEST_FILE
 from .rebuild import boot_id, clear_area, rebuild_index, write_area
 from .row_keys import WriterKeys
-from .records import R_VALID, RecordAreas, confirmed_copy, make_records, record_values
+from .records import R_VALID, RECORD_DTYPE, RecordAreas, batch_records, confirmed_copy, make_records, record_values
 from .segments import segment_name
 from .state import OpenFacts
 from .staging import wait_out
@@ -54,22 +54,22 @@ class RecordSteps:
         puts and confirmed records are made here too, so publishing after the sync only copies."""
         m = len(b.todo)
         j = np.arange(m) if early else np.flatnonzero(b.good)
-        recs48, enc = b.pre if b.pre is not None else self._pack_pending(b)
-        if early:
-            recs48["crc"] = b.crcs
-            recs48["generation"] = recs48["group"] = b.gen
+        if early:  # every record of the batch in one C pass (records.batch_records)
+            enc = encode_all(b.keys, b.todo.tolist())
+            recs48, recs, conf = batch_records(enc, b.segs, b.offs, b.nbytes, self._batch_depths(b), b.crcs, b.gen,
+                                               REC_DTYPE, self.strict)  # fmt: skip
+            b.pre = (recs48, enc)
             b.puts = list(zip(enc, record_values(recs48)))
-            sub, keys = recs48, enc
-        else:
-            sub, keys = recs48[j], [enc[i] for i in j.tolist()]
-        recs = make_records(b.segs[j], b.offs[j], b.nbytes[j], b.gen, b.crcs[j], sub["depth"], sub["key_crc"], keys,
-                            R_VALID)  # fmt: skip
-        if self.strict:
-            conf = confirmed_copy(recs)
-            if not early:
-                conf, c = np.zeros(m, conf.dtype), conf
-                conf[j] = c
             b.conf = conf
+        else:
+            recs48, enc = b.pre if b.pre is not None else self._pack_pending(b)
+            sub, keys = recs48[j], [enc[i] for i in j.tolist()]
+            recs = make_records(b.segs[j], b.offs[j], b.nbytes[j], b.gen, b.crcs[j], sub["depth"], sub["key_crc"], keys,
+                                R_VALID)  # fmt: skip
+            if self.strict:
+                conf = np.zeros(m, RECORD_DTYPE)
+                conf[j] = confirmed_copy(recs)
+                b.conf = conf
         touched = self.writer.areas.put(recs)
         b.recorded[j] = True
         failed = await self.writer.areas.write(self.writer.write_engine, self.state.files, touched, self.timeout_s)
@@ -140,18 +140,23 @@ class RecordSteps:
         return recs, enc
 
     @staticmethod
+    def _batch_depths(b) -> np.ndarray:
+        """Each object's depth (int32; -1 where the call gave none)."""
+        depths = b.depths
+        if depths is None:
+            return np.full(len(b.todo), -1, np.int32)
+        if isinstance(depths, np.ndarray):
+            return depths[b.todo]
+        return np.asarray([depths[i] for i in b.todo.tolist()], np.int32)
+
+    @staticmethod
     def _pack_pending(b):
         """(records, encoded keys) for every object of a write batch, CRC and generation left 0."""
-        todo, depths = b.todo, b.depths
+        todo = b.todo
         recs = np.zeros(len(todo), REC_DTYPE)
         recs["segment"], recs["length"], recs["offset"] = b.segs, b.nbytes, b.offs
         todo_l = todo.tolist()
-        if depths is None:
-            recs["depth"] = -1
-        elif isinstance(depths, np.ndarray):
-            recs["depth"] = depths[todo]
-        else:
-            recs["depth"] = np.asarray([depths[i] for i in todo_l], np.int32)
+        recs["depth"] = RecordSteps._batch_depths(b)
         recs["flags"] = FLAG_CRC | FLAG_KEYCRC
         enc = encode_all(b.keys, todo_l)
         recs["key_crc"] = key_crcs(enc)
