@@ -111,6 +111,10 @@ static PyMethodDef module_methods[] = {
      "put_records(keys list of bytes, segs int64[], offs int64[], lens int64[], depths int32[], crcs uint32[], "
      "generation, out48 uint8[], out256 uint8[], conf256 uint8[] | None) -> n; a put batch's LMDB values, sealed "
      "segment records and their confirmed copies in one pass"},
+    {"place_records", (PyCFunction)mod_place_records, METH_VARARGS,
+     "place_records(area uint8[], slots int64[], recs uint8[], confirm, blocks_out int64[]) -> k; records copied "
+     "into their slots (confirm: only over the same generation, valid and unconfirmed), the blocks touched in "
+     "blocks_out[:k]"},
     {"crc32c_impl", (PyCFunction)mod_crc32c_impl, METH_NOARGS,
      "crc32c_impl() -> str: the dispatched implementation (table, sse42, pclmul, vpclmul256, vpclmul); "
      "UMBP_CRC32C_IMPL caps it"},

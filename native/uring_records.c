@@ -136,3 +136,78 @@ done:
     arr_release(&conf);
     return ret;
 }
+
+/* place_records(area uint8[], slots int64[m], recs uint8[m*256], confirm, blocks_out int64[>= m]) -> k
+ *
+ * Copies record i into slot slots[i] of a segment's record area (records.RecordAreas) and writes
+ * the distinct 4 KiB blocks touched, ascending, to blocks_out[:k]. confirm=0 (a put batch's
+ * records): every slot must lie in the area, checked before any copy. confirm=1 (confirmed
+ * copies placed after their sync): a slot outside the area, or one that holds another generation
+ * or is not valid-and-unconfirmed any more (cleared or reused since), is skipped. */
+#define PER_BLOCK 16
+
+PyObject *mod_place_records(PyObject *mod, PyObject *args) {
+    PyObject *o_area, *o_slots, *o_recs, *o_out;
+    int confirm;
+    if (!PyArg_ParseTuple(args, "OOOpO", &o_area, &o_slots, &o_recs, &confirm, &o_out)) return NULL;
+    Arr area, slots, recs, out;
+    area.held = slots.held = recs.held = out.held = 0;
+    PyObject *ret = NULL;
+    unsigned char *mark = NULL;
+    if (arr_get(o_area, &area, "area", 1, "B", 1, 0) < 0 || arr_get(o_slots, &slots, "slots", 8, "qlQL", 0, 0) < 0 ||
+        arr_get(o_recs, &recs, "recs", 1, "B", 0, 0) < 0 || arr_get(o_out, &out, "blocks_out", 8, "ql", 1, 0) < 0)
+        goto done;
+    Py_ssize_t m = arr_len(&slots), n_slots = arr_len(&area) / REC256;
+    if (arr_len(&area) % REC256) {
+        PyErr_Format(PyExc_ValueError, "area must be whole %d-byte records, got %zd bytes", REC256, arr_len(&area));
+        goto done;
+    }
+    if (want_len(&recs, "recs (bytes)", m * REC256) < 0) goto done;
+    if (arr_len(&out) < m) {
+        PyErr_Format(PyExc_ValueError, "blocks_out must hold at least %zd entries, got %zd", m, arr_len(&out));
+        goto done;
+    }
+    const int64_t *sp = slots.view.buf;
+    if (!confirm) {
+        for (Py_ssize_t i = 0; i < m; i++) {
+            if (sp[i] < 0 || sp[i] >= n_slots) {
+                PyErr_Format(PyExc_ValueError, "slot %lld of record %zd is outside the area's %zd slots",
+                             (long long)sp[i], i, n_slots);
+                goto done;
+            }
+        }
+    }
+    Py_ssize_t n_blocks = (n_slots + PER_BLOCK - 1) / PER_BLOCK;
+    mark = PyMem_Calloc((size_t)n_blocks + 1, 1);
+    if (!mark) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *ap = area.view.buf;
+    const unsigned char *rp = recs.view.buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int64_t s = sp[i];
+        if (s < 0 || s >= n_slots) continue; /* confirm mode only: checked above otherwise */
+        unsigned char *dst = ap + s * REC256;
+        const unsigned char *src = rp + i * REC256;
+        if (confirm) {
+            uint16_t have;
+            memcpy(&have, dst + 6, 2);
+            if (memcmp(dst + 24, src + 24, 8) != 0 || (have & (R_VALID | R_CONFIRMED)) != R_VALID) continue;
+        }
+        memcpy(dst, src, REC256);
+        mark[s / PER_BLOCK] = 1;
+    }
+    int64_t *op = out.view.buf;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t blk = 0; blk < n_blocks; blk++)
+        if (mark[blk]) op[k++] = blk;
+    ret = PyLong_FromSsize_t(k);
+done:
+    PyMem_Free(mark);
+    arr_release(&area);
+    arr_release(&slots);
+    arr_release(&recs);
+    arr_release(&out);
+    return ret;
+}

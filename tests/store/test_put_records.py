@@ -1,9 +1,10 @@
-"""native put_records (native/uring_records.c): the same bytes as the numpy records, and bad input refused whole."""
+"""native put_records and place_records (native/uring_records.c): the same bytes as the numpy records, and bad
+input refused whole."""
 
 import numpy as np
 import pytest
 
-from umbp_nvme._uring import put_records
+from umbp_nvme._uring import place_records, put_records
 from umbp_nvme.store.index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, key_crcs
 from umbp_nvme.store.records import (
     KEY_INLINE, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, batch_records, confirmed_copy, make_records,
@@ -99,3 +100,59 @@ def test_conf_is_optional_and_valid_input_fills_every_byte():
     recs = args[8].view(RECORD_DTYPE)
     assert (recs["magic"] == 0x5552).all() and (recs["flags"] & R_VALID).all()
     assert (args[7] != 0xAB).any() and (recs["generation"] == 7).all()
+
+
+def _area_and_recs(n_slots=100, m=20, seed=5):
+    rng = np.random.default_rng(seed)
+    keys, segs, offs, lens, depths, crcs = _batch(m, seed)
+    _, recs, conf = batch_records(keys, segs, offs, lens, depths, crcs, 9, REC_DTYPE, True)
+    slots = rng.choice(n_slots, m, replace=False).astype(np.int64)
+    return np.zeros(n_slots, RECORD_DTYPE), slots, recs, conf
+
+
+def test_place_records_copies_each_record_to_its_slot_and_names_the_blocks():
+    area, slots, recs, conf = _area_and_recs()
+    out = np.full(len(slots), -1, np.int64)
+    k = place_records(area.view(np.uint8), slots, recs.view(np.uint8), False, out)
+    assert out[:k].tolist() == sorted(set((slots // 16).tolist()))
+    assert area[slots].tobytes() == recs.tobytes()
+    rest = np.setdiff1d(np.arange(len(area)), slots)
+    assert not area[rest].view(np.uint8).any()
+    # confirmed copies go only where the slot holds the same generation, valid and unconfirmed
+    area[slots[0]]["generation"] = 8  # reused since
+    area[slots[1]] = np.zeros(1, RECORD_DTYPE)  # cleared since
+    before = area.copy()
+    wide = np.append(slots, [len(area), -1])  # outside the area: skipped in confirm mode
+    confx = np.concatenate([conf, conf[:2]])
+    out = np.full(len(wide), -1, np.int64)
+    k = place_records(area.view(np.uint8), wide, confx.view(np.uint8), True, out)
+    assert area[slots[2:]].tobytes() == conf[2:].tobytes()
+    assert area[slots[:2]].tobytes() == before[slots[:2]].tobytes()
+    assert out[:k].tolist() == sorted(set((slots[2:] // 16).tolist()))
+    again = place_records(area.view(np.uint8), slots, conf.view(np.uint8), True, out)  # confirmed already
+    assert again == 0
+
+
+@pytest.mark.parametrize(
+    "slot, bad, err",
+    [
+        (0, np.zeros(100 * 256 - 1, np.uint8), ValueError),  # not whole records
+        (0, bytes(100 * 256), TypeError),  # read-only
+        (0, np.zeros(100, np.uint32), TypeError),
+        (1, np.array([0, 100]), ValueError),  # past the area's last slot
+        (1, np.array([-1, 3]), ValueError),
+        (1, np.array([0, 1], np.int32), TypeError),
+        (1, np.array([0, 1, 2]), ValueError),  # a slot more than records
+        (2, np.zeros(2 * 256 - 1, np.uint8), ValueError),
+        (4, np.zeros(1, np.int64), ValueError),  # blocks_out too short
+        (4, np.zeros(2, np.int32), TypeError),
+    ],
+)
+def test_place_records_refuses_bad_input_before_any_copy(slot, bad, err):
+    area = np.zeros(100 * 256, np.uint8)
+    recs = np.full(2 * 256, 0xCD, np.uint8)
+    args = [area, np.array([0, 17]), recs, False, np.zeros(2, np.int64)]
+    args[slot] = bad
+    with pytest.raises(err):
+        place_records(*args)
+    assert not area.any()

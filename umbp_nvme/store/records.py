@@ -61,8 +61,17 @@ assert RECORD_DTYPE.itemsize == RECORD_BYTES
 _WHOLE = np.dtype((np.void, RECORD_BYTES))
 
 
-def _whole(recs: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(recs).view(_WHOLE)
+def _place(area: np.ndarray, slots: np.ndarray, recs: np.ndarray, confirm: bool) -> list[int]:
+    """Records copied into their slots of ``area`` in one C call (native/uring_records.c
+    place_records); the blocks touched, ascending. ``confirm``: only where the slot still holds the
+    same generation, valid and unconfirmed, and slots outside the area skipped; else every slot
+    must lie in the area (ValueError before any copy)."""
+    from .._uring import place_records
+
+    out = np.empty(len(slots), np.int64)
+    k = place_records(area.view(np.uint8), np.ascontiguousarray(slots, np.int64),
+                      np.ascontiguousarray(recs, RECORD_DTYPE).view(np.uint8), confirm, out)  # fmt: skip
+    return out[:k].tolist()
 
 
 def block_offset(segment_bytes: int, blk: int) -> int:
@@ -228,12 +237,11 @@ class RecordAreas:
         lens = recs["length"].astype(np.int64)
         idx = slot_index(recs["offset"], lens)
         cls = (-(-lens // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
-        whole = _whole(recs)
-        for s in np.unique(segs).tolist():
-            js = np.flatnonzero(segs == s)
-            a = self._area(s, int(cls[js[0]]))
-            a.view(_WHOLE)[idx[js]] = whole[js]
-            touched.update((s, b) for b in np.unique(idx[js] // PER_BLOCK).tolist())
+        one = segs[0] == segs[-1] and (segs == segs[0]).all()  # the usual batch: one segment
+        for s in [int(segs[0])] if one else np.unique(segs).tolist():
+            js = slice(None) if one else np.flatnonzero(segs == s)
+            a = self._area(s, int(cls[0 if one else js[0]]))
+            touched.update((s, b) for b in _place(a, idx[js], recs[js], False))
         return touched
 
     def clear(self, segs, offs, lens) -> tuple[set[tuple[int, int]], list]:
@@ -342,25 +350,16 @@ class RecordAreas:
             return
         segs = conf["segment"].astype(np.int64)
         idx = slot_index(conf["offset"], conf["length"])
-        whole = _whole(conf)
         one = segs[0] == segs[-1] and (segs == segs[0]).all()  # the usual batch: one segment
         for s in [int(segs[0])] if one else np.unique(segs).tolist():
             self._ensure(s)
             a = self.areas.get(s)
             if a is None:
                 continue
-            m = slice(None) if one else segs == s
-            js, g, w = idx[m], conf["generation"][m], whole[m]
-            ok = js < len(a)
-            if not ok.all():
-                js, g, w = js[ok], g[ok], w[ok]
-            mine = (a["generation"][js] == g) & ((a["flags"][js] & (R_VALID | R_CONFIRMED)) == R_VALID)
-            if not mine.all():
-                js, w = js[mine], w[mine]
-            if not len(js):
-                continue
-            a.view(_WHOLE)[js] = w
-            self.dirty.setdefault(s, set()).update(np.unique(js // PER_BLOCK).tolist())
+            m = slice(None) if one else np.flatnonzero(segs == s)
+            blocks = _place(a, idx[m], conf[m], True)  # only over the same generation, still unconfirmed
+            if blocks:
+                self.dirty.setdefault(s, set()).update(blocks)
 
     def dirty_blocks(self) -> set[tuple[int, int]]:
         self._place_confirms()
