@@ -115,6 +115,9 @@ static PyMethodDef module_methods[] = {
      "place_records(area uint8[], slots int64[], recs uint8[], confirm, blocks_out int64[]) -> k; records copied "
      "into their slots (confirm: only over the same generation, valid and unconfirmed), the blocks touched in "
      "blocks_out[:k]"},
+    {"area_images", (PyCFunction)mod_area_images, METH_VARARGS,
+     "area_images(area uint8[] | None, blocks int64[], out uint8[]) -> k; each record block's 4 KiB image "
+     "(zeros past the area's end)"},
     {"crc32c_impl", (PyCFunction)mod_crc32c_impl, METH_NOARGS,
      "crc32c_impl() -> str: the dispatched implementation (table, sse42, pclmul, vpclmul256, vpclmul); "
      "UMBP_CRC32C_IMPL caps it"},

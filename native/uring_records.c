@@ -211,3 +211,44 @@ done:
     arr_release(&out);
     return ret;
 }
+
+/* area_images(area uint8[] | None, blocks int64[k], out uint8[k*4096]) -> k
+ *
+ * The 4 KiB disk image of each record block of a segment's area: block b holds the area's records
+ * 16b..16b+15; a block past the area's end (or of no area) is zeros, a partial last one
+ * zero-padded. Replaces a numpy gather, a mask and a per-partial-block step per write. */
+#define BLOCK_BYTES 4096
+
+PyObject *mod_area_images(PyObject *mod, PyObject *args) {
+    PyObject *o_area, *o_blocks, *o_out;
+    if (!PyArg_ParseTuple(args, "OOO", &o_area, &o_blocks, &o_out)) return NULL;
+    Arr area, blocks, out;
+    area.held = blocks.held = out.held = 0;
+    PyObject *ret = NULL;
+    if (arr_get(o_area, &area, "area", 1, "B", 0, 1) < 0 || arr_get(o_blocks, &blocks, "blocks", 8, "qlQL", 0, 0) < 0 ||
+        arr_get(o_out, &out, "out", 1, "B", 1, 0) < 0)
+        goto done;
+    Py_ssize_t k = arr_len(&blocks), have = area.held ? arr_len(&area) : 0;
+    if (want_len(&out, "out (bytes)", k * BLOCK_BYTES) < 0) goto done;
+    const int64_t *bp = blocks.view.buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (bp[i] < 0 || bp[i] > PY_SSIZE_T_MAX / BLOCK_BYTES) {
+            PyErr_Format(PyExc_ValueError, "block %lld out of range", (long long)bp[i]);
+            goto done;
+        }
+    }
+    const unsigned char *ap = area.held ? area.view.buf : NULL;
+    unsigned char *op = out.view.buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Py_ssize_t start = (Py_ssize_t)bp[i] * BLOCK_BYTES, n = 0;
+        if (start < have) n = have - start < BLOCK_BYTES ? have - start : BLOCK_BYTES;
+        if (n) memcpy(op + i * BLOCK_BYTES, ap + start, (size_t)n);
+        memset(op + i * BLOCK_BYTES + n, 0, (size_t)(BLOCK_BYTES - n));
+    }
+    ret = PyLong_FromSsize_t(k);
+done:
+    arr_release(&area);
+    arr_release(&blocks);
+    arr_release(&out);
+    return ret;
+}

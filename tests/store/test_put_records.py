@@ -4,7 +4,7 @@ input refused whole."""
 import numpy as np
 import pytest
 
-from umbp_nvme._uring import place_records, put_records
+from umbp_nvme._uring import area_images, place_records, put_records
 from umbp_nvme.store.index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, key_crcs
 from umbp_nvme.store.records import (
     KEY_INLINE, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, batch_records, confirmed_copy, make_records,
@@ -156,3 +156,46 @@ def test_place_records_refuses_bad_input_before_any_copy(slot, bad, err):
     with pytest.raises(err):
         place_records(*args)
     assert not area.any()
+
+
+def test_area_images_match_the_python_block_images():
+    from umbp_nvme.store.records import RecordAreas
+
+    areas = RecordAreas(256 << 20)
+    rng = np.random.default_rng(8)
+    area = np.frombuffer(rng.integers(0, 256, 37 * 256, dtype=np.uint8).tobytes(), RECORD_DTYPE).copy()
+    areas.areas[4], areas.cls[4] = area, 65536  # 37 records: blocks 0, 1 whole, 2 partial, 3 past the end
+    areas._loaded.add(4)
+    areas._loaded.add(5)  # segment 5: no area, every block zeros
+    blocks = [0, 2, 1, 3, 9]
+    got = np.full(len(blocks) * 4096, 0xEE, np.uint8)
+    assert area_images(area.view(np.uint8), np.array(blocks), got) == len(blocks)
+    want = np.full(4096, 0xEE, np.uint8)
+    for i, b in enumerate(blocks):
+        areas._image(4, b, want)
+        assert got[i * 4096 : (i + 1) * 4096].tobytes() == want.tobytes()
+    assert got[4096 : 2 * 4096][5 * 256 :].max() == 0 and got[4096 : 2 * 4096][: 5 * 256].tobytes() == area[32:].tobytes()
+    none = np.full(2 * 4096, 0xEE, np.uint8)
+    area_images(None, np.array([0, 1]), none)
+    assert not none.any()
+
+
+@pytest.mark.parametrize(
+    "slot, bad, err",
+    [
+        (0, np.zeros(10, np.int16), TypeError),
+        (1, np.array([0, -1]), ValueError),
+        (1, np.array([0, 1 << 62]), ValueError),
+        (1, np.array([0, 1], np.int32), TypeError),
+        (2, np.zeros(2 * 4096 - 1, np.uint8), ValueError),  # short
+        (2, np.zeros(3 * 4096, np.uint8), ValueError),  # long
+        (2, bytes(2 * 4096), TypeError),  # read-only
+    ],
+)
+def test_area_images_refuse_bad_input_before_any_byte(slot, bad, err):
+    out = np.full(2 * 4096, 0xEE, np.uint8)
+    args = [np.ones(40 * 256, np.uint8), np.array([0, 1]), out]
+    args[slot] = bad
+    with pytest.raises(err):
+        area_images(*args)
+    assert (out == 0xEE).all()

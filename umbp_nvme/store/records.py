@@ -374,11 +374,11 @@ class RecordAreas:
             out[: len(part) * RECORD_BYTES] = part.view(np.uint8)
 
     def _images(self, order: list[tuple[int, int]], buf: np.ndarray) -> None:
-        """Block i of ``order`` (segment, block) imaged into ``buf``'s i-th 4 KiB: whole blocks of
-        an area copied in one numpy step per segment, a partial last block or a missing area as
-        _image does it."""
+        """Block i of ``order`` (segment, block) imaged into ``buf``'s i-th 4 KiB, as _image does
+        it, in one C call per segment (native/uring_records.c area_images)."""
+        from .._uring import area_images
+
         i, n = 0, len(order)
-        rows = buf.reshape(n, SLOT_ALIGN_BYTES)
         while i < n:
             s = order[i][0]
             j = i
@@ -387,12 +387,8 @@ class RecordAreas:
             self._ensure(s)
             a = self.areas.get(s)
             blks = np.fromiter((b for _, b in order[i:j]), np.int64, j - i)
-            whole = (blks + 1) * PER_BLOCK <= (0 if a is None else len(a))
-            if whole.any():
-                area = np.ascontiguousarray(a[: len(a) // PER_BLOCK * PER_BLOCK]).view(np.uint8)
-                rows[i:j][whole] = area.reshape(-1, SLOT_ALIGN_BYTES)[blks[whole]]
-            for k in np.flatnonzero(~whole).tolist():
-                self._image(s, int(blks[k]), rows[i + k])
+            area_images(None if a is None else a.view(np.uint8), blks,
+                        buf[i * SLOT_ALIGN_BYTES : j * SLOT_ALIGN_BYTES])  # fmt: skip
             i = j
 
     async def write(self, engine, files, blocks: set[tuple[int, int]], timeout_s: float) -> set[int]:
