@@ -46,7 +46,7 @@ def _short_ascii(keys: list, limit: int) -> bool:
 
 
 class KeyMap:
-    __slots__ = ("_t", "_held", "_recent", "held_over", "source")
+    __slots__ = ("_t", "_held", "_recent", "held_over", "source", "adds")
     narrow_bits_for_tests: int | None = None  # tests: every new map keeps only this many hash bits
 
     def __init__(self, seed: int | None = None, *, held_over: int = 0, source=None):
@@ -57,6 +57,7 @@ class KeyMap:
         # next (put_path.py), and would otherwise read each one's record
         self._recent: dict[int, str] = {}
         self.held_over = held_over
+        self.adds = 0  # calls that mapped keys (set_rows, load): a key found absent stays so while it is unchanged
         self.source = source  # keys_of(rows) -> [bytes | None]; confirm(enc, rows) -> bool array
         if KeyMap.narrow_bits_for_tests is not None:
             self._t.narrow_hash_for_tests(KeyMap.narrow_bits_for_tests)
@@ -131,13 +132,16 @@ class KeyMap:
         """How many keys, from the first, are stored (from the hash alone: see the module doc)."""
         return self._t.prefix(keys if type(keys) is list else list(keys))
 
-    def set_rows(self, keys: list, rows) -> None:
+    def set_rows(self, keys: list, rows, *, absent_since: int | None = None) -> None:
         """Row rows[i] holds keys[i] (distinct keys) and the key maps to it, replacing its earlier row
-        (all or nothing: a bad key raises ValueError)."""
+        (all or nothing: a bad key raises ValueError). ``absent_since``: ``adds`` when ``rows(keys)``
+        found none of the keys; while it is unchanged no earlier row can be mapped, so none is looked up."""
         keys = keys if type(keys) is list else list(keys)
         rows = np.ascontiguousarray(rows, np.int64)
-        old = self.candidates(keys)
-        if (old >= 0).any():  # keys that may be stored already: their confirmed row leaves the map
+        fresh = absent_since is not None and absent_since == self.adds
+        self.adds += 1
+        old = None if fresh else self.candidates(keys)
+        if old is not None and (old >= 0).any():  # keys that may be stored already: their confirmed row leaves the map
             old = self.rows(keys)
             gone = old[(old >= 0) & (old != rows)]
             if len(gone):
@@ -224,6 +228,7 @@ class KeyMap:
 
     def load(self, keys: "PackedKeys") -> None:
         """Rows 0..n-1 hold ``keys`` and each maps to its row; an empty map only."""
+        self.adds += 1
         self._t.load(keys.lens.tobytes() if not keys.lens.flags.c_contiguous else keys.lens, keys.blob)
         for i in np.flatnonzero(keys.lens > self.held_over).tolist():
             self._held[i] = keys[i]

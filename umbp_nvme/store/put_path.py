@@ -42,7 +42,7 @@ class WriteBatch:
     """One write submission: the objects (``todo``: key index per object) and their slots."""
 
     __slots__ = ("keys", "todo", "segs", "offs", "src", "nbytes", "depths", "route", "plan", "crc_job", "crc_out",
-                 "crcs", "good", "pre", "puts", "conf", "gen", "recorded", "lost")  # fmt: skip
+                 "crcs", "good", "pre", "puts", "conf", "gen", "recorded", "lost", "absent")  # fmt: skip
 
     def __init__(self, keys, todo, segs, offs, addrs, lens, depths, route):
         self.keys, self.todo, self.segs, self.offs, self.depths, self.route = keys, todo, segs, offs, depths, route
@@ -55,6 +55,7 @@ class WriteBatch:
         self.recorded = np.zeros(len(todo), bool)  # its record went into the segment's area
         self.lost = np.zeros(len(todo), bool)  # its record block did not land
         self.gen = 0
+        self.absent = None  # (key map, its adds) when every key was found absent then (put_publish.py)
 
     def key(self, j: int) -> str:
         return self.keys[int(self.todo[j])]
@@ -125,7 +126,8 @@ class PutPath:
         fast = self._put_fast_prep(keys, buffers) if plain and not bad_depth else None
         if fast is not None:
             # every key new and distinct, every buffer a registered (address, nbytes) pair
-            await self._write_objects(keys, np.arange(n, dtype=np.int64), fast[0], fast[1], depths, results, refused)
+            await self._write_objects(keys, np.arange(n, dtype=np.int64), fast[0], fast[1], depths, results, refused,
+                                      absent=fast[2])  # fmt: skip
             refused.log(n)
             return
         host, dev, again, dups = self._sort_puts(keys, buffers, depths, plain, bad_depth, results, refused)
@@ -208,16 +210,18 @@ class PutPath:
             )  # fmt: skip
 
     def _put_fast_prep(self, keys, buffers):
-        """(addrs, lens) when the batch needs no per-key decisions (keys already known plain): every key
-        new and distinct, short enough, every buffer an (address, nbytes) pair inside a registered range, sizes valid.
-        None otherwise (the general path decides key by key)."""
+        """(addrs, lens, (key map, its adds)) when the batch needs no per-key decisions (keys already known
+        plain): every key new and distinct, short enough, every buffer an (address, nbytes) pair inside a
+        registered range, sizes valid. None otherwise (the general path decides key by key)."""
         n = len(keys)
         if not n:
             return None
         if max(map(len, keys)) > self.state.index.max_key_bytes:  # the caller checked: ASCII, len == bytes
             return None
         # one native lookup for the batch (a Python call per key cost ~0.2 us each)
-        if int(self.writer.keys.rows(keys).max()) >= 0 or len(set(keys)) != n:
+        kd = self.writer.keys
+        absent = (kd, kd.adds)
+        if int(kd.rows(keys).max()) >= 0 or len(set(keys)) != n:
             return None
         pair = self.state.memory.resolve_pairs(buffers)
         if pair is None:
@@ -225,12 +229,14 @@ class PutPath:
         lens = pair[1]
         if int(lens.max()) > min(self.writer.alloc.max_object_bytes, OBJECT_BYTES_END - 1):
             return None  # the general path refuses it, key by key
-        return pair
+        return pair[0], pair[1], absent
 
-    async def _write_objects(self, keys, todo, addrs, lens, depths, results, refused, route: str | None = None) -> None:
+    async def _write_objects(self, keys, todo, addrs, lens, depths, results, refused, route: str | None = None,
+                             absent=None) -> None:
         """Reserve slots, write, [fdatasync], publish. ``route``: None (host memory), 'gds' or 'staging'.
 
         ``todo``: int64 key index per object; ``addrs`` uint64, ``lens`` int64, one per object.
+        ``absent``: (key map, its adds) when every key was found absent then (_put_fast_prep).
         """
         todo, addrs, lens = admit_gate.screen(self, keys, todo, addrs, lens, results)  # admission (issue 26)
         if not len(todo):
@@ -254,6 +260,7 @@ class PutPath:
                 return
             segs, offs, todo, addrs, lens = segs[ok_j], offs[ok_j], todo[ok_j], addrs[ok_j], lens[ok_j]
         b = WriteBatch(keys, todo, segs, offs, addrs, lens, depths, route)
+        b.absent = absent
         b.gen = self._tick()  # in the records written now: generations order puts on disk too
         try:
             await self._write(b, refused)

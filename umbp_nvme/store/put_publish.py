@@ -32,7 +32,11 @@ class PutPublish:
                 pub_idx = range(m) if full else b.todo[pj].tolist()
                 pub_keys = b.keys if full else [b.keys[i] for i in pub_idx]
                 kd = self.writer.keys
-                if len(pub_keys) and int(kd.rows(pub_keys).max()) >= 0:  # published meanwhile: one native lookup
+                # every key found absent and no key mapped since: none can have been published meanwhile
+                since = b.absent[1] if b.absent is not None and b.absent[0] is kd else None
+                if since is not None and since != kd.adds:
+                    since = None
+                if since is None and len(pub_keys) and int(kd.rows(pub_keys).max()) >= 0:  # one native lookup
                     keep = [t for t, k in enumerate(pub_keys) if k not in kd]
                     pj = pj[keep]
                     pub_idx = [pub_idx[t] for t in keep]
@@ -52,7 +56,7 @@ class PutPublish:
                         refused.add(b.keys[i], "index commit outlived io_timeout_s (in doubt)")
                     raise
                 if committed and len(pj):
-                    self._add_rows(b, pj, pub_keys, recs, gen)
+                    self._add_rows(b, pj, pub_keys, recs, gen, since)
                 if committed and puts and self.writer.put_doubt:  # every earlier commit has landed or failed
                     self._put_doubt_settle()
         except asyncio.TimeoutError:
@@ -84,7 +88,7 @@ class PutPublish:
                     else:
                         results[i] = True  # another put of the same key published first: keep its bytes
 
-    def _add_rows(self, b: WriteBatch, pj, pub_keys, recs, gen) -> None:
+    def _add_rows(self, b: WriteBatch, pj, pub_keys, recs, gen, absent_since: int | None = None) -> None:
         t = self.writer.rows
         rows = t.new(len(pj))
         t.seg[rows] = b.segs[pj]
@@ -97,7 +101,7 @@ class PutPublish:
         t.tick[rows] = gen
         t.pins[rows] = 0
         t.live[rows] = True
-        t.index.set_rows(pub_keys, rows)  # each row holds its key, mapped to it
+        t.index.set_rows(pub_keys, rows, absent_since=absent_since)  # each row holds its key, mapped to it
         if self.writer.residency is not None:
             self.writer.residency.shown(pub_keys)
         self.state.counters["bytes_written"] += int(b.nbytes[pj].sum())
