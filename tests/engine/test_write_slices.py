@@ -401,3 +401,35 @@ def test_knobs_are_validated_and_parsed():
         load_config({"ssd_write_slice_bytes": 4096}, env={})
     with pytest.raises(ValueError, match="ssd_read_priority"):
         load_config({"ssd_read_priority": "maybe"}, env={})
+
+
+def test_a_batch_the_empty_window_takes_whole_goes_as_one_run_charged_as_its_slices():
+    async def main(loop):
+        dev = FakeDevice(per_mib_s=0.001)
+        arb = Arbiter(4 * MiB, window_slices=2, clock=loop.time)  # an 8 MiB window
+        lens = np.full(8, MiB)
+        seen = []
+
+        async def run(*a):
+            seen.append(arb.granted)  # charged while at the device: every slice it stands for
+            return await dev.run(*a)
+
+        res = await write_sliced(run, arb, 3, np.zeros(8), np.ones(8, np.uint64), lens)
+        assert res.tolist() == [MiB - 1] * 8 and dev.sizes == [8 * MiB] and seen == [(8 * MiB, 2)]
+        assert arb.stats["write_whole"] == 1 and arb.stats["write_slices"] == 2 and arb.granted == (0, 0)
+        dev.sizes.clear()
+        await write_sliced(dev.run, arb, 3, np.zeros(9), np.ones(9, np.uint64), np.full(9, MiB))  # over the window
+        assert dev.sizes == [4 * MiB, 4 * MiB, MiB] and arb.stats["write_whole"] == 1
+        # 3 x 3 MiB: slicing would hold the third slice (6 + 4 > 8 MiB), so it is sliced
+        dev.sizes.clear()
+        await write_sliced(dev.run, arb, 3, np.zeros(3), np.ones(3, np.uint64), np.full(3, 3 * MiB))
+        assert dev.sizes == [3 * MiB] * 3 and arb.stats["write_whole"] == 1
+        # a batch already in flight: the next one is sliced as before, the window never exceeded
+        dev.sizes.clear()
+        a = asyncio.ensure_future(write_sliced(dev.run, arb, 3, np.zeros(4), np.ones(4, np.uint64), np.full(4, MiB)))
+        await asyncio.sleep(0)
+        await write_sliced(dev.run, arb, 3, np.zeros(4), np.ones(4, np.uint64), np.full(4, MiB))
+        await a
+        assert dev.max_inflight <= 8 * MiB and arb.stats["write_whole"] == 2 and arb.granted == (0, 0)
+
+    run_virtual(main)

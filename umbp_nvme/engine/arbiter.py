@@ -84,7 +84,7 @@ class Arbiter:
         self._waiting: deque = deque()  # futures of write slices waiting for a grant, FIFO
         self._reads = 0  # read batches in flight
         self._read_end = -1e9  # monotonic time the last read batch ended
-        self.stats = {"write_slices": 0, "write_slices_held": 0, "write_slices_cut": 0, "reads": 0}
+        self.stats = {"write_slices": 0, "write_slices_held": 0, "write_slices_cut": 0, "write_whole": 0, "reads": 0}
 
     @property
     def enabled(self) -> bool:
@@ -170,6 +170,7 @@ class Arbiter:
         self._wbytes += total
         self._wslices += k
         self.stats["write_slices"] += k
+        self.stats["write_whole"] += 1  # batches that went as one run (put_path skips a loop pass)
         return k
 
     def release_whole(self, total: int, k: int) -> None:

@@ -35,7 +35,6 @@ INT32_MIN, INT32_END = -(1 << 31), 1 << 31
 OBJECT_BYTES_END = 1 << 32  # an object's length is a u32 in the index record
 INLINE_CRC_BYTES = 16 << 20  # a host batch up to this size is checksummed on the loop thread
 INLINE_CRC_CHUNK = 4 << 20  # bytes per CRC call there (~0.3 ms) before other tasks get a turn
-SUBMIT_PASSES = 2  # loop passes a write task needs to reach the ring (engine/arbiter.write_sliced)
 
 
 class WriteBatch:
@@ -314,10 +313,14 @@ class PutPath:
                 task = asyncio.ensure_future(write)
                 rec = None
                 if b.route is None:
-                    # the write task submits within the next loop passes (a sliced write: one
-                    # pass to cut the slices, one for their tasks to submit); the CRC must not
-                    # hold the loop before that, or the device idles for a CRC chunk.
-                    for _ in range(SUBMIT_PASSES):
+                    # the write task submits within the next loop passes (one when it goes as one
+                    # run or unsliced; a sliced write: one pass to cut the slices, one for their
+                    # tasks to submit); the CRC must not hold the loop before that, or the device
+                    # idles for a CRC chunk (engine/arbiter.write_sliced).
+                    arb = self.state.arbiter
+                    whole = arb.stats["write_whole"] if arb is not None else 0
+                    await asyncio.sleep(0)
+                    if arb is not None and arb.enabled and arb.stats["write_whole"] == whole:
                         await asyncio.sleep(0)
                     if b.crc_job is None:
                         await self._crc_inline(b)

@@ -97,11 +97,16 @@ class RecordSteps:
         would zero the new class's objects. Returns the segments that could not be retired."""
         a = self.writer.areas
         changed = []
-        cls = (-(-np.asarray(lens, np.int64) // layout.SLOT_ALIGN_BYTES)) * layout.SLOT_ALIGN_BYTES
-        for s in np.unique(segs).tolist():
-            old = a.size_class(s)
-            if old is not None and old != int(cls[np.flatnonzero(segs == s)[0]]):
-                changed.append(s)
+        if len(segs) and segs[0] == segs[-1] and (segs == segs[0]).all():  # the usual batch: one segment
+            old = a.size_class(int(segs[0]))
+            if old is not None and old != -(-int(lens[0]) // layout.SLOT_ALIGN_BYTES) * layout.SLOT_ALIGN_BYTES:
+                changed.append(int(segs[0]))
+        else:
+            cls = (-(-np.asarray(lens, np.int64) // layout.SLOT_ALIGN_BYTES)) * layout.SLOT_ALIGN_BYTES
+            for s in np.unique(segs).tolist():
+                old = a.size_class(s)
+                if old is not None and old != int(cls[np.flatnonzero(segs == s)[0]]):
+                    changed.append(s)
         failed = set()
         for s in changed:
             busy = a.busy(s)
