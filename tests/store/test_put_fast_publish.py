@@ -11,10 +11,11 @@ import numpy as np
 from conftest import KiB, MiB, payload, small_config
 from umbp_nvme.buffers import AlignedBuffer
 from umbp_nvme.store import PageStore
+from umbp_nvme.store.hooks import StoreHooks
 
 
-async def _store(path):
-    return await PageStore.open(path, small_config(ssd_capacity_bytes=64 * MiB))
+async def _store(path, hooks=None):
+    return await PageStore.open(path, small_config(ssd_capacity_bytes=64 * MiB), hooks=hooks)
 
 
 async def test_racing_fast_batches_of_the_same_keys_keep_the_first_published_bytes(store_dir):
@@ -45,21 +46,19 @@ async def test_racing_fast_batches_of_the_same_keys_keep_the_first_published_byt
 
 
 async def test_a_key_published_by_another_batch_while_this_one_writes_is_kept(store_dir):
-    st = await _store(store_dir)
+    held = asyncio.Event()
+
+    async def slow_commit(real, store, puts, deletes):  # the first batch's commit (under the commit lock) takes a while
+        if puts and not held.is_set():
+            held.set()
+            await asyncio.sleep(0.05)
+        return await real(puts, deletes)
+
+    st = await _store(store_dir, StoreHooks(commit=slow_commit))
     size = 16 * KiB
     buf = AlignedBuffer(4 * size)
     st.register_memory(buf.address, buf.nbytes)
     buf.array[:size], buf.array[size : 2 * size] = payload("first", size), payload("second", size)
-    held = asyncio.Event()
-    real = st._commit
-
-    async def slow_commit(*args, **kw):  # the first batch's commit (under the commit lock) takes a while
-        if not held.is_set():
-            held.set()
-            await asyncio.sleep(0.05)
-        return await real(*args, **kw)
-
-    st._commit = slow_commit
     t1 = asyncio.ensure_future(st.put_many(["k", "other"], [(buf.address, size), (buf.address + 3 * size, size)]))
     await held.wait()
     # found absent, written while the first batch commits; it publishes after it: its key is taken

@@ -158,25 +158,19 @@ def test_place_records_refuses_bad_input_before_any_copy(slot, bad, err):
     assert not area.any()
 
 
-def test_area_images_match_the_python_block_images():
-    from umbp_nvme.store.records import RecordAreas
-
-    areas = RecordAreas(256 << 20)
+def test_area_images_are_the_area_blocks_zero_padded():
     rng = np.random.default_rng(8)
-    area = np.frombuffer(rng.integers(0, 256, 37 * 256, dtype=np.uint8).tobytes(), RECORD_DTYPE).copy()
-    areas.areas[4], areas.cls[4] = area, 65536  # 37 records: blocks 0, 1 whole, 2 partial, 3 past the end
-    areas._loaded.add(4)
-    areas._loaded.add(5)  # segment 5: no area, every block zeros
+    area = rng.integers(0, 256, 37 * 256, dtype=np.uint8)  # 37 records: blocks 0, 1 whole, 2 partial, 3 past the end
+    padded = np.zeros(10 * 4096, np.uint8)
+    padded[: len(area)] = area
     blocks = [0, 2, 1, 3, 9]
     got = np.full(len(blocks) * 4096, 0xEE, np.uint8)
-    assert area_images(area.view(np.uint8), np.array(blocks), got) == len(blocks)
-    want = np.full(4096, 0xEE, np.uint8)
-    for i, b in enumerate(blocks):
-        areas._image(4, b, want)
-        assert got[i * 4096 : (i + 1) * 4096].tobytes() == want.tobytes()
-    assert got[4096 : 2 * 4096][5 * 256 :].max() == 0 and got[4096 : 2 * 4096][: 5 * 256].tobytes() == area[32:].tobytes()
+    assert area_images(area, np.array(blocks), got) == len(blocks)
+    for i, blk in enumerate(blocks):
+        assert got[i * 4096 : (i + 1) * 4096].tobytes() == padded[blk * 4096 : (blk + 1) * 4096].tobytes()
+    assert got[4096 : 2 * 4096][5 * 256 :].max() == 0 and got[4096 : 2 * 4096][: 5 * 256].tobytes() == area[32 * 256 :].tobytes()
     none = np.full(2 * 4096, 0xEE, np.uint8)
-    area_images(None, np.array([0, 1]), none)
+    area_images(None, np.array([0, 1]), none)  # a segment without an area: zeros
     assert not none.any()
 
 
