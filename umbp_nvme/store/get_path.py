@@ -248,20 +248,21 @@ class GetPath:
                     if t.cancelled() or t.exception() is not None:
                         failures.append(asyncio.CancelledError() if t.cancelled() else t.exception())
                         continue
-                    good[lo:hi] = t.result() >= b.lens[lo:hi]  # the object must come back whole; more is padding
-                    ready.append(np.arange(lo, hi))
+                    res, got = t.result() if type(t.result()) is tuple else (t.result(), None)
+                    good[lo:hi] = res >= b.lens[lo:hi]  # the object must come back whole; more is padding
+                    ready.append((np.arange(lo, hi), got))
                 # refill the window before verifying: the device works while the CRCs run
                 self._start_parts(b, plan, todo, running, window - len(running) if not failures else 0, deadline)
                 # parts small enough to check on the loop thread one by one (in chunks, the loop
                 # turns between them), the rest together on a worker: a hop costs ~100-200 us of CPU
                 late = []
-                for k, sel in enumerate(ready):
-                    if plan.bounced or int(b.lens[sel].sum()) > INLINE_PART_BYTES:
+                for k, (sel, got) in enumerate(ready):
+                    if got is None and (plan.bounced or int(b.lens[sel].sum()) > INLINE_PART_BYTES):
                         late.append(sel)
                         continue
-                    if k:
+                    if k and got is None:
                         await asyncio.sleep(0)
-                    verified[sel] = await self._verify(b, plan, sel, good[sel])
+                    verified[sel] = await self._verify(b, plan, sel, good[sel], got)
                 if late:
                     sel = late[0] if len(late) == 1 else np.concatenate(late)
                     verified[sel] = await self._verify(b, plan, sel, good[sel])
@@ -280,14 +281,26 @@ class GetPath:
     async def _read_one_part(self, b: ReadBatch, plan, m: int, good, verified) -> None:
         """_read_parts for a batch read in one part (the common small batch): its engine batch
         awaited directly, no wait task or asyncio.wait per part (each costs loop turns)."""
-        io = asyncio.ensure_future(self.state.read_engine.read_many(
-            self.state.files.batch(b.segs[:m]), b.offs[:m], plan.io_addr[:m], plan.io_len[:m]))  # fmt: skip
+        io = self._engine_read(b, plan, 0, m)
         res = await self._await_io(io, "read", b.segs[:m], self.timeout_s)  # returns once the batch has ended
         if res is None:
             raise asyncio.TimeoutError
+        res, got = res if type(res) is tuple else (res, None)
         sel = np.arange(m)
         good[:m] = ok = res >= b.lens[:m]  # the object must come back whole; more is padding
-        verified[:m] = await self._verify(b, plan, sel, ok)
+        verified[:m] = await self._verify(b, plan, sel, ok, got)
+
+    def _engine_read(self, b: ReadBatch, plan, lo: int, hi: int) -> asyncio.Future:
+        """The engine batch reading ops [lo, hi). Where the engine can (io_uring) and nothing is
+        bounced, it also returns each object's CRC, computed as its read completes: the checksums
+        run while the rest of the batch is in flight instead of after its last completion (on a
+        RAM-backed device that was ~0.5-0.8 ms of a 16 MiB batch's ~5 ms, issue 36)."""
+        eng = self.state.read_engine
+        args = (self.state.files.batch(b.segs[lo:hi]), b.offs[lo:hi], plan.io_addr[lo:hi], plan.io_len[lo:hi])
+        with_crc = getattr(eng, "read_many_crc", None)
+        if with_crc is None or plan.bounced or not self.verify_crc:
+            return asyncio.ensure_future(eng.read_many(*args))
+        return asyncio.ensure_future(with_crc(*args, np.where((b.flags[lo:hi] & FLAG_CRC) != 0, b.lens[lo:hi], 0)))
 
     def _start_parts(self, b: ReadBatch, plan, todo: list, running: dict, k: int, deadline: float) -> None:
         """Start up to k parts from ``todo``: their engine batches first, so the next loop step
@@ -298,17 +311,24 @@ class GetPath:
         if asyncio.get_running_loop().time() >= deadline:  # an earlier part stalled the window
             raise asyncio.TimeoutError
         started = [todo.pop() for _ in range(min(k, len(todo)))]
-        read = self.state.read_engine.read_many
-        io = [asyncio.ensure_future(read(self.state.files.batch(b.segs[lo:hi]), b.offs[lo:hi], plan.io_addr[lo:hi],
-                                         plan.io_len[lo:hi])) for lo, hi in started]  # fmt: skip
+        io = [self._engine_read(b, plan, lo, hi) for lo, hi in started]
         for (lo, hi), task in zip(started, io):
             running[asyncio.ensure_future(self._wait_part(task, b.segs[lo:hi], deadline))] = (lo, hi, task)
 
-    async def _verify(self, b: ReadBatch, plan, sel: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    async def _verify(self, b: ReadBatch, plan, sel: np.ndarray, ok: np.ndarray, got=None) -> np.ndarray:
         """Verified per op of ``sel`` (ops whose reads completed): bounced objects copied out and
-        CRCs checked, on the loop thread when small and nothing is bounced, else on a worker."""
+        CRCs checked, on the loop thread when small and nothing is bounced, else on a worker.
+        ``got``: the CRCs the engine computed as the reads completed (-1: not computed), or None."""
         if not self.verify_crc and not plan.bounced:
             return ok
+        if got is not None:  # the engine's CRCs; the few it could not compute (a read in pieces) here
+            need = np.flatnonzero(ok & (got < 0) & ((b.flags[sel] & FLAG_CRC) != 0))
+            if len(need):
+                got = got.copy()
+                out = np.empty(len(need), np.uint32)
+                self.state.crc32c_many(b.dst[sel[need]], b.lens[sel[need]], out)
+                got[need] = out
+            return ok & ((got == b.crcs[sel]) | ((b.flags[sel] & FLAG_CRC) == 0))
         if not plan.bounced and int(b.lens[sel].sum()) <= INLINE_PART_BYTES:
             return await self._check_inline(b, sel, ok)
         # the thread copies into the caller's memory: wait_out keeps us here until it has ended
