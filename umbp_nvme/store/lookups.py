@@ -169,11 +169,17 @@ class Lookups:
         while the data is (row_keys.py). None for readers (their index lookup compared the key)."""
         if self.writer is None:
             return None
-        task = asyncio.ensure_future(self._confirmed(b, keys))
-        await asyncio.sleep(0)  # it submits its few record reads now, ahead of the data's (a full ring queues the rest)
-        return task
+        src = self.writer.keys.source
+        if src is not None and not src.in_memory(b.rows):
+            task = asyncio.ensure_future(self._confirmed(b, keys))
+            await asyncio.sleep(0)  # it submits its few record reads now, ahead of the data's (a full ring queues the rest)
+            return task
+        # nothing to read: the comparison runs once the data's reads are submitted, while they are in flight
+        return asyncio.ensure_future(self._confirmed(b, keys, behind=True))
 
-    async def _confirmed(self, b: ReadBatch, keys) -> np.ndarray:
+    async def _confirmed(self, b: ReadBatch, keys, behind: bool = False) -> np.ndarray:
+        if behind:
+            await asyncio.sleep(0)  # the data read's task, started after this one, runs (submits) first
         km = self.writer.keys
         rows = b.rows
         ks = [keys[i] for i in b.idx.tolist()]

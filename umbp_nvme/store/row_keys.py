@@ -27,12 +27,12 @@ import os
 
 import numpy as np
 
+from .._uring import records_name
 from ..buffers import AlignedBuffer
 from .index import REC_BYTES, REC_DTYPE
 from .layout import SLOT_ALIGN_BYTES
-from .checks import plain_keys
 from .keymap import storable_bytes
-from .records import (KEY_INLINE, MAGIC, PER_BLOCK, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, block_offset,
+from .records import (MAGIC, PER_BLOCK, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, block_offset,
                       make_records, record_crcs, seal, slot_index)  # fmt: skip
 
 log = logging.getLogger("umbp_nvme.store")
@@ -67,6 +67,12 @@ class WriterKeys:
         )
         return ok
 
+    def in_memory(self, rows: np.ndarray) -> bool:
+        """Whether every row's record is in memory (its segment's area was loaded this session):
+        confirming them reads nothing."""
+        areas = self.st.writer.areas
+        return areas is not None and all(areas.loaded(s) for s in np.unique(self.st.writer.rows.seg[rows]).tolist())
+
     async def confirm_reads(self, enc: list, rows: np.ndarray) -> np.ndarray:
         """Whether row rows[i] holds key enc[i] (str, its bytes, or None: not a storable key), from its record."""
         t = self.st.writer.rows
@@ -90,16 +96,15 @@ class WriterKeys:
             recs = await self._read_records(segs, idx)
         elif disk.any():
             recs.view(_WHOLE)[disk] = (await self._read_records(segs[disk], idx[disk])).view(_WHOLE)
-        if plain_keys(enc):  # the common keys (non-empty ASCII str): numpy encodes them in C
-            klen = np.fromiter(map(len, enc), np.int64, m)
-        else:
-            enc = [e if type(e) is bytes or e is None else storable_bytes(e) for e in enc]
-            klen = np.fromiter((-1 if e is None else len(e) for e in enc), np.int64, m)
-            enc = [e or b"" for e in enc]
-        want = np.array(enc, dtype=f"S{KEY_INLINE}")  # cut at KEY_INLINE: the length says the rest
-        return ((recs["magic"] == MAGIC) & ((recs["flags"] & R_VALID) != 0) & (recs["generation"] == t.gen[rows])
-                & (recs["segment"] == segs) & (recs["offset"] == offs) & (recs["key_len"] == klen)
-                & (klen <= KEY_INLINE) & (recs["key"].view(f"S{KEY_INLINE}").reshape(-1) == want))  # fmt: skip
+        gens = np.ascontiguousarray(t.gen[rows], np.uint64)
+        keys = enc if type(enc) is list else list(enc)
+        out = np.empty(m, np.uint8)
+        if records_name(recs, keys, segs, offs, gens, out):  # non-ASCII str keys: their stored bytes, again
+            j = np.flatnonzero(out == 2)
+            sub = np.empty(len(j), np.uint8)
+            records_name(recs[j], [storable_bytes(keys[i]) for i in j.tolist()], segs[j], offs[j], gens[j], sub)
+            out[j] = sub
+        return out == 1
 
     async def _read_records(self, segs: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """The records of slots ``idx`` of segments ``segs``, read from their 4 KiB blocks (each once)."""
