@@ -322,13 +322,14 @@ class GetPath:
         if not self.verify_crc and not plan.bounced:
             return ok
         if got is not None:  # the engine's CRCs; the few it could not compute (a read in pieces) here
-            need = np.flatnonzero(ok & (got < 0) & ((b.flags[sel] & FLAG_CRC) != 0))
-            if len(need):
+            unchecked = (b.flags[sel] & FLAG_CRC) == 0
+            if (got < 0).any():
+                need = np.flatnonzero(ok & (got < 0) & ~unchecked)
                 got = got.copy()
                 out = np.empty(len(need), np.uint32)
                 self.state.crc32c_many(b.dst[sel[need]], b.lens[sel[need]], out)
                 got[need] = out
-            return ok & ((got == b.crcs[sel]) | ((b.flags[sel] & FLAG_CRC) == 0))
+            return ok & ((got == b.crcs[sel]) | unchecked)
         if not plan.bounced and int(b.lens[sel].sum()) <= INLINE_PART_BYTES:
             return await self._check_inline(b, sel, ok)
         # the thread copies into the caller's memory: wait_out keeps us here until it has ended

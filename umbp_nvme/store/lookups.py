@@ -154,13 +154,10 @@ class Lookups:
                     b.keep(b.segs != s)
             return b if len(b) else None
         km = self.writer.keys
-        rows = km.candidates(keys)
-        hit = np.flatnonzero(rows >= 0)
-        if len(hit):
-            hk = keys if len(hit) == len(keys) else [keys[i] for i in hit.tolist()]
-            multi = np.flatnonzero(km.candidates(hk, 1) >= 0)
-            for j in multi.tolist():  # a hash shared by stored keys (rare): the key's own row, confirmed now
-                rows[hit[j]] = km.get(hk[j], -1)
+        rows = km.candidates(keys, -1)
+        if rows.min(initial=0) == -2:
+            for i in np.flatnonzero(rows == -2).tolist():  # a hash shared by stored keys (rare): the key's own row, confirmed now
+                rows[i] = km.get(keys[i], -1)
         return self._batch_of_rows(rows)
 
     async def _confirm_begin(self, b: ReadBatch, keys):
@@ -182,7 +179,8 @@ class Lookups:
             await asyncio.sleep(0)  # the data read's task, started after this one, runs (submits) first
         km = self.writer.keys
         rows = b.rows
-        ks = [keys[i] for i in b.idx.tolist()]
+        whole = len(rows) == len(keys) and bool((np.diff(b.idx) > 0).all())  # idx is 0..n-1 (not reordered)
+        ks = keys if whole else [keys[i] for i in b.idx.tolist()]
         held = km.held(rows)
         ok = np.zeros(len(rows), bool)
         if held.any():  # keys longer than a record holds: compared in memory

@@ -71,7 +71,9 @@ class WriterKeys:
         """Whether every row's record is in memory (its segment's area was loaded this session):
         confirming them reads nothing."""
         areas = self.st.writer.areas
-        return areas is not None and all(areas.loaded(s) for s in np.unique(self.st.writer.rows.seg[rows]).tolist())
+        if areas is None or not len(rows):
+            return areas is not None
+        return all(areas.loaded(s) for s in _segments(self.st.writer.rows.seg[rows]))
 
     async def confirm_reads(self, enc: list, rows: np.ndarray) -> np.ndarray:
         """Whether row rows[i] holds key enc[i] (str, its bytes, or None: not a storable key), from its record."""
@@ -83,7 +85,7 @@ class WriterKeys:
         offs, lens = t.off[rows], t.len[rows]
         idx = slot_index(offs, lens)
         disk = np.zeros(m, bool)
-        for s in np.unique(segs).tolist():
+        for s in _segments(segs):
             js = np.flatnonzero(segs == s)
             if areas is not None and areas.loaded(s):  # this session's records: memory is the truth
                 a = areas.areas.get(s)
@@ -264,6 +266,13 @@ class WriterKeys:
             if keep.any():
                 rec = np.concatenate([rec, _made(t, bad[keep], [e for e in enc if e is not None])])
         return rec
+
+
+def _segments(segs: np.ndarray) -> list[int]:
+    """The distinct segments of a batch's rows; the common batch (one segment's pages) without np.unique's sort."""
+    if len(segs) and (segs == segs[0]).all():
+        return [int(segs[0])]
+    return np.unique(segs).tolist()
 
 
 def _bytes(k) -> bytes:
