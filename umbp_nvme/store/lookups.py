@@ -14,6 +14,7 @@ import numpy as np
 
 from ..keybytes import encode_key, key_error
 from .checks import plain_keys
+from .row_keys import HitCheck
 from .index import REC_BYTES, REC_DTYPE
 
 
@@ -177,22 +178,10 @@ class Lookups:
     async def _confirmed(self, b: ReadBatch, keys, behind: bool = False) -> np.ndarray:
         if behind:
             await asyncio.sleep(0)  # the data read's task, started after this one, runs (submits) first
-        km = self.writer.keys
-        rows = b.rows
-        whole = len(rows) == len(keys) and bool((np.diff(b.idx) > 0).all())  # idx is 0..n-1 (not reordered)
-        ks = keys if whole else [keys[i] for i in b.idx.tolist()]
-        held = km.held(rows)
-        ok = np.zeros(len(rows), bool)
-        if held.any():  # keys longer than a record holds: compared in memory
-            ok[held] = km.confirm([ks[j] for j in np.flatnonzero(held).tolist()], rows[held])
-        if not held.all() and km.source is not None:
-            rest = np.flatnonzero(~held)
-            ok[rest] = await km.source.confirm_reads(ks if len(rest) == len(ks) else [ks[j] for j in rest.tolist()],
-                                                     rows[rest])  # fmt: skip
-        no = np.flatnonzero(~ok)
-        if len(no):  # a collision, or a record that disagrees with the index (damage): the index decides
-            ok[no] = km.confirm([ks[j] for j in no.tolist()], rows[no])
-        return ok
+        hits = Hits(self.writer.keys, b, keys)
+        if hits.reads is not None:
+            hits.reads.res = await hits.check.src.read_blocks(hits.reads)
+        return hits.answer()
 
     def _batch_of_rows(self, rows) -> ReadBatch | None:
         if not len(rows):
@@ -221,3 +210,35 @@ class Lookups:
             now[after.idx] = after.gens
             present[after.idx] = True
         return present & (now == b.gens)
+
+
+class Hits:
+    """A writer's get hits to confirm (a hash hit is a candidate: keymap.py): keys longer than a
+    record holds in memory, the others by their records (row_keys.HitCheck: ``reads`` are the
+    record blocks to read, beside the data or on their own), what neither confirms by the index."""
+
+    def __init__(self, km, b: ReadBatch, keys):
+        rows = b.rows
+        whole = len(rows) == len(keys) and bool((np.diff(b.idx) > 0).all())  # idx is 0..n-1 (not reordered)
+        self.km, self.rows = km, rows
+        self.ks = ks = keys if whole else [keys[i] for i in b.idx.tolist()]
+        self.held = km.held(rows)
+        self.rest = np.flatnonzero(~self.held)
+        self.check = None
+        if len(self.rest) and km.source is not None:
+            sub = ks if len(self.rest) == len(ks) else [ks[j] for j in self.rest.tolist()]
+            self.check = HitCheck(km.source, sub, rows[self.rest])
+        self.reads = None if self.check is None else self.check.reads
+
+    def answer(self) -> np.ndarray:
+        """Whether each row holds its key (the record reads, if any, have ended)."""
+        km, ks, rows, held = self.km, self.ks, self.rows, self.held
+        ok = np.zeros(len(rows), bool)
+        if held.any():
+            ok[held] = km.confirm([ks[j] for j in np.flatnonzero(held).tolist()], rows[held])
+        if self.check is not None:
+            ok[self.rest] = self.check.finish()
+        no = np.flatnonzero(~ok)
+        if len(no):  # a collision, or a record that disagrees with the index (damage): the index decides
+            ok[no] = km.confirm([ks[j] for j in no.tolist()], rows[no])
+        return ok
