@@ -59,6 +59,23 @@ done:
  * common path. At most REAP_MAX_BATCHES distinct batches per call (the rest stays queued).
  */
 #define REAP_MAX_BATCHES 64
+#define REAP_CRC_JOBS 128 /* checksums gathered, then computed without the GIL */
+typedef struct {
+    int64_t *out;
+    const void *addr;
+    size_t len;
+} CrcJob;
+
+/* The gathered checksums, the GIL released (another thread's Python runs meanwhile; the buffers
+ * stay held by their entries and the ring by busy). */
+static void crc_flush(CrcJob *jobs, int *n) {
+    if (!*n) return;
+    Py_BEGIN_ALLOW_THREADS
+    for (int j = 0; j < *n; j++) *jobs[j].out = umbp_crc32c(0, jobs[j].addr, jobs[j].len, 0);
+    Py_END_ALLOW_THREADS
+    *n = 0;
+}
+
 typedef struct {
     uint64_t slot;
     PyObject *batch; /* a strong reference: attribute lookups and allocations may run Python code
@@ -173,6 +190,8 @@ PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
     if (ring_acquire(self) < 0) return NULL;
     ReapEntry ents[REAP_MAX_BATCHES];
     int nents = 0;
+    CrcJob jobs[REAP_CRC_JOBS];
+    int njobs = 0;
     PyObject *odd = NULL, *touched = NULL, *ret = NULL;
     Py_ssize_t n = 0;
     int last = -1, err = 0;
@@ -231,9 +250,12 @@ PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
                     handled = 1;
                     if (e->crc_ok) { /* the whole op's bytes are in memory now */
                         int64_t cl = ((const int64_t *)e->crc_lens.buf)[idx];
-                        if (cl > 0 && cl <= lens[idx])
-                            ((int64_t *)e->crc_out.buf)[idx] = umbp_crc32c(
-                                0, (const void *)(uintptr_t)((const uint64_t *)e->addrs.buf)[idx], (size_t)cl, 0);
+                        if (cl > 0 && cl <= lens[idx]) {
+                            if (njobs == REAP_CRC_JOBS) crc_flush(jobs, &njobs);
+                            jobs[njobs++] = (CrcJob){(int64_t *)e->crc_out.buf + idx,
+                                                     (const void *)(uintptr_t)((const uint64_t *)e->addrs.buf)[idx],
+                                                     (size_t)cl};
+                        }
                     }
                 }
             }
@@ -265,6 +287,7 @@ PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
         sys_enter(self->ring_fd, 0, 0, UMBP_ENTER_GETEVENTS, NULL, 0);
         Py_END_ALLOW_THREADS
     }
+    crc_flush(jobs, &njobs);
     if (!(touched = PyList_New(nents))) goto fail;
     for (int j = 0; j < nents; j++) {
         PyObject *t = Py_BuildValue("(On)", ents[j].batch, ents[j].nfull);

@@ -318,7 +318,8 @@ class GetPath(DeviceReads):
             addrs, lens = np.concatenate([addrs, extra.addrs]), np.concatenate([lens, extra.lens])
         args = (self.state.files.batch(segs), offs, addrs, lens)
         with_crc = getattr(eng, "read_many_crc", None)
-        if with_crc is None or plan.bounced or not self.verify_crc:
+        # a part over INLINE_PART_BYTES is checked on a worker once read (the loop's core stays free)
+        if with_crc is None or plan.bounced or not self.verify_crc or int(b.lens[lo:hi].sum()) > INLINE_PART_BYTES:
             return asyncio.ensure_future(eng.read_many(*args))
         crc_lens = np.zeros(len(lens), np.int64)
         crc_lens[: hi - lo] = np.where((b.flags[lo:hi] & FLAG_CRC) != 0, b.lens[lo:hi], 0)
