@@ -149,7 +149,7 @@ PyObject *mod_crc32c(PyObject *mod, PyObject *args, PyObject *kwds);
 PyObject *mod_crc32c_many(PyObject *mod, PyObject *args);
 PyObject *mod_pairs_into(PyObject *mod, PyObject *args);
 PyObject *mod_crc32c_each(PyObject *mod, PyObject *args); /* uring_keycrc.c */
-PyObject *mod_records_name(PyObject *mod, PyObject *args); /* uring_records.c */
+PyObject *mod_records_name(PyObject *mod, PyObject *args); /* uring_record_check.c */
 PyObject *mod_crc32c_impl(PyObject *mod, PyObject *unused);
 PyObject *mod_crc32c_impls(PyObject *mod, PyObject *unused);
 
