@@ -62,6 +62,7 @@ setup(
                 "native/uring_pairs.c",
                 "native/uring_keycrc.c",
                 "native/uring_records.c",
+                "native/uring_record_check.c",
                 "native/crc32c_module.c",
                 "native/crc32c.c",
             ],

@@ -242,10 +242,10 @@ static PyObject *KI_lookup(KeyIndex *t, PyObject *args) {
         PyObject *owner;
         o[k] = -1;
         if (key_bytes(PyList_GET_ITEM(keys, k), &p, &len, &owner, 0) < 0) continue;
-        uint64_t i = probe_nth(t, key_hash(t, p, len), nth);
+        uint64_t h = key_hash(t, p, len), i = probe_nth(t, h, nth < 0 ? 0 : nth);
         Py_XDECREF(owner);
         if (i < t->cap) {
-            o[k] = slot_row(t->slots[i]);
+            o[k] = nth < 0 && probe_nth(t, h, 1) < t->cap ? -2 : (int64_t)slot_row(t->slots[i]);
             hits++;
         }
     }
@@ -621,7 +621,9 @@ static PyMethodDef mod_methods[] = {
 };
 
 static PyMethodDef KI_methods[] = {
-    {"lookup", (PyCFunction)KI_lookup, METH_VARARGS, "lookup(keys, out[, nth]): out[i] = key i's nth candidate row or -1"},
+    {"lookup", (PyCFunction)KI_lookup, METH_VARARGS,
+     "lookup(keys, out[, nth]): out[i] = key i's nth candidate row or -1; nth -1: the only candidate, -2 when "
+     "the hash has several"},
     {"first", (PyCFunction)KI_first, METH_O, "first(key): its first candidate row, -1 when none"},
     {"prefix", (PyCFunction)KI_prefix, METH_O, "prefix(keys): how many keys, from the first, have a candidate row"},
     {"add", (PyCFunction)KI_add, METH_VARARGS, "add(keys, rows): row i holds key i's hash, mapped"},

@@ -152,6 +152,7 @@ PyObject *mod_crc32c_each(PyObject *mod, PyObject *args); /* uring_keycrc.c */
 PyObject *mod_put_records(PyObject *mod, PyObject *args); /* uring_records.c */
 PyObject *mod_place_records(PyObject *mod, PyObject *args);
 PyObject *mod_area_images(PyObject *mod, PyObject *args);
+PyObject *mod_records_name(PyObject *mod, PyObject *args); /* uring_record_check.c */
 PyObject *mod_crc32c_impl(PyObject *mod, PyObject *unused);
 PyObject *mod_crc32c_impls(PyObject *mod, PyObject *unused);
 

@@ -105,6 +105,9 @@ static PyMethodDef module_methods[] = {
      "False (outputs unspecified) for anything else"},
     {"crc32c_many", (PyCFunction)mod_crc32c_many, METH_VARARGS,
      "crc32c_many(addrs uint64[], lengths int64[], out uint32[]) -> n; one CRC per range, GIL released"},
+    {"records_name", (PyCFunction)mod_records_name, METH_VARARGS,
+     "records_name(recs, keys, segs, offs, gens, out) -> undecided: out[i] = 1 where record i is valid and names "
+     "that object and key i, 0 where not, 2 where key i is a non-ASCII str (the caller decides)"},
     {"crc32c_each", (PyCFunction)mod_crc32c_each, METH_VARARGS,
      "crc32c_each(list of bytes, out uint32[]) -> n; the CRC32C of each item, one C pass (index key CRCs)"},
     {"put_records", (PyCFunction)mod_put_records, METH_VARARGS,

@@ -48,13 +48,34 @@ done:
  *
  * user_data = (slot << 32) | op index; batches maps slot -> an object with int64 arrays
  * ``done`` (writable) and ``lens``. An op whose result equals what it still had to move
- * (lens[i] - done[i]) is finished here: done[i] = lens[i]. Anything else (short, error) is
+ * (lens[i] - done[i]) is finished here: done[i] = lens[i]. A batch whose ``crc`` is a pair of
+ * int64 arrays (crc_lens, crc_out) also gets, for each op finished here with
+ * 0 < crc_lens[i] <= lens[i], crc_out[i] = the CRC32C of the first crc_lens[i] bytes at
+ * addrs[i] (uint64): a read batch's checksums computed while the rest of it is still in flight,
+ * not after the last completion. Other ops' crc_out is left as it was (the caller's sentinel). Anything else (short, error) is
  * left untouched and reported in ``odd`` as (batch, index, res) for the engine's policy.
  * ``touched`` lists (batch, ops finished here) for every batch that got a CQE. CQEs of slots
  * not in the dict are dropped (their batch is gone). Non-blocking; no system call on the
  * common path. At most REAP_MAX_BATCHES distinct batches per call (the rest stays queued).
  */
 #define REAP_MAX_BATCHES 64
+#define REAP_CRC_JOBS 128 /* checksums gathered, then computed without the GIL */
+typedef struct {
+    int64_t *out;
+    const void *addr;
+    size_t len;
+} CrcJob;
+
+/* The gathered checksums, the GIL released (another thread's Python runs meanwhile; the buffers
+ * stay held by their entries and the ring by busy). */
+static void crc_flush(CrcJob *jobs, int *n) {
+    if (!*n) return;
+    Py_BEGIN_ALLOW_THREADS
+    for (int j = 0; j < *n; j++) *jobs[j].out = umbp_crc32c(0, jobs[j].addr, jobs[j].len, 0);
+    Py_END_ALLOW_THREADS
+    *n = 0;
+}
+
 typedef struct {
     uint64_t slot;
     PyObject *batch; /* a strong reference: attribute lookups and allocations may run Python code
@@ -62,12 +83,67 @@ typedef struct {
     Py_buffer done, lens;
     int ok; /* 0: arrays unusable, every CQE of this batch goes to odd */
     Py_ssize_t nfull;
+    Py_buffer addrs, crc_lens, crc_out;
+    int crc_ok; /* 1: the three arrays above are held and have one entry per op */
 } ReapEntry;
 
-static int is_int64(const Py_buffer *v) {
+static int is_fmt64(const Py_buffer *v, char a, char b) {
     const char *f = v->format ? v->format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
-    return v->itemsize == 8 && (f[0] == 'q' || f[0] == 'l') && f[1] == 0;
+    return v->itemsize == 8 && (f[0] == a || f[0] == b) && f[1] == 0;
+}
+
+static int is_int64(const Py_buffer *v) { return is_fmt64(v, 'q', 'l'); }
+
+/* The batch's optional (crc_lens, crc_out) pair and its addrs; anything unusable: no CRCs here
+ * (the caller computes what crc_out does not hold). Needs e->done held (its length). */
+static void reap_entry_crc(ReapEntry *e, PyObject *batch) {
+    static PyObject *s_crc = NULL, *s_addrs = NULL;
+    if (!s_crc) s_crc = PyUnicode_InternFromString("crc");
+    if (!s_addrs) s_addrs = PyUnicode_InternFromString("addrs");
+    e->crc_ok = 0;
+    PyObject *c = PyObject_GetAttr(batch, s_crc);
+    if (!c || c == Py_None || !PyTuple_CheckExact(c) || PyTuple_GET_SIZE(c) != 2) {
+        Py_XDECREF(c);
+        PyErr_Clear();
+        return;
+    }
+    PyObject *a = PyObject_GetAttr(batch, s_addrs);
+    int held = 0;
+    if (a && PyObject_GetBuffer(a, &e->addrs, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+        held = 1;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(c, 0), &e->crc_lens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+            held = 2;
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(c, 1), &e->crc_out,
+                                   PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) == 0)
+                held = 3;
+        }
+    }
+    Py_XDECREF(a);
+    Py_DECREF(c);
+    PyErr_Clear();
+    Py_ssize_t n = e->done.len;
+    if (held == 3 && is_fmt64(&e->addrs, 'Q', 'L') && is_int64(&e->crc_lens) && is_int64(&e->crc_out) &&
+        e->addrs.len == n && e->crc_lens.len == n && e->crc_out.len == n) {
+        e->crc_ok = 1;
+        return;
+    }
+    if (held >= 3) PyBuffer_Release(&e->crc_out);
+    if (held >= 2) PyBuffer_Release(&e->crc_lens);
+    if (held >= 1) PyBuffer_Release(&e->addrs);
+}
+
+static void reap_entry_release(ReapEntry *e) {
+    if (e->crc_ok) {
+        PyBuffer_Release(&e->addrs);
+        PyBuffer_Release(&e->crc_lens);
+        PyBuffer_Release(&e->crc_out);
+    }
+    if (e->ok) {
+        PyBuffer_Release(&e->done);
+        PyBuffer_Release(&e->lens);
+    }
+    Py_DECREF(e->batch);
 }
 
 /* Takes a new reference to batch; an unusable batch (ok = 0) is not an error. */
@@ -80,6 +156,7 @@ static void reap_entry_init(ReapEntry *e, PyObject *batch, uint64_t slot) {
     e->batch = batch;
     e->nfull = 0;
     e->ok = 0;
+    e->crc_ok = 0;
     PyObject *d = PyObject_GetAttr(batch, s_done);
     PyObject *l = d ? PyObject_GetAttr(batch, s_lens) : NULL;
     if (!d || !l) {
@@ -102,6 +179,7 @@ static void reap_entry_init(ReapEntry *e, PyObject *batch, uint64_t slot) {
         return;
     }
     e->ok = 1;
+    reap_entry_crc(e, batch);
 }
 
 PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
@@ -112,6 +190,8 @@ PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
     if (ring_acquire(self) < 0) return NULL;
     ReapEntry ents[REAP_MAX_BATCHES];
     int nents = 0;
+    CrcJob jobs[REAP_CRC_JOBS];
+    int njobs = 0;
     PyObject *odd = NULL, *touched = NULL, *ret = NULL;
     Py_ssize_t n = 0;
     int last = -1, err = 0;
@@ -168,6 +248,15 @@ PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
                     done[idx] = lens[idx];
                     e->nfull++;
                     handled = 1;
+                    if (e->crc_ok) { /* the whole op's bytes are in memory now */
+                        int64_t cl = ((const int64_t *)e->crc_lens.buf)[idx];
+                        if (cl > 0 && cl <= lens[idx]) {
+                            if (njobs == REAP_CRC_JOBS) crc_flush(jobs, &njobs);
+                            jobs[njobs++] = (CrcJob){(int64_t *)e->crc_out.buf + idx,
+                                                     (const void *)(uintptr_t)((const uint64_t *)e->addrs.buf)[idx],
+                                                     (size_t)cl};
+                        }
+                    }
                 }
             }
             if (!handled) { /* this CQE stays in the ring if it cannot be reported */
@@ -198,6 +287,7 @@ PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
         sys_enter(self->ring_fd, 0, 0, UMBP_ENTER_GETEVENTS, NULL, 0);
         Py_END_ALLOW_THREADS
     }
+    crc_flush(jobs, &njobs);
     if (!(touched = PyList_New(nents))) goto fail;
     for (int j = 0; j < nents; j++) {
         PyObject *t = Py_BuildValue("(On)", ents[j].batch, ents[j].nfull);
@@ -207,13 +297,7 @@ PyObject *Ring_reap_batches(RingObject *self, PyObject *batches) {
     ret = Py_BuildValue("(nOO)", n, touched, odd ? odd : Py_None);
 fail:
     /* Only building the result can fail after CQEs were consumed (no memory for the lists). */
-    for (int j = 0; j < nents; j++) {
-        if (ents[j].ok) {
-            PyBuffer_Release(&ents[j].done);
-            PyBuffer_Release(&ents[j].lens);
-        }
-        Py_DECREF(ents[j].batch);
-    }
+    for (int j = 0; j < nents; j++) reap_entry_release(&ents[j]);
     Py_XDECREF(touched);
     Py_XDECREF(odd);
     ring_release(self);

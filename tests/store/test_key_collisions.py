@@ -124,3 +124,44 @@ async def test_long_keys_beyond_a_records_inline_bytes_collide_safely(store_dir,
     assert all(bytes(o) == bytes(payload(k, 64 * KiB)) for o, k, ok in zip(outs, keys, res) if ok)
     await st.close()
     assert set(index_keys(store_dir)) == held
+
+
+@pytest.mark.parametrize("narrow", [2], indirect=True)
+async def test_after_a_reopen_the_records_are_read_in_the_datas_batch_and_the_index_stands_in_for_a_failed_one(
+    store_dir, narrow
+):
+    """A writer's records are not in memory after an open: a get reads the hits' record blocks in
+    the same engine batch as their data (one batch per get). Where a record block cannot be read,
+    the index confirms the key instead: the same bytes, nothing taken for damage."""
+    from support.faults import EngineHooks
+
+    keys = [f"k{i}" for i in range(12)]  # 4 hash values: every key collides with others
+    st = await PageStore.open(store_dir, small_config())
+    assert await st.put_many(keys, [payload(k, 8 * KiB) for k in keys]) == [True] * 12
+    await st.close()
+    hooks = EngineHooks()
+    batches: list[list[int]] = []
+    fail_records = False
+
+    async def hooked_read(real, fds, offs, addrs, lens):
+        res = await real(fds, offs, addrs, lens)
+        batches.append(np.asarray(lens).tolist())
+        if fail_records:
+            res = np.where(np.asarray(lens) == 4 * KiB, -5, res)  # the record blocks (data ops are 8 KiB)
+        return res
+
+    hooks.read = hooked_read
+    st = await PageStore.open(store_dir, small_config(), engine_factory=hooks.engine_factory())
+    res, outs = await read(st, keys + ["absent"], 8 * KiB)
+    assert res == [True] * 12 + [False]
+    assert all(bytes(o) == bytes(payload(k, 8 * KiB)) for k, o in zip(keys, outs))
+    data_batches = [b for b in batches if 8 * KiB in b]
+    assert len(data_batches) == 1 and data_batches[0].count(4 * KiB) >= 1  # the record blocks rode along
+    fail_records = True
+    batches.clear()
+    res, outs = await read(st, keys + ["absent"], 8 * KiB)
+    assert batches and all(4 * KiB in b for b in batches)  # the failed record reads were really asked for
+    assert res == [True] * 12 + [False]
+    assert all(bytes(o) == bytes(payload(k, 8 * KiB)) for k, o in zip(keys, outs))
+    assert st.stats()["objects"] == 12 and st.stats()["crc_errors"] == 0
+    await st.close()

@@ -52,6 +52,19 @@ def test_the_key_map_answers_as_a_dict_does_even_when_every_hash_collides(bits):
     assert m.key_of(row + 5) is None
 
 
+@pytest.mark.parametrize("bits", [64, 0])
+def test_the_get_paths_one_pass_lookup_names_the_only_candidate_or_says_there_are_several(bits):
+    m = KeyMap(seed=3)
+    m.narrow_hash_for_tests(bits)
+    m["a"] = 0
+    m["b"] = 1
+    got = m.candidates(["a", "b", "zz", 7], -1).tolist()
+    # 0 bits: "a" and "b" (and "zz") share one hash: -2 for all of them; an int is never a key
+    assert got == ([0, 1, -1, -1] if bits == 64 else [-2, -2, -2, -1])
+    m.forget_row(1)
+    assert m.candidates(["a", "b"], -1).tolist() == [0, 0 if bits == 0 else -1]  # one candidate left
+
+
 def test_keys_that_are_not_storable_strs_are_misses_and_refused_on_insert():
     m = KeyMap()
     m["k"] = 0

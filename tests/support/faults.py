@@ -372,6 +372,14 @@ class HookedEngine:
         h = self.hooks.read
         return await (self.inner.read_many(*a) if h is None else h(self.inner.read_many, *a))
 
+    async def read_many_crc(self, *a):
+        """Hooked: the hook's read, and no CRC from the engine (-1: the store computes them)."""
+        h = self.hooks.read
+        if h is None and hasattr(self.inner, "read_many_crc"):
+            return await self.inner.read_many_crc(*a)
+        res = await (self.inner.read_many(*a[:4]) if h is None else h(self.inner.read_many, *a[:4]))
+        return res, np.full(len(a[4]), -1, np.int64)
+
     async def write_many(self, *a):
         h = self.hooks.write
         return await (self.inner.write_many(*a) if h is None else h(self.inner.write_many, *a))

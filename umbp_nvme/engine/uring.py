@@ -100,9 +100,7 @@ class UringEngine:
         loop.add_reader(self._efd, self._on_ready)
 
     @classmethod
-    async def open(
-        cls, queue_depth: int = DEFAULT_QUEUE_DEPTH, *, async_min_bytes: int = DEFAULT_ASYNC_MIN_BYTES
-    ) -> "UringEngine":
+    async def open(cls, queue_depth: int = DEFAULT_QUEUE_DEPTH, *, async_min_bytes: int = DEFAULT_ASYNC_MIN_BYTES):
         if os.environ.get(FORCE_NO_URING_ENV, "") not in ("", "0"):
             raise EngineUnavailable(errno.EPERM, f"io_uring disabled by {FORCE_NO_URING_ENV}=1")
         u = _load_native()
@@ -118,6 +116,14 @@ class UringEngine:
 
     async def read_many(self, files, offsets, addrs, lengths) -> np.ndarray:
         return await timed_read(self._arbiter, self._run(self._u.OP_READ, files, offsets, addrs, lengths))
+
+    async def read_many_crc(self, files, offsets, addrs, lengths, crc_lens) -> tuple[np.ndarray, np.ndarray]:
+        """read_many, and per op the CRC32C of its first crc_lens[i] bytes (0 < crc_lens[i] <= lengths[i]),
+        computed as it completes while the rest are in flight; -1 where not (not whole in one piece)."""
+        crc = np.ascontiguousarray(crc_lens, dtype=np.int64)
+        out = np.full(len(crc), -1, np.int64)
+        res = await timed_read(self._arbiter, self._run(self._u.OP_READ, files, offsets, addrs, lengths, (crc, out)))
+        return res, out
 
     async def write_many(self, files, offsets, addrs, lengths) -> np.ndarray:
         # through the arbiter's window in slices (reads first); whole when there is none
@@ -140,12 +146,9 @@ class UringEngine:
             raise OSError(-res, f"{'fdatasync' if datasync else 'fsync'}(fd {fd}) failed: {os.strerror(-res)}")
 
     def register_buffers(self, ranges) -> bool:
-        """Register (address, nbytes) ranges (added to earlier ones) for fixed-buffer ops.
-
-        Ranges over 1 GiB are split into 1 GiB pieces (the kernel's per-buffer limit). Returns
-        False, logged once, when the kernel refuses (ENOMEM under RLIMIT_MEMLOCK, file-backed
-        memory): ops then use plain reads/writes into the same memory.
-        """
+        """Register (address, nbytes) ranges (added to earlier ones) for fixed-buffer ops, in pieces of
+        <= 1 GiB (the kernel's limit). False, logged once, when the kernel refuses (ENOMEM under
+        RLIMIT_MEMLOCK, file-backed memory): ops then use plain reads/writes into the same memory."""
         if self._closed:
             return False
         # queued SQEs name buffer indexes of the current table: flush them before it changes
@@ -173,12 +176,8 @@ class UringEngine:
             self._flush_handle.cancel()
         clean = self._ring.close(timeout_s=CLOSE_TIMEOUT_S)
         if not clean:
-            log.error(
-                "io_uring engine closed with %d ops still owned by the kernel after %.0f s; "
-                "the ring is leaked so the kernel never writes into freed memory",
-                self._ring.inflight,
-                CLOSE_TIMEOUT_S,
-            )
+            log.error("io_uring engine closed with %d ops still owned by the kernel after %.0f s; the ring is leaked so "
+                      "the kernel never writes into freed memory", self._ring.inflight, CLOSE_TIMEOUT_S)  # fmt: skip
         exc_msg = f"io_uring engine closed ({inflight} ops were in flight)"
         for b in list(self._batches.values()):
             if not b.fut.done():
@@ -206,7 +205,7 @@ class UringEngine:
     def _new_batch(self, op, fds, facts, offs, addrs, lens, idx_map, n_total) -> Batch:
         return Batch(op, self._new_slot(), fds, facts, offs, addrs, lens, self._loop.create_future(), idx_map, n_total)
 
-    async def _run(self, op, files, offsets, addrs, lengths) -> np.ndarray:
+    async def _run(self, op, files, offsets, addrs, lengths, crc=None) -> np.ndarray:
         if self._closed:
             raise EngineClosed("io_uring engine is closed")
         fds, facts = split_files(files)
@@ -226,6 +225,8 @@ class UringEngine:
                 q = -1
             if q >= 0:
                 b = Batch(op, slot, fds, facts, offsets, addrs, lengths, self._loop.create_future(), None, n, n)
+                if crc is not None and len(crc[0]) == n:
+                    b.crc = crc  # before any reap: completions are reaped on this thread, later
                 self._batches[slot] = b
                 b.next = q
                 if q < n:  # SQ full of unconsumed SQEs: the rest waits for the pump
@@ -237,7 +238,7 @@ class UringEngine:
                 except asyncio.CancelledError:
                     await self._drain_after_cancel(b)
                     raise
-        return await self._run_general(op, Files(fds, facts), offsets, addrs, lengths)
+        return await self._run_general(op, Files(fds, facts), offsets, addrs, lengths, crc)
 
     def _submit(self, op, fds, facts: FileFacts, offsets, addrs, lengths, *, ud_base: int, enter: bool = True) -> int:
         """ring.submit with this engine's settings: user_data = ud_base + op index (slot << 32 | op),
@@ -248,7 +249,7 @@ class UringEngine:
             ud_base=ud_base, auto_fixed=self._fixed_on, mem_align=facts.mem_align, off_align=facts.off_align,
         )  # fmt: skip
 
-    async def _run_general(self, op, files: Files, offsets, addrs, lengths) -> np.ndarray:
+    async def _run_general(self, op, files: Files, offsets, addrs, lengths, crc=None) -> np.ndarray:
         self._check_open()
         batch = IoBatch.of(files, offsets, addrs, lengths)
         n = len(batch)
@@ -262,6 +263,8 @@ class UringEngine:
                 return np.zeros(n, dtype=RESULT_DTYPE)
             f, o, a, ln = f[idx_map], o[idx_map], a[idx_map], ln[idx_map]
         b = self._new_batch(op, f, batch.facts, o, a, ln, idx_map, n)
+        if crc is not None and idx_map is None and len(crc[0]) == n:
+            b.crc = crc
         self._start(b, validate=True)
         return await self._wait(b)
 

@@ -65,7 +65,8 @@ class KeyMap:
     # --- batched (the data path) ---
 
     def candidates(self, keys: list, nth: int = 0) -> np.ndarray:
-        """Each key's nth row of the same hash (int64, -1 where none): not confirmed."""
+        """Each key's nth row of the same hash (int64, -1 where none): not confirmed. nth -1: the
+        row where it is the hash's only one, -2 where the hash has several (one pass for the get path)."""
         if type(keys) is not list:
             keys = list(keys)
         out = np.empty(len(keys), np.int64)

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..keybytes import encode_key, key_error
 from .checks import plain_keys
+from .row_keys import HitCheck
 from .index import REC_BYTES, REC_DTYPE
 
 
@@ -154,13 +155,10 @@ class Lookups:
                     b.keep(b.segs != s)
             return b if len(b) else None
         km = self.writer.keys
-        rows = km.candidates(keys)
-        hit = np.flatnonzero(rows >= 0)
-        if len(hit):
-            hk = keys if len(hit) == len(keys) else [keys[i] for i in hit.tolist()]
-            multi = np.flatnonzero(km.candidates(hk, 1) >= 0)
-            for j in multi.tolist():  # a hash shared by stored keys (rare): the key's own row, confirmed now
-                rows[hit[j]] = km.get(hk[j], -1)
+        rows = km.candidates(keys, -1)
+        if rows.min(initial=0) == -2:
+            for i in np.flatnonzero(rows == -2).tolist():  # a hash shared by stored keys (rare): the key's own row, confirmed now
+                rows[i] = km.get(keys[i], -1)
         return self._batch_of_rows(rows)
 
     async def _confirm_begin(self, b: ReadBatch, keys):
@@ -169,26 +167,21 @@ class Lookups:
         while the data is (row_keys.py). None for readers (their index lookup compared the key)."""
         if self.writer is None:
             return None
-        task = asyncio.ensure_future(self._confirmed(b, keys))
-        await asyncio.sleep(0)  # it submits its few record reads now, ahead of the data's (a full ring queues the rest)
-        return task
+        src = self.writer.keys.source
+        if src is not None and not src.in_memory(b.rows):
+            task = asyncio.ensure_future(self._confirmed(b, keys))
+            await asyncio.sleep(0)  # it submits its few record reads now, ahead of the data's (a full ring queues the rest)
+            return task
+        # nothing to read: the comparison runs once the data's reads are submitted, while they are in flight
+        return asyncio.ensure_future(self._confirmed(b, keys, behind=True))
 
-    async def _confirmed(self, b: ReadBatch, keys) -> np.ndarray:
-        km = self.writer.keys
-        rows = b.rows
-        ks = [keys[i] for i in b.idx.tolist()]
-        held = km.held(rows)
-        ok = np.zeros(len(rows), bool)
-        if held.any():  # keys longer than a record holds: compared in memory
-            ok[held] = km.confirm([ks[j] for j in np.flatnonzero(held).tolist()], rows[held])
-        if not held.all() and km.source is not None:
-            rest = np.flatnonzero(~held)
-            ok[rest] = await km.source.confirm_reads(ks if len(rest) == len(ks) else [ks[j] for j in rest.tolist()],
-                                                     rows[rest])  # fmt: skip
-        no = np.flatnonzero(~ok)
-        if len(no):  # a collision, or a record that disagrees with the index (damage): the index decides
-            ok[no] = km.confirm([ks[j] for j in no.tolist()], rows[no])
-        return ok
+    async def _confirmed(self, b: ReadBatch, keys, behind: bool = False) -> np.ndarray:
+        if behind:
+            await asyncio.sleep(0)  # the data read's task, started after this one, runs (submits) first
+        hits = Hits(self.writer.keys, b, keys)
+        if hits.reads is not None:
+            hits.reads.res = await hits.check.src.read_blocks(hits.reads)
+        return hits.answer()
 
     def _batch_of_rows(self, rows) -> ReadBatch | None:
         if not len(rows):
@@ -217,3 +210,35 @@ class Lookups:
             now[after.idx] = after.gens
             present[after.idx] = True
         return present & (now == b.gens)
+
+
+class Hits:
+    """A writer's get hits to confirm (a hash hit is a candidate: keymap.py): keys longer than a
+    record holds in memory, the others by their records (row_keys.HitCheck: ``reads`` are the
+    record blocks to read, beside the data or on their own), what neither confirms by the index."""
+
+    def __init__(self, km, b: ReadBatch, keys):
+        rows = b.rows
+        whole = len(rows) == len(keys) and bool((np.diff(b.idx) > 0).all())  # idx is 0..n-1 (not reordered)
+        self.km, self.rows = km, rows
+        self.ks = ks = keys if whole else [keys[i] for i in b.idx.tolist()]
+        self.held = km.held(rows)
+        self.rest = np.flatnonzero(~self.held)
+        self.check = None
+        if len(self.rest) and km.source is not None:
+            sub = ks if len(self.rest) == len(ks) else [ks[j] for j in self.rest.tolist()]
+            self.check = HitCheck(km.source, sub, rows[self.rest])
+        self.reads = None if self.check is None else self.check.reads
+
+    def answer(self) -> np.ndarray:
+        """Whether each row holds its key (the record reads, if any, have ended)."""
+        km, ks, rows, held = self.km, self.ks, self.rows, self.held
+        ok = np.zeros(len(rows), bool)
+        if held.any():
+            ok[held] = km.confirm([ks[j] for j in np.flatnonzero(held).tolist()], rows[held])
+        if self.check is not None:
+            ok[self.rest] = self.check.finish()
+        no = np.flatnonzero(~ok)
+        if len(no):  # a collision, or a record that disagrees with the index (damage): the index decides
+            ok[no] = km.confirm([ks[j] for j in no.tolist()], rows[no])
+        return ok

@@ -27,12 +27,12 @@ import os
 
 import numpy as np
 
+from .._uring import records_name
 from ..buffers import AlignedBuffer
 from .index import REC_BYTES, REC_DTYPE
 from .layout import SLOT_ALIGN_BYTES
-from .checks import plain_keys
 from .keymap import storable_bytes
-from .records import (KEY_INLINE, MAGIC, PER_BLOCK, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, block_offset,
+from .records import (MAGIC, PER_BLOCK, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, block_offset,
                       make_records, record_crcs, seal, slot_index)  # fmt: skip
 
 log = logging.getLogger("umbp_nvme.store")
@@ -67,8 +67,17 @@ class WriterKeys:
         )
         return ok
 
-    async def confirm_reads(self, enc: list, rows: np.ndarray) -> np.ndarray:
-        """Whether row rows[i] holds key enc[i] (str, its bytes, or None: not a storable key), from its record."""
+    def in_memory(self, rows: np.ndarray) -> bool:
+        """Whether every row's record is in memory (its segment's area was loaded this session):
+        confirming them reads nothing."""
+        areas = self.st.writer.areas
+        if areas is None or not len(rows):
+            return areas is not None
+        return all(areas.loaded(s) for s in _segments(self.st.writer.rows.seg[rows]))
+
+    def gather(self, rows: np.ndarray):
+        """The rows' records where they are in memory: (records, segments, offsets, slot indexes,
+        which must come from disk instead)."""
         t = self.st.writer.rows
         areas = self.st.writer.areas
         m = len(rows)
@@ -77,7 +86,7 @@ class WriterKeys:
         offs, lens = t.off[rows], t.len[rows]
         idx = slot_index(offs, lens)
         disk = np.zeros(m, bool)
-        for s in np.unique(segs).tolist():
+        for s in _segments(segs):
             js = np.flatnonzero(segs == s)
             if areas is not None and areas.loaded(s):  # this session's records: memory is the truth
                 a = areas.areas.get(s)
@@ -86,49 +95,35 @@ class WriterKeys:
                     recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
             else:
                 disk[js] = True
-        if disk.all():  # after an open: every record from disk, no copy
-            recs = await self._read_records(segs, idx)
-        elif disk.any():
-            recs.view(_WHOLE)[disk] = (await self._read_records(segs[disk], idx[disk])).view(_WHOLE)
-        if plain_keys(enc):  # the common keys (non-empty ASCII str): numpy encodes them in C
-            klen = np.fromiter(map(len, enc), np.int64, m)
-        else:
-            enc = [e if type(e) is bytes or e is None else storable_bytes(e) for e in enc]
-            klen = np.fromiter((-1 if e is None else len(e) for e in enc), np.int64, m)
-            enc = [e or b"" for e in enc]
-        want = np.array(enc, dtype=f"S{KEY_INLINE}")  # cut at KEY_INLINE: the length says the rest
-        return ((recs["magic"] == MAGIC) & ((recs["flags"] & R_VALID) != 0) & (recs["generation"] == t.gen[rows])
-                & (recs["segment"] == segs) & (recs["offset"] == offs) & (recs["key_len"] == klen)
-                & (klen <= KEY_INLINE) & (recs["key"].view(f"S{KEY_INLINE}").reshape(-1) == want))  # fmt: skip
+        return recs, segs, offs, idx, disk
 
-    async def _read_records(self, segs: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        """The records of slots ``idx`` of segments ``segs``, read from their 4 KiB blocks (each once)."""
-        blk = idx // PER_BLOCK
-        pairs, inv = np.unique(segs * (1 << 32) + blk, return_inverse=True)  # (segment, block) once each
-        pairs = np.stack([pairs >> 32, pairs & 0xFFFFFFFF], 1)
-        n = len(pairs)
-        raw = np.empty((n + 1) * SLOT_ALIGN_BYTES, np.uint8)  # O_DIRECT: a 4 KiB-aligned slice of it
-        pad = -raw.ctypes.data % SLOT_ALIGN_BYTES
-        arr = raw[pad : pad + n * SLOT_ALIGN_BYTES]
-        files = self.st.state.files
-        foffs = self.st.segment_bytes - (pairs[:, 1] + 1) * SLOT_ALIGN_BYTES  # block_offset, vectorised
-        addrs = np.uint64(arr.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(SLOT_ALIGN_BYTES)
+    def name(self, recs: np.ndarray, enc: list, rows: np.ndarray, segs: np.ndarray, offs: np.ndarray) -> np.ndarray:
+        """Whether record i is valid, names row rows[i]'s object and holds key enc[i] (str, its bytes,
+        or None: not a storable key)."""
+        gens = np.ascontiguousarray(self.st.writer.rows.gen[rows], np.uint64)
+        keys = enc if type(enc) is list else list(enc)
+        out = np.empty(len(rows), np.uint8)
+        if records_name(recs, keys, segs, offs, gens, out):  # non-ASCII str keys: their stored bytes, again
+            j = np.flatnonzero(out == 2)
+            sub = np.empty(len(j), np.uint8)
+            records_name(recs[j], [storable_bytes(keys[i]) for i in j.tolist()], segs[j], offs[j], gens[j], sub)
+            out[j] = sub
+        return out == 1
+
+    async def confirm_reads(self, enc: list, rows: np.ndarray) -> np.ndarray:
+        """Whether row rows[i] holds key enc[i], from its record (read from disk where not in memory)."""
+        return await HitCheck(self, enc, rows).read()
+
+    async def read_blocks(self, rr: "RecordReads") -> np.ndarray:
+        """The engine's results for ``rr``'s block reads, as their own batch."""
         read = asyncio.ensure_future(self.st.state.read_engine.read_many(
-            files.batch(pairs[:, 0].copy()), foffs, addrs, np.full(n, SLOT_ALIGN_BYTES, np.int64)))  # fmt: skip
-        read.add_done_callback(lambda _, raw=raw: None)  # the buffer lives until the kernel is done with it
+            self.st.state.files.batch(rr.segs), rr.offs, rr.addrs, rr.lens))  # fmt: skip
+        read.add_done_callback(lambda _, rr=rr: None)  # the buffer lives until the kernel is done with it
         try:
-            res = await asyncio.shield(read)
+            return await asyncio.shield(read)
         except Exception as e:  # noqa: BLE001 - an unreadable record confirms nothing: a miss
-            log.error("%s: reading %d record blocks failed: %r", self.st.path, n, e)
-            res = np.full(n, -5, np.int64)
-        got = np.asarray(res) == SLOT_ALIGN_BYTES
-        inv = np.asarray(inv).reshape(-1)
-        out = np.zeros(len(segs), RECORD_DTYPE)
-        ok = got[inv]
-        if ok.any():
-            at = (inv[ok] * SLOT_ALIGN_BYTES + (idx[ok] % PER_BLOCK) * RECORD_DTYPE.itemsize)
-            out.view(_WHOLE)[ok] = arr.view(_WHOLE)[at // RECORD_DTYPE.itemsize]
-        return out
+            log.error("%s: reading %d record blocks failed: %r", self.st.path, len(rr.lens), e)
+            return np.full(len(rr.lens), -5, np.int64)
 
     def keys_of(self, rows: np.ndarray) -> list[bytes | None]:
         """Each row's key from its record: in memory where the segment's area is, else its 4 KiB
@@ -259,6 +254,67 @@ class WriterKeys:
             if keep.any():
                 rec = np.concatenate([rec, _made(t, bad[keep], [e for e in enc if e is not None])])
         return rec
+
+
+class RecordReads:
+    """The 4 KiB blocks holding the records of slots ``idx`` of segments ``segs``, each block read
+    once: the engine ops (``segs``, ``offs``, ``addrs``, ``lens``, into a buffer of its own) and,
+    from their results, the records."""
+
+    def __init__(self, st, segs: np.ndarray, idx: np.ndarray):
+        self.idx = idx
+        pairs, inv = np.unique(segs * (1 << 32) + idx // PER_BLOCK, return_inverse=True)  # (segment, block) once each
+        self.inv = np.asarray(inv).reshape(-1)
+        n = len(pairs)
+        self.segs = pairs >> 32
+        self.offs = st.segment_bytes - ((pairs & 0xFFFFFFFF) + 1) * SLOT_ALIGN_BYTES  # block_offset, vectorised
+        self.raw = np.empty((n + 1) * SLOT_ALIGN_BYTES, np.uint8)  # O_DIRECT: a 4 KiB-aligned slice of it
+        pad = -self.raw.ctypes.data % SLOT_ALIGN_BYTES
+        self.arr = self.raw[pad : pad + n * SLOT_ALIGN_BYTES]
+        self.addrs = np.uint64(self.arr.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(SLOT_ALIGN_BYTES)
+        self.lens = np.full(n, SLOT_ALIGN_BYTES, np.int64)
+        self.res = None  # the block reads' results, where the caller read them beside its data
+
+    def records(self, res) -> np.ndarray:
+        """Slot i's record where its block came back whole, zeros (no record) where not."""
+        out = np.zeros(len(self.idx), RECORD_DTYPE)
+        ok = (np.asarray(res) == SLOT_ALIGN_BYTES)[self.inv]
+        if ok.any():
+            out.view(_WHOLE)[ok] = self.arr.view(_WHOLE)[self.inv[ok] * PER_BLOCK + self.idx[ok] % PER_BLOCK]
+        return out
+
+
+class HitCheck:
+    """Whether each of a get's hash hits (rows) holds its key (enc), by the rows' records: those in
+    memory gathered at once, the others' blocks read (``reads``: beside the data by the get path,
+    which sets ``reads.res``, or by ``read()``)."""
+
+    def __init__(self, src: WriterKeys, enc: list, rows: np.ndarray):
+        self.src, self.enc, self.rows = src, enc, rows
+        self.recs, self.segs, self.offs, idx, self.disk = src.gather(rows)
+        self.reads = RecordReads(src.st, self.segs[self.disk], idx[self.disk]) if self.disk.any() else None
+
+    def finish(self) -> np.ndarray:
+        if self.reads is not None:
+            res = self.reads.res
+            got = self.reads.records(np.full(len(self.reads.lens), -5) if res is None else res)
+            if self.disk.all():  # after an open: every record from disk, no copy
+                self.recs = got
+            else:
+                self.recs.view(_WHOLE)[self.disk] = got.view(_WHOLE)
+        return self.src.name(self.recs, self.enc, self.rows, self.segs, self.offs)
+
+    async def read(self) -> np.ndarray:
+        if self.reads is not None:
+            self.reads.res = await self.src.read_blocks(self.reads)
+        return self.finish()
+
+
+def _segments(segs: np.ndarray) -> list[int]:
+    """The distinct segments of a batch's rows; the common batch (one segment's pages) without np.unique's sort."""
+    if len(segs) and (segs == segs[0]).all():
+        return [int(segs[0])]
+    return np.unique(segs).tolist()
 
 
 def _bytes(k) -> bytes:

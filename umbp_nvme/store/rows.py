@@ -128,10 +128,16 @@ class RowTable:
             self.free.extend(gone)
 
     def pin(self, rows: np.ndarray) -> None:
-        np.add.at(self.pins, rows, 1)
+        if _distinct(rows):  # a fancy-index add counts a repeated row once: np.add.at for those (3x slower)
+            self.pins[rows] += 1
+        else:
+            np.add.at(self.pins, rows, 1)
 
     def unpin(self, rows: np.ndarray) -> None:
-        np.subtract.at(self.pins, rows, 1)
+        if _distinct(rows):
+            self.pins[rows] -= 1
+        else:
+            np.subtract.at(self.pins, rows, 1)
         if self.dead_pinned:
             done = [r for r in set(rows.tolist()) if r in self.dead_pinned and self.pins[r] == 0]
             for r in done:
@@ -145,3 +151,7 @@ class RowTable:
 
     def pinned_count(self) -> int:
         return int((self.pins[: self.n] > 0).sum())
+
+
+def _distinct(rows: np.ndarray) -> bool:
+    return len(rows) < 2 or bool(np.diff(np.sort(rows)).all())
