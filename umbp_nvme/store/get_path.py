@@ -395,7 +395,8 @@ class GetPath(DeviceReads):
     async def _account(self, b: ReadBatch, keys, good, verified, results, refused) -> None:
         """Results and counters; a writer drops entries whose bytes failed the CRC and stamps hits."""
         idx, lens, m, n = b.idx, b.lens, len(b), len(keys)
-        if verified.all():
+        every = bool(verified.all())
+        if every:
             if m == n:
                 results[:] = [True] * n
             else:
@@ -406,7 +407,7 @@ class GetPath(DeviceReads):
             for i in idx[verified].tolist():
                 results[i] = True
             self.state.counters["bytes_read"] += int(lens[verified].sum())
-        bad_crc = np.flatnonzero(good & ~verified).tolist()
+        bad_crc = [] if every else np.flatnonzero(good & ~verified).tolist()
         writer = self.writer is not None
         if bad_crc and writer:
             bad_crc = await self._confirm_bad(b, bad_crc, keys, refused)
@@ -422,7 +423,7 @@ class GetPath(DeviceReads):
                     if t.live[rows[j]] and t.key[rows[j]] == keys[int(idx[j])]
                 ]  # fmt: skip
                 await self._drop_rows(sorted(set(drop)), evicted=False)
-            hit_rows = rows[verified]
+            hit_rows = rows if every else rows[verified]
             if len(hit_rows):
                 t.tick[hit_rows] = self._tick()
         refused.log(len(keys))
