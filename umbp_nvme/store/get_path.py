@@ -171,8 +171,13 @@ class GetPath(DeviceReads):
             except OSError as e:
                 for j in range(m_host, m):
                     refused.add(keys[int(b.idx[j])], str(e))
-        hits = self._hits_beside(b, keys, m_host, route)
-        conf = None if hits is not None else await self._confirm_begin(b, keys)  # writers: the rows' records (keymap.py)
+        hits = conf = None  # writers: a hash hit is confirmed by its row's record (keymap.py)
+        if self.writer is not None:
+            in_memory = self._records_in_memory(b.rows)
+            if not in_memory and self._one_host_part(b, m_host, route):
+                hits = Hits(self.writer.keys, b, keys)  # the record blocks ride in the data's engine batch
+            else:
+                conf = await self._confirm_begin(b, keys, in_memory)
         outcome = await self._read(b, m_host, route, None if hits is None else hits.reads)
         if outcome is None:
             return  # timed out: counted and logged by _await_io
@@ -185,16 +190,12 @@ class GetPath(DeviceReads):
             verified &= mine
         await self._account(b, keys, good, verified, results, refused)
 
-    def _hits_beside(self, b: ReadBatch, keys, m_host: int, route) -> Hits | None:
-        """Writers after an open (records not in memory): the hits' record blocks, to be read in the
-        data's own engine batch (one batch, one wait, not two) where the data goes in one part to
-        host memory; None where not (then _confirm_begin reads them as a batch of their own)."""
-        if self.writer is None or route is not None or m_host < len(b) or int(b.lens.sum()) > PART_BYTES:
-            return None
-        src = self.writer.keys.source
-        if src is None or src.in_memory(b.rows):
-            return None
-        return Hits(self.writer.keys, b, keys)
+    @staticmethod
+    def _one_host_part(b: ReadBatch, m_host: int, route) -> bool:
+        """The whole batch goes to host memory in one engine batch (read_parts makes one part):
+        records that must be read (after an open) then ride in it, one batch and one wait, not two;
+        otherwise _confirm_begin reads them as a batch of their own."""
+        return route is None and m_host == len(b) and int(b.lens.sum()) <= PART_BYTES
 
     async def _read(self, b: ReadBatch, m_host: int, route, extra=None):
         """Pin, read, verify, unpin: (complete, verified) per object; None when the read timed out.
@@ -244,7 +245,7 @@ class GetPath(DeviceReads):
         the objects of each part as soon as its read completes, so the CRC overlaps the rest's I/O.
         Raises the first part's failure (a TimeoutError first) once no part is in flight."""
         bounds, window = read_parts(b.lens[:m_host])
-        if len(bounds) == 2 or extra is not None:  # extra: _hits_beside asked for one part
+        if len(bounds) == 2 or extra is not None:  # extra: _one_host_part said one part
             return await self._read_one_part(b, plan, m_host, good, verified, extra)
         todo = list(zip(bounds, bounds[1:]))[::-1]
         deadline = asyncio.get_running_loop().time() + self.timeout_s

@@ -161,14 +161,16 @@ class Lookups:
                 rows[i] = km.get(keys[i], -1)
         return self._batch_of_rows(rows)
 
-    async def _confirm_begin(self, b: ReadBatch, keys):
+    def _records_in_memory(self, rows) -> bool:
+        """Writers: confirming these rows reads no record from disk."""
+        src = self.writer.keys.source
+        return src is None or src.in_memory(rows)
+
+    async def _confirm_begin(self, b: ReadBatch, keys, in_memory: bool):
         """Writers: a task answering, per object of ``b``, whether its row holds the key (a hash hit
         is a candidate: keymap.py): held long keys in memory, the others by their records, read
-        while the data is (row_keys.py). None for readers (their index lookup compared the key)."""
-        if self.writer is None:
-            return None
-        src = self.writer.keys.source
-        if src is not None and not src.in_memory(b.rows):
+        while the data is (row_keys.py) unless ``in_memory``."""
+        if not in_memory:
             task = asyncio.ensure_future(self._confirmed(b, keys))
             await asyncio.sleep(0)  # it submits its few record reads now, ahead of the data's (a full ring queues the rest)
             return task
