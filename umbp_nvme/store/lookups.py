@@ -181,8 +181,8 @@ class Lookups:
         if behind:
             await asyncio.sleep(0)  # the data read's task, started after this one, runs (submits) first
         hits = Hits(self.writer.keys, b, keys)
-        if hits.reads is not None:
-            hits.reads.res = await hits.check.src.read_blocks(hits.reads)
+        if hits.reads is not None:  # the record blocks as a batch of their own
+            hits.reads.res = await self.writer.keys.source.read_blocks(hits.reads)
         return hits.answer()
 
     def _batch_of_rows(self, rows) -> ReadBatch | None:

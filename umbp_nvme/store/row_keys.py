@@ -1,6 +1,6 @@
 """Where a writer's keys are, now that its memory holds only their hashes (keymap.py, issue 36).
 
-- Confirming a get's candidate rows (``confirm_reads``, the data path): the row's record holds
+- Confirming a get's candidate rows (``HitCheck``, the data path): the row's record holds
   the key (its first KEY_INLINE bytes and length; longer keys are held in memory) and the row's
   generation. The record is in memory where this session touched the segment; otherwise its 4
   KiB block is read through the read engine, one read per distinct block, all in one batch (a
@@ -109,10 +109,6 @@ class WriterKeys:
             records_name(recs[j], [storable_bytes(keys[i]) for i in j.tolist()], segs[j], offs[j], gens[j], sub)
             out[j] = sub
         return out == 1
-
-    async def confirm_reads(self, enc: list, rows: np.ndarray) -> np.ndarray:
-        """Whether row rows[i] holds key enc[i], from its record (read from disk where not in memory)."""
-        return await HitCheck(self, enc, rows).read()
 
     async def read_blocks(self, rr: "RecordReads") -> np.ndarray:
         """The engine's results for ``rr``'s block reads, as their own batch."""
@@ -286,8 +282,8 @@ class RecordReads:
 
 class HitCheck:
     """Whether each of a get's hash hits (rows) holds its key (enc), by the rows' records: those in
-    memory gathered at once, the others' blocks read (``reads``: beside the data by the get path,
-    which sets ``reads.res``, or by ``read()``)."""
+    memory gathered at once, the others' blocks read (``reads``: by the get path, beside the data or
+    as a batch of their own, which sets ``reads.res``)."""
 
     def __init__(self, src: WriterKeys, enc: list, rows: np.ndarray):
         self.src, self.enc, self.rows = src, enc, rows
@@ -303,11 +299,6 @@ class HitCheck:
             else:
                 self.recs.view(_WHOLE)[self.disk] = got.view(_WHOLE)
         return self.src.name(self.recs, self.enc, self.rows, self.segs, self.offs)
-
-    async def read(self) -> np.ndarray:
-        if self.reads is not None:
-            self.reads.res = await self.src.read_blocks(self.reads)
-        return self.finish()
 
 
 def _segments(segs: np.ndarray) -> list[int]:
