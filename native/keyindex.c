@@ -371,6 +371,96 @@ static PyObject *KI_holds(KeyIndex *t, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A row column (rows.py): a C-contiguous numeric array, read as an unsigned or signed integer. */
+typedef struct {
+    Py_buffer v;
+    char kind; /* 'u' or 'i' */
+} Col;
+
+static int col_get(PyObject *o, Col *c, Py_ssize_t i) {
+    if (PyObject_GetBuffer(o, &c->v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = c->v.format ? c->v.format : "B";
+    char k = f[0] && strchr("@=<", f[0]) ? f[1] : f[0];
+    c->kind = !k ? 0 : strchr("BHILQ?", k) ? 'u' : strchr("bhilq", k) ? 'i' : 0;
+    Py_ssize_t w = c->v.itemsize;
+    if (!c->kind || c->v.ndim != 1 || (w != 1 && w != 2 && w != 4 && w != 8)) {
+        PyErr_Format(PyExc_ValueError, "column %zd must be a 1-d integer array", i);
+        PyBuffer_Release(&c->v);
+        return -1;
+    }
+    return 0;
+}
+
+static inline int64_t col_at(const Col *c, uint64_t r) {
+    const char *p = (const char *)c->v.buf + r * c->v.itemsize;
+    switch (c->v.itemsize) {
+    case 1: return c->kind == 'u' ? (int64_t)*(const uint8_t *)p : (int64_t)*(const int8_t *)p;
+    case 2: return c->kind == 'u' ? (int64_t) * (const uint16_t *)p : (int64_t) * (const int16_t *)p;
+    case 4: return c->kind == 'u' ? (int64_t) * (const uint32_t *)p : (int64_t) * (const int32_t *)p;
+    default: return *(const int64_t *)p; /* uint64 columns (generations) stay below 2**63 */
+    }
+}
+
+#define TAKE_COLS 6
+/* take(keys, cols, off_shift, out): the get path's lookup and gather in one pass. For each key
+ * with exactly one candidate row (not confirmed: keymap.py), in key order, out (int64, 8 x n, row
+ * major) gets [0] its key index, [1..6] its row's cols (segment, offset in units of
+ * 2**off_shift -> bytes, length, crc, flags, generation) and [7] the row. Returns how many keys
+ * hit, or -1 (out partly written) when a key's hash has several candidates: the caller's
+ * general path confirms those. A row beyond any column raises (the columns must cover the table). */
+static PyObject *KI_take(KeyIndex *t, PyObject *args) {
+    PyObject *keys, *cols, *out;
+    int shift;
+    if (!PyArg_ParseTuple(args, "O!O!iO", &PyList_Type, &keys, &PyTuple_Type, &cols, &shift, &out)) return NULL;
+    if (PyTuple_GET_SIZE(cols) != TAKE_COLS) return PyErr_Format(PyExc_ValueError, "cols must be %d arrays", TAKE_COLS);
+    if (shift < 0 || shift > 32) return PyErr_Format(PyExc_ValueError, "off_shift %d out of range", shift);
+    Py_ssize_t n = PyList_GET_SIZE(keys), got = 0, hits = 0;
+    Col c[TAKE_COLS];
+    Py_buffer o;
+    PyObject *ret = NULL;
+    for (; got < TAKE_COLS; got++)
+        if (col_get(PyTuple_GET_ITEM(cols, got), &c[got], got) < 0) goto done;
+    if (PyObject_GetBuffer(out, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    if (o.len != 8 * n * 8 || ((uintptr_t)o.buf & 7)) {
+        PyErr_Format(PyExc_ValueError, "out must be 8 x %zd aligned int64 values", n);
+        PyBuffer_Release(&o);
+        goto done;
+    }
+    uint64_t nrows = UINT64_MAX;
+    for (int j = 0; j < TAKE_COLS; j++)
+        if ((uint64_t)(c[j].v.len / c[j].v.itemsize) < nrows) nrows = (uint64_t)(c[j].v.len / c[j].v.itemsize);
+    int64_t *w = o.buf;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const char *p;
+        Py_ssize_t len;
+        PyObject *owner;
+        if (key_bytes(PyList_GET_ITEM(keys, k), &p, &len, &owner, 0) < 0) continue;
+        uint64_t h = key_hash(t, p, len), i = probe_nth(t, h, 0);
+        Py_XDECREF(owner);
+        if (i >= t->cap) continue;
+        if (probe_nth(t, h, 1) < t->cap) {
+            hits = -1;
+            break;
+        }
+        uint64_t r = slot_row(t->slots[i]);
+        if (r >= nrows) {
+            PyErr_Format(PyExc_ValueError, "row %llu is beyond the columns (%llu rows)", (unsigned long long)r,
+                         (unsigned long long)nrows);
+            PyBuffer_Release(&o);
+            goto done;
+        }
+        w[hits] = k;
+        for (int j = 0; j < TAKE_COLS; j++) w[(j + 1) * n + hits] = col_at(&c[j], r) << (j == 1 ? shift : 0);
+        w[7 * n + hits] = (int64_t)r;
+        hits++;
+    }
+    PyBuffer_Release(&o);
+    ret = PyLong_FromSsize_t(hits);
+done:
+    for (int j = 0; j < got; j++) PyBuffer_Release(&c[j].v);
+    return ret;
+}
+
 /* forget(rows): rows hold no key any more (unmapped if they were) */
 static PyObject *KI_forget(KeyIndex *t, PyObject *rows) {
     Py_buffer v;
@@ -530,6 +620,41 @@ static int int64_view(PyObject *obj, Py_buffer *v, const char *what) {
     return 0;
 }
 
+/* add_at(counts, rows, delta): counts[rows[i]] += delta for each i, repeats counted each time (a
+ * read's pins: rows.py); every row is checked before any count changes */
+static PyObject *mod_add_at(PyObject *mod, PyObject *args) {
+    PyObject *counts, *rows;
+    int delta;
+    if (!PyArg_ParseTuple(args, "OOi", &counts, &rows, &delta)) return NULL;
+    Py_buffer c, v;
+    if (get_rows_buffer(rows, &v, -1, 0) < 0) return NULL;
+    if (PyObject_GetBuffer(counts, &c, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&v);
+        return NULL;
+    }
+    const char *f = c.format ? c.format : "B";
+    if (c.itemsize != 4 || !strchr("il", f[strlen(f) - 1])) {
+        PyErr_SetString(PyExc_ValueError, "counts must be int32 values");
+        goto fail;
+    }
+    const int64_t *r = v.buf;
+    Py_ssize_t n = v.len / 8, cap = c.len / 4;
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (r[k] < 0 || r[k] >= cap) {
+            PyErr_Format(PyExc_IndexError, "row %lld out of range (%zd)", (long long)r[k], cap);
+            goto fail;
+        }
+    int32_t *x = c.buf;
+    for (Py_ssize_t k = 0; k < n; k++) x[r[k]] += delta;
+    PyBuffer_Release(&c);
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&c);
+    PyBuffer_Release(&v);
+    return NULL;
+}
+
 /* gather(buf, offsets, lengths): the byte ranges back to back, as one bytes object */
 static PyObject *mod_gather(PyObject *mod, PyObject *args) {
     PyObject *bo, *oo, *lo;
@@ -615,6 +740,8 @@ static PyObject *mod_unordered(PyObject *mod, PyObject *args) {
 }
 
 static PyMethodDef mod_methods[] = {
+    {"add_at", mod_add_at, METH_VARARGS, "add_at(counts int32[], rows int64[], delta): counts[rows[i]] += delta, "
+     "each repeat counted"},
     {"gather", mod_gather, METH_VARARGS, "gather(buf, offsets, lengths): the byte ranges back to back (bytes)"},
     {"unordered", mod_unordered, METH_VARARGS, "unordered(blob, lengths): i where key i-1 >= key i"},
     {NULL, NULL, 0, NULL},
@@ -624,6 +751,9 @@ static PyMethodDef KI_methods[] = {
     {"lookup", (PyCFunction)KI_lookup, METH_VARARGS,
      "lookup(keys, out[, nth]): out[i] = key i's nth candidate row or -1; nth -1: the only candidate, -2 when "
      "the hash has several"},
+    {"take", (PyCFunction)KI_take, METH_VARARGS,
+     "take(keys, cols, off_shift, out): per key with one candidate row, its index, row columns and row into "
+     "out (8 x n int64); how many, -1 when a hash has several"},
     {"first", (PyCFunction)KI_first, METH_O, "first(key): its first candidate row, -1 when none"},
     {"prefix", (PyCFunction)KI_prefix, METH_O, "prefix(keys): how many keys, from the first, have a candidate row"},
     {"add", (PyCFunction)KI_add, METH_VARARGS, "add(keys, rows): row i holds key i's hash, mapped"},

@@ -103,6 +103,9 @@ static PyMethodDef module_methods[] = {
     {"pairs_into", (PyCFunction)mod_pairs_into, METH_VARARGS,
      "pairs_into(buffers, addrs int64[], nbytes int64[]) -> bool: (address, nbytes) tuples of ints as arrays; "
      "False (outputs unspecified) for anything else"},
+    {"pairs_dst", (PyCFunction)mod_pairs_dst, METH_VARARGS,
+     "pairs_dst(buffers, idx, lens, segs, starts, ends, direct, align, addr_min, out uint64[]) -> bool: a get's "
+     "destinations, each a registered (address, nbytes) pair large enough and aligned where O_DIRECT needs it"},
     {"crc32c_many", (PyCFunction)mod_crc32c_many, METH_VARARGS,
      "crc32c_many(addrs uint64[], lengths int64[], out uint32[]) -> n; one CRC per range, GIL released"},
     {"records_name", (PyCFunction)mod_records_name, METH_VARARGS,

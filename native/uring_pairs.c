@@ -52,3 +52,85 @@ done:
     arr_release(&n);
     return ret;
 }
+
+/* Op j's destination: the exact (address, nbytes) tuple of ints *t, checked as pairs_dst says;
+ * 0 with *addr set, -1 when it is not so. */
+static int pair_dst(PyObject *t, int64_t need, const int64_t *st, const int64_t *en, Py_ssize_t nr, int64_t addr_min,
+                    int64_t *addr) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 2) return -1;
+    PyObject *x = PyTuple_GET_ITEM(t, 0), *y = PyTuple_GET_ITEM(t, 1);
+    if (!PyLong_CheckExact(x) || !PyLong_CheckExact(y)) return -1;
+    int ox = 0, oy = 0;
+    long long a = PyLong_AsLongLongAndOverflow(x, &ox), nb = PyLong_AsLongLongAndOverflow(y, &oy);
+    if (ox || oy || a < addr_min || nb <= 1 || nb < need) return -1;
+    Py_ssize_t lo = 0, hi = nr; /* the last range starting at or below a */
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (st[mid] <= a) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo == 0 || nb > en[lo - 1] - a) return -1; /* never a + nb: it wraps for nb near 2**63 */
+    *addr = a;
+    return 0;
+}
+
+/* pairs_dst(buffers, idx, lens, segs, starts, ends, direct, align, addr_min, out) -> bool: a get's
+ * destinations in one pass. Op j reads lens[j] bytes of segment segs[j] into buffers[idx[j]]: an
+ * exact (address, nbytes) tuple of ints, address >= addr_min, 1 < nbytes, lens[j] <= nbytes, wholly
+ * inside the registered range of the last start <= address (starts sorted, ends beside them); on an
+ * O_DIRECT segment (direct[seg]) address and length are multiples of align[seg] (nothing to bounce).
+ * out[j] = the address. False (out partly written) where an op is not so: the caller's general path
+ * then explains each buffer (memory.py, staging.py). Bad arrays or an index out of range raise. */
+PyObject *mod_pairs_dst(PyObject *mod, PyObject *args) {
+    PyObject *seq, *o[8];
+    long long addr_min;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOLO", &seq, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &addr_min, &o[7]))
+        return NULL;
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) Py_RETURN_FALSE;
+    static const char *names[8] = {"idx", "lens", "segs", "starts", "ends", "direct", "align", "out"};
+    Arr a[8];
+    int got = 0;
+    PyObject *ret = NULL;
+    for (; got < 8; got++) {
+        int is_bool = got == 5;
+        if (arr_get(o[got], &a[got], names[got], is_bool ? 1 : 8, is_bool ? "?" : got == 7 ? "LQ" : "lq", got == 7,
+                    0) < 0)
+            goto done;
+    }
+    Py_ssize_t m = arr_len(&a[0]), nr = arr_len(&a[3]), nseg = arr_len(&a[5]), nbuf = PySequence_Fast_GET_SIZE(seq);
+    if (arr_len(&a[1]) != m || arr_len(&a[2]) != m || arr_len(&a[7]) != m || arr_len(&a[4]) != nr ||
+        arr_len(&a[6]) != nseg) {
+        PyErr_SetString(PyExc_ValueError, "idx, lens, segs and out must have one entry per op; starts and ends, "
+                                          "direct and align one per range and per segment");
+        goto done;
+    }
+    const int64_t *idx = a[0].view.buf, *lens = a[1].view.buf, *segs = a[2].view.buf, *st = a[3].view.buf,
+                  *en = a[4].view.buf, *al = a[6].view.buf;
+    const uint8_t *direct = a[5].view.buf;
+    int64_t *out = a[7].view.buf;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    ret = Py_True;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (idx[j] < 0 || idx[j] >= nbuf || segs[j] < 0 || segs[j] >= nseg) {
+            PyErr_Format(PyExc_IndexError, "op %zd: buffer %lld or segment %lld out of range", j, (long long)idx[j],
+                         (long long)segs[j]);
+            ret = NULL;
+            goto done;
+        }
+        int64_t addr;
+        if (lens[j] < 0 || pair_dst(items[idx[j]], lens[j], st, en, nr, addr_min, &addr) < 0) {
+            ret = Py_False;
+            break;
+        }
+        int64_t k = al[segs[j]];
+        if (direct[segs[j]] && (k <= 0 || addr % k || lens[j] % k)) {
+            ret = Py_False;
+            break;
+        }
+        out[j] = addr;
+    }
+    Py_INCREF(ret);
+done:
+    for (int i = 0; i < got; i++) arr_release(&a[i]);
+    return ret;
+}

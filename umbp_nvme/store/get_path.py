@@ -130,6 +130,11 @@ class GetPath(DeviceReads):
     def _destinations(self, b: ReadBatch, keys, buffers, refused) -> None:
         """Resolve the caller's buffer per object; keep the usable ones, host memory first, CUDA last."""
         m, n = len(b), len(keys)
+        files = self.state.files
+        dst = self.state.memory.resolve_reads(buffers, b.idx, b.lens, b.segs, files.direct, files.align)
+        if dst is not None:
+            b.dst, b.aligned = dst, True
+            return
         pair = self.state.memory.resolve_pairs(buffers if m == n else [buffers[i] for i in b.idx.tolist()])
         if pair is not None and not (pair[1] < b.lens).any():
             b.dst = pair[0]
@@ -173,7 +178,7 @@ class GetPath(DeviceReads):
                     refused.add(keys[int(b.idx[j])], str(e))
         hits = conf = None  # writers: a hash hit is confirmed by its row's record (keymap.py)
         if self.writer is not None:
-            in_memory = self._records_in_memory(b.rows)
+            in_memory = self._records_in_memory(b.segs)
             if not in_memory and self._one_host_part(b, m_host, route):
                 hits = Hits(self.writer.keys, b, keys)  # the record blocks ride in the data's engine batch
             else:
@@ -209,7 +214,10 @@ class GetPath(DeviceReads):
         verified = np.zeros(m, bool)
         try:
             files = self.state.files
-            plan = staging.plan(self.state.bounce, files.direct[b.segs], files.align[b.segs], b.dst, b.lens, b.devm)
+            if b.aligned:
+                plan = staging.unbounced(b.dst, b.lens)
+            else:
+                plan = staging.plan(self.state.bounce, files.direct[b.segs], files.align[b.segs], b.dst, b.lens, b.devm)
             jobs = [self._read_parts(b, plan, m_host, good, verified, extra)] if m_host else []
             if route is not None:
                 jobs.append(self._read_device_part(b, route, m_host, m, good, verified))

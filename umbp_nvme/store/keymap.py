@@ -73,6 +73,14 @@ class KeyMap:
         self._t.lookup(keys, out, nth)
         return out
 
+    def take(self, keys: list, cols: tuple, off_shift: int) -> np.ndarray | None:
+        """The get path's lookup and gather in one native pass: an int64 array (8, hits) of the key
+        index, ``cols`` (rows.py's seg, off_4k (as bytes), len, crc, flags, gen) and row of each key
+        with a candidate row (not confirmed), in key order; None where a hash has several rows."""
+        out = np.empty((8, len(keys)), np.int64)
+        m = self._t.take(keys, cols, off_shift, out)
+        return None if m < 0 else out[:, :m]
+
     def present(self, keys: list) -> np.ndarray:
         """Whether each key is stored, from the hash alone (see the module doc)."""
         return self.candidates(keys) >= 0

@@ -16,19 +16,21 @@ from ..keybytes import encode_key, key_error
 from .checks import plain_keys
 from .row_keys import HitCheck
 from .index import REC_BYTES, REC_DTYPE
+from .rows import OFF_SHIFT
 
 
 class ReadBatch:
     """The objects one get_many reads: key index, extent, checks and destination per object."""
 
     FIELDS = ("idx", "segs", "offs", "lens", "crcs", "flags", "gens", "rows", "dst", "devm")
-    __slots__ = FIELDS
+    __slots__ = FIELDS + ("aligned",)
 
     def __init__(self, idx, segs, offs, lens, crcs, flags, gens, rows=None):
         self.idx, self.segs, self.offs, self.lens, self.crcs, self.flags, self.gens, self.rows = (
             idx, segs, offs, lens, crcs, flags, gens, rows,
         )  # fmt: skip
         self.dst = self.devm = None
+        self.aligned = False  # every dst is host memory that O_DIRECT takes as it is (nothing to bounce)
 
     def keep(self, sel) -> None:
         for name in self.FIELDS:
@@ -154,17 +156,21 @@ class Lookups:
                 if not self.state.files.ensure(s):
                     b.keep(b.segs != s)
             return b if len(b) else None
-        km = self.writer.keys
+        km, t = self.writer.keys, self.writer.rows
+        if type(keys) is list:
+            got = km.take(keys, (t.seg, t.off_4k, t.len, t.crc, t.flags, t.gen), OFF_SHIFT)
+            if got is not None:  # one pass (keyindex.c); the rows are candidates, confirmed while reading
+                return ReadBatch(*got) if got.shape[1] else None
         rows = km.candidates(keys, -1)
         if rows.min(initial=0) == -2:
             for i in np.flatnonzero(rows == -2).tolist():  # a hash shared by stored keys (rare): the key's own row, confirmed now
                 rows[i] = km.get(keys[i], -1)
         return self._batch_of_rows(rows)
 
-    def _records_in_memory(self, rows) -> bool:
-        """Writers: confirming these rows reads no record from disk."""
+    def _records_in_memory(self, segs) -> bool:
+        """Writers: confirming rows in segments ``segs`` reads no record from disk."""
         src = self.writer.keys.source
-        return src is None or src.in_memory(rows)
+        return src is None or src.in_memory(segs)
 
     async def _confirm_begin(self, b: ReadBatch, keys, in_memory: bool):
         """Writers: a task answering, per object of ``b``, whether its row holds the key (a hash hit

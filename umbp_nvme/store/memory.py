@@ -21,6 +21,10 @@ try:
     from .._uring import pairs_into as _pairs_into
 except ImportError:  # an extension built before it: numpy does the same, slower
     _pairs_into = None
+try:
+    from .._uring import pairs_dst as _pairs_dst
+except ImportError:
+    _pairs_dst = None
 
 ADDR_END = 1 << 63  # addresses and lengths live in [1, 2**63): int64/uint64 arithmetic cannot wrap
 FAST_ADDR_MIN = 4096  # the batch fast path leaves smaller values (bools, 0/1) to the checked path
@@ -106,6 +110,17 @@ class Ranges:
         if dev is None:
             return host_error
         return dev[0], dev[1], True
+
+    def resolve_reads(self, buffers, idx, lens, segs, direct, align) -> np.ndarray | None:
+        """A get's destinations (uint64) in one C pass (pairs_dst), where every read's buffer
+        ``buffers[idx[j]]`` is an (address, nbytes) pair inside one registered range, holds its
+        ``lens[j]`` bytes and is aligned as its O_DIRECT file needs (``direct``, ``align`` per
+        segment): nothing to bounce. None otherwise: the checked path explains each buffer."""
+        if _pairs_dst is None or not self.ranges:
+            return None
+        out = np.empty(len(idx), np.uint64)
+        ok = _pairs_dst(buffers, idx, lens, segs, self._start_arr, self._end_arr, direct, align, FAST_ADDR_MIN, out)
+        return out if ok else None
 
     def resolve_pairs(self, buffers):
         """(addrs uint64[], nbytes int64[]) when every buffer is an (address, nbytes) pair of ints wholly

@@ -67,13 +67,13 @@ class WriterKeys:
         )
         return ok
 
-    def in_memory(self, rows: np.ndarray) -> bool:
-        """Whether every row's record is in memory (its segment's area was loaded this session):
-        confirming them reads nothing."""
+    def in_memory(self, segs: np.ndarray) -> bool:
+        """Whether the records of rows in segments ``segs`` are in memory (each segment's area was
+        loaded this session): confirming them reads nothing."""
         areas = self.st.writer.areas
-        if areas is None or not len(rows):
+        if areas is None or not len(segs):
             return areas is not None
-        return all(areas.loaded(s) for s in _segments(self.st.writer.rows.seg[rows]))
+        return all(areas.loaded(s) for s in _segments(segs))
 
     def gather(self, rows: np.ndarray):
         """The rows' records where they are in memory: (records, segments, offsets, slot indexes,

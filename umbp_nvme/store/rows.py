@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._keyindex import add_at
 from .keymap import KeyMap, PackedKeys, RowKeys
 from .records import KEY_INLINE
 
@@ -128,16 +129,10 @@ class RowTable:
             self.free.extend(gone)
 
     def pin(self, rows: np.ndarray) -> None:
-        if _distinct(rows):  # a fancy-index add counts a repeated row once: np.add.at for those (3x slower)
-            self.pins[rows] += 1
-        else:
-            np.add.at(self.pins, rows, 1)
+        add_at(self.pins, np.ascontiguousarray(rows, np.int64), 1)  # a repeated row counts each time (a fancy-index add would count it once)
 
     def unpin(self, rows: np.ndarray) -> None:
-        if _distinct(rows):
-            self.pins[rows] -= 1
-        else:
-            np.subtract.at(self.pins, rows, 1)
+        add_at(self.pins, np.ascontiguousarray(rows, np.int64), -1)
         if self.dead_pinned:
             done = [r for r in set(rows.tolist()) if r in self.dead_pinned and self.pins[r] == 0]
             for r in done:
@@ -152,6 +147,3 @@ class RowTable:
     def pinned_count(self) -> int:
         return int((self.pins[: self.n] > 0).sum())
 
-
-def _distinct(rows: np.ndarray) -> bool:
-    return len(rows) < 2 or bool(np.diff(np.sort(rows)).all())

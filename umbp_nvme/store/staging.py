@@ -98,6 +98,11 @@ class StagePlan:
             self.bounce = None
 
 
+def unbounced(addrs: np.ndarray, lens: np.ndarray) -> StagePlan:
+    """The plan of a batch known to need no bounce (memory.resolve_reads checked its alignment)."""
+    return StagePlan(addrs, lens, addrs, lens, None, None)
+
+
 def plan(pool: BouncePool, direct: np.ndarray, align: np.ndarray, addrs: np.ndarray, lens: np.ndarray,
          skip: np.ndarray | None = None) -> StagePlan:  # fmt: skip
     """The staging of one batch: ops on O_DIRECT files whose address or length is not a multiple

@@ -1,0 +1,141 @@
+"""The get path's native steps (issue 36): the key lookup and row gather in one pass
+(KeyIndex.take), the destinations resolved and checked in one pass (_uring.pairs_dst), and the
+pins counted in C (add_at). Each gives what the Python steps gave, or declines (None / False) so
+the checked path explains it; bad arrays raise before anything is written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from umbp_nvme._keyindex import KeyIndex, add_at
+from umbp_nvme._uring import pairs_dst
+from umbp_nvme.store.keymap import KeyMap
+from umbp_nvme.store.memory import FAST_ADDR_MIN, Ranges
+
+COLS = ((np.int32, 3), (np.uint32, 7), (np.uint32, 65536), (np.uint32, 0xFFFFFFF0), (np.uint8, 3), (np.uint64, 2**62))
+
+
+def _columns(n: int) -> tuple:
+    """Row columns as rows.py keeps them (seg, off_4k, len, crc, flags, gen), row r's value distinct per row."""
+    return tuple(np.array([base - (r if base > 1000 else 0) + (0 if base > 1000 else r) for r in range(n)], dt)
+                 for dt, base in COLS)  # fmt: skip
+
+
+def _take(m: KeyMap, keys, cols, shift=12):
+    return m.take(keys, cols, shift)
+
+
+def test_take_gathers_each_hits_index_columns_and_row_in_key_order():
+    m = KeyMap(seed=5)
+    for i, k in enumerate(["a", "b", "c", "\udcc3"]):
+        m[k] = 10 + i
+    cols = _columns(20)
+    got = _take(m, ["c", "zz", "a", 7, "\udcc3", "c"], cols)
+    assert got.shape == (8, 4) and got.dtype == np.int64
+    rows = [12, 10, 13, 12]
+    assert got[0].tolist() == [0, 2, 4, 5]  # the keys that hit, in key order (an int is never a key)
+    assert got[7].tolist() == rows
+    for j, c in enumerate(cols):
+        want = [int(c[r]) << (12 if j == 1 else 0) for r in rows]
+        assert got[j + 1].tolist() == want  # uint32 crcs near 2**32 and uint64 generations near 2**62 kept whole
+    assert _take(m, ["x", "y"], cols).shape == (8, 0)
+
+
+def test_take_declines_when_a_hash_has_several_rows():
+    m = KeyMap(seed=9)
+    m.narrow_hash_for_tests(0)  # every key has one hash
+    m["a"], m["b"] = 0, 1
+    assert _take(m, ["a"], _columns(2)) is None  # the general path confirms the candidates
+    m.forget_row(1)
+    assert _take(m, ["a", "b"], _columns(2))[7].tolist() == [0, 0]  # one candidate each: confirmed while reading
+
+
+def test_take_refuses_bad_columns_and_rows_beyond_them():
+    m = KeyMap(seed=1)
+    m["a"] = 5
+    with pytest.raises(ValueError, match="beyond the columns"):
+        _take(m, ["a"], _columns(5))
+    with pytest.raises(ValueError, match="6 arrays"):
+        _take(m, ["a"], _columns(6)[:5])
+    bad = list(_columns(6))
+    bad[2] = np.zeros((3, 2), np.uint32)
+    with pytest.raises(ValueError, match="1-d integer"):
+        _take(m, ["a"], tuple(bad))
+    bad[2] = np.zeros(6, np.float32)
+    with pytest.raises(ValueError, match="1-d integer"):
+        _take(m, ["a"], tuple(bad))
+    t = KeyIndex(3)
+    with pytest.raises(ValueError, match="8 x 1"):
+        t.take(["a"], _columns(6), 12, np.zeros((8, 2), np.int64))
+    with pytest.raises(TypeError):
+        t.take(("a",), _columns(6), 12, np.zeros((8, 1), np.int64))  # a list only (the get path converts)
+    with pytest.raises(ValueError, match="off_shift"):
+        t.take(["a"], _columns(6), 40, np.zeros((8, 1), np.int64))
+    assert _take(m, ["a"], _columns(6))[7].tolist() == [5]  # every column buffer was released
+
+
+BASE, SPAN = 1 << 40, 1 << 24
+
+
+def _dst(bufs, lens, segs=None, *, direct=(True,), align=(4096,), ranges=((BASE, SPAN),)):
+    r = Ranges()
+    for a, n in ranges:
+        r.add(a, n)
+    m = len(lens)
+    idx = np.arange(m, dtype=np.int64)
+    segs = np.zeros(m, np.int64) if segs is None else np.asarray(segs, np.int64)
+    out = np.zeros(m, np.uint64)
+    starts, ends = np.asarray([a for a, _ in r.ranges], np.int64), np.asarray([e for _, e in r.ranges], np.int64)
+    ok = pairs_dst(bufs, idx, np.asarray(lens, np.int64), segs, starts, ends, np.asarray(direct, bool),
+                   np.asarray(align, np.int64), FAST_ADDR_MIN, out)  # fmt: skip
+    return ok, out
+
+
+def test_pairs_dst_gives_each_reads_address_when_all_are_registered_big_enough_and_aligned():
+    bufs = [(BASE + i * 65536, 65536) for i in range(200)]
+    ok, out = _dst(bufs, [65536] * 200)
+    assert ok is True and out.tolist() == [b[0] for b in bufs]
+    # a buffer larger than its object, an unaligned one on a segment that is not O_DIRECT
+    ok, out = _dst([(BASE, 8192), (BASE + 100, 512)], [4096, 512], [0, 1], direct=(True, False), align=(4096, 4096))
+    assert ok is True and out.tolist() == [BASE, BASE + 100]
+
+
+@pytest.mark.parametrize("bufs, lens", [
+    ([(BASE, 4096)], [8192]),  # smaller than the object
+    ([(BASE + 512, 4096)], [4096]),  # address not aligned for O_DIRECT
+    ([(BASE, 4096 + 512)], [4096 + 512]),  # length not aligned for O_DIRECT
+    ([(BASE + SPAN - 4096, 8192)], [4096]),  # runs past the registered range
+    ([(BASE - 4096, 4096)], [4096]),  # before it
+    ([(BASE, 1 << 62)], [4096]),  # a length whose end wraps nothing
+    ([(BASE, True)], [1]), ([[BASE, 4096]], [4096]), ([(np.int64(BASE), 4096)], [4096]),
+    ([(1024, 4096)], [4096]),  # below FAST_ADDR_MIN: the checked path
+])  # fmt: skip
+def test_pairs_dst_declines_anything_the_checked_path_must_explain(bufs, lens):
+    assert _dst(bufs, lens)[0] is False
+
+
+def test_pairs_dst_raises_for_bad_arrays_and_indexes_out_of_range():
+    with pytest.raises(IndexError, match="out of range"):
+        _dst([(BASE, 4096)], [4096], [3])
+    with pytest.raises(ValueError, match="one entry per op"):
+        pairs_dst([(BASE, 4096)], np.zeros(1, np.int64), np.zeros(2, np.int64), np.zeros(1, np.int64),
+                  np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, bool), np.ones(1, np.int64), 4096,
+                  np.zeros(1, np.uint64))  # fmt: skip
+    with pytest.raises(TypeError, match="direct"):
+        pairs_dst([(BASE, 4096)], *(np.zeros(1, np.int64),) * 5, np.ones(1, np.int64), np.ones(1, np.int64), 4096,
+                  np.zeros(1, np.uint64))  # fmt: skip
+
+
+def test_add_at_counts_every_repeat_and_changes_nothing_when_a_row_is_out_of_range():
+    c = np.zeros(5, np.int32)
+    add_at(c, np.array([1, 3, 1, 1], np.int64), 1)
+    assert c.tolist() == [0, 3, 0, 1, 0]
+    add_at(c, np.array([1, 3], np.int64), -1)
+    assert c.tolist() == [0, 2, 0, 0, 0]
+    for rows in ([0, 5], [-1]):
+        with pytest.raises(IndexError):
+            add_at(c, np.array(rows, np.int64), 1)
+    assert c.tolist() == [0, 2, 0, 0, 0]
+    with pytest.raises(ValueError):
+        add_at(np.zeros(5, np.int64), np.array([0], np.int64), 1)
