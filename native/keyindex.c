@@ -278,6 +278,49 @@ static PyObject *KI_prefix(KeyIndex *t, PyObject *keys) {
     return PyLong_FromSsize_t(k);
 }
 
+/* fresh(keys, max_len) -> bool: the put path's one-pass check that a batch needs no per-key
+ * decision: every key an exact str of 1..max_len ASCII chars (its bytes as they are), none with a
+ * candidate row here, no two with the same hash (so none repeated). False otherwise: the caller's
+ * checked path then decides key by key (a collision between two new keys only costs that path). */
+static PyObject *KI_fresh(KeyIndex *t, PyObject *args) {
+    PyObject *keys;
+    Py_ssize_t max_len;
+    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &keys, &max_len)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    uint64_t cap = 16;
+    while (cap < (uint64_t)n * 2) cap *= 2;
+    uint64_t local[512], *seen = cap <= 512 ? local : PyMem_RawMalloc(cap * sizeof(uint64_t));
+    if (seen == NULL) return PyErr_NoMemory();
+    memset(seen, 0, cap * sizeof(uint64_t)); /* 0: empty (every hash has its top bit set) */
+    int ok = 1;
+    for (Py_ssize_t k = 0; k < n && ok; k++) {
+        PyObject *key = PyList_GET_ITEM(keys, k);
+        if (!PyUnicode_CheckExact(key) || !PyUnicode_IS_ASCII(key)) {
+            ok = 0;
+            break;
+        }
+        Py_ssize_t len = PyUnicode_GET_LENGTH(key);
+        if (len < 1 || len > max_len) {
+            ok = 0;
+            break;
+        }
+        uint64_t h = key_hash(t, (const char *)PyUnicode_DATA(key), len);
+        if (probe_nth(t, h, 0) < t->cap) {
+            ok = 0;
+            break;
+        }
+        uint64_t i = h & (cap - 1);
+        for (; seen[i]; i = (i + 1) & (cap - 1))
+            if (seen[i] == h) {
+                ok = 0;
+                break;
+            }
+        seen[i] = h;
+    }
+    if (seen != local) PyMem_RawFree(seen);
+    return PyBool_FromLong(ok);
+}
+
 /* add(keys, rows): row rows[i] holds key i's hash and is mapped (all or nothing: every key and row
  * is checked first). Replacing a key's earlier row is the caller's (it confirms which row that is). */
 static PyObject *KI_add(KeyIndex *t, PyObject *args) {
@@ -755,6 +798,8 @@ static PyMethodDef KI_methods[] = {
      "take(keys, cols, off_shift, out): per key with one candidate row, its index, row columns and row into "
      "out (8 x n int64); how many, -1 when a hash has several"},
     {"first", (PyCFunction)KI_first, METH_O, "first(key): its first candidate row, -1 when none"},
+    {"fresh", (PyCFunction)KI_fresh, METH_VARARGS,
+     "fresh(keys, max_len) -> bool: every key an ASCII str of 1..max_len chars, none stored, no two with one hash"},
     {"prefix", (PyCFunction)KI_prefix, METH_O, "prefix(keys): how many keys, from the first, have a candidate row"},
     {"add", (PyCFunction)KI_add, METH_VARARGS, "add(keys, rows): row i holds key i's hash, mapped"},
     {"unmap", (PyCFunction)KI_unmap, METH_O, "unmap(rows): the rows are no longer mapped; how many were"},

@@ -149,6 +149,7 @@ PyObject *mod_crc32c(PyObject *mod, PyObject *args, PyObject *kwds);
 PyObject *mod_crc32c_many(PyObject *mod, PyObject *args);
 PyObject *mod_pairs_into(PyObject *mod, PyObject *args);
 PyObject *mod_pairs_dst(PyObject *mod, PyObject *args);
+PyObject *mod_pairs_src(PyObject *mod, PyObject *args);
 PyObject *mod_crc32c_each(PyObject *mod, PyObject *args); /* uring_keycrc.c */
 PyObject *mod_put_records(PyObject *mod, PyObject *args); /* uring_records.c */
 PyObject *mod_place_records(PyObject *mod, PyObject *args);

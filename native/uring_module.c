@@ -106,6 +106,9 @@ static PyMethodDef module_methods[] = {
     {"pairs_dst", (PyCFunction)mod_pairs_dst, METH_VARARGS,
      "pairs_dst(buffers, idx, lens, segs, starts, ends, direct, align, addr_min, out uint64[]) -> bool: a get's "
      "destinations, each a registered (address, nbytes) pair large enough and aligned where O_DIRECT needs it"},
+    {"pairs_src", (PyCFunction)mod_pairs_src, METH_VARARGS,
+     "pairs_src(buffers, starts, ends, addr_min, max_bytes, align, addrs uint64[], lens int64[]) -> 2 | 1 | 0: a "
+     "put's sources as arrays (2: all aligned to align), 0 where one is not a registered pair of 2..max_bytes"},
     {"crc32c_many", (PyCFunction)mod_crc32c_many, METH_VARARGS,
      "crc32c_many(addrs uint64[], lengths int64[], out uint32[]) -> n; one CRC per range, GIL released"},
     {"records_name", (PyCFunction)mod_records_name, METH_VARARGS,

@@ -1,11 +1,13 @@
-/* pairs_into: a batch's (address, nbytes) buffers as two int64 arrays, in one C pass.
+/* A batch's (address, nbytes) buffers in one C pass: pairs_into (as two int64 arrays), pairs_dst (a
+ * get's destinations, checked) and pairs_src (a put's sources, checked).
  *
  * The SGLang backend hands every put and get 256+ such tuples; numpy's np.array over them costs
  * ~1 us per tuple (it discovers the nested shape and type item by item). Only the plainest form is
  * taken here: a list or tuple of exact 2-tuples of exact ints (never bools, which are ints in
  * Python) that fit int64. Anything else answers False with the outputs unspecified, and the
- * caller takes its general path, which checks and explains each buffer. No policy here: the
- * range checks against registered memory stay in umbp_nvme/store/memory.py.
+ * caller takes its general path, which checks and explains each buffer. pairs_dst and pairs_src
+ * check a buffer as memory.Ranges.resolve_pairs does (the last registered range starting at or
+ * below its address holds it whole) and decline what that would send to the checked path.
  */
 #include "uring_internal.h"
 
@@ -53,24 +55,25 @@ done:
     return ret;
 }
 
-/* Op j's destination: the exact (address, nbytes) tuple of ints *t, checked as pairs_dst says;
- * 0 with *addr set, -1 when it is not so. */
-static int pair_dst(PyObject *t, int64_t need, const int64_t *st, const int64_t *en, Py_ssize_t nr, int64_t addr_min,
-                    int64_t *addr) {
+/* *t as an exact (address, nbytes) tuple of ints, address >= addr_min, 1 < nbytes, wholly inside
+ * the registered range of the last start <= address: 0 with *addr and *nb set, -1 when it is not so. */
+static int pair_in(PyObject *t, const int64_t *st, const int64_t *en, Py_ssize_t nr, int64_t addr_min, int64_t *addr,
+                   int64_t *nb) {
     if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 2) return -1;
     PyObject *x = PyTuple_GET_ITEM(t, 0), *y = PyTuple_GET_ITEM(t, 1);
     if (!PyLong_CheckExact(x) || !PyLong_CheckExact(y)) return -1;
     int ox = 0, oy = 0;
-    long long a = PyLong_AsLongLongAndOverflow(x, &ox), nb = PyLong_AsLongLongAndOverflow(y, &oy);
-    if (ox || oy || a < addr_min || nb <= 1 || nb < need) return -1;
+    long long a = PyLong_AsLongLongAndOverflow(x, &ox), b = PyLong_AsLongLongAndOverflow(y, &oy);
+    if (ox || oy || a < addr_min || b <= 1) return -1;
     Py_ssize_t lo = 0, hi = nr; /* the last range starting at or below a */
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
         if (st[mid] <= a) lo = mid + 1;
         else hi = mid;
     }
-    if (lo == 0 || nb > en[lo - 1] - a) return -1; /* never a + nb: it wraps for nb near 2**63 */
+    if (lo == 0 || b > en[lo - 1] - a) return -1; /* never a + b: it wraps for b near 2**63 */
     *addr = a;
+    *nb = b;
     return 0;
 }
 
@@ -117,8 +120,8 @@ PyObject *mod_pairs_dst(PyObject *mod, PyObject *args) {
             ret = NULL;
             goto done;
         }
-        int64_t addr;
-        if (lens[j] < 0 || pair_dst(items[idx[j]], lens[j], st, en, nr, addr_min, &addr) < 0) {
+        int64_t addr, nb;
+        if (lens[j] < 0 || pair_in(items[idx[j]], st, en, nr, addr_min, &addr, &nb) < 0 || nb < lens[j]) {
             ret = Py_False;
             break;
         }
@@ -130,6 +133,47 @@ PyObject *mod_pairs_dst(PyObject *mod, PyObject *args) {
         out[j] = addr;
     }
     Py_INCREF(ret);
+done:
+    for (int i = 0; i < got; i++) arr_release(&a[i]);
+    return ret;
+}
+
+/* pairs_src(buffers, starts, ends, addr_min, max_bytes, align, addrs uint64[], lens int64[]) -> int:
+ * a put's sources in one pass: every buffer an exact (address, nbytes) tuple of ints, address >=
+ * addr_min, 1 < nbytes <= max_bytes, wholly inside the registered range of the last start <=
+ * address. 2 when every address and length is also a multiple of align (nothing to bounce on any
+ * O_DIRECT file of that alignment), 1 when not, 0 (outputs partly written) where a buffer is not
+ * so: the caller's checked path explains it. */
+PyObject *mod_pairs_src(PyObject *mod, PyObject *args) {
+    PyObject *seq, *o[4];
+    long long addr_min, max_bytes, align;
+    if (!PyArg_ParseTuple(args, "OOOLLLOO", &seq, &o[0], &o[1], &addr_min, &max_bytes, &align, &o[2], &o[3]))
+        return NULL;
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return PyLong_FromLong(0);
+    if (align <= 0) return PyErr_Format(PyExc_ValueError, "align must be positive, got %lld", align);
+    static const char *names[4] = {"starts", "ends", "addrs", "lens"};
+    Arr a[4];
+    int got = 0;
+    PyObject *ret = NULL;
+    for (; got < 4; got++)
+        if (arr_get(o[got], &a[got], names[got], 8, got == 2 ? "LQ" : "lq", got >= 2, 0) < 0) goto done;
+    Py_ssize_t nr = arr_len(&a[0]), n = PySequence_Fast_GET_SIZE(seq);
+    if (arr_len(&a[1]) != nr || arr_len(&a[2]) != n || arr_len(&a[3]) != n) {
+        PyErr_SetString(PyExc_ValueError, "starts and ends must match; addrs and lens need one entry per buffer");
+        goto done;
+    }
+    const int64_t *st = a[0].view.buf, *en = a[1].view.buf;
+    int64_t *ad = a[2].view.buf, *ln = a[3].view.buf;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    long code = 2;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (pair_in(items[j], st, en, nr, addr_min, &ad[j], &ln[j]) < 0 || ln[j] > max_bytes) {
+            code = 0;
+            break;
+        }
+        if ((ad[j] | ln[j]) % align) code = 1;
+    }
+    ret = PyLong_FromLong(code);
 done:
     for (int i = 0; i < got; i++) arr_release(&a[i]);
     return ret;

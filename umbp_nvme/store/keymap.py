@@ -81,6 +81,11 @@ class KeyMap:
         m = self._t.take(keys, cols, off_shift, out)
         return None if m < 0 else out[:, :m]
 
+    def fresh(self, keys: list, max_len: int) -> bool:
+        """The put path's one-pass check (keyindex.c): every key an ASCII str of 1..max_len chars,
+        none stored, no two with one hash (so none repeated). False: decide key by key."""
+        return self._t.fresh(keys, max_len)
+
     def present(self, keys: list) -> np.ndarray:
         """Whether each key is stored, from the hash alone (see the module doc)."""
         return self.candidates(keys) >= 0

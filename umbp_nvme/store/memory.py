@@ -22,9 +22,9 @@ try:
 except ImportError:  # an extension built before it: numpy does the same, slower
     _pairs_into = None
 try:
-    from .._uring import pairs_dst as _pairs_dst
+    from .._uring import pairs_dst as _pairs_dst, pairs_src as _pairs_src
 except ImportError:
-    _pairs_dst = None
+    _pairs_dst = _pairs_src = None
 
 ADDR_END = 1 << 63  # addresses and lengths live in [1, 2**63): int64/uint64 arithmetic cannot wrap
 FAST_ADDR_MIN = 4096  # the batch fast path leaves smaller values (bools, 0/1) to the checked path
@@ -121,6 +121,17 @@ class Ranges:
         out = np.empty(len(idx), np.uint64)
         ok = _pairs_dst(buffers, idx, lens, segs, self._start_arr, self._end_arr, direct, align, FAST_ADDR_MIN, out)
         return out if ok else None
+
+    def resolve_sources(self, buffers, max_bytes: int, align: int):
+        """A put's sources in one C pass (pairs_src): (addrs uint64[], lens int64[], whether every
+        address and length is a multiple of ``align``) when every buffer is an (address, nbytes)
+        pair of 2..``max_bytes`` inside one registered range; None otherwise (the checked path)."""
+        if _pairs_src is None or not self.ranges or not buffers:
+            return None
+        n = len(buffers)
+        addrs, lens = np.empty(n, np.uint64), np.empty(n, np.int64)
+        code = _pairs_src(buffers, self._start_arr, self._end_arr, FAST_ADDR_MIN, max_bytes, align, addrs, lens)
+        return (addrs, lens, code == 2) if code else None
 
     def resolve_pairs(self, buffers):
         """(addrs uint64[], nbytes int64[]) when every buffer is an (address, nbytes) pair of ints wholly

@@ -41,7 +41,7 @@ class WriteBatch:
     """One write submission: the objects (``todo``: key index per object) and their slots."""
 
     __slots__ = ("keys", "todo", "segs", "offs", "src", "nbytes", "depths", "route", "plan", "crc_job", "crc_out",
-                 "crcs", "good", "pre", "puts", "conf", "gen", "recorded", "lost", "absent")  # fmt: skip
+                 "crcs", "good", "pre", "puts", "conf", "gen", "recorded", "lost", "absent", "src_align")  # fmt: skip
 
     def __init__(self, keys, todo, segs, offs, addrs, lens, depths, route):
         self.keys, self.todo, self.segs, self.offs, self.depths, self.route = keys, todo, segs, offs, depths, route
@@ -55,6 +55,7 @@ class WriteBatch:
         self.lost = np.zeros(len(todo), bool)  # its record block did not land
         self.gen = 0
         self.absent = None  # (key map, its adds) when every key was found absent then (put_publish.py)
+        self.src_align = 0  # every source address and length is a multiple of it (0: not known)
 
     def key(self, j: int) -> str:
         return self.keys[int(self.todo[j])]
@@ -120,15 +121,15 @@ class PutPath:
     async def _put(self, keys, buffers, depths, results) -> None:
         n = len(keys)
         refused = Refusals("put_many")
-        plain = plain_keys(keys)
         bad_depth = depths is not None and type(depths) is list
-        fast = self._put_fast_prep(keys, buffers) if plain and not bad_depth else None
+        fast = None if bad_depth else self._put_fast_prep(keys, buffers)
         if fast is not None:
             # every key new and distinct, every buffer a registered (address, nbytes) pair
             await self._write_objects(keys, np.arange(n, dtype=np.int64), fast[0], fast[1], depths, results, refused,
-                                      absent=fast[2])  # fmt: skip
+                                      absent=fast[2], src_align=fast[3])  # fmt: skip
             refused.log(n)
             return
+        plain = plain_keys(keys)
         host, dev, again, dups = self._sort_puts(keys, buffers, depths, plain, bad_depth, results, refused)
         if again:
             # before this batch evicts anything: SGLang re-puts the prefixes it keeps hot
@@ -209,33 +210,29 @@ class PutPath:
             )  # fmt: skip
 
     def _put_fast_prep(self, keys, buffers):
-        """(addrs, lens, (key map, its adds)) when the batch needs no per-key decisions (keys already known
-        plain): every key new and distinct, short enough, every buffer an (address, nbytes) pair inside a
-        registered range, sizes valid. None otherwise (the general path decides key by key)."""
-        n = len(keys)
-        if not n:
+        """(addrs, lens, (key map, its adds), the alignment of every source or 0) when the batch needs
+        no per-key decision: every key a new, distinct ASCII str short enough (one native pass), every
+        buffer an (address, nbytes) pair of a valid size inside a registered range (one more). None
+        otherwise (the general path decides key by key)."""
+        if not keys or type(keys) is not list:
             return None
-        if max(map(len, keys)) > self.state.index.max_key_bytes:  # the caller checked: ASCII, len == bytes
-            return None
-        # one native lookup for the batch (a Python call per key cost ~0.2 us each)
         kd = self.writer.keys
         absent = (kd, kd.adds)
-        if int(kd.rows(keys).max()) >= 0 or len(set(keys)) != n:
+        if not kd.fresh(keys, self.state.index.max_key_bytes):  # ASCII: a char is a byte
             return None
-        pair = self.state.memory.resolve_pairs(buffers)
-        if pair is None:
+        max_obj = min(self.writer.alloc.max_object_bytes, OBJECT_BYTES_END - 1)
+        got = self.state.memory.resolve_sources(buffers, max_obj, SLOT_ALIGN_BYTES)
+        if got is None:
             return None
-        lens = pair[1]
-        if int(lens.max()) > min(self.writer.alloc.max_object_bytes, OBJECT_BYTES_END - 1):
-            return None  # the general path refuses it, key by key
-        return pair[0], pair[1], absent
+        return got[0], got[1], absent, SLOT_ALIGN_BYTES if got[2] else 0
 
     async def _write_objects(self, keys, todo, addrs, lens, depths, results, refused, route: str | None = None,
-                             absent=None) -> None:
+                             absent=None, src_align: int = 0) -> None:
         """Reserve slots, write, [fdatasync], publish. ``route``: None (host memory), 'gds' or 'staging'.
 
         ``todo``: int64 key index per object; ``addrs`` uint64, ``lens`` int64, one per object.
         ``absent``: (key map, its adds) when every key was found absent then (_put_fast_prep).
+        ``src_align``: every address and length is a multiple of it (0: not known).
         """
         todo, addrs, lens = admit_gate.screen(self, keys, todo, addrs, lens, results)  # admission (issue 26)
         if not len(todo):
@@ -259,7 +256,7 @@ class PutPath:
                 return
             segs, offs, todo, addrs, lens = segs[ok_j], offs[ok_j], todo[ok_j], addrs[ok_j], lens[ok_j]
         b = WriteBatch(keys, todo, segs, offs, addrs, lens, depths, route)
-        b.absent = absent
+        b.absent, b.src_align = absent, src_align
         b.gen = self._tick()  # in the records written now: generations order puts on disk too
         try:
             await self._write(b, refused)
@@ -284,7 +281,9 @@ class PutPath:
         """Stage, checksum and write the batch; ``b.good`` says which objects are on the file."""
         files, segs, m = self.state.files, b.segs, len(b.todo)
         fds = files.batch(segs)
-        if b.route is None:
+        if b.route is None and b.src_align and b.src_align % int(files.align.max()) == 0:
+            b.plan = staging.unbounced(b.src, b.nbytes)  # every file takes these addresses and lengths as they are
+        elif b.route is None:
             # O_DIRECT needs aligned memory and whole blocks: stage the rest through a bounce buffer
             b.plan = staging.plan(self.state.bounce, files.direct[segs], files.align[segs], b.src, b.nbytes)
         else:  # device memory: kvikio / staging do their own alignment

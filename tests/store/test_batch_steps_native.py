@@ -1,7 +1,8 @@
-"""The get path's native steps (issue 36): the key lookup and row gather in one pass
-(KeyIndex.take), the destinations resolved and checked in one pass (_uring.pairs_dst), and the
-pins counted in C (add_at). Each gives what the Python steps gave, or declines (None / False) so
-the checked path explains it; bad arrays raise before anything is written."""
+"""The batch paths' native steps (issue 36). Get: the key lookup and row gather in one pass
+(KeyIndex.take), the destinations resolved and checked in one pass (_uring.pairs_dst), the pins
+counted in C (add_at). Put: keys new, distinct and plain in one pass (KeyIndex.fresh), the sources
+resolved in one (_uring.pairs_src). Each gives what the Python steps gave, or declines (None /
+False / 0) so the checked path explains it; bad arrays raise before anything is written."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from umbp_nvme._keyindex import KeyIndex, add_at
-from umbp_nvme._uring import pairs_dst
+from umbp_nvme._uring import pairs_dst, pairs_src
 from umbp_nvme.store.keymap import KeyMap
 from umbp_nvme.store.memory import FAST_ADDR_MIN, Ranges
 
@@ -139,3 +140,56 @@ def test_add_at_counts_every_repeat_and_changes_nothing_when_a_row_is_out_of_ran
     assert c.tolist() == [0, 2, 0, 0, 0]
     with pytest.raises(ValueError):
         add_at(np.zeros(5, np.int64), np.array([0], np.int64), 1)
+
+
+# --- the put path's one-pass checks (keyindex fresh, _uring.pairs_src) ---
+
+
+def test_fresh_says_whether_every_key_is_a_new_distinct_short_ascii_str():
+    m = KeyMap(seed=4)
+    m["old"] = 0
+    assert m.fresh([f"k{i}" for i in range(1000)], 8) is True  # more keys than the C side's stack set
+    assert m.fresh([], 8) is True
+    for bad in (["a", "old"], ["a", "b", "a"], ["a", ""], ["a", "x" * 9], ["a", "é"], ["a", b"b"], ["a", 7],
+                ["\udcc3"]):  # fmt: skip
+        assert m.fresh(bad, 8) is False, bad
+    with pytest.raises(TypeError):
+        m.fresh(("a",), 8)
+
+
+def test_fresh_declines_two_new_keys_with_one_hash():
+    m = KeyMap(seed=4)
+    m.narrow_hash_for_tests(0)  # every key has one hash: the checked path tells them apart
+    assert m.fresh(["a"], 8) is True and m.fresh(["a", "b"], 8) is False
+
+
+def _src(bufs, max_bytes=1 << 20, align=4096):
+    r = Ranges()
+    r.add(BASE, SPAN)
+    a, n = np.zeros(len(bufs), np.uint64), np.zeros(len(bufs), np.int64)
+    code = pairs_src(bufs, r._start_arr, r._end_arr, FAST_ADDR_MIN, max_bytes, align, a, n)
+    return code, a.tolist(), n.tolist()
+
+
+def test_pairs_src_gives_addresses_and_lengths_and_says_whether_all_are_aligned():
+    bufs = [(BASE + i * 8192, 8192) for i in range(300)]
+    assert _src(bufs) == (2, [b[0] for b in bufs], [8192] * 300)
+    assert _src([(BASE, 8192), (BASE + 8192, 100)])[0] == 1  # a short last page: staged for O_DIRECT
+    assert _src([(BASE + 512, 4096)])[0] == 1
+
+
+@pytest.mark.parametrize("bufs", [
+    [(BASE, (1 << 20) + 1)],  # over max_bytes
+    [(BASE + SPAN - 4096, 8192)], [(BASE, 1)], [(BASE, True)], [(1024, 4096)], [[BASE, 4096]], "ab",
+])  # fmt: skip
+def test_pairs_src_declines_what_the_checked_path_must_explain(bufs):
+    assert _src(bufs)[0] == 0
+
+
+def test_pairs_src_refuses_bad_arrays():
+    with pytest.raises(ValueError, match="one entry per buffer"):
+        pairs_src([(BASE, 4096)], np.zeros(1, np.int64), np.zeros(1, np.int64), 4096, 1 << 20, 4096,
+                  np.zeros(2, np.uint64), np.zeros(1, np.int64))  # fmt: skip
+    with pytest.raises(ValueError, match="align"):
+        pairs_src([(BASE, 4096)], np.zeros(1, np.int64), np.zeros(1, np.int64), 4096, 1 << 20, 0,
+                  np.zeros(1, np.uint64), np.zeros(1, np.int64))  # fmt: skip
