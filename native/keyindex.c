@@ -325,7 +325,8 @@ static PyObject *KI_fresh(KeyIndex *t, PyObject *args) {
  * is checked first). Replacing a key's earlier row is the caller's (it confirms which row that is). */
 static PyObject *KI_add(KeyIndex *t, PyObject *args) {
     PyObject *keys, *rows;
-    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &keys, &rows)) return NULL;
+    Py_ssize_t over = -1, longer = 0;
+    if (!PyArg_ParseTuple(args, "O!O|n", &PyList_Type, &keys, &rows, &over)) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     Py_buffer v;
     if (get_rows_buffer(rows, &v, n, 0) < 0) return NULL;
@@ -351,6 +352,7 @@ static PyObject *KI_add(KeyIndex *t, PyObject *args) {
             ret = NULL;
         } else {
             h[k] = key_hash(t, p, len);
+            longer += over >= 0 && len > over;
         }
         Py_XDECREF(owner);
         rmax = r[k] > rmax ? r[k] : rmax;
@@ -361,8 +363,7 @@ static PyObject *KI_add(KeyIndex *t, PyObject *args) {
     for (Py_ssize_t k = 0; ret && k < n; k++) add_one(t, (uint32_t)r[k], h[k]);
     PyMem_RawFree(h);
     PyBuffer_Release(&v);
-    Py_XINCREF(ret);
-    return ret;
+    return ret ? PyLong_FromSsize_t(longer) : NULL;
 }
 
 /* unmap(rows): rows no longer mapped (they keep their hash until forget) */
@@ -414,14 +415,17 @@ static PyObject *KI_holds(KeyIndex *t, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* A row column (rows.py): a C-contiguous numeric array, read as an unsigned or signed integer. */
+/* A row column (rows.py) or values for one: a 1-d integer array, read as unsigned or signed; one
+ * written must be C-contiguous, one read may be strided (a field of a structured array). */
 typedef struct {
     Py_buffer v;
     char kind; /* 'u' or 'i' */
+    Py_ssize_t stride, n;
 } Col;
 
-static int col_get(PyObject *o, Col *c, Py_ssize_t i) {
-    if (PyObject_GetBuffer(o, &c->v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+static int col_get(PyObject *o, Col *c, Py_ssize_t i, int writable) {
+    int flags = writable ? PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE : PyBUF_STRIDES | PyBUF_FORMAT;
+    if (PyObject_GetBuffer(o, &c->v, flags) < 0) return -1;
     const char *f = c->v.format ? c->v.format : "B";
     char k = f[0] && strchr("@=<", f[0]) ? f[1] : f[0];
     c->kind = !k ? 0 : strchr("BHILQ?", k) ? 'u' : strchr("bhilq", k) ? 'i' : 0;
@@ -431,17 +435,104 @@ static int col_get(PyObject *o, Col *c, Py_ssize_t i) {
         PyBuffer_Release(&c->v);
         return -1;
     }
+    c->n = c->v.shape ? c->v.shape[0] : c->v.len / w;
+    c->stride = c->v.strides ? c->v.strides[0] : w;
     return 0;
 }
 
 static inline int64_t col_at(const Col *c, uint64_t r) {
-    const char *p = (const char *)c->v.buf + r * c->v.itemsize;
+    const char *p = (const char *)c->v.buf + (Py_ssize_t)r * c->stride;
     switch (c->v.itemsize) {
     case 1: return c->kind == 'u' ? (int64_t)*(const uint8_t *)p : (int64_t)*(const int8_t *)p;
     case 2: return c->kind == 'u' ? (int64_t) * (const uint16_t *)p : (int64_t) * (const int16_t *)p;
     case 4: return c->kind == 'u' ? (int64_t) * (const uint32_t *)p : (int64_t) * (const int32_t *)p;
     default: return *(const int64_t *)p; /* uint64 columns (generations) stay below 2**63 */
     }
+}
+
+static inline void col_set(const Col *c, uint64_t r, int64_t x) {
+    char *p = (char *)c->v.buf + r * c->v.itemsize;
+    switch (c->v.itemsize) {
+    case 1: *(uint8_t *)p = (uint8_t)x; break;
+    case 2: *(uint16_t *)p = (uint16_t)x; break;
+    case 4: *(uint32_t *)p = (uint32_t)x; break;
+    default: *(int64_t *)p = x;
+    }
+}
+
+#define SCATTER_COLS 16
+/* scatter(rows, cols, vals): cols[j][rows[k]] = vals[j][k], vals[j] an integer array of one value
+ * per row (strided is fine), an (array, shift) pair (its values >> shift, each a multiple of
+ * 2**shift), or an int for every row; each value cut to its column's width (the caller's values
+ * fit: rows.py's columns). Every row, column and value is checked before anything is written. */
+static PyObject *mod_scatter(PyObject *mod, PyObject *args) {
+    PyObject *rows, *cols, *vals;
+    if (!PyArg_ParseTuple(args, "OO!O!", &rows, &PyTuple_Type, &cols, &PyTuple_Type, &vals)) return NULL;
+    Py_ssize_t nc = PyTuple_GET_SIZE(cols);
+    if (nc != PyTuple_GET_SIZE(vals) || nc > SCATTER_COLS)
+        return PyErr_Format(PyExc_ValueError, "cols and vals must pair up (at most %d)", SCATTER_COLS);
+    Py_buffer v;
+    if (get_rows_buffer(rows, &v, -1, 0) < 0) return NULL;
+    Col c[SCATTER_COLS], x[SCATTER_COLS];
+    int64_t scalar[SCATTER_COLS];
+    int gc = 0, gx = 0, is_arr[SCATTER_COLS] = {0}, shift[SCATTER_COLS] = {0};
+    PyObject *ret = NULL;
+    const int64_t *r = v.buf;
+    Py_ssize_t n = v.len / 8;
+    for (; gc < nc; gc++) {
+        if (col_get(PyTuple_GET_ITEM(cols, gc), &c[gc], gc, 1) < 0) goto done;
+        for (Py_ssize_t k = 0; k < n; k++)
+            if (r[k] < 0 || r[k] >= c[gc].n) {
+                PyErr_Format(PyExc_IndexError, "row %lld out of range of column %d", (long long)r[k], gc);
+                gc++;
+                goto done;
+            }
+    }
+    for (; gx < nc; gx++) {
+        PyObject *o = PyTuple_GET_ITEM(vals, gx);
+        if (PyLong_Check(o)) {
+            scalar[gx] = PyLong_AsLongLong(o);
+            if (scalar[gx] == -1 && PyErr_Occurred()) goto done;
+            continue;
+        }
+        if (PyTuple_Check(o)) {
+            if (PyTuple_GET_SIZE(o) != 2 || !PyLong_Check(PyTuple_GET_ITEM(o, 1))) {
+                PyErr_Format(PyExc_ValueError, "vals[%d]: an (array, shift) pair expected", gx);
+                goto done;
+            }
+            long sh = PyLong_AsLong(PyTuple_GET_ITEM(o, 1));
+            if (sh < 0 || sh > 32) {
+                if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "vals[%d]: shift %ld out of range", gx, sh);
+                goto done;
+            }
+            shift[gx] = (int)sh;
+            o = PyTuple_GET_ITEM(o, 0);
+        }
+        if (col_get(o, &x[gx], gx, 0) < 0) goto done;
+        is_arr[gx] = 1;
+        if (x[gx].n != n) {
+            PyErr_Format(PyExc_ValueError, "vals[%d] must hold one value per row (%zd)", gx, n);
+            gx++;
+            goto done;
+        }
+        for (Py_ssize_t k = 0; shift[gx] && k < n; k++)
+            if (col_at(&x[gx], k) & ((1LL << shift[gx]) - 1)) {
+                PyErr_Format(PyExc_ValueError, "vals[%d][%zd] is not a multiple of 2**%d", gx, k, shift[gx]);
+                gx++;
+                goto done;
+            }
+    }
+    for (int j = 0; j < nc; j++)
+        for (Py_ssize_t k = 0; k < n; k++)
+            col_set(&c[j], (uint64_t)r[k], is_arr[j] ? col_at(&x[j], k) >> shift[j] : scalar[j]);
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    for (int j = 0; j < gc; j++) PyBuffer_Release(&c[j].v);
+    for (int j = 0; j < gx; j++)
+        if (is_arr[j]) PyBuffer_Release(&x[j].v);
+    PyBuffer_Release(&v);
+    return ret;
 }
 
 #define TAKE_COLS 6
@@ -462,7 +553,7 @@ static PyObject *KI_take(KeyIndex *t, PyObject *args) {
     Py_buffer o;
     PyObject *ret = NULL;
     for (; got < TAKE_COLS; got++)
-        if (col_get(PyTuple_GET_ITEM(cols, got), &c[got], got) < 0) goto done;
+        if (col_get(PyTuple_GET_ITEM(cols, got), &c[got], got, 0) < 0) goto done;
     if (PyObject_GetBuffer(out, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
     if (o.len != 8 * n * 8 || ((uintptr_t)o.buf & 7)) {
         PyErr_Format(PyExc_ValueError, "out must be 8 x %zd aligned int64 values", n);
@@ -471,7 +562,7 @@ static PyObject *KI_take(KeyIndex *t, PyObject *args) {
     }
     uint64_t nrows = UINT64_MAX;
     for (int j = 0; j < TAKE_COLS; j++)
-        if ((uint64_t)(c[j].v.len / c[j].v.itemsize) < nrows) nrows = (uint64_t)(c[j].v.len / c[j].v.itemsize);
+        if ((uint64_t)c[j].n < nrows) nrows = (uint64_t)c[j].n;
     int64_t *w = o.buf;
     for (Py_ssize_t k = 0; k < n; k++) {
         const char *p;
@@ -783,6 +874,7 @@ static PyObject *mod_unordered(PyObject *mod, PyObject *args) {
 }
 
 static PyMethodDef mod_methods[] = {
+    {"scatter", mod_scatter, METH_VARARGS, "scatter(rows, cols, vals): cols[j][rows[k]] = vals[j][k] (or the int vals[j])"},
     {"add_at", mod_add_at, METH_VARARGS, "add_at(counts int32[], rows int64[], delta): counts[rows[i]] += delta, "
      "each repeat counted"},
     {"gather", mod_gather, METH_VARARGS, "gather(buf, offsets, lengths): the byte ranges back to back (bytes)"},
@@ -801,7 +893,8 @@ static PyMethodDef KI_methods[] = {
     {"fresh", (PyCFunction)KI_fresh, METH_VARARGS,
      "fresh(keys, max_len) -> bool: every key an ASCII str of 1..max_len chars, none stored, no two with one hash"},
     {"prefix", (PyCFunction)KI_prefix, METH_O, "prefix(keys): how many keys, from the first, have a candidate row"},
-    {"add", (PyCFunction)KI_add, METH_VARARGS, "add(keys, rows): row i holds key i's hash, mapped"},
+    {"add", (PyCFunction)KI_add, METH_VARARGS,
+     "add(keys, rows[, over]): row i holds key i's hash, mapped; how many keys have more than over bytes"},
     {"unmap", (PyCFunction)KI_unmap, METH_O, "unmap(rows): the rows are no longer mapped; how many were"},
     {"holds", (PyCFunction)KI_holds, METH_VARARGS, "holds(keys, rows, out): out[i] = 1 where row i has key i's hash"},
     {"forget", (PyCFunction)KI_forget, METH_O, "forget(rows): the rows hold no key (unmapped if they were)"},

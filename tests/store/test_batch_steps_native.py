@@ -193,3 +193,41 @@ def test_pairs_src_refuses_bad_arrays():
     with pytest.raises(ValueError, match="align"):
         pairs_src([(BASE, 4096)], np.zeros(1, np.int64), np.zeros(1, np.int64), 4096, 1 << 20, 0,
                   np.zeros(1, np.uint64), np.zeros(1, np.int64))  # fmt: skip
+
+
+def test_scatter_writes_each_columns_values_at_the_rows_and_checks_everything_first():
+    from umbp_nvme._keyindex import scatter
+
+    a, b, c = np.zeros(6, np.int32), np.zeros(6, np.uint64), np.zeros(6, bool)
+    scatter(np.array([4, 1], np.int64), (a, b, c), (np.array([7, -3], np.int64), 2**62 + 5, 1))
+    assert a.tolist() == [0, -3, 0, 0, 7, 0] and b.tolist() == [0, 2**62 + 5, 0, 0, 2**62 + 5, 0]
+    assert c.tolist() == [False, True, False, False, True, False]
+    for rows, vals in (([6], (1, 1, 1)), ([0], (np.zeros(2, np.int64), 1, 1)), ([0], (1.5, 1, 1))):
+        with pytest.raises((IndexError, ValueError, TypeError)):
+            scatter(np.array(rows, np.int64), (a, b, c), vals)
+    assert a.tolist() == [0, -3, 0, 0, 7, 0]  # nothing written by a refused call
+    ro = np.zeros(6, np.int32)
+    ro.flags.writeable = False
+    with pytest.raises((BufferError, ValueError, TypeError)):
+        scatter(np.array([0], np.int64), (ro,), (1,))
+
+
+def test_a_row_tables_fill_sets_every_column_of_the_published_rows():
+    from umbp_nvme.store.rows import RowTable
+
+    t = RowTable([], np.zeros(0), lambda s, o: None)
+    rows = t.new(3)
+    t.fill(rows, np.array([2, 2, 5]), np.array([0, 8192, 1 << 40]), np.array([10, 20, 30]),
+           np.array([1, 2, 0xFFFFFFFF], np.uint32), 3, 77, np.array([0, 1, 2], np.int32))  # fmt: skip
+    assert t.seg[rows].tolist() == [2, 2, 5] and t.off[rows].tolist() == [0, 8192, 1 << 40]
+    assert t.len[rows].tolist() == [10, 20, 30] and t.crc[rows].tolist() == [1, 2, 0xFFFFFFFF]
+    assert t.flags[rows].tolist() == [3] * 3 and t.gen[rows].tolist() == [77] * 3 and t.tick[rows].tolist() == [77] * 3
+    assert t.depth[rows].tolist() == [0, 1, 2] and t.live[rows].all() and not t.pins[rows].any()
+    one = np.ones(1, np.int64)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        t.fill(rows[:1], one * 9, one * 100, one, one, 3, 78, one)  # an offset not 4 KiB-aligned
+    assert t.seg[rows].tolist() == [2, 2, 5] and t.gen[rows].tolist() == [77] * 3  # nothing written
+    recs = np.zeros(3, [("crc", np.uint32), ("depth", np.int32)])
+    recs["crc"], recs["depth"] = [5, 6, 7], [9, 8, 7]
+    t.fill(rows, np.array([1, 1, 1]), np.zeros(3, np.int64), np.ones(3, np.int64), recs["crc"], 3, 79, recs["depth"])
+    assert t.crc[rows].tolist() == [5, 6, 7] and t.depth[rows].tolist() == [9, 8, 7]  # strided fields read as they are

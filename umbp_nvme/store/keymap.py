@@ -37,14 +37,6 @@ def storable_bytes(key) -> bytes | None:
 RECENT = 4096
 
 
-def _short_ascii(keys: list, limit: int) -> bool:
-    """Every key a str of ASCII (a char is a byte) of at most ``limit`` chars, in C-level passes."""
-    try:
-        return max(map(len, keys), default=0) <= limit and "".join(keys).isascii()
-    except TypeError:  # a bytes key
-        return False
-
-
 class KeyMap:
     __slots__ = ("_t", "_held", "_recent", "held_over", "source", "adds")
     narrow_bits_for_tests: int | None = None  # tests: every new map keeps only this many hash bits
@@ -160,12 +152,12 @@ class KeyMap:
             gone = old[(old >= 0) & (old != rows)]
             if len(gone):
                 self._t.unmap(gone)
-        self._t.add(keys, rows)
+        over = self.held_over
+        longer = self._t.add(keys, rows, over)
         if self._recent:
             for r in rows.tolist():
                 self._recent.pop(r, None)
-        over = self.held_over
-        if over and _short_ascii(keys, over):  # the put path's batches: no key held, no per-key step
+        if over and not longer:  # the put path's batches: no key held, no per-key step
             if self._held:
                 for r in rows.tolist():
                     self._held.pop(r, None)

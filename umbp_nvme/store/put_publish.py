@@ -91,16 +91,9 @@ class PutPublish:
     def _add_rows(self, b: WriteBatch, pj, pub_keys, recs, gen, absent_since: int | None = None) -> None:
         t = self.writer.rows
         rows = t.new(len(pj))
-        t.seg[rows] = b.segs[pj]
-        t.off[rows] = b.offs[pj]
-        t.len[rows] = b.nbytes[pj]
-        t.crc[rows] = recs["crc"]
-        t.flags[rows] = FLAG_CRC
-        t.gen[rows] = gen
-        t.depth[rows] = recs["depth"]
-        t.tick[rows] = gen
-        t.pins[rows] = 0
-        t.live[rows] = True
+        whole = len(pj) == len(b.segs)  # pj is increasing: every object, in order
+        sel = slice(None) if whole else pj
+        t.fill(rows, b.segs[sel], b.offs[sel], b.nbytes[sel], recs["crc"], FLAG_CRC, gen, recs["depth"])
         t.index.set_rows(pub_keys, rows, absent_since=absent_since)  # each row holds its key, mapped to it
         if self.writer.residency is not None:
             self.writer.residency.shown(pub_keys)
