@@ -167,7 +167,8 @@ def _src(bufs, max_bytes=1 << 20, align=4096):
     r = Ranges()
     r.add(BASE, SPAN)
     a, n = np.zeros(len(bufs), np.uint64), np.zeros(len(bufs), np.int64)
-    code = pairs_src(bufs, r._start_arr, r._end_arr, FAST_ADDR_MIN, max_bytes, align, a, n)
+    starts, ends = np.asarray([s for s, _ in r.ranges], np.int64), np.asarray([e for _, e in r.ranges], np.int64)
+    code = pairs_src(bufs, starts, ends, FAST_ADDR_MIN, max_bytes, align, a, n)
     return code, a.tolist(), n.tolist()
 
 
