@@ -380,6 +380,12 @@ class HookedEngine:
         res = await (self.inner.read_many(*a[:4]) if h is None else h(self.inner.read_many, *a[:4]))
         return res, np.full(len(a[4]), -1, np.int64)
 
+    def start_read_crc(self, *a):
+        """Unhooked, the engine's own (submitted now); a hooked read goes through read_many_crc (None)."""
+        if self.hooks.read is None and hasattr(self.inner, "start_read_crc"):
+            return self.inner.start_read_crc(*a)
+        return None
+
     async def write_many(self, *a):
         h = self.hooks.write
         return await (self.inner.write_many(*a) if h is None else h(self.inner.write_many, *a))

@@ -113,6 +113,10 @@ class Arbiter:
 
     # -- writes -----------------------------------------------------------------------------
 
+    @property
+    def reads_in_flight(self) -> int:
+        return self._reads
+
     def reads_about(self) -> bool:
         """A read batch is in flight or one ended within quiet_s (and reads narrow the window)."""
         return self.hold_reads and bool(self._reads or self.clock() - self._read_end < self.quiet_s)

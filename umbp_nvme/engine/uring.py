@@ -51,6 +51,7 @@ from .priority import IoPriorities
 from .files import PAGE_CACHE, FileFacts, Files, split_files
 from .uring_batch import SLOT_SHIFT as _SLOT_SHIFT, Batch
 from .uring_buffers import FixedBuffers
+from .uring_started import StartedReads
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def _load_native():
     return _uring
 
 
-class UringEngine:
+class UringEngine(StartedReads):
     """IoEngine over io_uring. Create with ``await UringEngine.open(queue_depth)``."""
 
     def __init__(self, ring, loop: asyncio.AbstractEventLoop, queue_depth: int, *, async_min_bytes: int):
@@ -206,39 +207,39 @@ class UringEngine:
         return Batch(op, self._new_slot(), fds, facts, offs, addrs, lens, self._loop.create_future(), idx_map, n_total)
 
     async def _run(self, op, files, offsets, addrs, lengths, crc=None) -> np.ndarray:
+        b = self._start_now(op, files, offsets, addrs, lengths, crc)
+        if b is not None:
+            return await self._wait(b)
+        return await self._run_general(op, files, offsets, addrs, lengths, crc)
+
+    def _start_now(self, op, files, offsets, addrs, lengths, crc=None) -> Batch | None:
+        """The batch, submitted, when all of it fits in the ring now and its arrays have the right dtypes
+        (C takes them as they are; it validates all before writing an SQE); None: the general path."""
         if self._closed:
             raise EngineClosed("io_uring engine is closed")
         fds, facts = split_files(files)
-        # Fast path: the whole batch fits in the ring now and the arrays already have the right
-        # dtypes: hand them to C as they are. C validates everything before writing any SQE, so
-        # a TypeError/ValueError means nothing was queued and the general path takes over.
         ring = self._ring
         try:
             n = len(lengths)
         except TypeError:
-            n = 0
-        if 0 < n <= self._depth - ring.inflight and not self._queue and not self._retry:
-            slot = self._new_slot()
-            try:
-                q = self._submit(op, fds, facts, offsets, addrs, lengths, ud_base=slot << _SLOT_SHIFT)
-            except (TypeError, ValueError):
-                q = -1
-            if q >= 0:
-                b = Batch(op, slot, fds, facts, offsets, addrs, lengths, self._loop.create_future(), None, n, n)
-                if crc is not None and len(crc[0]) == n:
-                    b.crc = crc  # before any reap: completions are reaped on this thread, later
-                self._batches[slot] = b
-                b.next = q
-                if q < n:  # SQ full of unconsumed SQEs: the rest waits for the pump
-                    self._queue.append(b)
-                if ring.sq_pending:
-                    self._schedule_flush()
-                try:
-                    return await b.fut
-                except asyncio.CancelledError:
-                    await self._drain_after_cancel(b)
-                    raise
-        return await self._run_general(op, Files(fds, facts), offsets, addrs, lengths, crc)
+            return None
+        if not 0 < n <= self._depth - ring.inflight or self._queue or self._retry:
+            return None
+        slot = self._new_slot()
+        try:
+            q = self._submit(op, fds, facts, offsets, addrs, lengths, ud_base=slot << _SLOT_SHIFT)
+        except (TypeError, ValueError):
+            return None
+        b = Batch(op, slot, fds, facts, offsets, addrs, lengths, self._loop.create_future(), None, n, n)
+        if crc is not None and len(crc[0]) == n:
+            b.crc = crc  # before any reap: completions are reaped on this thread, later
+        self._batches[slot] = b
+        b.next = q
+        if q < n:  # SQ full of unconsumed SQEs: the rest waits for the pump
+            self._queue.append(b)
+        if ring.sq_pending:
+            self._schedule_flush()
+        return b
 
     def _submit(self, op, fds, facts: FileFacts, offsets, addrs, lengths, *, ud_base: int, enter: bool = True) -> int:
         """ring.submit with this engine's settings: user_data = ud_base + op index (slot << 32 | op),

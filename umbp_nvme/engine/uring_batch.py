@@ -22,7 +22,7 @@ SLOT_SHIFT = 32
 class Batch:
     __slots__ = (
         "op", "n", "fds", "facts", "offs", "addrs", "lens", "done", "next", "left", "fut", "slot",
-        "idx_map", "n_total", "abandoned", "drained", "retries", "crc",
+        "idx_map", "n_total", "abandoned", "drained", "retries", "crc", "arbiter",
     )  # fmt: skip
 
     def __init__(self, op, slot, fds, facts: FileFacts, offs, addrs, lens, fut, idx_map, n_total, n=None):
@@ -41,6 +41,7 @@ class Batch:
         self.drained = None  # future set when left reaches 0 after a cancelled await
         self.retries = None  # {op index: count}, only on the rare retry path
         self.crc = None  # (crc_lens, crc_out) int64: CRCs the native reap computes as ops finish
+        self.arbiter = None  # told a read is in flight until finish_read returns (start_read_crc)
 
     def results(self) -> np.ndarray:
         if self.idx_map is None:

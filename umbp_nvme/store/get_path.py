@@ -304,8 +304,16 @@ class GetPath(DeviceReads):
     async def _read_one_part(self, b: ReadBatch, plan, m: int, good, verified, extra=None) -> None:
         """_read_parts for a batch read in one part (the common small batch): its engine batch
         awaited directly, no wait task or asyncio.wait per part (each costs loop turns)."""
-        io = self._engine_read(b, plan, 0, m, extra)
-        res = await self._await_io(io, "read", b.segs[:m], self.timeout_s)  # returns once the batch has ended
+        eng = self.state.read_engine
+        args = self._read_args(b, plan, 0, m, extra)
+        started = None
+        if args[1] is not None and hasattr(eng, "start_read_crc"):  # submitted now: no loop pass before the device starts
+            started = eng.start_read_crc(*args[0], args[1])
+        if started is not None:
+            res = await self._await_started(eng, started, "read", b.segs[:m], self.timeout_s)
+        else:
+            io = self._engine_read(b, plan, 0, m, extra, args)
+            res = await self._await_io(io, "read", b.segs[:m], self.timeout_s)  # returns once the batch has ended
         if res is None:
             raise asyncio.TimeoutError
         res, got = res if type(res) is tuple else (res, None)
@@ -317,24 +325,32 @@ class GetPath(DeviceReads):
         else:
             verified[:m] = await self._verify(b, plan, np.arange(m), ok, got)
 
-    def _engine_read(self, b: ReadBatch, plan, lo: int, hi: int, extra=None) -> asyncio.Future:
-        """The engine batch reading ops [lo, hi). Where the engine can (io_uring) and nothing is
-        bounced, it also returns each object's CRC, computed as its read completes: the checksums
-        run while the rest of the batch is in flight instead of after its last completion (on a
-        RAM-backed device that was ~0.5-0.8 ms of a 16 MiB batch's ~5 ms, issue 36)."""
+    def _engine_read(self, b: ReadBatch, plan, lo: int, hi: int, extra=None, args=None) -> asyncio.Future:
+        """The engine batch reading ops [lo, hi) (``_read_args``), as a task."""
+        (files, offs, addrs, lens), crc_lens = self._read_args(b, plan, lo, hi, extra) if args is None else args
         eng = self.state.read_engine
+        if crc_lens is None:
+            return asyncio.ensure_future(eng.read_many(files, offs, addrs, lens))
+        return asyncio.ensure_future(eng.read_many_crc(files, offs, addrs, lens, crc_lens))
+
+    def _read_args(self, b: ReadBatch, plan, lo: int, hi: int, extra=None):
+        """((files, offsets, addresses, lengths), CRC lengths or None) of the engine batch reading
+        ops [lo, hi). Where the engine can (io_uring) and nothing is bounced, it also returns each
+        object's CRC, computed as its read completes: the checksums run while the rest of the batch
+        is in flight instead of after its last completion (on a RAM-backed device that was
+        ~0.5-0.8 ms of a 16 MiB batch's ~5 ms, issue 36)."""
         segs, offs, addrs, lens = b.segs[lo:hi], b.offs[lo:hi], plan.io_addr[lo:hi], plan.io_len[lo:hi]
         if extra is not None:  # ops hi.. of the engine batch
             segs, offs = np.concatenate([segs, extra.segs]), np.concatenate([offs, extra.offs])
             addrs, lens = np.concatenate([addrs, extra.addrs]), np.concatenate([lens, extra.lens])
         args = (self.state.files.batch(segs), offs, addrs, lens)
-        with_crc = getattr(eng, "read_many_crc", None)
         # a part over INLINE_PART_BYTES is checked on a worker once read (the loop's core stays free)
-        if with_crc is None or plan.bounced or not self.verify_crc or int(b.lens[lo:hi].sum()) > INLINE_PART_BYTES:
-            return asyncio.ensure_future(eng.read_many(*args))
+        if (not hasattr(self.state.read_engine, "read_many_crc") or plan.bounced or not self.verify_crc
+                or int(b.lens[lo:hi].sum()) > INLINE_PART_BYTES):  # fmt: skip
+            return args, None
         crc_lens = np.zeros(len(lens), np.int64)
         crc_lens[: hi - lo] = np.where((b.flags[lo:hi] & FLAG_CRC) != 0, b.lens[lo:hi], 0)
-        return asyncio.ensure_future(with_crc(*args, crc_lens))
+        return args, crc_lens
 
     def _start_parts(self, b: ReadBatch, plan, todo: list, running: dict, k: int, deadline: float) -> None:
         """Start up to k parts from ``todo``: their engine batches first, so the next loop step

@@ -38,16 +38,7 @@ class IoWaits:
             nonlocal stalled_at
             if task.done():
                 return
-            stalled_at = time.monotonic()
-            n = len(segs)
-            self.state.counters["timeouts"] += 1
-            self.state.stalled_ops += n
-            u = np.unique(segs)
-            names = ", ".join(segment_name(int(x)) for x in u[:4].tolist()) + (" ..." if len(u) > 4 else "")
-            log.error(
-                "%s: %s of %d objects outlived io_timeout_s=%.1f s on %s; cancelling it and waiting for the "
-                "kernel to give back the memory", self.path, what, n, self.timeout_s, names,
-            )  # fmt: skip
+            stalled_at = self._stalled(what, segs)
             task.cancel()
 
         h = asyncio.get_running_loop().call_later(self.timeout_s if timeout_s is None else timeout_s, on_timeout)
@@ -68,5 +59,46 @@ class IoWaits:
         finally:
             h.cancel()
             if stalled_at is not None and task.done():
-                self.state.late_completions += len(segs)
-                self.state.stalled_wait_s = max(self.state.stalled_wait_s, time.monotonic() - stalled_at)
+                self._stall_ended(segs, stalled_at)
+
+    async def _await_started(self, eng, batch, what: str, segs: np.ndarray, timeout_s: float):
+        """_await_io for a batch the engine submitted already (``eng.start_read_crc``): its
+        (results, CRCs), or None when it outlived ``timeout_s`` (then its ops are cancelled and the
+        wait goes on until they have ended). A cancellation of our caller waits the same way."""
+        stalled_at = None
+
+        def on_timeout() -> None:
+            nonlocal stalled_at
+            if batch.left:
+                stalled_at = self._stalled(what, segs)
+                eng.abandon(batch)
+
+        h = asyncio.get_running_loop().call_later(timeout_s, on_timeout)
+        try:
+            res = await eng.finish_read(batch)  # returns only once the batch has ended
+        finally:
+            h.cancel()
+            if stalled_at is not None and not batch.left:
+                self._stall_ended(segs, stalled_at)
+        if stalled_at is not None:
+            return None
+        if res[0].min(initial=0) < 0:
+            self.state.counters[f"io_errors_{what}"] += int(np.count_nonzero(res[0] < 0))
+        return res
+
+    def _stalled(self, what: str, segs: np.ndarray) -> float:
+        """Count and log a batch that outlived io_timeout_s; the time it did."""
+        n = len(segs)
+        self.state.counters["timeouts"] += 1
+        self.state.stalled_ops += n
+        u = np.unique(segs)
+        names = ", ".join(segment_name(int(x)) for x in u[:4].tolist()) + (" ..." if len(u) > 4 else "")
+        log.error(
+            "%s: %s of %d objects outlived io_timeout_s=%.1f s on %s; cancelling it and waiting for the "
+            "kernel to give back the memory", self.path, what, n, self.timeout_s, names,
+        )  # fmt: skip
+        return time.monotonic()
+
+    def _stall_ended(self, segs: np.ndarray, stalled_at: float) -> None:
+        self.state.late_completions += len(segs)
+        self.state.stalled_wait_s = max(self.state.stalled_wait_s, time.monotonic() - stalled_at)

@@ -1,0 +1,136 @@
+"""Reads the io_uring engine submits before the call returns (engine/uring_started.py: the get
+path's one engine batch): in flight when start_read_crc returns, the bytes and their CRCs at
+finish_read, and the memory rules of read_many: a deadline cancels the ops and the wait goes on
+until the kernel let go; a cancelled await returns only then. Through a store: a get whose
+started read hangs times out, counted, and returns only once the read has ended."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from conftest import small_config
+
+import umbp_nvme._uring  # noqa: F401 - required: a missing extension fails here
+from umbp_nvme._uring import crc32c
+from umbp_nvme.buffers import AlignedBuffer
+from umbp_nvme.engine import open_engine
+from umbp_nvme.engine.arbiter import Arbiter
+from umbp_nvme.engine.priority import IoPriorities
+from umbp_nvme.engine.uring import open_uring_engine
+from umbp_nvme.store import PageStore
+
+
+def _addr(a: np.ndarray, off: int = 0) -> np.ndarray:
+    return np.array([a.ctypes.data + off], np.uint64)
+
+
+async def test_a_started_read_is_submitted_when_start_returns_and_gives_bytes_and_crcs(tmp_path):
+    e = await open_uring_engine(16)
+    data = os.urandom(3 * 4096)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    buf = np.zeros(3 * 4096, np.uint8)
+    arb = Arbiter()
+    e.set_io_policy(IoPriorities(), arb)
+    try:
+        offs = np.arange(3, dtype=np.int64) * 4096
+        b = e.start_read_crc(fd, offs, buf.ctypes.data + offs.astype(np.uint64), np.full(3, 4096), np.array([4096, 100, 0]))
+        assert b is not None and e.inflight == 3 and arb.reads_about()  # submitted: no await yet
+        res, crcs = await e.finish_read(b)
+        assert res.tolist() == [4096] * 3 and buf.tobytes() == data
+        assert crcs.tolist() == [crc32c(data[:4096]), crc32c(data[4096:4196]), -1]  # 0: no CRC asked
+        assert e.inflight == 0
+        with pytest.raises(ValueError, match="crc_lens"):
+            e.start_read_crc(fd, offs, buf.ctypes.data + offs.astype(np.uint64), np.full(3, 4096), np.zeros(2))
+        assert e.inflight == 0  # refused before anything was submitted
+        assert e.start_read_crc(fd, [0], [buf.ctypes.data], [4096], [4096]) is None  # lists: the general path's
+    finally:
+        e.close()
+        os.close(fd)
+
+
+async def test_a_started_read_abandoned_at_its_deadline_ends_once_the_kernel_let_go():
+    e = await open_uring_engine(8)
+    r, w = os.pipe()  # nothing is ever written: the read hangs until cancelled
+    buf = np.zeros(64, np.uint8)
+    try:
+        b = e.start_read_crc(r, np.zeros(1, np.int64), _addr(buf), np.full(1, 64), np.full(1, 64))
+        assert b is not None and e.inflight == 1
+        done = asyncio.ensure_future(e.finish_read(b))
+        await asyncio.sleep(0.05)
+        assert not done.done()
+        e.abandon(b)
+        res, crcs = await done
+        assert res.tolist() == [-errno.ECANCELED] and crcs.tolist() == [-1] and e.inflight == 0
+        e.abandon(b)  # ended: nothing more to do
+    finally:
+        e.close()
+        os.close(r), os.close(w)
+
+
+async def test_a_cancelled_finish_read_returns_only_after_its_ops_ended():
+    e = await open_uring_engine(8)
+    arb = Arbiter()
+    e.set_io_policy(IoPriorities(), arb)
+    r, w = os.pipe()
+    buf = np.zeros(64, np.uint8)
+    try:
+        b = e.start_read_crc(r, np.zeros(1, np.int64), _addr(buf), np.full(1, 64), np.full(1, 64))
+        task = asyncio.ensure_future(e.finish_read(b))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert e.inflight == 0 and b.left == 0  # the kernel let go before the await returned
+        assert arb.stats["reads"] == 1 and arb.reads_in_flight == 0  # told the read ended
+    finally:
+        e.close()
+        os.close(r), os.close(w)
+
+
+class PipeReads:
+    """The real engine, its started reads read a pipe nobody writes (a drive that hangs)."""
+
+    def __init__(self, inner, fd: int):
+        self.inner, self.fd = inner, fd
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def start_read_crc(self, files, offsets, addrs, lengths, crc_lens):
+        n = len(lengths)
+        return self.inner.start_read_crc(self.fd, np.zeros(n, np.int64), addrs, lengths, crc_lens)
+
+
+async def test_a_get_whose_started_read_hangs_times_out_and_returns_after_it_ended(store_dir):
+    r, w = os.pipe()
+    engines = []
+
+    async def factory(backend, qd):
+        e = PipeReads(await open_engine(backend, qd), r)
+        engines.append(e)
+        return e
+
+    st = await PageStore.open(store_dir, small_config(ssd_io_backend="io_uring", io_timeout_s=0.2),
+                              engine_factory=factory)  # fmt: skip
+    mem = None
+    try:
+        mem = AlignedBuffer(2 * 8192)  # registered, aligned: the get's read is started (nothing bounced)
+        st.register_memory(mem.address, mem.nbytes)
+        mem.array[:8192] = np.frombuffer(os.urandom(8192), np.uint8)
+        assert await st.put_many(["k"], [(mem.address, 8192)]) == [True]
+        assert await st.get_many(["k"], [(mem.address + 8192, 8192)]) == [False]  # outlived io_timeout_s: a miss
+        c = st.counters()
+        assert c["timeouts"] == 1 and c["hits"] == 0
+        assert all(e.inflight == 0 for e in engines)  # the get returned once its read had ended
+        assert st.stats()["late_completions"] == 1
+    finally:
+        await st.close()
+        if mem is not None:
+            mem.close()
+        os.close(r), os.close(w)
