@@ -111,8 +111,9 @@ class RowTable:
         """Rows just published: their columns in one native pass (a numpy call per column cost
         ~5-10 us each on a put batch's cold caches). ``off`` in bytes (4 KiB-aligned, else
         ValueError and nothing written); the rows are live, unpinned, last used at ``gen``."""
-        scatter(np.ascontiguousarray(rows, np.int64),
-                (self.seg, self.off_4k, self.len, self.crc, self.flags, self.gen, self.depth, self.tick, self.pins, self.live),
+        cols = (self.seg, self.off_4k, self.len, self.crc, self.flags, self.gen, self.depth, self.tick, self.pins,
+                self.live)  # fmt: skip
+        scatter(np.ascontiguousarray(rows, np.int64), cols,
                 (seg, (off, OFF_SHIFT), length, crc, int(flags), int(gen), depth, int(gen), 0, 1))  # fmt: skip
 
     def _grow(self, n: int) -> None:
@@ -137,7 +138,8 @@ class RowTable:
             self.free.extend(gone)
 
     def pin(self, rows: np.ndarray) -> None:
-        add_at(self.pins, np.ascontiguousarray(rows, np.int64), 1)  # a repeated row counts each time (a fancy-index add would count it once)
+        # a repeated row counts each time (a fancy-index add would count it once)
+        add_at(self.pins, np.ascontiguousarray(rows, np.int64), 1)
 
     def unpin(self, rows: np.ndarray) -> None:
         add_at(self.pins, np.ascontiguousarray(rows, np.int64), -1)

@@ -99,7 +99,8 @@ class StagePlan:
 
 
 def unbounced(addrs: np.ndarray, lens: np.ndarray) -> StagePlan:
-    """The plan of a batch known to need no bounce (memory.resolve_reads checked its alignment)."""
+    """The plan of a batch known to need no bounce (memory.resolve_reads / resolve_sources checked
+    its alignment)."""
     return StagePlan(addrs, lens, addrs, lens, None, None)
 
 
