@@ -232,3 +232,12 @@ def test_a_row_tables_fill_sets_every_column_of_the_published_rows():
     recs["crc"], recs["depth"] = [5, 6, 7], [9, 8, 7]
     t.fill(rows, np.array([1, 1, 1]), np.zeros(3, np.int64), np.ones(3, np.int64), recs["crc"], 3, 79, recs["depth"])
     assert t.crc[rows].tolist() == [5, 6, 7] and t.depth[rows].tolist() == [9, 8, 7]  # strided fields read as they are
+
+
+def test_set_rows_holds_exactly_the_keys_longer_than_a_record_keeps_from_the_tables_count():
+    m = KeyMap(seed=2, held_over=8)  # as rows.py's map: keys over held_over bytes stay in memory
+    m.set_rows(["short", "x" * 9, "\u00e9" * 5, "y" * 8], np.arange(4, dtype=np.int64))  # é: 2 bytes a char
+    assert m.held(np.arange(4, dtype=np.int64)).tolist() == [False, True, True, False]
+    m.set_rows(["a", "b"], np.array([1, 2], np.int64))  # the rows' new keys are short: no longer held
+    assert m.held(np.arange(4, dtype=np.int64)).tolist() == [False, False, False, False]
+    assert m.candidates(["a", "b", "short", "x" * 9]).tolist() == [1, 2, 0, -1]  # row 1 now holds "a"
