@@ -22,8 +22,9 @@ from . import admit_gate, staging
 from .checks import Refusals
 from .index import FLAG_CRC
 from .get_device import DeviceReads
+from .get_verify import INLINE_PART_BYTES, INLINE_VERIFY_BYTES, ReadChecks  # noqa: F401 - tests read them here
 from .lookups import Hits, ReadBatch
-from .staging import settle, wait_out
+from .staging import settle
 
 log = logging.getLogger("umbp_nvme.store")
 
@@ -43,16 +44,6 @@ READ_PARTS_IN_FLIGHT = 3  # read sub-batches submitted at a time (see _read)
 SMALL_BATCH_BYTES = 64 << 20
 PART_BYTES = 16 << 20
 SMALL_PARTS_MAX = 32
-# Verification of the objects whose reads completed: a part of up to INLINE_VERIFY_BYTES on the loop thread
-# (one C call, GIL released: handing them to a worker and back costs ~200 us of CPU, more than the
-# CRC of 2 MiB); more goes to a worker so the loop is never blocked for long. (Splitting a large
-# set between the loop and a worker gained nothing here: two cores checking freshly read memory
-# each ran at half speed.)
-INLINE_VERIFY_BYTES = 4 << 20
-# A part of up to INLINE_PART_BYTES with nothing bounced is checked on the loop thread too, in
-# calls of INLINE_VERIFY_BYTES with the loop turning between them: the worker hop cost more CPU
-# than the CRC of a 16 MiB part's last chunk blocks the loop (issue 36, RAM device).
-INLINE_PART_BYTES = 16 << 20
 
 
 def part_bounds(m: int, nbytes: int) -> list[int]:
@@ -87,7 +78,7 @@ def read_parts(lens: np.ndarray) -> tuple[list[int], int]:
     return bounds, len(bounds) - 1
 
 
-class GetPath(DeviceReads):
+class GetPath(DeviceReads, ReadChecks):
     async def get_many(self, keys: list[str], buffers: list) -> list[bool]:
         """Read the object of ``keys[i]`` into ``buffers[i]``; one bool per key, True on a verified hit.
 
@@ -176,21 +167,30 @@ class GetPath(DeviceReads):
             except OSError as e:
                 for j in range(m_host, m):
                     refused.add(keys[int(b.idx[j])], str(e))
-        hits = conf = None  # writers: a hash hit is confirmed by its row's record (keymap.py)
+        hits = conf = during = None  # writers: a hash hit is confirmed by its row's record (keymap.py)
+        box: list = []
         if self.writer is not None:
             in_memory = self._records_in_memory(b.segs)
-            if not in_memory and self._one_host_part(b, m_host, route):
+            one = self._one_host_part(b, m_host, route)
+            if one and not in_memory:
                 hits = Hits(self.writer.keys, b, keys)  # the record blocks ride in the data's engine batch
+            elif one:  # compared while the data is in flight, once its batch is submitted
+                during = lambda: box.append(Hits(self.writer.keys, b, keys).answer())  # noqa: E731
             else:
                 conf = await self._confirm_begin(b, keys, in_memory)
-        outcome = await self._read(b, m_host, route, None if hits is None else hits.reads)
+        outcome = await self._read(b, m_host, route, None if hits is None else hits.reads, during)
         if outcome is None:
             return  # timed out: counted and logged by _await_io
         good, verified = outcome
         if self.writer is None:
             verified &= self._unchanged(b, keys)
         else:  # another key's row (a hash collision): a miss, neither a hit nor damage
-            mine = await conf if hits is None else hits.answer() if good.any() else np.zeros(m, bool)
+            if conf is not None:
+                mine = await conf
+            elif hits is not None:
+                mine = hits.answer() if good.any() else np.zeros(m, bool)
+            else:  # none when the comparison failed (logged): nothing is confirmed
+                mine = box[0] if box else np.zeros(m, bool)
             good &= mine
             verified &= mine
         await self._account(b, keys, good, verified, results, refused)
@@ -202,9 +202,10 @@ class GetPath(DeviceReads):
         otherwise _confirm_begin reads them as a batch of their own."""
         return route is None and m_host == len(b) and int(b.lens.sum()) <= PART_BYTES
 
-    async def _read(self, b: ReadBatch, m_host: int, route, extra=None):
+    async def _read(self, b: ReadBatch, m_host: int, route, extra=None, during=None):
         """Pin, read, verify, unpin: (complete, verified) per object; None when the read timed out.
-        ``extra``: record blocks (row_keys.RecordReads) read in the same engine batch (one part)."""
+        ``extra``: record blocks (row_keys.RecordReads) read in the same engine batch (one part);
+        ``during``: called once that batch is submitted, while it is in flight (one part)."""
         m = len(b)
         rows = b.rows
         if rows is not None:
@@ -218,7 +219,7 @@ class GetPath(DeviceReads):
                 plan = staging.unbounced(b.dst, b.lens)
             else:
                 plan = staging.plan(self.state.bounce, files.direct[b.segs], files.align[b.segs], b.dst, b.lens, b.devm)
-            jobs = [self._read_parts(b, plan, m_host, good, verified, extra)] if m_host else []
+            jobs = [self._read_parts(b, plan, m_host, good, verified, extra, during)] if m_host else []
             if route is not None:
                 jobs.append(self._read_device_part(b, route, m_host, m, good, verified))
             timed_out = False
@@ -248,13 +249,13 @@ class GetPath(DeviceReads):
                 plan.release(self.state.bounce)
         return good, verified
 
-    async def _read_parts(self, b: ReadBatch, plan, m_host: int, good, verified, extra=None) -> None:
+    async def _read_parts(self, b: ReadBatch, plan, m_host: int, good, verified, extra=None, during=None) -> None:
         """Read host ops [0, m_host) in parts (read_parts: how many, how many in flight) and verify
         the objects of each part as soon as its read completes, so the CRC overlaps the rest's I/O.
         Raises the first part's failure (a TimeoutError first) once no part is in flight."""
         bounds, window = read_parts(b.lens[:m_host])
-        if len(bounds) == 2 or extra is not None:  # extra: _one_host_part said one part
-            return await self._read_one_part(b, plan, m_host, good, verified, extra)
+        if len(bounds) == 2 or extra is not None or during is not None:  # those: _one_host_part said one part
+            return await self._read_one_part(b, plan, m_host, good, verified, extra, during)
         todo = list(zip(bounds, bounds[1:]))[::-1]
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         running: dict[asyncio.Future, tuple[int, int, asyncio.Future]] = {}  # wait -> (lo, hi, engine batch)
@@ -301,18 +302,26 @@ class GetPath(DeviceReads):
         if failures:
             raise next((e for e in failures if isinstance(e, asyncio.TimeoutError)), failures[0])
 
-    async def _read_one_part(self, b: ReadBatch, plan, m: int, good, verified, extra=None) -> None:
+    async def _read_one_part(self, b: ReadBatch, plan, m: int, good, verified, extra=None, during=None) -> None:
         """_read_parts for a batch read in one part (the common small batch): its engine batch
         awaited directly, no wait task or asyncio.wait per part (each costs loop turns)."""
         eng = self.state.read_engine
         args = self._read_args(b, plan, 0, m, extra)
-        started = None
+        started = io = None
         if args[1] is not None and hasattr(eng, "start_read_crc"):  # submitted now: no loop pass before the device starts
             started = eng.start_read_crc(*args[0], args[1])
+        if started is None:
+            io = self._engine_read(b, plan, 0, m, extra, args)
+        if during is not None:
+            if io is not None:
+                await asyncio.sleep(0)  # its task's first step submits the batch
+            try:
+                during()
+            except Exception:  # noqa: BLE001 - the batch is in flight: it is awaited all the same
+                log.exception("%s: confirming a get's hits failed", self.path)
         if started is not None:
             res = await self._await_started(eng, started, "read", b.segs[:m], self.timeout_s)
         else:
-            io = self._engine_read(b, plan, 0, m, extra, args)
             res = await self._await_io(io, "read", b.segs[:m], self.timeout_s)  # returns once the batch has ended
         if res is None:
             raise asyncio.TimeoutError
@@ -365,26 +374,6 @@ class GetPath(DeviceReads):
         for (lo, hi), task in zip(started, io):
             running[asyncio.ensure_future(self._wait_part(task, b.segs[lo:hi], deadline))] = (lo, hi, task)
 
-    async def _verify(self, b: ReadBatch, plan, sel: np.ndarray, ok: np.ndarray, got=None) -> np.ndarray:
-        """Verified per op of ``sel`` (ops whose reads completed): bounced objects copied out and
-        CRCs checked, on the loop thread when small and nothing is bounced, else on a worker.
-        ``got``: the CRCs the engine computed as the reads completed (-1: not computed), or None."""
-        if not self.verify_crc and not plan.bounced:
-            return ok
-        if got is not None:  # the engine's CRCs; the few it could not compute (a read in pieces) here
-            unchecked = (b.flags[sel] & FLAG_CRC) == 0
-            if (got < 0).any():
-                need = np.flatnonzero(ok & (got < 0) & ~unchecked)
-                got = got.copy()
-                out = np.empty(len(need), np.uint32)
-                self.state.crc32c_many(b.dst[sel[need]], b.lens[sel[need]], out)
-                got[need] = out
-            return ok & ((got == b.crcs[sel]) | unchecked)
-        if not plan.bounced and int(b.lens[sel].sum()) <= INLINE_PART_BYTES:
-            return await self._check_inline(b, sel, ok)
-        # the thread copies into the caller's memory: wait_out keeps us here until it has ended
-        return await wait_out(asyncio.get_running_loop().run_in_executor(None, self._check, b, plan, sel, ok))
-
     async def _wait_part(self, task: asyncio.Future, segs: np.ndarray, deadline: float):
         """A part's engine result; TimeoutError once it outlived the call's deadline (and ended)."""
         left = deadline - asyncio.get_running_loop().time()
@@ -392,32 +381,6 @@ class GetPath(DeviceReads):
         if res is None:
             raise asyncio.TimeoutError
         return res
-
-    async def _check_inline(self, b: ReadBatch, sel: np.ndarray, ok: np.ndarray) -> np.ndarray:
-        """CRCs of ops ``sel`` (nothing bounced) on the loop thread, one C call per
-        INLINE_VERIFY_BYTES or so, other tasks running between the calls."""
-        lens = b.lens[sel]
-        got = np.empty(len(sel), np.uint32)
-        ends = np.cumsum(lens)
-        lo, m = 0, len(sel)
-        while lo < m:
-            start = int(ends[lo] - lens[lo])
-            hi = max(lo + 1, int(np.searchsorted(ends, start + INLINE_VERIFY_BYTES, "right")))
-            if lo:
-                await asyncio.sleep(0)
-            self.state.crc32c_many(b.dst[sel[lo:hi]], lens[lo:hi], got[lo:hi])
-            lo = hi
-        return ok & ((got == b.crcs[sel]) | ((b.flags[sel] & FLAG_CRC) == 0))
-
-    def _check(self, b: ReadBatch, plan, sel: np.ndarray, ok: np.ndarray) -> np.ndarray:
-        """Copy bounced objects of ``sel`` out, then check their CRCs in one C call (a worker
-        thread, or the loop thread for a small share with nothing bounced)."""
-        plan.copy_out(sel, ok)
-        if not self.verify_crc:
-            return ok
-        got = np.empty(len(sel), np.uint32)
-        self.state.crc32c_many(b.dst[sel], b.lens[sel], got)
-        return ok & ((got == b.crcs[sel]) | ((b.flags[sel] & FLAG_CRC) == 0))
 
     async def _account(self, b: ReadBatch, keys, good, verified, results, refused) -> None:
         """Results and counters; a writer drops entries whose bytes failed the CRC and stamps hits."""
