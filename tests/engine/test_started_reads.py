@@ -148,3 +148,38 @@ async def test_a_get_whose_started_read_hangs_times_out_and_returns_after_it_end
         if mem is not None:
             mem.close()
         os.close(r), os.close(w)
+
+
+async def test_a_get_cancelled_while_its_started_read_hangs_ends_after_the_read_and_unpins(store_dir):
+    r, w = os.pipe()
+    engines = []
+
+    async def factory(backend, qd):
+        e = PipeReads(await open_engine(backend, qd), r)
+        engines.append(e)
+        return e
+
+    st = await PageStore.open(store_dir, small_config(ssd_io_backend="io_uring", io_timeout_s=30.0),
+                              engine_factory=factory)  # fmt: skip
+    mem = AlignedBuffer(2 * 8192)
+    try:
+        st.register_memory(mem.address, mem.nbytes)
+        mem.array[:8192] = np.frombuffer(os.urandom(8192), np.uint8)
+        assert await st.put_many(["k"], [(mem.address, 8192)]) == [True]
+        get = asyncio.ensure_future(st.get_many(["k"], [(mem.address + 8192, 8192)]))
+        for _ in range(100):  # until the read is in flight (submitted from the get's own step)
+            await asyncio.sleep(0.01)
+            if any(e.inflight for e in engines):
+                break
+        assert any(e.inflight for e in engines)
+        get.cancel()
+        assert await _ended(get, w, 8192)  # the cancel asked the kernel to let go, and it did
+        assert get.cancelled()
+        assert all(e.inflight == 0 for e in engines)
+        assert not st.writer.rows.pins.any()  # the row's pin went with the read: eviction may take it
+        out = np.zeros(8192, np.uint8)  # not registered: bounced, read through the engine's task path (the file)
+        assert await st.get_many(["k"], [out]) == [True] and out.tobytes() == mem.array[:8192].tobytes()
+    finally:
+        await st.close()
+        mem.close()
+        os.close(r), os.close(w)
