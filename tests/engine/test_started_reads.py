@@ -119,67 +119,65 @@ class PipeReads:
         return self.inner.start_read_crc(self.fd, np.zeros(n, np.int64), addrs, lengths, crc_lens)
 
 
+class HangingStore:
+    """``async with HangingStore(store_dir, timeout_s) as h``: a store whose started reads hang on a
+    pipe (``h.w`` writes it), one 8 KiB object "k" stored from registered memory (``h.mem[:8192]``),
+    ``h.get()`` a task getting it into the registered memory after it (a started read)."""
+
+    def __init__(self, store_dir, timeout_s: float):
+        self.store_dir, self.timeout_s = store_dir, timeout_s
+        self.engines: list = []
+
+    async def __aenter__(self):
+        self.r, self.w = os.pipe()
+
+        async def factory(backend, qd):
+            e = PipeReads(await open_engine(backend, qd), self.r)
+            self.engines.append(e)
+            return e
+
+        self.st = await PageStore.open(self.store_dir, small_config(ssd_io_backend="io_uring", io_timeout_s=self.timeout_s),
+                                       engine_factory=factory)  # fmt: skip
+        self.mem = AlignedBuffer(2 * 8192)  # registered, aligned: the get's read is started (nothing bounced)
+        self.st.register_memory(self.mem.address, self.mem.nbytes)
+        self.mem.array[:8192] = np.frombuffer(os.urandom(8192), np.uint8)
+        assert await self.st.put_many(["k"], [(self.mem.address, 8192)]) == [True]
+        return self
+
+    def get(self) -> asyncio.Future:
+        return asyncio.ensure_future(self.st.get_many(["k"], [(self.mem.address + 8192, 8192)]))
+
+    def idle(self) -> bool:
+        return all(e.inflight == 0 for e in self.engines)
+
+    async def __aexit__(self, *exc):
+        await self.st.close()
+        self.mem.close()
+        os.close(self.r), os.close(self.w)
+
+
 async def test_a_get_whose_started_read_hangs_times_out_and_returns_after_it_ended(store_dir):
-    r, w = os.pipe()
-    engines = []
-
-    async def factory(backend, qd):
-        e = PipeReads(await open_engine(backend, qd), r)
-        engines.append(e)
-        return e
-
-    st = await PageStore.open(store_dir, small_config(ssd_io_backend="io_uring", io_timeout_s=0.2),
-                              engine_factory=factory)  # fmt: skip
-    mem = None
-    try:
-        mem = AlignedBuffer(2 * 8192)  # registered, aligned: the get's read is started (nothing bounced)
-        st.register_memory(mem.address, mem.nbytes)
-        mem.array[:8192] = np.frombuffer(os.urandom(8192), np.uint8)
-        assert await st.put_many(["k"], [(mem.address, 8192)]) == [True]
-        get = asyncio.ensure_future(st.get_many(["k"], [(mem.address + 8192, 8192)]))
-        assert await _ended(get, w, 8192)
+    async with HangingStore(store_dir, 0.2) as h:
+        get = h.get()
+        assert await _ended(get, h.w, 8192)
         assert get.result() == [False]  # the read outlived io_timeout_s: a miss
-        c = st.counters()
+        c = h.st.counters()
         assert c["timeouts"] == 1 and c["hits"] == 0
-        assert all(e.inflight == 0 for e in engines)  # the get returned once its read had ended
-        assert st.stats()["late_completions"] == 1
-    finally:
-        await st.close()
-        if mem is not None:
-            mem.close()
-        os.close(r), os.close(w)
+        assert h.idle()  # the get returned once its read had ended
+        assert h.st.stats()["late_completions"] == 1
 
 
 async def test_a_get_cancelled_while_its_started_read_hangs_ends_after_the_read_and_unpins(store_dir):
-    r, w = os.pipe()
-    engines = []
-
-    async def factory(backend, qd):
-        e = PipeReads(await open_engine(backend, qd), r)
-        engines.append(e)
-        return e
-
-    st = await PageStore.open(store_dir, small_config(ssd_io_backend="io_uring", io_timeout_s=30.0),
-                              engine_factory=factory)  # fmt: skip
-    mem = AlignedBuffer(2 * 8192)
-    try:
-        st.register_memory(mem.address, mem.nbytes)
-        mem.array[:8192] = np.frombuffer(os.urandom(8192), np.uint8)
-        assert await st.put_many(["k"], [(mem.address, 8192)]) == [True]
-        get = asyncio.ensure_future(st.get_many(["k"], [(mem.address + 8192, 8192)]))
+    async with HangingStore(store_dir, 30.0) as h:
+        get = h.get()
         for _ in range(100):  # until the read is in flight (submitted from the get's own step)
             await asyncio.sleep(0.01)
-            if any(e.inflight for e in engines):
+            if not h.idle():
                 break
-        assert any(e.inflight for e in engines)
+        assert not h.idle()
         get.cancel()
-        assert await _ended(get, w, 8192)  # the cancel asked the kernel to let go, and it did
-        assert get.cancelled()
-        assert all(e.inflight == 0 for e in engines)
-        assert not st.writer.rows.pins.any()  # the row's pin went with the read: eviction may take it
+        assert await _ended(get, h.w, 8192)  # the cancel asked the kernel to let go, and it did
+        assert get.cancelled() and h.idle()
+        assert not h.st.writer.rows.pins.any()  # the row's pin went with the read: eviction may take it
         out = np.zeros(8192, np.uint8)  # not registered: bounced, read through the engine's task path (the file)
-        assert await st.get_many(["k"], [out]) == [True] and out.tobytes() == mem.array[:8192].tobytes()
-    finally:
-        await st.close()
-        mem.close()
-        os.close(r), os.close(w)
+        assert await h.st.get_many(["k"], [out]) == [True] and out.tobytes() == h.mem.array[:8192].tobytes()
