@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from conftest import KiB, MiB, damage_object, payload, small_config
-from umbp_nvme.store import PageStore, get_path, put_path
+from umbp_nvme.store import PageStore, get_path, get_verify, put_path
 
 SMALL = [180 * KiB + 7 * i for i in range(40)]  # ~7 MiB: CRC inline in 4 MiB chunks, a get part (<= 16 MiB) inline in chunks
 LARGE = [1 * MiB + 512] * 20  # 20 MiB: CRC on a worker thread; get parts bounced (odd lengths): copied and checked on a worker
@@ -17,8 +17,8 @@ LARGE = [1 * MiB + 512] * 20  # 20 MiB: CRC on a worker thread; get parts bounce
 def test_the_batches_cover_both_paths():
     assert put_path.INLINE_CRC_CHUNK < sum(SMALL) <= put_path.INLINE_CRC_BYTES < sum(LARGE)
     small_parts = np.diff(get_path.read_parts(np.asarray(SMALL, np.int64))[0])
-    assert get_path.INLINE_VERIFY_BYTES < sum(SMALL) <= get_path.INLINE_PART_BYTES  # inline, in > 1 CRC call
-    assert max(small_parts) * max(SMALL) <= get_path.INLINE_PART_BYTES
+    assert get_verify.INLINE_VERIFY_BYTES < sum(SMALL) <= get_verify.INLINE_PART_BYTES  # inline, in > 1 CRC call
+    assert max(small_parts) * max(SMALL) <= get_verify.INLINE_PART_BYTES
     assert all(n % 4096 for n in LARGE)  # O_DIRECT cannot read them into the caller's memory: bounced
 
 

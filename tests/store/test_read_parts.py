@@ -12,7 +12,7 @@ import pytest
 from conftest import KiB, MiB, damage_object, payload, small_config
 from support.faults import EngineHooks
 from support.waits import until
-from umbp_nvme.store import PageStore, get_path
+from umbp_nvme.store import PageStore, get_path, get_verify
 from umbp_nvme.store.get_path import read_parts
 
 
@@ -108,7 +108,7 @@ async def test_one_part_checked_in_chunks_on_the_loop_catches_damage_in_every_ch
     keys = [f"q{i}" for i in range(256)]
     vals = [payload(k, 64 * KiB) for k in keys]  # 16 MiB: one part, four CRC calls of 4 MiB
     assert read_parts(np.full(256, 64 * KiB, np.int64)) == ([0, 256], 1)
-    assert 256 * 64 * KiB // get_path.INLINE_VERIFY_BYTES == 4 and 256 * 64 * KiB <= get_path.INLINE_PART_BYTES
+    assert 256 * 64 * KiB // get_verify.INLINE_VERIFY_BYTES == 4 and 256 * 64 * KiB <= get_verify.INLINE_PART_BYTES
     assert await st.put_many(keys, vals) == [True] * len(keys)
     bad = {0, 63, 64, 130, 255}  # the first and last object, both sides of a chunk's edge
     for i in bad:

@@ -22,7 +22,7 @@ from . import admit_gate, staging
 from .checks import Refusals
 from .index import FLAG_CRC
 from .get_device import DeviceReads
-from .get_verify import INLINE_PART_BYTES, INLINE_VERIFY_BYTES, ReadChecks  # noqa: F401 - tests read them here
+from .get_verify import INLINE_PART_BYTES, ReadChecks
 from .lookups import Hits, ReadBatch
 from .staging import settle
 
