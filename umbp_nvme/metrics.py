@@ -85,7 +85,7 @@ FAMILIES = (
     ("umbp_nvme_capacity_bytes", "gauge", "capacity_bytes", "Configured capacity (ssd_capacity_bytes)."),
     ("umbp_nvme_effective_capacity_bytes", "gauge", "effective_capacity_bytes", "Capacity the store runs with: the configured one, or less while the file system refuses new segment files."),
     ("umbp_nvme_disk_bytes", "gauge", "disk_bytes", "Bytes the segment files occupy on disk."),
-    ("umbp_nvme_index_bytes", "gauge", "index_bytes", "Size of index.lmdb."),
+    ("umbp_nvme_index_bytes", "gauge", "index_bytes", "Bytes index.lmdb occupies on disk."),
     ("umbp_nvme_segments_free", "gauge", "segments_free", "Segments holding no object."),
     ("umbp_nvme_pinned_slots", "gauge", "pinned_slots", "Slots pinned by reads in flight."),
     ("umbp_nvme_puts_in_doubt_bytes", "gauge", "puts_in_doubt_bytes", "Bytes of put batches whose index commit outlived io_timeout_s, held until a later commit settles them."),

@@ -84,8 +84,9 @@ def rebuild_by(route: str, path: str, capacity: int) -> None:
     elif route == "index_lost":
         os.unlink(ipath)
     elif route == "index_damaged":
+        st = os.stat(ipath)  # a killed writer's file spans its map, sparse: its written blocks
         with open(ipath, "r+b") as f:
-            f.write(os.urandom(os.path.getsize(ipath)))
+            f.write(os.urandom(min(st.st_size, st.st_blocks * 512)))
     elif route == "verify":
         rebuild_index_dir(path)
     else:

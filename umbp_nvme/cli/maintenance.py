@@ -26,7 +26,7 @@ import numpy as np
 from ..engine.files import open_regular, punch_hole
 from ..errors import NotAStoreError
 from ..keybytes import KeyEncodingError, encode_key
-from ..store.index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index
+from ..store.index import FLAG_CRC, INDEX_FILE, REC_BYTES, REC_DTYPE, Index, disk_bytes
 from ..store.layout import SLOT_ALIGN_BYTES, lock_holder, read_manifest, segment_files, segment_name
 from ..store.layout import has_records, recorded_capacity_bytes, take_lock
 from ..store.records import area_blocks
@@ -291,7 +291,7 @@ def store_stats(path: str, capacity_bytes: int | None = None, high_wm: float | N
         "pools": {k: dict(v) for k, v in sorted(pools.items())},
         "prefixes": dict(sorted(prefixes.items())),
         "size_classes": {int(c): int(n) for c, n in zip(*np.unique(classes, return_counts=True))} if len(classes) else {},
-        "index_bytes": os.path.getsize(os.path.join(path, INDEX_FILE)) if os.path.exists(os.path.join(path, INDEX_FILE)) else 0,
+        "index_bytes": disk_bytes(os.path.join(path, INDEX_FILE)),
     }
     return out
 

@@ -34,6 +34,7 @@ from ..errors import IndexDamagedError, StoreError
 from ..keybytes import decode_keys
 from .index_check import IndexFileDamage, check_index_file, check_own_file  # noqa: F401 - re-exported
 from .file_ident import file_id, opened_id
+from .index_room import MapRoom, in_place_fs
 
 log = logging.getLogger("umbp_nvme.index")  # the name operators know; kept across the move
 
@@ -113,9 +114,11 @@ _DAMAGED = (
 _ENVS: dict[str, list] = {}  # realpath -> [env, refcount, writable, (st_dev, st_ino) of its file]
 _DETACHED: list[list] = []  # entries of files moved aside while another handle still held them
 _ENVS_LOCK = threading.Lock()
+_ROOMS: dict[lmdb.Environment, MapRoom] = {}  # writemap environments: their blocks allocated ahead
 
 
-def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool, capture: dict | None = None) -> lmdb.Environment:
+def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool, capture: dict | None = None,
+                 writemap: bool = False) -> lmdb.Environment:
     real = os.path.realpath(path)
     with _ENVS_LOCK:
         entry = _ENVS.get(real)
@@ -139,29 +142,50 @@ def _acquire_env(path: str, *, readonly: bool, map_size: int, durable: bool, cap
         except FileNotFoundError:
             if readonly:
                 raise FileNotFoundError(f"no store index at {path}; a writer must create the store first") from None
-        before = file_id(path)
-        env = lmdb.open(
-            path,
-            subdir=False,
-            readonly=readonly,
-            lock=True,
-            map_size=map_size,
-            max_dbs=4,
-            max_readers=1024,
-            mode=0o600,
-            create=not readonly,
-            # relaxed: no fsync per commit; a process crash still loses nothing committed because
-            # the pages are in the OS page cache. strict: fsync at every commit.
-            sync=durable,
-            metasync=durable,
-            readahead=False,
-        )
-        ident = opened_id(path, before, created=not readonly)
-        if ident is None:  # another process replaced the file during the open: which one LMDB maps is unknown
-            env.close()
-            raise IndexFileDamage("replaced by its writer while it was being opened", 0)
+        writemap = writemap and not readonly and in_place_fs(os.path.dirname(real)) is not None
+        env, ident = _open_env(path, readonly=readonly, map_size=map_size, durable=durable, writemap=writemap)
+        if writemap:
+            room = None
+            try:
+                room = MapRoom(path, ident)
+                room.ensure(env, 0)  # before the databases are created
+            except OSError as e:  # no room (ENOSPC): written with pwrite, failing commits as it always did
+                if room is not None:
+                    room.close(env)
+                env.close()
+                log.warning("%s: index not mapped writable (%s)", path, e.strerror or e)
+                env, ident = _open_env(path, readonly=readonly, map_size=map_size, durable=durable, writemap=False)
+            else:
+                _ROOMS[env] = room
         _ENVS[real] = [env, 1, not readonly, ident]
         return env
+
+
+def _open_env(path: str, *, readonly: bool, map_size: int, durable: bool, writemap: bool):
+    """lmdb.open, and the identity of the file it mapped."""
+    before = file_id(path)
+    env = lmdb.open(
+        path,
+        subdir=False,
+        readonly=readonly,
+        lock=True,
+        map_size=map_size,
+        max_dbs=4,
+        max_readers=1024,
+        mode=0o600,
+        create=not readonly,
+        # relaxed: no fsync per commit; a process crash still loses nothing committed because
+        # the pages are in the OS page cache. strict: fsync at every commit.
+        sync=durable,
+        metasync=durable,
+        readahead=False,
+        writemap=writemap,  # index_room.py: commits write into the map, its blocks allocated ahead
+    )
+    ident = opened_id(path, before, created=not readonly)
+    if ident is None:  # another process replaced the file during the open: which one LMDB maps is unknown
+        env.close()
+        raise IndexFileDamage("replaced by its writer while it was being opened", 0)
+    return env, ident
 
 
 def wrap_lmdb_error(path: str, e: BaseException, what: str) -> StoreError:
@@ -223,11 +247,21 @@ def quarantine(path: str, *, lock_file: bool = True) -> str:
     return dest
 
 
-def _file_size(path: str) -> int:
+def disk_bytes(path: str) -> int:
+    """Bytes the index file occupies on disk (a writemap file is sized to its map, sparse); 0 when missing."""
     try:
-        return os.stat(path).st_size
+        return os.stat(path).st_blocks * 512
     except OSError:
         return 0
+
+
+def _file_size(path: str) -> int:
+    """Bytes written to the file: a writer creating it with writemap sizes it to its map first."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    return min(st.st_size, st.st_blocks * 512)
 
 
 def open_environment_paths() -> list[str]:
@@ -244,19 +278,29 @@ def _release_env(env: lmdb.Environment) -> None:
                 entry[1] -= 1
                 if entry[1] == 0:
                     del _ENVS[real]
-                    env.close()
+                    _close_env(env)
                 return
         for entry in _DETACHED:
             if entry[0] is env:
                 entry[1] -= 1
                 if entry[1] == 0:
                     _DETACHED.remove(entry)
-                    env.close()
+                    _close_env(env)
                 return
 
 
+def _close_env(env: lmdb.Environment) -> None:
+    room = _ROOMS.pop(env, None)
+    if room is not None:
+        room.close(env)  # before LMDB closes: it names the last page
+    env.close()
+
+
 class Index:
-    def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool, wait_s: float = _CREATING_WAIT_S):
+    def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool, wait_s: float = _CREATING_WAIT_S,
+                 writemap: bool = False):
+        """``writemap``: the serving writer's commits write into the map (index_room.py), where the
+        file system allows it; handles sharing its environment allocate room the same way."""
         self.path = path
         self._walked: dict = {}  # what the page walk before a writer's open read (scan_walked)
         self.readonly = readonly
@@ -267,10 +311,10 @@ class Index:
         while True:
             try:
                 self._env = _acquire_env(path, readonly=readonly, map_size=map_size, durable=durable,
-                                         capture=None if readonly else self._walked)  # fmt: skip
+                                         capture=None if readonly else self._walked, writemap=writemap)  # fmt: skip
                 break
             except IndexFileDamage as e:
-                if not readonly or time.monotonic() >= deadline or e.size >= _NEW_ENV_BYTES:
+                if not readonly or time.monotonic() >= deadline or min(e.size, _file_size(path)) >= _NEW_ENV_BYTES:
                     msg = f"store index {path} is damaged ({e})"
                     if readonly:
                         msg += "; its writer moves it aside and starts empty on its next open"
@@ -306,6 +350,7 @@ class Index:
             _release_env(self._env)
             raise
         self.max_key_bytes = self._env.max_key_size()
+        self._room = _ROOMS.get(self._env)
         self.scan_damage: str | None = None
         self._closed = False
 
@@ -463,6 +508,7 @@ class Index:
 
     def set_generation_bound(self, bound: int) -> None:
         """Record the generation bound durably (commit and sync) before values below it are used."""
+        self._make_room(1)
         with self._env.begin(write=True) as txn:
             txn.put(_META_GEN_BOUND, _U64.pack(bound), db=self._meta)
         self._env.sync(True)
@@ -475,6 +521,7 @@ class Index:
 
     def commit(self, puts=(), deletes=(), *, next_generation: int | None = None) -> None:
         """One atomic transaction: deletes first, then puts (a key may be in both)."""
+        self._make_room(len(puts) + len(deletes), len(puts))
         with self._env.begin(write=True) as txn:
             for k in deletes:
                 txn.delete(k, db=self._objects)
@@ -501,11 +548,13 @@ class Index:
 
     def set_writer_state(self, state: bytes) -> None:
         """Record the writer state durably (commit and sync)."""
+        self._make_room(1)
         with self._env.begin(write=True) as txn:
             txn.put(_META_WRITER_STATE, state, db=self._meta)
         self._env.sync(True)
 
     def drop_all(self, *, next_generation: int) -> None:
+        self._make_room(1)  # the free list of every page: room's used // 256 term
         with self._env.begin(write=True) as txn:
             txn.drop(self._objects, delete=False)
             txn.put(_META_NEXT_GEN, _U64.pack(next_generation), db=self._meta)
@@ -513,11 +562,15 @@ class Index:
     def sync(self) -> None:
         self._env.sync(True)
 
+    def _make_room(self, ops: int, puts: int = 0) -> None:
+        if self._room is not None:
+            try:
+                self._room.ensure(self._env, ops, puts)
+            except OSError as e:  # as a pwrite of the commit would have failed
+                raise StoreError(f"no room to grow store index {self.path}: {e.strerror or e}") from None
+
     def file_bytes(self) -> int:
-        try:
-            return os.stat(self.path).st_size
-        except OSError:
-            return 0
+        return disk_bytes(self.path)
 
     @property
     def closed(self) -> bool:

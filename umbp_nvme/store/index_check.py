@@ -125,6 +125,25 @@ def check_index_file(path: str, *, walk: bool = True, readonly: bool = False, ca
         os.close(fd)
 
 
+def used_bytes(path: str) -> int:
+    """Bytes of ``path`` its newest meta page uses (pages 0..last_pg): a writemap file is sized to
+    its whole map. The bytes written to it when its meta pages do not read (a damaged file is the open's
+    business, not this estimate's); OSError when it cannot be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        try:
+            m0 = _read_meta(fd, 0, size, "first")
+            m1 = _read_meta(fd, m0[7], size, "second")
+        except IndexFileDamage:  # its blocks: a killed writemap writer's file spans its map
+            return min(size, st.st_blocks * 512)
+        newest = m1 if m1[-1] > m0[-1] else m0
+        return min(size, (newest[-2] + 1) * newest[7])
+    finally:
+        os.close(fd)
+
+
 _P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
 _P_TYPES = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40  # branch, leaf, overflow, meta, leaf2, sub-page
 _F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04

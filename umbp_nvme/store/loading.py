@@ -37,6 +37,7 @@ import time
 
 from .follower import IndexWatch, LoadingWatch
 from .index import INDEX_FILE, Index
+from .index_check import used_bytes
 
 log = logging.getLogger("umbp_nvme.store")
 
@@ -57,7 +58,7 @@ class BackgroundLoad:
         if self.writer is not None and (o.clock_given is not None or o.manifest_created):
             return False
         try:
-            size = os.lstat(os.path.join(self.path, INDEX_FILE)).st_size
+            size = used_bytes(os.path.join(self.path, INDEX_FILE))  # not its size: a writemap file spans its map
         except OSError:
             return False
         return size >= limit
