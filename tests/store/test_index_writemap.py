@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ from umbp_nvme.store.index_room import in_place_fs
 from umbp_nvme.store.layout import record_slots
 from umbp_nvme.store.sync import SyncPageStore
 
-from conftest import small_config
+from conftest import mount_tmpfs, small_config
 
 MAP = 1 << 30
 pytestmark = pytest.mark.skipif(in_place_fs("/tmp") is None, reason="needs /tmp on ext4, XFS or tmpfs")
@@ -123,3 +125,41 @@ def test_a_store_writer_maps_its_index_and_reopens_with_every_page(tmp_path):
     bufs = [bytearray(4096) for _ in range(n)]
     assert all(st.get_many(keys, bufs)) and bufs == vals
     st.close()
+
+
+_FILL = """
+import sys
+import numpy as np
+from umbp_nvme.errors import StoreError
+from umbp_nvme.store.index import REC_DTYPE, Index
+rec = np.zeros(1, REC_DTYPE)
+rec["length"], rec["depth"] = 4096, -1
+ix = Index(sys.argv[1], readonly=False, map_size=1 << 30, durable=False, writemap=True)
+n = 0
+try:
+    for b in range(1000):
+        ix.commit([(b"%064x_k" % (b * 2000 + i), rec.tobytes()) for i in range(2000)])
+        n += 2000
+except StoreError as e:
+    print("FULL", n, e)
+ix.close()
+"""
+
+
+def test_a_full_file_system_fails_commits_not_the_process(tmp_path):
+    mnt = str(tmp_path / "small")
+    why = mount_tmpfs(mnt, "8m")
+    if why:
+        pytest.skip(why)
+    try:
+        ipath = os.path.join(mnt, INDEX_FILE)
+        p = subprocess.run([sys.executable, "-c", _FILL, ipath], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (p.returncode, p.stderr[-2000:])  # -7 would be the SIGBUS
+        assert p.stdout.startswith("FULL ") and "no room to grow store index" in p.stdout, p.stdout
+        n = int(p.stdout.split()[1])
+        assert n >= 2000
+        ro = Index(ipath, readonly=True, map_size=1 << 30, durable=False)
+        assert ro.count() == n  # every commit that returned is there, the failed one is not
+        ro.close()
+    finally:
+        subprocess.run(["umount", "-l", mnt], capture_output=True)

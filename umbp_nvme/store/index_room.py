@@ -64,7 +64,13 @@ class MapRoom:
         if need <= self._end:
             return
         end = min(need + min(max(need // 8, 1 << 20), _STEP_BYTES), info["map_size"])
-        os.posix_fallocate(self._fd, self._end, end - self._end)
+        try:
+            os.posix_fallocate(self._fd, self._end, end - self._end)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            end = need  # the room ahead is a saving, the need is not
+            os.posix_fallocate(self._fd, self._end, end - self._end)
         self._end = end
 
     def close(self, env: lmdb.Environment) -> None:
