@@ -163,3 +163,4 @@ def test_a_full_file_system_fails_commits_not_the_process(tmp_path):
         ro.close()
     finally:
         subprocess.run(["umount", "-l", mnt], capture_output=True)
+

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import KiB, MiB, payload, small_config
 from umbp_nvme.store import PageStore
-from umbp_nvme.store.index import INDEX_FILE, Index
+from umbp_nvme.store.index import FLAG_KEYCRC, INDEX_FILE, REC_DTYPE, Index, key_crcs
 from umbp_nvme.store.keymap import KeyMap
 
 
@@ -165,3 +165,23 @@ async def test_after_a_reopen_the_records_are_read_in_the_datas_batch_and_the_in
     assert all(bytes(o) == bytes(payload(k, 8 * KiB)) for k, o in zip(keys, outs))
     assert st.stats()["objects"] == 12 and st.stats()["crc_errors"] == 0
     await st.close()
+
+
+def test_a_record_that_names_another_key_is_never_an_answer(tmp_path):
+    # the index's key checksums, checked over a whole lookup at once: a record whose key_crc is
+    # another key's (a key renamed on disk) is absent, and ends a prefix; a record from before key
+    # checksums (no FLAG_KEYCRC) is taken as it is
+    keys = [b"%064x_k" % i for i in range(6)]
+    recs = np.zeros(6, REC_DTYPE)
+    recs["generation"] = np.arange(6) + 1
+    recs["flags"] = FLAG_KEYCRC
+    recs["key_crc"] = key_crcs(keys)
+    recs["key_crc"][3] = key_crcs([keys[4]])[0]
+    recs["flags"][5], recs["key_crc"][5] = 0, 12345
+    ix = Index(str(tmp_path / INDEX_FILE), readonly=False, map_size=1 << 30, durable=False)
+    ix.commit([(k, recs[i].tobytes()) for i, k in enumerate(keys)])
+    got = ix.get_records(keys + [b"absent"])
+    assert got == [recs[i].tobytes() for i in range(3)] + [None, recs[4].tobytes(), recs[5].tobytes(), None]
+    assert ix.exists_prefix(keys) == 3 and ix.exists_prefix(keys[4:]) == 2 and ix.exists_prefix(keys[:2]) == 2
+    assert ix.exists_prefix([b"absent", *keys]) == 0
+    ix.close()
