@@ -57,8 +57,6 @@ REC_BYTES = REC_DTYPE.itemsize
 assert REC_BYTES == 48
 FLAG_CRC = 1  # crc field is valid
 FLAG_KEYCRC = 2  # key_crc field is valid (records written before it existed lack it)
-_FLAGS_KEYCRC = struct.Struct("<II")  # (flags, key_crc) at the end of a record
-_FLAGS_AT = REC_DTYPE.fields["flags"][1]
 
 _CREATING_WAIT_S = 2.0  # how long a reader waits for a new store's writer to create its databases
 _NEW_ENV_BYTES = 2 * 4096  # an environment whose two meta pages are not written yet is being created
