@@ -300,8 +300,9 @@ def _close_env(env: lmdb.Environment) -> None:
 class Index:
     def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool, wait_s: float = _CREATING_WAIT_S,
                  writemap: bool = False):
-        """``writemap``: the serving writer's commits write into the map (index_room.py), where the
-        file system allows it; handles sharing its environment allocate room the same way."""
+        """``writemap``: commits write into the map (index_room.py), where the file system allows
+        it; handles sharing its environment allocate room the same way. Off for the serving
+        writer until a hang seen once with it (docs/benchmarks.md) is understood."""
         self.path = path
         self._walked: dict = {}  # what the page walk before a writer's open read (scan_walked)
         self.readonly = readonly
