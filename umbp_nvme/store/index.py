@@ -297,6 +297,21 @@ def _close_env(env: lmdb.Environment) -> None:
     env.close()
 
 
+_DBI_LOCK = threading.Lock()  # LMDB: no two transactions of one process may open databases at once
+
+
+def _open_dbs(env: lmdb.Environment, *, create: bool):
+    """The objects and meta databases. On a writable environment (a writer's, or a reader's handle
+    sharing it) inside a write transaction begun as ``begin`` does, without the GIL: ``open_db``
+    alone begins one holding the GIL, and waits there for LMDB's writer lock while this process's
+    committing thread, which holds that lock, waits for the GIL (a hang of the whole process)."""
+    if env.flags()["readonly"]:
+        with _DBI_LOCK:
+            return env.open_db(b"objects", create=False), env.open_db(b"meta", create=False)
+    with env.begin(write=True) as txn, _DBI_LOCK:  # the writer lock first, always: no cycle
+        return env.open_db(b"objects", txn=txn, create=create), env.open_db(b"meta", txn=txn, create=create)
+
+
 class Index:
     def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool, wait_s: float = _CREATING_WAIT_S,
                  writemap: bool = False):
@@ -332,8 +347,7 @@ class Index:
             if readonly:
                 while True:
                     try:
-                        self._objects = self._env.open_db(b"objects", create=False)
-                        self._meta = self._env.open_db(b"meta", create=False)
+                        self._objects, self._meta = _open_dbs(self._env, create=False)
                         break
                     except lmdb.NotFoundError:
                         if time.monotonic() >= deadline:
@@ -342,8 +356,7 @@ class Index:
                             ) from None
                         time.sleep(0.01)
             else:
-                self._objects = self._env.open_db(b"objects")
-                self._meta = self._env.open_db(b"meta")
+                self._objects, self._meta = _open_dbs(self._env, create=True)
                 self._env.reader_check()  # clear reader slots of killed follower processes
         except lmdb.Error as e:
             _release_env(self._env)
