@@ -1,5 +1,4 @@
-"""An index mapped writable (index_room.py; the serving writer does not use it yet, see
-docs/benchmarks.md): its commits write into the map,
+"""The serving writer's index is mapped writable (index_room.py): its commits write into the map,
 with the blocks they may write allocated ahead, so a full file system fails a commit (StoreError,
 nothing committed lost) instead of killing the process with SIGBUS; a closed writer's file is as
 long as its pages; where the file system cannot take it, or no room can be allocated at open, the
@@ -113,13 +112,14 @@ def test_a_killed_writers_map_sized_file_is_judged_by_its_pages(tmp_path):
     assert used_bytes(ix.path) <= os.stat(ix.path).st_blocks * 512 < MAP
 
 
-def test_a_store_writer_reopens_with_every_page(tmp_path):
+def test_a_store_writer_maps_its_index_and_reopens_with_every_page(tmp_path):
     cfg = small_config(ssd_capacity_bytes=8 << 20, ssd_segment_size_bytes=4 << 20)
     n = min(200, record_slots(4 << 20, 4096))
     st = SyncPageStore(str(tmp_path), cfg)
     keys = [f"p{i}" for i in range(n)]
     vals = [bytes([i % 251]) * 4096 for i in range(n)]
     assert all(st.put_many(keys, vals))
+    assert os.path.getsize(tmp_path / INDEX_FILE) > used_bytes(str(tmp_path / INDEX_FILE))  # mapped
     st.close()
     st = SyncPageStore(str(tmp_path), cfg)
     bufs = [bytearray(4096) for _ in range(n)]

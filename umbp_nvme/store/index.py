@@ -315,9 +315,8 @@ def _open_dbs(env: lmdb.Environment, *, create: bool):
 class Index:
     def __init__(self, path: str, *, readonly: bool, map_size: int, durable: bool, wait_s: float = _CREATING_WAIT_S,
                  writemap: bool = False):
-        """``writemap``: commits write into the map (index_room.py), where the file system allows
-        it; handles sharing its environment allocate room the same way. Off for the serving
-        writer until a hang seen once with it (docs/benchmarks.md) is understood."""
+        """``writemap``: the serving writer's commits write into the map (index_room.py), where the
+        file system allows it; handles sharing its environment allocate room the same way."""
         self.path = path
         self._walked: dict = {}  # what the page walk before a writer's open read (scan_walked)
         self.readonly = readonly

@@ -1,6 +1,6 @@
-"""Room for LMDB's write map (``Index(writemap=True)``; not on for the serving writer yet, see
-docs/benchmarks.md): index commits write their pages straight into the map, which halves a
-commit of random keys (no page copies handed to pwrite at the commit). LMDB sizes such a file to its whole map, sparse, and a page written into a hole that
+"""Room for LMDB's write map: the serving writer's index commits write their pages straight into
+the map (``writemap``), which halves a commit of random keys (no page copies handed to pwrite at
+the commit). LMDB sizes such a file to its whole map, sparse, and a page written into a hole that
 the file system cannot fill kills the process with SIGBUS, where a pwrite would have failed the
 commit with ENOSPC. So the blocks every commit may write are allocated ahead (``posix_fallocate``,
 in steps), and a commit with no room fails as a pwrite would have. Only on file systems whose

@@ -250,7 +250,7 @@ class OpenSteps:
             self._rebuild_from_segments(ipath, map_size, why, o, damaged=False)
             return
         try:
-            self.state.index = Index(ipath, readonly=readonly, map_size=map_size, durable=False)
+            self.state.index = Index(ipath, readonly=readonly, map_size=map_size, durable=False, writemap=not readonly)
             if readonly:
                 self.state.watch = IndexWatch(self.state, map_size)  # every lookup follows the writer's replacements
                 return
@@ -325,7 +325,7 @@ class OpenSteps:
         try:
             dest = replace_index(ipath, map_size, fill, state=b"open:" + boot_id(), old_damaged=True,
                                  step=self.state.hooks.rebuild_step)  # fmt: skip
-            self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False)
+            self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False, writemap=True)
         except OSError as e:
             raise StoreError(
                 f"store index {ipath} is damaged ({reason}) and cannot be replaced ({e.strerror or e}); remove it"

@@ -260,7 +260,7 @@ class RecordSteps:
         try:
             rebuild_index(self.path, ipath, self.segment_bytes, self.capacity_bytes // self.segment_bytes, map_size, why,
                           state=b"open:" + boot_id(), old_damaged=damaged, step=step)  # fmt: skip
-            self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False)
+            self.state.index = Index(ipath, readonly=False, map_size=map_size, durable=False, writemap=True)
         except OSError as e:
             raise StoreError(f"{why}, and rebuilding it from the segments failed: {e}") from None
         except lmdb.Error as e:
