@@ -15,6 +15,9 @@ report the index commit's share: the time LMDB's commits took inline, per object
 random order for LMDB); ``--keys short`` makes ``k{batch}/{i}`` (sequential keys: cheap commits).
 ``--cold`` zeroes (gets) or rewrites (puts) the batch's memory between batches, as bench store
 does, so each batch starts with cold caches. Every get's bytes are compared with what was put.
+``--steps`` (puts) also times the put path's steps in the counted store rounds and prints each
+one's median per batch (they nest: the data write holds the wait for its I/O and the records'
+landing).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,6 +41,31 @@ from umbp_nvme.buffers import AlignedBuffer  # noqa: E402
 from umbp_nvme.config import StoreConfig  # noqa: E402
 from umbp_nvme.engine import open_engine  # noqa: E402
 from umbp_nvme.store import PageStore  # noqa: E402
+
+
+# the put path's steps (PageStore coroutines) that --steps times, in the order a batch takes them
+PUT_STEPS = ("put_many", "_reserve", "_write", "_await_io", "_records_landed", "_sync_written", "_publish")
+
+
+def time_steps(st, names) -> dict:
+    """Wrap the store's step coroutines (on the instance) so each call's seconds land in the
+    returned dict while it says ``on``."""
+    took: dict = {"on": False, "steps": defaultdict(list)}
+
+    def wrap(name, fn):
+        async def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return await fn(*a, **k)
+            finally:
+                if took["on"]:
+                    took["steps"][name].append(time.perf_counter() - t0)
+
+        return timed
+
+    for name in names:
+        setattr(st, name, wrap(name, getattr(st, name)))  # AttributeError: the step was renamed
+    return took
 
 
 def batch_keys(kind: str, tag: str, n: int) -> list[str]:
@@ -77,6 +106,7 @@ async def run(a, path: str) -> dict:
                 raise RuntimeError("the first fill failed")
         plan = [(segfds.fds(s), o) for s, o in (store_extents(st, keys[b]) for b in range(nb))]
         index.commit = timed_commit
+        took = time_steps(st, PUT_STEPS) if a.steps else None
         walls = {"store": [], "raw": []}
         cpus = {"store": [], "raw": []}
 
@@ -89,7 +119,11 @@ async def run(a, path: str) -> dict:
                 t0, c0 = time.perf_counter(), time.process_time()
                 if system == "store":
                     call = st.get_many if a.op == "get" else st.put_many
+                    if took is not None:
+                        took["on"] = r > 0
                     ok = all(await call(ks[b], tuples))
+                    if took is not None:
+                        took["on"] = False
                 else:
                     fds, offs = plan[b]
                     if a.op == "get":
@@ -127,6 +161,9 @@ async def run(a, path: str) -> dict:
         }  # fmt: skip
         if a.op == "put":
             out["index_commit_us_per_object"] = commits[0] / max(commits[1], 1) * 1e6
+        if took is not None:
+            out["steps_us_per_batch"] = {k: statistics.median(took["steps"][k]) * 1e6 for k in PUT_STEPS
+                                         if took["steps"][k]}  # fmt: skip
         return out
     finally:
         index.commit = commit
@@ -146,12 +183,15 @@ def main(argv=None) -> int:
     ap.add_argument("--object-bytes", type=int, default=64 << 10)
     ap.add_argument("--segment-bytes", type=int, default=256 << 20)
     ap.add_argument("--cold", action="store_true", help="zero / rewrite the batch's memory between batches")
+    ap.add_argument("--steps", action="store_true", help="puts: time the put path's steps (median us per batch)")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--device", choices=("ram",), help="a RAM-backed loop device (root), set up and torn down")
     where.add_argument("--dir", help="a directory on the drive to measure (default: a temporary one)")
     a = ap.parse_args(argv)
     if a.objects < 2 or a.objects % 2 or a.rounds < 1 or a.batches < 1:
         ap.error("--objects must be even and >= 2; --rounds and --batches >= 1")
+    if a.steps and a.op != "put":
+        ap.error("--steps times the put path: use it with --op put")
     if a.device == "ram":
         from umbp_nvme.bench.ramdev import RamDevice, why_not
 
@@ -171,6 +211,9 @@ def main(argv=None) -> int:
           f"CPU us/object store {out['store_cpu_us_per_object']:.2f} raw {out['raw_cpu_us_per_object']:.2f}"
           + (f"; index commits {out['index_commit_us_per_object']:.2f} us/object" if "index_commit_us_per_object" in out
              else ""))  # fmt: skip
+    if "steps_us_per_batch" in out:
+        print("steps, median us per batch: " + ", ".join(
+            f"{k.lstrip('_')} {v:.1f}" for k, v in out["steps_us_per_batch"].items()))  # fmt: skip
     return 0
 
 
