@@ -12,6 +12,9 @@ directly.
 
 LMDB must not be opened twice in one process (closing a second handle drops the first one's
 POSIX locks), so environments are shared per process through ``_ENVS`` with a reference count.
+A handle may then share a writable environment with another thread's commits: every write
+transaction here is begun with ``begin(write=True)``, which waits for LMDB's writer lock without
+the GIL; py-lmdb's implicit ones (``open_db`` without ``txn``) wait holding it (``_open_dbs``).
 
 State: its own (the LMDB environment); a store's is state.index.
 """
