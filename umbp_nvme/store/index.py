@@ -12,9 +12,8 @@ directly.
 
 LMDB must not be opened twice in one process (closing a second handle drops the first one's
 POSIX locks), so environments are shared per process through ``_ENVS`` with a reference count.
-A handle may then share a writable environment with another thread's commits: every write
-transaction here is begun with ``begin(write=True)``, which waits for LMDB's writer lock without
-the GIL; py-lmdb's implicit ones (``open_db`` without ``txn``) wait holding it (``_open_dbs``).
+Sharing a writer's environment, every write transaction begins with ``begin(write=True)``, which
+waits for LMDB's writer lock without the GIL (py-lmdb's implicit ones hold it: ``_open_dbs``).
 
 State: its own (the LMDB environment); a store's is state.index.
 """
@@ -306,8 +305,8 @@ _DBI_LOCK = threading.Lock()  # LMDB: no two transactions of one process may ope
 def _open_dbs(env: lmdb.Environment, *, create: bool):
     """The objects and meta databases. On a writable environment (a writer's, or a reader's handle
     sharing it) inside a write transaction begun as ``begin`` does, without the GIL: ``open_db``
-    alone begins one holding the GIL, and waits there for LMDB's writer lock while this process's
-    committing thread, which holds that lock, waits for the GIL (a hang of the whole process)."""
+    alone begins one holding the GIL and waits there for LMDB's writer lock, held by this
+    process's committing thread, which waits for the GIL (a hang of the whole process)."""
     if env.flags()["readonly"]:
         with _DBI_LOCK:
             return env.open_db(b"objects", create=False), env.open_db(b"meta", create=False)
