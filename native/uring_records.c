@@ -139,7 +139,7 @@ done:
 
 /* place_records(area uint8[], slots int64[m], recs uint8[m*256], confirm, blocks_out int64[>= m]) -> k
  *
- * Copies record i into slot slots[i] of a segment's record area (records.RecordAreas) and writes
+ * Copies record i into slot slots[i] of a segment's record area (record_areas.RecordAreas) and writes
  * the distinct 4 KiB blocks touched, ascending, to blocks_out[:k]. confirm=0 (a put batch's
  * records): every slot must lie in the area, checked before any copy. confirm=1 (confirmed
  * copies placed after their sync): a slot outside the area, or one that holds another generation

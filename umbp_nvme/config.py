@@ -127,6 +127,10 @@ class StoreConfig:
     ssd_background_open_bytes: int = _f(64 * 1024 * 1024, size_parser(0), "bytes",
         "A writer whose index file is at least this large returns from open at once and loads the index "
         "in the background (lookups miss, puts wait up to 1 s, deletes wait); 0: always.")
+    # issue 36: a writer keeps the record blocks it changes plus this much of clean ones (store/record_areas.py)
+    ssd_record_cache_bytes: int = _f(64 * 1024 * 1024, size_parser(0), "bytes",
+        "Clean record blocks (256 B a slot, 4 KiB a block) a writer keeps in memory beside the ones it is "
+        "changing; beyond it they are read back from the segment when changed again. 0: keep none.")
     # Swift's mount_check: a root must lie on a mounted drive (store/mounts.py), else that drive is
     # degraded and nothing is created there; off: only the multi-drive guard applies.
     ssd_require_mount: bool = _f(False, parse_bool, "",
@@ -333,6 +337,7 @@ ENV_KEYS: dict[str, str] = {
     "UMBP_SSD_READ_PRIORITY": "ssd_read_priority",
     "UMBP_SSD_REQUIRE_MOUNT": "ssd_require_mount",
     "UMBP_SSD_BACKGROUND_OPEN_BYTES": "ssd_background_open_bytes",
+    "UMBP_SSD_RECORD_CACHE_BYTES": "ssd_record_cache_bytes",
     "UMBP_ADMISSION_POLICY": "admission_policy",
     "UMBP_SSD_CRC_WORKER": "ssd_crc_worker",
     "UMBP_SSD_CRC_POLICY": "ssd_crc_policy",

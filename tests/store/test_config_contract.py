@@ -54,6 +54,7 @@ def test_every_default_is_pinned():
         gds_staging=False,
         ssd_require_mount=False,
         ssd_background_open_bytes=64 * MiB,
+        ssd_record_cache_bytes=64 * MiB,
     )
     assert load() == cfg and cfg.validate() is cfg
     assert (GiB, MiB) == (1 << 30, 1 << 20)
@@ -192,6 +193,7 @@ def test_every_environment_variable_reaches_its_field():
         "UMBP_GDS_STAGING": "on", "UMBP_SSD_WRITE_SLICE_BYTES": str(16 * MiB), "UMBP_SSD_READ_PRIORITY": "off",
         "UMBP_SSD_REQUIRE_MOUNT": "yes", "UMBP_ADMISSION_POLICY": "second", "UMBP_SSD_CRC_WORKER": "off",
         "UMBP_SSD_CRC_POLICY": " Idle ", "UMBP_SSD_CRC_NICE": "5", "UMBP_SSD_BACKGROUND_OPEN_BYTES": "1m",
+        "UMBP_SSD_RECORD_CACHE_BYTES": "2m",
     }
     assert set(env) == set(ENV_KEYS)
     cfg = load(env=env)
@@ -199,7 +201,7 @@ def test_every_environment_variable_reaches_its_field():
     assert (cfg.ssd_high_watermark, cfg.ssd_low_watermark, cfg.eviction_policy) == (0.8, 0.4, "prefix_aware")
     assert (cfg.dram_capacity_bytes, cfg.ssd_segment_size_bytes, cfg.ssd_io_backend) == (0, MiB, "posix")
     assert (cfg.ssd_durability_mode, cfg.verify_crc, cfg.ssd_queue_depth) == ("relaxed", False, 1)
-    assert cfg.ssd_background_open_bytes == MiB
+    assert (cfg.ssd_background_open_bytes, cfg.ssd_record_cache_bytes) == (MiB, 2 * MiB)
     assert (cfg.io_timeout_s, cfg.o_direct, cfg.gds_staging) == (0.5, False, True)
     assert (cfg.ssd_write_slice_bytes, cfg.ssd_read_priority, cfg.ssd_require_mount) == (16 * MiB, "off", True)
     assert cfg.admission_policy == "second"

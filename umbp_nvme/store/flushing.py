@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import numpy as np
+
 log = logging.getLogger("umbp_nvme.store")
 
 
@@ -43,12 +45,25 @@ class FlushSteps:
         live = (t.live[: t.n] & (t.gen[: t.n] > w.open_clock)).nonzero()[0] if t is not None else []
         snap = (t.seg[live].copy(), t.off[live].copy(), t.len[live].copy(), t.gen[live].copy()) if len(live) else None
         ok = await self._sync_all()
+        dead = dict(w.areas.dead)
+        failed: set[int] = set()
+        wrote = False
         if ok and snap is not None:
-            w.areas.confirm(*snap)
+            # a segment at a time: the record blocks a confirmation brings back into memory leave
+            # again once written (record_areas.py), so a flush never holds every block at once
+            order = np.argsort(snap[0], kind="stable")
+            cut = np.flatnonzero(np.diff(snap[0][order])) + 1
+            for js in np.split(order, cut):
+                w.areas.confirm(*(v[js] for v in snap))
+                s = int(snap[0][js[0]])
+                blocks = {(s, b) for b in w.areas.dirty.get(s, ())}
+                if blocks:
+                    failed |= await w.areas.write(w.write_engine, self.state.files, blocks, self.timeout_s)
+                    wrote = True
         dirty = w.areas.dirty_blocks()
-        if dirty:
-            dead = dict(w.areas.dead)
-            failed = await w.areas.write(w.write_engine, self.state.files, dirty, self.timeout_s)
+        if dirty or wrote:
+            if dirty:
+                failed |= await w.areas.write(w.write_engine, self.state.files, dirty, self.timeout_s)
             synced = await self._sync_all()
             ok = synced and ok and not failed
             if synced:

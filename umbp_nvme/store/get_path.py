@@ -170,7 +170,7 @@ class GetPath(DeviceReads, ReadChecks):
         hits = conf = during = None  # writers: a hash hit is confirmed by its row's record (keymap.py)
         box: list = []
         if self.writer is not None:
-            in_memory = self._records_in_memory(b.segs)
+            in_memory = self._records_in_memory(b)
             one = self._one_host_part(b, m_host, route)
             if one and not in_memory:
                 hits = Hits(self.writer.keys, b, keys)  # the record blocks ride in the data's engine batch

@@ -167,10 +167,10 @@ class Lookups:
                 rows[i] = km.get(keys[i], -1)
         return self._batch_of_rows(rows)
 
-    def _records_in_memory(self, segs) -> bool:
-        """Writers: confirming rows in segments ``segs`` reads no record from disk."""
+    def _records_in_memory(self, b) -> bool:
+        """Writers: confirming the rows of read batch ``b`` reads no record from disk."""
         src = self.writer.keys.source
-        return src is None or src.in_memory(segs)
+        return src is None or src.in_memory(b.segs, b.offs, b.lens)
 
     async def _confirm_begin(self, b: ReadBatch, keys, in_memory: bool):
         """Writers: a task answering, per object of ``b``, whether its row holds the key (a hash hit

@@ -415,10 +415,10 @@ class PageStore(
                 segment_files=len(self.state.files.files),
                 disk_bytes=self.state.files.disk_bytes(),
                 size_classes=w.alloc.class_counts(),
-                pinned_slots=w.rows.pinned_count(),
-                late_writes=w.late_writes,
+                pinned_slots=w.rows.pinned_count(), late_writes=w.late_writes,
                 puts_in_doubt_bytes=self.put_doubt_bytes(),
                 effective_capacity_bytes=self._effective_capacity(),
+                record_blocks_in_memory=w.areas.blocks_in_memory() if w.areas is not None else 0,  # 4 KiB each
             )
         else:
             s.update(objects=self.object_count())

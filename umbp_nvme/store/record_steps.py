@@ -23,7 +23,8 @@ from .index import FLAG_CRC, FLAG_KEYCRC, REC_DTYPE, Index, key_crcs, wrap_lmdb_
 from .layout import MANIFEST_FILE
 from .rebuild import boot_id, clear_area, rebuild_index, write_area
 from .row_keys import WriterKeys
-from .records import R_VALID, RECORD_DTYPE, RecordAreas, batch_records, confirmed_copy, make_records, record_values
+from .record_areas import RecordAreas
+from .records import R_VALID, RECORD_DTYPE, area_of, batch_records, confirmed_copy, make_records, record_values
 from .segments import segment_name
 from .state import OpenFacts
 from .staging import wait_out
@@ -197,8 +198,7 @@ class RecordSteps:
             log.error("%s: clearing %d records in segments %s failed; the objects stay", self.path, len(rows),
                       sorted(failed))  # fmt: skip
             self.writer.areas.restore(undo)
-            for s, blk in touched:
-                self.writer.areas.dirty.setdefault(s, set()).add(blk)
+            self.writer.areas.mark_dirty(touched)
             return None
         return undo
 
@@ -209,7 +209,8 @@ class RecordSteps:
         then the manifest says so): the data is fdatasynced first, so every record may say
         confirmed, then every area is written and synced. A clean open writes nothing.
         """
-        self.writer.areas = RecordAreas(self.segment_bytes, self._segment_records)
+        self.writer.areas = RecordAreas(self.segment_bytes, self._read_record_blocks, self._segment_class,
+                                        int(self.config.ssd_record_cache_bytes))  # fmt: skip
         src = self.writer.keys.source = WriterKeys(self)  # the keys are on disk, their hashes in memory
         n = len(keys)
         if not (o.migrate or o.rebuilt or o.unclean):
@@ -223,12 +224,12 @@ class RecordSteps:
     def _write_all_areas(self, o: OpenFacts, n: int) -> None:
         t0 = time.perf_counter()
         segs = sorted(self.state.files.files)
-        self.writer.areas.load_all(segs)
         for s in segs:
             os.fdatasync(self.state.files.files[s].fd)
-        for s in segs:
-            write_area(os.path.join(self.path, segment_name(s)), self.segment_bytes, self.writer.areas.areas.get(s),
-                       self.writer.areas.cls.get(s, 0))  # fmt: skip
+        for s in segs:  # one segment's area in memory at a time, from the rows (the open's keys)
+            recs = self.writer.keys.source.open_records(s)
+            area, cls = area_of(self.segment_bytes, recs) if recs is not None else (None, 0)
+            write_area(os.path.join(self.path, segment_name(s)), self.segment_bytes, area, cls)
         # segments without an object may still hold records of puts that never published (killed
         # between their records and the commit): cleared, or a later rebuild would adopt them
         n_segments = self.capacity_bytes // self.segment_bytes
@@ -244,10 +245,18 @@ class RecordSteps:
                     time.perf_counter() - t0)  # fmt: skip
         o.migrate = False
 
-    def _segment_records(self, seg: int):
-        """The sealed records of segment ``seg``'s published objects (row_keys.py): from the open's
-        index scan while it writes every area, else from the segment's own records."""
-        return self.writer.keys.source.segment_records(seg)
+    def _segment_class(self, seg: int) -> int | None:
+        """The size class of segment ``seg``'s published objects (so of its records on disk); None: it has none."""
+        t = self.writer.rows
+        first = np.flatnonzero(t.live[: t.n] & (t.seg[: t.n] == seg))[:1]
+        return -(-int(t.len[first[0]]) // layout.SLOT_ALIGN_BYTES) * layout.SLOT_ALIGN_BYTES if len(first) else None
+
+    def _read_record_blocks(self, seg: int, offset: int, bufs) -> int:
+        """Record blocks of segment ``seg`` read at ``offset`` into ``bufs`` (whole pages: O_DIRECT takes them)."""
+        fds = self.state.files.fds
+        if not 0 <= seg < len(fds) or fds[seg] < 0:
+            raise OSError(f"segment {seg} has no open file")
+        return os.preadv(int(fds[seg]), bufs, offset)
 
     def _rebuild_from_segments(self, ipath: str, map_size: int, why: str, o: OpenFacts, *, damaged: bool) -> None:
         """Write a new index from the segments' records, marked as this writer's, and put it at

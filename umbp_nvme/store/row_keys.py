@@ -2,7 +2,8 @@
 
 - Confirming a get's candidate rows (``HitCheck``, the data path): the row's record holds
   the key (its first KEY_INLINE bytes and length; longer keys are held in memory) and the row's
-  generation. The record is in memory where this session touched the segment; otherwise its 4
+  generation. The record is in memory where the writer holds its block (record_areas.py: the
+  blocks it is changing and a bounded cache of clean ones); otherwise its 4
   KiB block is read through the read engine, one read per distinct block, all in one batch (a
   prefix's pages were put together, so ~16 of them share a block). The LMDB index was the other
   candidate, but its leaf pages are page cache the VM drops: 256 keys then cost 256 serial page
@@ -11,10 +12,9 @@
 - Confirming elsewhere (put dedup, delete, generation_of: control paths, synchronous): the LMDB
   index, which maps the full key to its record: the row is the key's when that record names the
   row's segment, offset and generation.
-- Naming a row's key (eviction's and delete's index deletes, events, export): the row's record
-  in its segment's area (records.py), which the writer loads from the segment on first use and
-  keeps, as it did before; a record that does not match its row (damage) is looked up in the
-  index by a scan, once per segment.
+- Naming a row's key (eviction's and delete's index deletes, events, export): the row's record,
+  from memory where its block is held, else read from the segment (pread: these paths are
+  synchronous); a record that does not match its row (damage) is looked up in the index by a scan.
 
 State: none of its own beyond the references (a writer's is writer.keys.source).
 """
@@ -67,13 +67,13 @@ class WriterKeys:
         )
         return ok
 
-    def in_memory(self, segs: np.ndarray) -> bool:
-        """Whether the records of rows in segments ``segs`` are in memory (each segment's area was
-        loaded this session): confirming them reads nothing."""
+    def in_memory(self, segs: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> bool:
+        """Whether the records of the rows at (segs, offs, lens) are all in memory (record_areas.py):
+        confirming them reads nothing."""
         areas = self.st.writer.areas
         if areas is None or not len(segs):
             return areas is not None
-        return all(areas.loaded(s) for s in _segments(segs))
+        return bool(areas.resident(np.asarray(segs, np.int64), slot_index(offs, lens)).all())
 
     def gather(self, rows: np.ndarray):
         """The rows' records where they are in memory: (records, segments, offsets, slot indexes,
@@ -85,17 +85,10 @@ class WriterKeys:
         segs = t.seg[rows].astype(np.int64)
         offs, lens = t.off[rows], t.len[rows]
         idx = slot_index(offs, lens)
-        disk = np.zeros(m, bool)
-        for s in _segments(segs):
-            js = np.flatnonzero(segs == s)
-            if areas is not None and areas.loaded(s):  # this session's records: memory is the truth
-                a = areas.areas.get(s)
-                if a is not None:
-                    ok = idx[js] < len(a)
-                    recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
-            else:
-                disk[js] = True
-        return recs, segs, offs, idx, disk
+        here = areas.resident(segs, idx) if areas is not None else np.zeros(m, bool)
+        if here.any():  # memory is the truth where it holds the block (changed or kept this session)
+            _copy_resident(areas, recs, segs, idx, here)
+        return recs, segs, offs, idx, ~here
 
     def name(self, recs: np.ndarray, enc: list, rows: np.ndarray, segs: np.ndarray, offs: np.ndarray) -> np.ndarray:
         """Whether record i is valid, names row rows[i]'s object and holds key enc[i] (str, its bytes,
@@ -122,9 +115,8 @@ class WriterKeys:
             return np.full(len(rr.lens), -5, np.int64)
 
     def keys_of(self, rows: np.ndarray) -> list[bytes | None]:
-        """Each row's key from its record: in memory where the segment's area is, else its 4 KiB
-        block read from the segment (an area is not loaded for this: 256 B per slot); None where
-        neither the record nor the index names it."""
+        """Each row's key from its record: in memory where its block is held, else its 4 KiB block
+        read from the segment (not kept for this); None where neither the record nor the index names it."""
         t = self.st.writer.rows
         areas = self.st.writer.areas
         m = len(rows)
@@ -135,20 +127,17 @@ class WriterKeys:
         offs, lens = t.off[rows], t.len[rows]
         idx = slot_index(offs, lens)
         recs = np.zeros(m, RECORD_DTYPE)
-        disk = np.zeros(m, bool)
-        for s in np.unique(segs).tolist():
-            js = np.flatnonzero(segs == s)
-            if areas.loaded(s):
-                a = areas.areas.get(s)
-                if a is not None:
-                    ok = idx[js] < len(a)
-                    recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
-            elif len(js) > WHOLE_AREA_ROWS:  # many of its rows (a listing): the whole area in one read, not kept
+        here = areas.resident(segs, idx)
+        if here.any():
+            _copy_resident(areas, recs, segs, idx, here)
+        disk = ~here
+        for s in np.unique(segs[disk]).tolist():
+            js = np.flatnonzero(disk & (segs == s))
+            if len(js) > WHOLE_AREA_ROWS:  # many of its rows (a listing): the whole area in one read, not kept
                 a = self._area_from_disk(s)
                 ok = idx[js] < len(a)
                 recs.view(_WHOLE)[js[ok]] = a.view(_WHOLE)[idx[js[ok]]]
-            else:
-                disk[js] = True
+                disk[js] = False
         if disk.any():
             recs[disk] = self._pread_records(segs[disk], idx[disk])
         good = ((recs["flags"] & R_VALID) != 0) & (recs["magic"] == MAGIC) & (recs["generation"] == t.gen[rows]) & (
@@ -214,42 +203,18 @@ class WriterKeys:
             out.append(k.encode("utf-8", "surrogateescape") if type(k) is str else k)
         return out
 
-    def segment_records(self, seg: int):
-        """The sealed records of segment ``seg``'s published objects, all confirmed (a clean close
-        confirmed them on disk; other opens write every area before serving, from ``open_keys``:
-        the index scan, row i's key at i). After an open: the segment's own records of its live rows."""
+    def open_records(self, seg: int):
+        """The sealed records of segment ``seg``'s published objects, all confirmed, from the open's
+        index scan (``open_keys``: row i's key at i) while the open writes every area; None: it has none."""
         t = self.st.writer.rows
         n = t.n
         rows = np.flatnonzero(t.live[:n] & (t.seg[:n] == seg))
         if not len(rows):
             return None
         open_keys = self.open_keys
-        if open_keys is not None:
-            enc = [self.st.writer.keys.key_bytes_of(r) if r >= len(open_keys) else _bytes(open_keys[r])
-                   for r in rows.tolist()]  # fmt: skip
-            return _made(t, rows, enc)
-        area = self._area_from_disk(seg)
-        idx = slot_index(t.off[rows], t.len[rows])
-        inside = idx < len(area)
-        rec = np.zeros(len(rows), area.dtype)
-        rec[inside] = area[idx[inside]]
-        good = inside & (rec["magic"] == MAGIC) & ((rec["flags"] & R_VALID) != 0)
-        good &= (rec["segment"] == seg) & (rec["offset"] == t.off[rows]) & (rec["length"] == t.len[rows])
-        good &= (rec["generation"] == t.gen[rows]) & (record_crcs(np.ascontiguousarray(rec)) == rec["rcrc"])
-        rec = rec[good]
-        unconf = (rec["flags"] & R_CONFIRMED) == 0
-        if unconf.any():
-            rec["flags"] |= R_CONFIRMED
-            seal(rec)
-        bad = rows[~good]
-        if len(bad):
-            log.error("%s: %d records of segment %d do not match the index; rewritten from it", self.st.path,
-                      len(bad), seg)  # fmt: skip
-            enc = self.keys_by_index(bad)
-            keep = np.fromiter((e is not None for e in enc), bool, len(enc))
-            if keep.any():
-                rec = np.concatenate([rec, _made(t, bad[keep], [e for e in enc if e is not None])])
-        return rec
+        enc = [self.st.writer.keys.key_bytes_of(r) if r >= len(open_keys) else _bytes(open_keys[r])
+               for r in rows.tolist()]  # fmt: skip
+        return _made(t, rows, enc)
 
 
 class RecordReads:
@@ -299,6 +264,13 @@ class HitCheck:
             else:
                 self.recs.view(_WHOLE)[self.disk] = got.view(_WHOLE)
         return self.src.name(self.recs, self.enc, self.rows, self.segs, self.offs)
+
+
+def _copy_resident(areas, recs: np.ndarray, segs: np.ndarray, idx: np.ndarray, here: np.ndarray) -> None:
+    """recs[i] = the in-memory record of slot idx[i] of segment segs[i], where ``here``."""
+    for s in _segments(segs[here]):
+        js = np.flatnonzero(here & (segs == s))
+        recs.view(_WHOLE)[js] = areas.areas[s].view(_WHOLE)[idx[js]]
 
 
 def _segments(segs: np.ndarray) -> list[int]:

@@ -81,7 +81,7 @@ class WriterState:
     keys: Any = None  # keymap.KeyMap: key -> row (the row table's)
     clock: Any = None  # clock.GenerationClock (shared by the drives of one writer)
     open_clock: int = 0  # generations up to this one were put before this open (confirmed on disk)
-    areas: Any = None  # records.RecordAreas: the record areas in memory
+    areas: Any = None  # record_areas.RecordAreas: the record blocks in memory
     high_bytes: int = 0  # watermarks in bytes
     low_bytes: int = 0
     put_doubt: list | None = None  # put_doubt._Doubt per put batch in doubt

@@ -1,0 +1,173 @@
+"""A writer keeps only a bounded number of record blocks in memory (store/record_areas.py, issue 36).
+
+Blocks leave memory once their image is on disk and come back from the segment when a put, a
+delete or a confirmation changes them again. With no cache at all (``ssd_record_cache_bytes=0``)
+every change reads its block back, so what the disk holds must be exactly what memory held:
+a rebuild from the records after it serves every live key's newest bytes and nothing deleted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import KiB, MiB, payload, small_config
+from umbp_nvme.store import PageStore
+from umbp_nvme.store.index import INDEX_FILE
+
+OBJ = 5000  # 8 KiB slots: 16 records to a block, so a block holds records of several batches
+
+
+def cfg(mode, cache, **kw):
+    kw.setdefault("ssd_capacity_bytes", 32 * MiB)
+    kw.setdefault("ssd_segment_size_bytes", 2 * MiB)
+    return small_config(ssd_durability_mode=mode, ssd_record_cache_bytes=cache, **kw)
+
+
+def body(key: str, version: int) -> np.ndarray:
+    """Each version of a key has its own bytes: serving an older one shows."""
+    return payload(f"{key}@v{version}", OBJ)
+
+
+async def served(st, want: dict) -> tuple[int, list]:
+    keys = list(want)
+    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
+    ok = await st.get_many(keys, outs)
+    wrong = [k for k, g, o in zip(keys, ok, outs) if g and (want[k] is None or not np.array_equal(o, want[k]))]
+    return sum(ok), wrong
+
+
+async def churn(st, n=600, rounds=3):
+    """Puts in batches of 7 (never block-aligned), overwrites and deletes spread over old blocks;
+    the expected newest bytes per key (None: deleted)."""
+    want: dict = {}
+    keys = [f"page-{i:04d}_0_k" for i in range(n)]
+    for lo in range(0, n, 7):
+        ks = keys[lo : lo + 7]
+        assert await st.put_many(ks, [body(k, 0) for k in ks]) == [True] * len(ks)
+        want.update((k, body(k, 0)) for k in ks)
+    rng = np.random.default_rng(7)
+    for r in range(1, rounds + 1):
+        gone = [keys[i] for i in rng.choice(n, 40, replace=False).tolist() if want[keys[i]] is not None]
+        assert await st.delete_many(gone) == [True] * len(gone)
+        want.update((k, None) for k in gone)
+        again = [keys[i] for i in rng.choice(n, 30, replace=False).tolist()]
+        assert await st.delete_many(again)  # overwrite = delete + put of new bytes
+        assert await st.put_many(again, [body(k, r) for k in again]) == [True] * len(again)
+        want.update((k, body(k, r)) for k in again)
+    return want
+
+
+@pytest.mark.parametrize("mode", ["strict", "relaxed"])
+async def test_without_a_cache_the_records_on_disk_rebuild_exactly_what_was_served(store_dir, mode):
+    st = await PageStore.open(store_dir, cfg(mode, 0))
+    want = await churn(st)
+    live = sum(v is not None for v in want.values())
+    assert await served(st, want) == (live, [])
+    assert await st.flush()
+    areas = st.writer.areas
+    assert areas.clean_blocks() == 0 and areas.blocks_in_memory() == 0  # nothing kept once on disk
+    await st.close()
+    os.unlink(os.path.join(store_dir, INDEX_FILE))  # the records alone must carry every live key
+    st = await PageStore.open(store_dir, cfg(mode, 0))
+    assert st.stats()["objects"] == live
+    assert await served(st, want) == (live, [])
+    await st.close()
+
+
+async def test_the_cache_holds_what_it_is_given_and_serves_the_same(store_dir):
+    cache = 8 * 4 * KiB  # 8 blocks
+    st = await PageStore.open(store_dir, cfg("strict", cache))
+    want = await churn(st, n=900)
+    areas = st.writer.areas
+    assert 0 < areas.clean_blocks() <= 8
+    assert await st.flush()
+    assert areas.blocks_in_memory() <= 8  # nothing is being changed after a flush
+    live = sum(v is not None for v in want.values())
+    assert await served(st, want) == (live, [])
+    await st.close()
+    os.unlink(os.path.join(store_dir, INDEX_FILE))
+    st = await PageStore.open(store_dir, cfg("strict", cache))
+    assert await served(st, want) == (live, [])
+    await st.close()
+
+
+async def test_eviction_at_capacity_reads_old_blocks_back_and_nothing_evicted_comes_back(store_dir):
+    """A full store evicts old pages; their tombstones go into blocks that left memory long ago."""
+    conf = cfg("strict", 0, ssd_capacity_bytes=8 * MiB, ssd_segment_size_bytes=1 * MiB)
+    st = await PageStore.open(store_dir, conf)
+    keys = [f"page-{i:05d}_0_k" for i in range(2500)]  # ~2.5x what fits
+    for lo in range(0, len(keys), 10):
+        ks = keys[lo : lo + 10]
+        await st.put_many(ks, [body(k, 0) for k in ks])
+    assert st.stats()["evictions"] > 0
+    present = await st.exists_many(keys)
+    want = {k: body(k, 0) for k, p in zip(keys, present) if p}
+    assert 0 < len(want) < len(keys)
+    assert await served(st, want) == (len(want), [])
+    await st.close()
+    os.unlink(os.path.join(store_dir, INDEX_FILE))
+    st = await PageStore.open(store_dir, conf)
+    back = await st.exists_many(keys)
+    assert [k for k, b in zip(keys, back) if b and k not in want] == []  # no evicted page returns
+    assert await served(st, want) == (sum(back), [])
+    assert sum(back) == len(want)
+    await st.close()
+
+
+async def test_a_reopened_writer_changes_blocks_it_never_read_this_session(store_dir):
+    st = await PageStore.open(store_dir, cfg("strict", 0))
+    want = await churn(st, rounds=1)
+    await st.close()
+    st = await PageStore.open(store_dir, cfg("strict", 0))  # every block on disk only
+    assert st.writer.areas.blocks_in_memory() == 0
+    gone = [k for k, v in list(want.items())[::5] if v is not None]
+    assert await st.delete_many(gone) == [True] * len(gone)
+    want.update((k, None) for k in gone)
+    more = [f"late-{i}" for i in range(20)]
+    assert await st.put_many(more, [body(k, 9) for k in more]) == [True] * 20
+    want.update((k, body(k, 9)) for k in more)
+    await st.close()
+    os.unlink(os.path.join(store_dir, INDEX_FILE))
+    st = await PageStore.open(store_dir, cfg("strict", 0))
+    live = sum(v is not None for v in want.values())
+    assert await served(st, want) == (live, [])
+    assert st.stats()["objects"] == live
+    await st.close()
+
+
+@pytest.mark.parametrize("mode", ["strict", "relaxed"])
+async def test_concurrent_puts_and_deletes_sharing_blocks_lose_no_change(store_dir, mode):
+    """Calls whose records share blocks run at once: a block one of them changed while another's
+    write of it was in flight must not leave memory before its own image is on disk."""
+    import asyncio
+
+    st = await PageStore.open(store_dir, cfg(mode, 0))
+    keys = [f"page-{i:04d}_0_k" for i in range(480)]
+    want: dict = {}
+
+    async def put(ks, v):
+        assert await st.put_many(ks, [body(k, v) for k in ks]) == [True] * len(ks)
+
+    await asyncio.gather(*(put(keys[lo : lo + 5], 0) for lo in range(0, len(keys), 5)))
+    want.update((k, body(k, 0)) for k in keys)
+    for r in range(1, 4):
+        back = [k for k, v in want.items() if v is None]  # deleted last round: put again, new bytes
+        gone = [k for k in keys[r::7] if want[k] is not None]
+
+        async def drop(k):
+            assert await st.delete_many([k]) == [True]
+
+        await asyncio.gather(*(drop(k) for k in gone), *(put([k], r) for k in back))
+        want.update((k, body(k, r)) for k in back)
+        want.update((k, None) for k in gone)
+    live = sum(v is not None for v in want.values())
+    assert await served(st, want) == (live, [])
+    await st.close()
+    os.unlink(os.path.join(store_dir, INDEX_FILE))
+    st = await PageStore.open(store_dir, cfg(mode, 0))
+    assert await served(st, want) == (live, [])
+    assert st.stats()["objects"] == live
+    await st.close()
