@@ -171,3 +171,26 @@ async def test_concurrent_puts_and_deletes_sharing_blocks_lose_no_change(store_d
     assert await served(st, want) == (live, [])
     assert st.stats()["objects"] == live
     await st.close()
+
+
+async def test_blocks_read_back_in_runs_longer_than_one_read_takes(store_dir):
+    """A delete of half of a large segment's pages after a reopen reads thousands of consecutive
+    blocks back (more than one preadv's iovecs); the other half's records must stay."""
+    conf = cfg("relaxed", 0, ssd_capacity_bytes=160 * MiB, ssd_segment_size_bytes=80 * MiB)
+    n = 18000  # 4 KiB pages: 1,125 record blocks in one segment
+    keys = [f"p{i:05d}" for i in range(n)]
+    st = await PageStore.open(store_dir, conf)
+    for lo in range(0, n, 1000):
+        ks = keys[lo : lo + 1000]
+        assert await st.put_many(ks, [payload(k, 4 * KiB) for k in ks]) == [True] * len(ks)
+    await st.close()
+    st = await PageStore.open(store_dir, conf)
+    assert await st.delete_many(keys[::2]) == [True] * (n // 2)
+    await st.close()
+    os.unlink(os.path.join(store_dir, INDEX_FILE))
+    st = await PageStore.open(store_dir, conf)
+    assert await st.exists_many(keys) == [i % 2 == 1 for i in range(n)]
+    outs = [np.zeros(4 * KiB, np.uint8) for _ in keys[1::2]]
+    assert await st.get_many(keys[1::2], outs) == [True] * (n // 2)
+    assert all(np.array_equal(o, payload(k, 4 * KiB)) for k, o in zip(keys[1::2], outs))
+    await st.close()

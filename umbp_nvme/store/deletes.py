@@ -104,6 +104,8 @@ class DeleteSteps:
         keys = [w.drop_doubt.get(r) if w.drop_doubt and r in w.drop_doubt else None for r in rows]
         ask = [j for j, k in enumerate(keys) if k is None]
         if ask:
+            t = w.rows
+            w.areas.hold(t.seg[rows], t.off[rows], t.len[rows])  # the tombstones below change the same blocks
             for j, k in zip(ask, w.keys.keys_of([rows[j] for j in ask])):
                 keys[j] = k
         if None in keys:  # neither its record nor the index names it: nothing to delete by (logged)

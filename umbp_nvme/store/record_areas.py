@@ -38,6 +38,7 @@ log = logging.getLogger("umbp_nvme.store")
 
 _WHOLE = np.dtype((np.void, RECORD_BYTES))  # a record as one item: fancy-index copies in one pass
 CACHE_BYTES = 64 << 20  # clean record blocks kept beside the ones being changed (16 K blocks, 256 K records)
+READ_RUN_BLOCKS = 256  # blocks one preadv reads (its iovecs stay far below IOV_MAX, 1024)
 _PAGED = mmap.PAGESIZE == SLOT_ALIGN_BYTES  # a block is a page: it can leave memory alone
 
 
@@ -127,7 +128,8 @@ class BlockCache:
         mv = memoryview(self._maps[seg])
         # a run of consecutive blocks is one read: block b+k lies k blocks below block b in the file
         cut = np.flatnonzero(np.diff(b) != 1) + 1
-        for run in np.split(b, cut):
+        runs = [r[i : i + READ_RUN_BLOCKS] for r in np.split(b, cut) for i in range(0, len(r), READ_RUN_BLOCKS)]
+        for run in runs:
             lo, hi = int(run[0]), int(run[-1])
             bufs = [mv[k * SLOT_ALIGN_BYTES : (k + 1) * SLOT_ALIGN_BYTES] for k in range(hi, lo - 1, -1)]
             want = len(bufs) * SLOT_ALIGN_BYTES
@@ -158,17 +160,38 @@ class BlockCache:
 
     def _evict(self) -> None:
         """Clean blocks beyond the cache leave memory, least recently written or read first."""
-        if self._cache is None:
+        if self._cache is None or len(self._clean) <= self._cache:
             return
-        while len(self._clean) > self._cache:
+        out: dict[int, list[int]] = {}
+        for _ in range(len(self._clean) - self._cache):
             (s, b), _ = self._clean.popitem(last=False)
+            out.setdefault(s, []).append(b)
+        for s, bs in out.items():
             res = self._res.get(s)
-            if res is None or not res[b] or (s, b) in self._busy or b in self.dirty.get(s, ()):
+            if res is None:
                 continue
-            blk = self.areas[s][b * PER_BLOCK : (b + 1) * PER_BLOCK]
-            self._unconf[s][b] = ((blk["flags"] & (R_VALID | R_CONFIRMED)) == R_VALID).any()
-            self._maps[s].madvise(mmap.MADV_DONTNEED, b * SLOT_ALIGN_BYTES, SLOT_ALIGN_BYTES)
+            d = self.dirty.get(s, ())
+            b = np.array(sorted(b for b in bs if res[b] and b not in d and (s, b) not in self._busy), np.int64)
+            if not len(b):
+                continue
+            flags = self.areas[s]["flags"]
+            slots = b[:, None] * PER_BLOCK + np.arange(PER_BLOCK)
+            inside = slots < len(flags)
+            f = flags[np.where(inside, slots, 0)] & inside
+            self._unconf[s][b] = ((f & (R_VALID | R_CONFIRMED)) == R_VALID).any(axis=1)
             res[b] = self._held[s][b] = False
+            for run in np.split(b, np.flatnonzero(np.diff(b) != 1) + 1):  # one madvise per run of pages
+                lo, n = int(run[0]), len(run)
+                self._maps[s].madvise(mmap.MADV_DONTNEED, lo * SLOT_ALIGN_BYTES, n * SLOT_ALIGN_BYTES)
+
+    def hold(self, segs, offs, lens) -> None:
+        """The blocks holding these slots' records in memory now (read back where they left): a
+        drop names their keys and then clears them, one read for both."""
+        segs = np.asarray(segs, np.int64)
+        idx = slot_index(np.asarray(offs), np.asarray(lens))
+        for s in np.unique(segs).tolist():
+            self._ensure(s)
+            self._need(s, idx[segs == s] // PER_BLOCK)
 
     def clean_blocks(self) -> int:
         """Clean blocks in memory (the cache; the blocks being changed come on top)."""

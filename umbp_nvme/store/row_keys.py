@@ -140,8 +140,12 @@ class WriterKeys:
                 disk[js] = False
         if disk.any():
             recs[disk] = self._pread_records(segs[disk], idx[disk])
-        good = ((recs["flags"] & R_VALID) != 0) & (recs["magic"] == MAGIC) & (recs["generation"] == t.gen[rows]) & (
-            recs["offset"] == offs) & (recs["segment"] == segs) & ((recs["flags"] & R_KEY_TRUNC) == 0)  # fmt: skip
+        gens = t.gen[rows]
+        good = _names(recs, gens, offs, segs)
+        again = here & ~good  # a listing on another thread may read a block the loop just gave back: the disk has it
+        if again.any():
+            recs[again] = self._pread_records(segs[again], idx[again])
+            good = _names(recs, gens, offs, segs)
         kl = recs["key_len"].astype(np.int64).tolist()
         missing = []
         for j, (k, n, g) in enumerate(zip(recs["key"], kl, good.tolist())):
@@ -264,6 +268,12 @@ class HitCheck:
             else:
                 self.recs.view(_WHOLE)[self.disk] = got.view(_WHOLE)
         return self.src.name(self.recs, self.enc, self.rows, self.segs, self.offs)
+
+
+def _names(recs: np.ndarray, gens: np.ndarray, offs: np.ndarray, segs: np.ndarray) -> np.ndarray:
+    """Whether each record is valid, names its row's object and holds its whole key."""
+    return ((recs["flags"] & R_VALID) != 0) & (recs["magic"] == MAGIC) & (recs["generation"] == gens) & (
+        recs["offset"] == offs) & (recs["segment"] == segs) & ((recs["flags"] & R_KEY_TRUNC) == 0)  # fmt: skip
 
 
 def _copy_resident(areas, recs: np.ndarray, segs: np.ndarray, idx: np.ndarray, here: np.ndarray) -> None:
