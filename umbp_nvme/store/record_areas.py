@@ -61,6 +61,7 @@ class BlockCache:
         self._res: dict[int, np.ndarray] = {}  # seg -> per block: memory holds its truth
         self._unconf: dict[int, np.ndarray] = {}  # seg -> per block: left memory holding an unconfirmed record
         self._held: dict[int, np.ndarray] = {}  # seg -> per block: its page holds memory (read or changed)
+        self._gone: dict[int, np.ndarray] = {}  # seg -> per block: times it left memory (fetch's staleness check)
         self._clean: OrderedDict = OrderedDict()  # (seg, block) resident, equal to its disk image, idle: LRU first
         self.dirty: dict[int, set[int]] = {}  # seg -> blocks whose disk image is behind memory
         self._busy: dict[tuple[int, int], asyncio.Future] = {}  # (seg, block) -> its write in flight
@@ -85,6 +86,7 @@ class BlockCache:
         self._res[seg] = np.full(nb, resident, bool)
         self._unconf[seg] = np.zeros(nb, bool)
         self._held[seg] = np.zeros(nb, bool)
+        self._gone[seg] = np.zeros(nb, np.uint32)
         return a
 
     def _forget_clean(self, seg: int) -> None:
@@ -118,13 +120,14 @@ class BlockCache:
         res = self._res.get(seg)
         if res is None:
             return
-        b = np.unique(np.asarray(blks, np.int64))
+        b = np.asarray(blks, np.int64)
         b = b[(b >= 0) & (b < len(res))]
-        b = b[~res[b]]
-        if only_unconfirmed:
+        b = b[~res[b]]  # the usual call: every block in memory, nothing sorted
+        if only_unconfirmed and len(b):
             b = b[self._unconf[seg][b]]
         if not len(b):
             return
+        b = np.unique(b)
         mv = memoryview(self._maps[seg])
         # a run of consecutive blocks is one read: block b+k lies k blocks below block b in the file
         cut = np.flatnonzero(np.diff(b) != 1) + 1
@@ -160,8 +163,8 @@ class BlockCache:
 
     def _evict(self) -> None:
         """Clean blocks beyond the cache leave memory, least recently written or read first."""
-        if self._cache is None or len(self._clean) <= self._cache:
-            return
+        if self._cache is None or len(self._clean) <= self._cache + self._cache // 32:
+            return  # a few writes' worth over the cache, then down to it in one go (fewer, longer runs)
         out: dict[int, list[int]] = {}
         for _ in range(len(self._clean) - self._cache):
             (s, b), _ = self._clean.popitem(last=False)
@@ -177,12 +180,54 @@ class BlockCache:
             flags = self.areas[s]["flags"]
             slots = b[:, None] * PER_BLOCK + np.arange(PER_BLOCK)
             inside = slots < len(flags)
-            f = flags[np.where(inside, slots, 0)] & inside
+            f = np.where(inside, flags[np.where(inside, slots, 0)], 0)
             self._unconf[s][b] = ((f & (R_VALID | R_CONFIRMED)) == R_VALID).any(axis=1)
             res[b] = self._held[s][b] = False
+            self._gone[s][b] += 1
             for run in np.split(b, np.flatnonzero(np.diff(b) != 1) + 1):  # one madvise per run of pages
                 lo, n = int(run[0]), len(run)
                 self._maps[s].madvise(mmap.MADV_DONTNEED, lo * SLOT_ALIGN_BYTES, n * SLOT_ALIGN_BYTES)
+
+    async def fetch(self, engine, files, segs, offs, lens, timeout_s: float) -> None:
+        """The blocks of these slots that memory does not hold, read back through ``engine`` while
+        the loop serves (a put's blocks, read beside its data). Best effort: a block that could not
+        be read, or that came into memory or left it again meanwhile (its disk image may have
+        changed under the read), is read when it is changed."""
+        segs = np.asarray(segs, np.int64)
+        idx = slot_index(np.asarray(offs), np.asarray(lens))
+        want: list[tuple[int, int]] = []
+        for s in np.unique(segs).tolist():
+            self._ensure(s)
+            res = self._res.get(s)
+            if res is None:
+                continue
+            b = idx[segs == s] // PER_BLOCK
+            b = b[b < len(res)]
+            want += [(s, x) for x in np.unique(b[~res[b]]).tolist()]
+        if not want:
+            return
+        seen = [(self._res[s], int(self._gone[s][b])) for s, b in want]
+        n = len(want)
+        raw = np.empty((n + 1) * SLOT_ALIGN_BYTES, np.uint8)  # O_DIRECT: a 4 KiB-aligned slice of it
+        pad = -raw.ctypes.data % SLOT_ALIGN_BYTES
+        buf = raw[pad : pad + n * SLOT_ALIGN_BYTES]
+        ws = np.array([s for s, _ in want], np.int64)
+        offs_ = np.array([block_offset(self.segment_bytes, b) for _, b in want], np.int64)
+        addrs = np.uint64(buf.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(SLOT_ALIGN_BYTES)
+        task = asyncio.ensure_future(engine.read_many(files.batch(ws), offs_, addrs, np.full(n, SLOT_ALIGN_BYTES)))
+        task.add_done_callback(lambda _, raw=raw: None)  # the buffer lives until the kernel is done with it
+        try:
+            got = await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except Exception:  # noqa: BLE001 - best effort: the change reads them itself
+            return
+        for i, ((s, b), (res, gone)) in enumerate(zip(want, seen)):
+            if got[i] != SLOT_ALIGN_BYTES or self._res.get(s) is not res or res[b] or self._gone[s][b] != gone:
+                continue
+            lo = b * SLOT_ALIGN_BYTES
+            memoryview(self._maps[s])[lo : lo + SLOT_ALIGN_BYTES] = buf[i * SLOT_ALIGN_BYTES : (i + 1) * SLOT_ALIGN_BYTES]
+            res[b] = self._held[s][b] = True
+            self._unconf[s][b] = False
+            self._clean[(s, b)] = None
 
     def hold(self, segs, offs, lens) -> None:
         """The blocks holding these slots' records in memory now (read back where they left): a
@@ -334,7 +379,7 @@ class RecordAreas(BlockCache):
         """Forget segment ``seg``'s area (its blocks are known on disk as they are in memory, and
         no write of them is in flight): the next use builds it for its new class, empty."""
         self._forget_clean(seg)
-        for d in (self.areas, self.cls, self.dirty, self._maps, self._res, self._unconf, self._held):
+        for d in (self.areas, self.cls, self.dirty, self._maps, self._res, self._unconf, self._held, self._gone):
             d.pop(seg, None)
         self._seen.add(seg)
 

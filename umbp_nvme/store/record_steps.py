@@ -40,6 +40,9 @@ class RecordSteps:
         if b.crc_job is not None:  # None: computed on the loop thread already
             await wait_out(b.crc_job)
         b.crcs = b.crc_out
+        # record blocks of freed slots in old segments (a store at capacity) come back beside the
+        # data, not by a read on the loop thread; before the task, whose records go in at its first step
+        await self.writer.areas.fetch(self.state.read_engine, self.state.files, b.segs, b.offs, b.nbytes, self.timeout_s)
         return asyncio.ensure_future(self._write_records(b, refused, early=True))
 
     async def _records_landed(self, b, rec, refused) -> None:
