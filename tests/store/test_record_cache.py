@@ -194,3 +194,67 @@ async def test_blocks_read_back_in_runs_longer_than_one_read_takes(store_dir):
     assert await st.get_many(keys[1::2], outs) == [True] * (n // 2)
     assert all(np.array_equal(o, payload(k, 4 * KiB)) for k, o in zip(keys[1::2], outs))
     await st.close()
+
+
+async def test_a_read_back_that_raced_a_change_of_its_block_is_not_installed(tmp_path):
+    """A put's read-back (``fetch``) is in flight while a delete reads the same block itself,
+    tombstones a record, writes it and gives it back: the fetched image predates the tombstone
+    and must not become memory's truth (a later write would bring the deleted record back)."""
+    import asyncio
+    import ctypes
+
+    from umbp_nvme.store.record_areas import RecordAreas
+    from umbp_nvme.store.records import R_VALID, RECORD_DTYPE, block_offset, make_records
+
+    seg_bytes, size = 1 * MiB, 8 * KiB
+    path = tmp_path / "seg"
+    path.write_bytes(bytes(seg_bytes))
+    fd = os.open(path, os.O_RDWR)
+
+    class Engine:
+        hold: asyncio.Event | None = None
+
+        async def read_many(self, _files, offs, addrs, lens):
+            got = [os.pread(fd, int(n), int(o)) for o, n in zip(offs, lens)]  # the image as it is now
+            if self.hold is not None:
+                await self.hold.wait()
+            for a, d in zip(addrs, got):
+                ctypes.memmove(int(a), d, len(d))
+            return np.array([len(d) for d in got], np.int64)
+
+        async def write_many(self, _files, offs, addrs, lens):
+            for o, a, n in zip(offs, addrs, lens):
+                os.pwrite(fd, ctypes.string_at(int(a), int(n)), int(o))
+            return np.asarray(lens, np.int64)
+
+    class Files:
+        def batch(self, segs):
+            return segs
+
+    def read_at(seg, offset, bufs):
+        return os.preadv(fd, bufs, offset)
+
+    eng, files = Engine(), Files()
+    areas = RecordAreas(seg_bytes, read_at, lambda seg: None, cache_bytes=0)
+    try:
+        offs = np.array([0, size], np.int64)  # slots 0 and 1: one record block
+        recs = make_records(np.zeros(2, np.int64), offs, np.full(2, size), np.array([5, 6], np.uint64),
+                            np.zeros(2, np.uint32), np.full(2, -1, np.int32), np.zeros(2, np.uint32), [b"a", b"b"],
+                            R_VALID)  # fmt: skip
+        assert await areas.write(eng, files, areas.put(recs), 5) == set()
+        assert not areas.resident(np.zeros(1, np.int64), np.zeros(1, np.int64)).any()  # given back: on disk only
+        eng.hold = asyncio.Event()
+        fetch = asyncio.ensure_future(areas.fetch(eng, files, [0], [size], [size], 5))  # a put's read-back of slot 1
+        await asyncio.sleep(0.01)
+        touched, _ = areas.clear([0], [0], [size])  # a delete of slot 0: reads the block itself, meanwhile
+        assert await areas.write(eng, files, touched, 5) == set()
+        eng.hold.set()
+        await fetch
+        later = make_records(np.zeros(1, np.int64), offs[1:], np.full(1, size), np.array([7], np.uint64),
+                             np.zeros(1, np.uint32), np.full(1, -1, np.int32), np.zeros(1, np.uint32), [b"c"], R_VALID)
+        assert await areas.write(eng, files, areas.put(later), 5) == set()  # slot 1 again: its block is written
+        blk = np.frombuffer(os.pread(fd, 4 * KiB, block_offset(seg_bytes, 0)), RECORD_DTYPE)
+        assert blk["flags"][0] == 0  # the tombstone stands
+        assert (blk["generation"][1], bytes(blk["key"][1][:1])) == (7, b"c")
+    finally:
+        os.close(fd)
