@@ -36,7 +36,8 @@ from .records import PER_BLOCK, R_CONFIRMED, R_VALID, RECORD_BYTES, RECORD_DTYPE
 
 log = logging.getLogger("umbp_nvme.store")
 
-_WHOLE = np.dtype((np.void, RECORD_BYTES))  # a record as one item: fancy-index copies in one pass
+# a record as one opaque item: fancy-index copies of the structured dtype go field by field (~3x slower)
+_WHOLE = np.dtype((np.void, RECORD_BYTES))
 CACHE_BYTES = 64 << 20  # clean record blocks kept beside the ones being changed (16 K blocks, 256 K records)
 READ_RUN_BLOCKS = 256  # blocks one preadv reads (its iovecs stay far below IOV_MAX, 1024)
 _PAGED = mmap.PAGESIZE == SLOT_ALIGN_BYTES  # a block is a page: it can leave memory alone

@@ -33,7 +33,7 @@ from .index import REC_BYTES, REC_DTYPE
 from .layout import SLOT_ALIGN_BYTES
 from .keymap import storable_bytes
 from .records import (MAGIC, PER_BLOCK, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, block_offset,
-                      make_records, record_crcs, seal, slot_index)  # fmt: skip
+                      make_records, slot_index)  # fmt: skip
 
 log = logging.getLogger("umbp_nvme.store")
 _WHOLE = np.dtype((np.void, RECORD_DTYPE.itemsize))
