@@ -32,7 +32,8 @@ from collections import OrderedDict
 import numpy as np
 
 from .layout import SLOT_ALIGN_BYTES, record_slots
-from .records import PER_BLOCK, R_CONFIRMED, R_VALID, RECORD_BYTES, RECORD_DTYPE, block_offset, place, seal, slot_index
+from .records import (PER_BLOCK, R_CONFIRMED, R_VALID, RECORD_BYTES, RECORD_DTYPE, block_buffer, block_offset,
+                      place, seal, slot_index)  # fmt: skip
 
 log = logging.getLogger("umbp_nvme.store")
 
@@ -209,12 +210,9 @@ class BlockCache:
             return
         seen = [(self._res[s], int(self._gone[s][b])) for s, b in want]
         n = len(want)
-        raw = np.empty((n + 1) * SLOT_ALIGN_BYTES, np.uint8)  # O_DIRECT: a 4 KiB-aligned slice of it
-        pad = -raw.ctypes.data % SLOT_ALIGN_BYTES
-        buf = raw[pad : pad + n * SLOT_ALIGN_BYTES]
+        raw, buf, addrs = block_buffer(n)
         ws = np.array([s for s, _ in want], np.int64)
         offs_ = np.array([block_offset(self.segment_bytes, b) for _, b in want], np.int64)
-        addrs = np.uint64(buf.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(SLOT_ALIGN_BYTES)
         task = asyncio.ensure_future(engine.read_many(files.batch(ws), offs_, addrs, np.full(n, SLOT_ALIGN_BYTES)))
         task.add_done_callback(lambda _, raw=raw: None)  # the buffer lives until the kernel is done with it
         try:
@@ -225,7 +223,8 @@ class BlockCache:
             if got[i] != SLOT_ALIGN_BYTES or self._res.get(s) is not res or res[b] or self._gone[s][b] != gone:
                 continue
             lo = b * SLOT_ALIGN_BYTES
-            memoryview(self._maps[s])[lo : lo + SLOT_ALIGN_BYTES] = buf[i * SLOT_ALIGN_BYTES : (i + 1) * SLOT_ALIGN_BYTES]
+            img = buf[i * SLOT_ALIGN_BYTES : (i + 1) * SLOT_ALIGN_BYTES]
+            memoryview(self._maps[s])[lo : lo + SLOT_ALIGN_BYTES] = img
             res[b] = self._held[s][b] = True
             self._unconf[s][b] = False
             self._clean[(s, b)] = None
@@ -499,16 +498,15 @@ class RecordAreas(BlockCache):
             await asyncio.wait(pending, timeout=deadline - loop.time())
         for s in segs:  # changed while this waited: they go too
             blocks |= {(s, b) for b in self.dirty.pop(s, ())}
-        order = sorted(self._in_memory(blocks), key=lambda sb_: (sb_[0], -sb_[1]))  # file order: higher blocks sit lower
+        # file order: higher blocks sit lower
+        order = sorted(self._in_memory(blocks), key=lambda sb_: (sb_[0], -sb_[1]))
         if not order:
             return set()
         for k in order:
             self._clean.pop(k, None)
         sb = self.segment_bytes
         n = len(order)
-        raw = np.zeros((n + 1) * SLOT_ALIGN_BYTES, np.uint8)
-        pad = -raw.ctypes.data % SLOT_ALIGN_BYTES
-        buf = raw[pad : pad + n * SLOT_ALIGN_BYTES]
+        raw, buf, addrs = block_buffer(n, zero=True)
         self._images(order, buf)
         # contiguous blocks of one segment go in one op (file order: consecutive blocks, descending)
         o_seg = np.fromiter((s for s, _ in order), np.int64, n)
@@ -518,7 +516,7 @@ class RecordAreas(BlockCache):
         first = np.flatnonzero(start)
         run_s = o_seg[first].tolist()
         run_o = (sb - (o_blk[first] + 1) * SLOT_ALIGN_BYTES).tolist()  # block_offset of each run's first block
-        run_a = (np.uint64(buf.ctypes.data) + first.astype(np.uint64) * np.uint64(SLOT_ALIGN_BYTES)).tolist()
+        run_a = addrs[first].tolist()
         lens = np.diff(np.append(first, n)).astype(np.int64) * SLOT_ALIGN_BYTES
         task = asyncio.ensure_future(
             engine.write_many(files.batch(np.asarray(run_s, np.int64)), np.asarray(run_o, np.int64),

@@ -69,6 +69,15 @@ def block_offset(segment_bytes: int, blk: int) -> int:
     return segment_bytes - (blk + 1) * SLOT_ALIGN_BYTES
 
 
+def block_buffer(n: int, zero: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Room for ``n`` 4 KiB blocks that O_DIRECT takes: (the allocation, which must live until the
+    kernel is done with it; its 4 KiB-aligned view; each block's address)."""
+    raw = (np.zeros if zero else np.empty)((n + 1) * SLOT_ALIGN_BYTES, np.uint8)
+    pad = -raw.ctypes.data % SLOT_ALIGN_BYTES
+    view = raw[pad : pad + n * SLOT_ALIGN_BYTES]
+    return raw, view, np.uint64(view.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(SLOT_ALIGN_BYTES)
+
+
 def area_blocks(segment_bytes: int, cls: int) -> int:
     return -(-record_slots(segment_bytes, cls) // PER_BLOCK)
 

@@ -32,7 +32,7 @@ from ..buffers import AlignedBuffer
 from .index import REC_BYTES, REC_DTYPE
 from .layout import SLOT_ALIGN_BYTES
 from .keymap import storable_bytes
-from .records import (MAGIC, PER_BLOCK, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, block_offset,
+from .records import (MAGIC, PER_BLOCK, R_CONFIRMED, R_KEY_TRUNC, R_VALID, RECORD_DTYPE, block_buffer, block_offset,
                       make_records, slot_index)  # fmt: skip
 
 log = logging.getLogger("umbp_nvme.store")
@@ -233,10 +233,7 @@ class RecordReads:
         n = len(pairs)
         self.segs = pairs >> 32
         self.offs = st.segment_bytes - ((pairs & 0xFFFFFFFF) + 1) * SLOT_ALIGN_BYTES  # block_offset, vectorised
-        self.raw = np.empty((n + 1) * SLOT_ALIGN_BYTES, np.uint8)  # O_DIRECT: a 4 KiB-aligned slice of it
-        pad = -self.raw.ctypes.data % SLOT_ALIGN_BYTES
-        self.arr = self.raw[pad : pad + n * SLOT_ALIGN_BYTES]
-        self.addrs = np.uint64(self.arr.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(SLOT_ALIGN_BYTES)
+        self.raw, self.arr, self.addrs = block_buffer(n)
         self.lens = np.full(n, SLOT_ALIGN_BYTES, np.int64)
         self.res = None  # the block reads' results, where the caller read them beside its data
 
