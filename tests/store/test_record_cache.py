@@ -69,6 +69,8 @@ async def test_without_a_cache_the_records_on_disk_rebuild_exactly_what_was_serv
     assert await st.flush()
     areas = st.writer.areas
     assert areas.clean_blocks() == 0 and areas.blocks_in_memory() == 0  # nothing kept once on disk
+    s = st.stats()  # every block came back through the read engine, none by a blocking read on the loop
+    assert s["record_blocks_read_back"] > 0 and s["record_blocks_read_on_loop"] == 0
     await st.close()
     os.unlink(os.path.join(store_dir, INDEX_FILE))  # the records alone must carry every live key
     st = await PageStore.open(store_dir, cfg(mode, 0))
@@ -103,6 +105,7 @@ async def test_eviction_at_capacity_reads_old_blocks_back_and_nothing_evicted_co
         ks = keys[lo : lo + 10]
         await st.put_many(ks, [body(k, 0) for k in ks])
     assert st.stats()["evictions"] > 0
+    assert st.stats()["record_blocks_read_on_loop"] == 0
     present = await st.exists_many(keys)
     want = {k: body(k, 0) for k, p in zip(keys, present) if p}
     assert 0 < len(want) < len(keys)

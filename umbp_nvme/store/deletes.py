@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import numpy as np
+
 from ..keybytes import encode_key
 
 log = logging.getLogger("umbp_nvme.store")
@@ -91,6 +93,27 @@ class DeleteSteps:
         doubt |= self.put_doubt_keys()  # a put in doubt may have landed
         return [h or (type(k) is str and k in doubt) for h, k in zip(held, keys)]
 
+    async def _records_back(self, rows: list[int], evicted: bool) -> list[int]:
+        """The rows to drop, their record blocks in memory: read back through the read engine where
+        they left (record_areas.py), never by a read on the loop thread, so a stalled drive cannot
+        stop the store. Rows dropped, released or reused while the read ran are left out. A row whose
+        block could not be read stays: an eviction drops the others; a delete drops nothing (a later
+        delete retries it)."""
+        w, t = self.writer, self.writer.rows
+        r = np.asarray(rows, np.int64)
+        if not w.areas.out(t.seg[r], t.off[r], t.len[r]).any():
+            return rows
+        gen, live, doubt = t.gen[r].copy(), t.live[r].copy(), [x in (w.drop_doubt or ()) for x in rows]
+        await w.areas.fetch(self.state.read_engine, self.state.files, t.seg[r], t.off[r], t.len[r], self.timeout_s)
+        same = (t.gen[r] == gen) & (t.live[r] == live) & (np.array([x in (w.drop_doubt or ()) for x in rows]) == doubt)
+        out = w.areas.out(t.seg[r], t.off[r], t.len[r]) & same
+        if out.any():
+            log.error("%s: the records of %d of %d objects to %s could not be read back; they stay", self.path,
+                      int(out.sum()), len(rows), "evict" if evicted else "delete")  # fmt: skip
+            if not evicted:
+                return []
+        return r[same & ~out].tolist()
+
     async def _drop_rows(self, rows: list[int], *, evicted: bool) -> bool:
         """Durably remove rows' keys from the index, then free their slots. Caller holds no lock.
         True: dropped; False: nothing dropped (no tombstone landed), the rows serve again; else the
@@ -100,12 +123,13 @@ class DeleteSteps:
         w = self.writer
         if not rows:
             return True
+        rows = await self._records_back(rows, evicted)
+        if not rows:
+            return False
         # the rows' keys from their records, in one pass (the key table holds only hashes: keymap.py)
         keys = [w.drop_doubt.get(r) if w.drop_doubt and r in w.drop_doubt else None for r in rows]
         ask = [j for j, k in enumerate(keys) if k is None]
         if ask:
-            t = w.rows
-            w.areas.hold(t.seg[rows], t.off[rows], t.len[rows])  # the tombstones below change the same blocks
             for j, k in zip(ask, w.keys.keys_of([rows[j] for j in ask])):
                 keys[j] = k
         if None in keys:  # neither its record nor the index names it: nothing to delete by (logged)

@@ -419,6 +419,10 @@ class PageStore(
                 puts_in_doubt_bytes=self.put_doubt_bytes(),
                 effective_capacity_bytes=self._effective_capacity(),
                 record_blocks_in_memory=w.areas.blocks_in_memory() if w.areas is not None else 0,  # 4 KiB each
+                # read back after they left memory: through the read engine, and (only when one left
+                # again before its change) by a blocking read on the loop thread
+                record_blocks_read_back=w.areas.fetched if w.areas is not None else 0,
+                record_blocks_read_on_loop=w.areas.read_on_loop if w.areas is not None else 0,
             )
         else:
             s.update(objects=self.object_count())

@@ -67,6 +67,8 @@ class BlockCache:
         self._clean: OrderedDict = OrderedDict()  # (seg, block) resident, equal to its disk image, idle: LRU first
         self.dirty: dict[int, set[int]] = {}  # seg -> blocks whose disk image is behind memory
         self._busy: dict[tuple[int, int], asyncio.Future] = {}  # (seg, block) -> its write in flight
+        self.fetched = 0  # blocks read back through the read engine (the loop serves meanwhile)
+        self.read_on_loop = 0  # blocks read back by a blocking read on the loop thread (``_need``)
 
     def _ensure(self, seg: int) -> None:
         """First use this session: the area of the class its records on disk have, none resident."""
@@ -116,6 +118,25 @@ class BlockCache:
             out[m] = res[np.where(ok, b, 0)] & ok
         return out
 
+    def out(self, segs, offs, lens, only_unconfirmed: bool = False) -> np.ndarray:
+        """Per slot: its record block left memory, so a change of it would read it back first (with
+        ``only_unconfirmed``: only where the block left holding an unconfirmed record)."""
+        segs = np.asarray(segs, np.int64)
+        b = slot_index(np.asarray(offs), np.asarray(lens)) // PER_BLOCK
+        out = np.zeros(len(segs), bool)
+        for s in np.unique(segs).tolist():
+            self._ensure(s)
+            res = self._res.get(s)
+            if res is None:
+                continue
+            m = np.flatnonzero(segs == s)
+            bm = b[m]
+            inside = bm < len(res)
+            bm = np.where(inside, bm, 0)
+            gone = inside & ~res[bm]
+            out[m] = gone & self._unconf[s][bm] if only_unconfirmed else gone
+        return out
+
     def _need(self, seg: int, blks, only_unconfirmed: bool = False) -> None:
         """Blocks ``blks`` of ``seg`` in memory (read from the segment where they are not); with
         ``only_unconfirmed``, only those that left memory holding an unconfirmed record."""
@@ -143,6 +164,7 @@ class BlockCache:
             except OSError as e:
                 got = -1
                 log.error("reading record blocks %d-%d of segment %d failed: %s", lo, hi, seg, e)
+            self.read_on_loop += hi + 1 - lo
             res[lo : hi + 1] = True
             self._held[seg][lo : hi + 1] = True
             self._unconf[seg][lo : hi + 1] = False
@@ -190,53 +212,42 @@ class BlockCache:
                 lo, n = int(run[0]), len(run)
                 self._maps[s].madvise(mmap.MADV_DONTNEED, lo * SLOT_ALIGN_BYTES, n * SLOT_ALIGN_BYTES)
 
-    async def fetch(self, engine, files, segs, offs, lens, timeout_s: float) -> None:
-        """The blocks of these slots that memory does not hold, read back through ``engine`` while
-        the loop serves (a put's blocks, read beside its data). Best effort: a block that could not
-        be read, or that came into memory or left it again meanwhile (its disk image may have
-        changed under the read), is read when it is changed."""
+    async def fetch(self, engine, files, segs, offs, lens, timeout_s: float, only_unconfirmed: bool = False) -> bool:
+        """The blocks of these slots that memory does not hold (``out``), read back through ``engine``
+        while the loop serves, so a change of them never blocks the loop on a slow or stalled drive.
+        True when none is out any more. A block that could not be read in ``timeout_s``, or that came
+        into memory or left it again meanwhile (its disk image may have changed under the read), stays
+        out: the caller leaves its records alone (put_path, deletes, flushing)."""
         segs = np.asarray(segs, np.int64)
-        idx = slot_index(np.asarray(offs), np.asarray(lens))
-        want: list[tuple[int, int]] = []
-        for s in np.unique(segs).tolist():
-            self._ensure(s)
-            res = self._res.get(s)
-            if res is None:
-                continue
-            b = idx[segs == s] // PER_BLOCK
-            b = b[b < len(res)]
-            want += [(s, x) for x in np.unique(b[~res[b]]).tolist()]
-        if not want:
-            return
+        gone = self.out(segs, offs, lens, only_unconfirmed)
+        if not gone.any():
+            return True
+        blks = slot_index(np.asarray(offs)[gone], np.asarray(lens)[gone]) // PER_BLOCK
+        want = sorted({(s, b) for s, b in zip(segs[gone].tolist(), blks.tolist())})
         seen = [(self._res[s], int(self._gone[s][b])) for s, b in want]
         n = len(want)
         raw, buf, addrs = block_buffer(n)
         ws = np.array([s for s, _ in want], np.int64)
         offs_ = np.array([block_offset(self.segment_bytes, b) for _, b in want], np.int64)
         task = asyncio.ensure_future(engine.read_many(files.batch(ws), offs_, addrs, np.full(n, SLOT_ALIGN_BYTES)))
-        task.add_done_callback(lambda _, raw=raw: None)  # the buffer lives until the kernel is done with it
+        # the buffer lives until the kernel is done with it; a late failure is retrieved, not logged at exit
+        task.add_done_callback(lambda t, raw=raw: t.cancelled() or t.exception())
         try:
             got = await asyncio.wait_for(asyncio.shield(task), timeout_s)
-        except Exception:  # noqa: BLE001 - best effort: the change reads them itself
-            return
-        for i, ((s, b), (res, gone)) in enumerate(zip(want, seen)):
-            if got[i] != SLOT_ALIGN_BYTES or self._res.get(s) is not res or res[b] or self._gone[s][b] != gone:
+        except Exception as e:  # noqa: BLE001 - the caller leaves these records alone
+            log.warning("reading back %d record blocks failed: %r", n, e)
+            return False
+        for i, ((s, b), (res, left)) in enumerate(zip(want, seen)):
+            if got[i] != SLOT_ALIGN_BYTES or self._res.get(s) is not res or res[b] or self._gone[s][b] != left:
                 continue
+            self.fetched += 1
             lo = b * SLOT_ALIGN_BYTES
             img = buf[i * SLOT_ALIGN_BYTES : (i + 1) * SLOT_ALIGN_BYTES]
             memoryview(self._maps[s])[lo : lo + SLOT_ALIGN_BYTES] = img
             res[b] = self._held[s][b] = True
             self._unconf[s][b] = False
             self._clean[(s, b)] = None
-
-    def hold(self, segs, offs, lens) -> None:
-        """The blocks holding these slots' records in memory now (read back where they left): a
-        drop names their keys and then clears them, one read for both."""
-        segs = np.asarray(segs, np.int64)
-        idx = slot_index(np.asarray(offs), np.asarray(lens))
-        for s in np.unique(segs).tolist():
-            self._ensure(s)
-            self._need(s, idx[segs == s] // PER_BLOCK)
+        return not self.out(segs, offs, lens, only_unconfirmed).any()
 
     def clean_blocks(self) -> int:
         """Clean blocks in memory (the cache; the blocks being changed come on top)."""
@@ -408,7 +419,8 @@ class RecordAreas(BlockCache):
             js, g = idx[m], gens[m]
             ok = js < len(a)
             js, g = js[ok], g[ok]
-            self._need(s, js // PER_BLOCK, only_unconfirmed=True)  # the others hold no unconfirmed record
+            # a block out of memory (left unconfirmed: not fetched, or it left again) waits for the
+            # next flush; a rebuild meanwhile checks its records against their data
             here = self._res[s][js // PER_BLOCK]
             js, g = js[here], g[here]
             mine = (a["generation"][js] == g) & ((a["flags"][js] & (R_VALID | R_CONFIRMED)) == R_VALID)
@@ -450,7 +462,13 @@ class RecordAreas(BlockCache):
             if a is None:
                 continue
             m = slice(None) if one else np.flatnonzero(segs == s)
-            self._need(s, idx[m] // PER_BLOCK, only_unconfirmed=True)
+            res = self._res[s]
+            if not len(res):
+                continue
+            b = idx[m] // PER_BLOCK
+            here = res[np.minimum(b, len(res) - 1)] | (b >= len(res))  # outside the area: place skips them
+            if not here.all():  # out of memory: confirmed by the next flush, not read back on the loop
+                m = np.arange(len(segs))[m][here]
             blocks = place(a, idx[m], conf[m], True)  # only over the same generation, still unconfirmed
             if blocks:
                 self._changed(s, blocks)

@@ -40,10 +40,16 @@ class RecordSteps:
         if b.crc_job is not None:  # None: computed on the loop thread already
             await wait_out(b.crc_job)
         b.crcs = b.crc_out
-        # record blocks of freed slots in old segments (a store at capacity) come back beside the
-        # data, not by a read on the loop thread; before the task, whose records go in at its first step
-        await self.writer.areas.fetch(self.state.read_engine, self.state.files, b.segs, b.offs, b.nbytes, self.timeout_s)
+        await self._fetch_records(b)  # before the task, whose records go in at its first step
         return asyncio.ensure_future(self._write_records(b, refused, early=True))
+
+    async def _fetch_records(self, b) -> None:
+        """Record blocks of freed slots in old segments (a store at capacity) come back beside the
+        data through the read engine, never by a read on the loop thread: an object whose block
+        could not be read back (a stalled or failing drive) gets no record and is refused."""
+        a = self.writer.areas
+        if not await a.fetch(self.state.read_engine, self.state.files, b.segs, b.offs, b.nbytes, self.timeout_s):
+            b.lost |= a.out(b.segs, b.offs, b.nbytes)
 
     async def _records_landed(self, b, rec, refused) -> None:
         await asyncio.shield(rec)  # never raises; keeps running if our caller gives up
@@ -56,8 +62,10 @@ class RecordSteps:
         its segment's area, the touched blocks written; an object whose block did not land is not
         durable (``b.lost``; the fdatasync after covers records and data). Early, the batch's LMDB
         puts and confirmed records are made here too, so publishing after the sync only copies."""
+        if not early:  # device batches: their data landed first
+            await self._fetch_records(b)
         m = len(b.todo)
-        j = np.arange(m) if early else np.flatnonzero(b.good)
+        j = np.flatnonzero(~b.lost if early else b.good & ~b.lost)
         if early:  # every record of the batch in one C pass (records.batch_records)
             enc = encode_all(b.keys, b.todo.tolist())
             recs48, recs, conf = batch_records(enc, b.segs, b.offs, b.nbytes, self._batch_depths(b), b.crcs, b.gen,
@@ -65,6 +73,7 @@ class RecordSteps:
             b.pre = (recs48, enc)
             b.puts = list(zip(enc, record_values(recs48)))
             b.conf = conf
+            recs = recs if len(j) == m else recs[j]
         else:
             recs48, enc = b.pre if b.pre is not None else self._pack_pending(b)
             sub, keys = recs48[j], [enc[i] for i in j.tolist()]
@@ -78,11 +87,11 @@ class RecordSteps:
         b.recorded[j] = True
         failed = await self.writer.areas.write(self.writer.write_engine, self.state.files, touched, self.timeout_s)
         if failed:
-            b.lost = np.isin(b.segs, list(failed))
-            if not early:  # early: the data write's outcome is not known yet (_write reports)
-                for k in np.flatnonzero(b.lost & b.good)[:1].tolist():
-                    refused.add(b.key(k), "index record write failed")
-                b.good &= ~b.lost
+            b.lost |= np.isin(b.segs, list(failed))
+        if not early and b.lost.any():  # early: the data write's outcome is not known yet (_write reports)
+            for k in np.flatnonzero(b.lost & b.good)[:1].tolist():
+                refused.add(b.key(k), "index record write failed")
+            b.good &= ~b.lost
 
     def _unrecord(self, b, js) -> None:
         """Clear the records of objects whose slots go back unpublished (rewritten with the next
@@ -183,6 +192,12 @@ class RecordSteps:
 
     async def _tombstone_now(self, rows) -> list | None:
         t = self.writer.rows
+        # blocks that left memory since the drop named its keys: read back through the engine, not on the loop
+        if not await self.writer.areas.fetch(self.state.read_engine, self.state.files, t.seg[rows], t.off[rows],
+                                             t.len[rows], self.timeout_s):  # fmt: skip
+            log.error("%s: the records of %d objects to clear could not be read back; the objects stay", self.path,
+                      len(rows))  # fmt: skip
+            return None
         touched, undo = self.writer.areas.clear(t.seg[rows], t.off[rows], t.len[rows])
         dead = dict(self.writer.areas.dead)
         touched |= set(dead)
