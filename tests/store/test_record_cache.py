@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import KiB, MiB, payload, small_config
+from support.paged import served as served_bytes
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.index import INDEX_FILE
 
@@ -32,11 +33,7 @@ def body(key: str, version: int) -> np.ndarray:
 
 
 async def served(st, want: dict) -> tuple[int, list]:
-    keys = list(want)
-    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
-    ok = await st.get_many(keys, outs)
-    wrong = [k for k, g, o in zip(keys, ok, outs) if g and (want[k] is None or not np.array_equal(o, want[k]))]
-    return sum(ok), wrong
+    return await served_bytes(st, want, OBJ)
 
 
 async def churn(st, n=600, rounds=3):

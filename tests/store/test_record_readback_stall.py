@@ -17,6 +17,7 @@ import numpy as np
 
 from conftest import MiB, payload, small_config
 from support.faults import FaultPlan, FaultRule
+from support.paged import served as served_bytes
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.index import INDEX_FILE
 
@@ -33,11 +34,7 @@ def body(key: str, version: int) -> np.ndarray:
 
 
 async def served(st, want: dict) -> tuple[int, list]:
-    keys = list(want)
-    outs = [np.zeros(OBJ, np.uint8) for _ in keys]
-    ok = await st.get_many(keys, outs)
-    wrong = [k for k, g, o in zip(keys, ok, outs) if g and (want[k] is None or not np.array_equal(o, want[k]))]
-    return sum(ok), wrong
+    return await served_bytes(st, want, OBJ)
 
 
 async def test_a_hung_drive_never_blocks_the_loop_on_a_record_read_back(store_dir):

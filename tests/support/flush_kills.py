@@ -14,12 +14,9 @@ oracle (support/versions.py) after a reopen and after a rebuild from the records
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,8 +26,8 @@ from umbp_nvme.engine import open_engine
 from umbp_nvme.store import PageStore
 from umbp_nvme.store.index import INDEX_FILE
 
-from .version_crash import Session
-from .versions import AckLog, Tally, VersionModel, read_log, seal_after_kill, version_in
+from .version_crash import Session, run_killed
+from .versions import AckLog, Tally, VersionModel, read_log, version_in
 
 MiB = 1 << 20
 OBJ = 4096
@@ -105,18 +102,8 @@ def flush_child(c: FlushKill, path: str, log_path: str, count_path: str) -> None
 
 
 def run_child(c: FlushKill, path: str, log_path: str, count_path: str) -> None:
-    """``flush_child`` in a fresh interpreter on the same umbp_nvme; it must end by its SIGKILL."""
-    import umbp_nvme
-
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    product = os.path.dirname(os.path.dirname(os.path.abspath(umbp_nvme.__file__)))
-    code = (f"import sys; sys.path[:0] = [{product!r}, {tests!r}]\n"
-            "from support.flush_kills import FlushKill, flush_child\n"
-            f"flush_child(FlushKill(**{dataclasses.asdict(c)!r}), {path!r}, {log_path!r}, {count_path!r})")  # fmt: skip
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    if p.returncode != -signal.SIGKILL:
-        raise RuntimeError(f"{c}: the child ended with {p.returncode}, not by its kill: {p.stderr[-2000:]}")
-    seal_after_kill(log_path)
+    """``flush_child`` in a fresh interpreter; it must end by its SIGKILL."""
+    run_killed("support.flush_kills", "FlushKill", "flush_child", c, path, log_path, count_path)
 
 
 async def check(st: PageStore, model: VersionModel, keys: list[str], tally: Tally) -> None:

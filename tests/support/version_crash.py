@@ -186,19 +186,25 @@ def killed_child(c: Layout, path: str, log_path: str) -> None:
 
 
 def kill_child(c: Layout, path: str, log_path: str) -> None:
-    """Run ``killed_child`` in a fresh interpreter (it imports only the store: well under a second),
-    on the same umbp_nvme as this process."""
+    """Run ``killed_child`` in a fresh interpreter (it imports only the store: well under a second)."""
+    run_killed("support.version_crash", "Layout", "killed_child", c, path, log_path)
+
+
+def run_killed(module: str, spec: str, func: str, c, *args: str) -> None:
+    """``module.func(module.spec(**asdict(c)), *args)`` in a fresh interpreter on the same umbp_nvme as
+    this process; it must end by a SIGKILL. ``args`` are (store path, ack log path, ...): the log is
+    sealed after the kill."""
     import umbp_nvme
 
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     product = os.path.dirname(os.path.dirname(os.path.abspath(umbp_nvme.__file__)))
     code = (f"import sys; sys.path[:0] = [{product!r}, {tests!r}]\n"
-            "from support.version_crash import Layout, killed_child\n"
-            f"killed_child(Layout(**{dataclasses.asdict(c)!r}), {path!r}, {log_path!r})")  # fmt: skip
+            f"from {module} import {spec}, {func}\n"
+            f"{func}({spec}(**{dataclasses.asdict(c)!r}), *{args!r})")  # fmt: skip
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if p.returncode != -signal.SIGKILL:
         raise RuntimeError(f"{c}: the child ended with {p.returncode}, not by its kill: {p.stderr[-2000:]}")
-    seal_after_kill(log_path)
+    seal_after_kill(args[1])
 
 
 def killed_records(c: Layout, path: str) -> int:

@@ -40,6 +40,7 @@ log = logging.getLogger("umbp_nvme.store")
 # a record as one opaque item: fancy-index copies of the structured dtype go field by field (~3x slower)
 _WHOLE = np.dtype((np.void, RECORD_BYTES))
 CACHE_BYTES = 64 << 20  # clean record blocks kept beside the ones being changed (16 K blocks, 256 K records)
+FETCH_TRIES = 4  # reads of a block that keeps racing changes of it before the caller leaves it alone
 READ_RUN_BLOCKS = 256  # blocks one preadv reads (its iovecs stay far below IOV_MAX, 1024)
 _PAGED = mmap.PAGESIZE == SLOT_ALIGN_BYTES  # a block is a page: it can leave memory alone
 
@@ -215,15 +216,24 @@ class BlockCache:
     async def fetch(self, engine, files, segs, offs, lens, timeout_s: float, only_unconfirmed: bool = False) -> bool:
         """The blocks of these slots that memory does not hold (``out``), read back through ``engine``
         while the loop serves, so a change of them never blocks the loop on a slow or stalled drive.
-        True when none is out any more. A block that could not be read in ``timeout_s``, or that came
-        into memory or left it again meanwhile (its disk image may have changed under the read), stays
-        out: the caller leaves its records alone (put_path, deletes, flushing)."""
+        True when none is out any more; False when a read failed or ``timeout_s`` passed: the caller
+        leaves those records alone (put_path, deletes, flushing). A block that came into memory or
+        left it again while it was read (its disk image may have changed under the read) is read again."""
         segs = np.asarray(segs, np.int64)
-        gone = self.out(segs, offs, lens, only_unconfirmed)
-        if not gone.any():
-            return True
-        blks = slot_index(np.asarray(offs)[gone], np.asarray(lens)[gone]) // PER_BLOCK
-        want = sorted({(s, b) for s, b in zip(segs[gone].tolist(), blks.tolist())})
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        for _ in range(FETCH_TRIES):
+            gone = self.out(segs, offs, lens, only_unconfirmed)
+            if not gone.any():
+                return True
+            blks = slot_index(np.asarray(offs)[gone], np.asarray(lens)[gone]) // PER_BLOCK
+            want = sorted({(s, b) for s, b in zip(segs[gone].tolist(), blks.tolist())})
+            if not await self._fetch_blocks(engine, files, want, end - loop.time()):
+                return False
+        return not self.out(segs, offs, lens, only_unconfirmed).any()
+
+    async def _fetch_blocks(self, engine, files, want: list[tuple[int, int]], timeout_s: float) -> bool:
+        """One read of blocks ``want``; each installed unless it raced a change. False: a read failed."""
         seen = [(self._res[s], int(self._gone[s][b])) for s, b in want]
         n = len(want)
         raw, buf, addrs = block_buffer(n)
@@ -233,12 +243,15 @@ class BlockCache:
         # the buffer lives until the kernel is done with it; a late failure is retrieved, not logged at exit
         task.add_done_callback(lambda t, raw=raw: t.cancelled() or t.exception())
         try:
-            got = await asyncio.wait_for(asyncio.shield(task), timeout_s)
+            got = await asyncio.wait_for(asyncio.shield(task), max(0.0, timeout_s))
         except Exception as e:  # noqa: BLE001 - the caller leaves these records alone
             log.warning("reading back %d record blocks failed: %r", n, e)
             return False
+        if (got != SLOT_ALIGN_BYTES).any():
+            log.warning("reading back %d record blocks: %d failed", n, int((got != SLOT_ALIGN_BYTES).sum()))
+            return False
         for i, ((s, b), (res, left)) in enumerate(zip(want, seen)):
-            if got[i] != SLOT_ALIGN_BYTES or self._res.get(s) is not res or res[b] or self._gone[s][b] != left:
+            if self._res.get(s) is not res or res[b] or self._gone[s][b] != left:
                 continue
             self.fetched += 1
             lo = b * SLOT_ALIGN_BYTES
@@ -247,7 +260,7 @@ class BlockCache:
             res[b] = self._held[s][b] = True
             self._unconf[s][b] = False
             self._clean[(s, b)] = None
-        return not self.out(segs, offs, lens, only_unconfirmed).any()
+        return True
 
     def clean_blocks(self) -> int:
         """Clean blocks in memory (the cache; the blocks being changed come on top)."""
