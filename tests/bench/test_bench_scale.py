@@ -18,7 +18,8 @@ def test_scale_fills_measures_and_judges(tmp_path, capsys):
     assert bench_store.main(args) == 0
     text = capsys.readouterr().out
     assert "fill " in text and "3000 objects" in text
-    for what in ("writer RSS (anonymous)", "reader RSS (anonymous)", "writer first answer", "reopen =", "exists(128)"):
+    for what in ("filling writer RSS (anonymous)", "writer RSS (anonymous)", "reader RSS (anonymous)", "writer first answer",
+                 "reopen =", "exists(128)"):
         assert f"bench target (issue 36): {what}" in text
     rows = json.loads(out.read_text())
     opened = {r["system"]: r for r in rows if r["op"] == "scale_open"}

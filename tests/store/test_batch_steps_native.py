@@ -222,7 +222,7 @@ def test_a_row_tables_fill_sets_every_column_of_the_published_rows():
            np.array([1, 2, 0xFFFFFFFF], np.uint32), 3, 77, np.array([0, 1, 2], np.int32))  # fmt: skip
     assert t.seg[rows].tolist() == [2, 2, 5] and t.off[rows].tolist() == [0, 8192, 1 << 40]
     assert t.len[rows].tolist() == [10, 20, 30] and t.crc[rows].tolist() == [1, 2, 0xFFFFFFFF]
-    assert t.flags[rows].tolist() == [3] * 3 and t.gen[rows].tolist() == [77] * 3 and t.tick[rows].tolist() == [77] * 3
+    assert t.flags[rows].tolist() == [3] * 3 and t.gen[rows].tolist() == [77] * 3 and t.used(rows).tolist() == [77] * 3
     assert t.depth[rows].tolist() == [0, 1, 2] and t.live[rows].all() and not t.pins[rows].any()
     one = np.ones(1, np.int64)
     with pytest.raises(ValueError, match="multiple of 2"):

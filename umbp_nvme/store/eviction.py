@@ -39,7 +39,7 @@ def lru(rows: RowTable, cand: np.ndarray, slot_bytes: np.ndarray, bytes_needed: 
     last = out[-1]
     depth = rows.depth[cand]
     if depth[last] >= 0:  # the components of the last page (same tick and depth) leave with it
-        tick = rows.tick[cand]
+        tick = rows.used(cand)
         out = np.union1d(out, np.flatnonzero((tick == tick[last]) & (depth == depth[last])))
     return cand[out].tolist()
 
@@ -51,7 +51,7 @@ def _lru_key(rows: RowTable, cand: np.ndarray) -> np.ndarray:
     """One sortable int per row: tick, then deepest first (rows without a depth last in a tick).
     Ticks are the generation clock's (clock.py: they start far up), so they are taken relative to
     the oldest candidate's."""
-    tick = rows.tick[cand]
+    tick = rows.used(cand)
     if not len(tick):
         return tick.astype(np.int64)
     rel = (tick - tick.min()).astype(np.int64)
@@ -85,7 +85,7 @@ def reclaim_segment(rows: RowTable, n_segments: int, seg_used) -> list[int]:
     count = np.bincount(segs, minlength=n_segments)
     pinned = np.bincount(segs, weights=rows.pins[live] > 0, minlength=n_segments)
     recent = np.zeros(n_segments, np.uint64)
-    np.maximum.at(recent, segs, rows.tick[live])
+    np.maximum.at(recent, segs, rows.used(live))
     ok = (count > 0) & (pinned == 0) & (count == np.asarray(seg_used))
     if not ok.any():
         return []

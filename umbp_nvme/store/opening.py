@@ -369,7 +369,9 @@ class OpenSteps:
                 "%s: shrunk to ssd_capacity_bytes=%d (%d segments)", self.path, self.capacity_bytes, n_segments
             )
             o.shrink_from = None
-        self.writer.rows = RowTable(keys, recs, self.writer.alloc.free)
+        # room for a row per 4 KiB slot (the most objects the segments hold): filling never grows a column
+        slots = n_segments * self.writer.alloc.slots(SLOT_ALIGN_BYTES)
+        self.writer.rows = RowTable(keys, recs, self.writer.alloc.free, slots)
         self.writer.keys = self.writer.rows.index  # key -> row (the same dict)
         self._load_records(keys, recs, o)
         o.gen_max = int(recs["generation"].max()) if len(keys) else 0  # the clock starts above it (_start_clock)
