@@ -127,3 +127,31 @@ def test_a_batch_over_segments_hands_the_engines_the_facts_of_its_own_files(tmp_
         assert sf.batch(np.array([0, 1], np.int64)).facts == direct.merge(PAGE_CACHE)
     finally:
         sf.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_rebuild_in_passes_keeps_and_heals_exactly_what_one_pass_does(seed, monkeypatch):
+    """The rebuild takes its records a chunk at a time (segments.REBUILD_CHUNK); damage spread over
+    chunks (a segment named with two classes in different chunks, a slot named twice, records out
+    of range or misaligned) must be dropped as a single pass drops it."""
+    from umbp_nvme.store import segments
+
+    rng = np.random.default_rng(seed)
+    n = 400
+    segs = rng.integers(0, 7, n).astype(np.uint32)  # 6 segments: some records beyond them
+    cls = np.where(rng.random(n) < 0.15, 64 * KiB, 16 * KiB)  # a minority of another class
+    offs = (rng.integers(0, 20, n) * cls).astype(np.uint64)  # slots named twice, some past the segment's room
+    offs[rng.random(n) < 0.05] += 512  # misaligned
+    lens = (cls - rng.integers(0, 100, n)).astype(np.uint32)
+    gens = rng.permutation(n).astype(np.uint64) + 1
+
+    def state(chunk):
+        monkeypatch.setattr(segments, "REBUILD_CHUNK", chunk)
+        a = SegmentAllocator(6, 1 * MiB)
+        keep = a.rebuild(segs, offs, lens, gens)
+        return keep.tolist(), a.seg_class, a.seg_used, a.used_bytes, a.free_segments(), a.class_counts()
+
+    one = state(1 << 20)
+    assert 0 < sum(one[0]) < n  # the damage is there and some records survive it
+    for chunk in (1, 7, 64):
+        assert state(chunk) == one

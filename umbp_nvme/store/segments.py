@@ -35,6 +35,13 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
 
 
+REBUILD_CHUNK = 1 << 20  # records a rebuild pass takes at once (see SegmentAllocator.rebuild)
+
+
+def _chunks(n: int):
+    return (slice(lo, lo + REBUILD_CHUNK) for lo in range(0, n, REBUILD_CHUNK))
+
+
 def size_classes(lengths: np.ndarray) -> np.ndarray:
     return (-(-np.asarray(lengths, np.int64) // SLOT_ALIGN_BYTES)) * SLOT_ALIGN_BYTES
 
@@ -207,42 +214,46 @@ class SegmentAllocator:
         # by ``offs >= 0``; every sum below then stays far inside int64
         segs = np.asarray(segs, np.int64)  # a copy only when not int64 already (an open passes int64)
         offs = np.asarray(offs, np.int64)
-        cls = size_classes(lengths)
-        # slots of each record's class per segment; classes are few (one per pool): a table of them
-        grains = cls // SLOT_ALIGN_BYTES  # lengths are u32: at most 2**20 grains
-        present = np.flatnonzero(np.bincount(grains)) if len(grains) else np.zeros(0, np.int64)
-        table = np.zeros(int(present[-1]) + 1 if len(present) else 1, np.int64)
-        for g in present.tolist():
-            table[g] = self.slots(g * SLOT_ALIGN_BYTES)
-        room = table[grains]
-        keep = (
-            (lengths > 0)
-            & (offs >= 0)
-            & (segs >= 0)
-            & (segs < self.n_segments)
-            & (room > 0)
-            & (offs % np.maximum(cls, 1) == 0)
-            & (offs // np.maximum(cls, 1) < room)
-        )
+        n = len(segs)
+        keep = np.zeros(n, bool)
         self._reset()
-        idx = np.flatnonzero(keep)
-        if not len(idx):
+        if not n:
             return keep
-        # one size class per segment by construction: the majority class heals damage (rare, sorted)
+        table = self._class_slots(lengths)
+        # a pass at a time over REBUILD_CHUNK records: their temporaries are reused, where whole
+        # arrays of 10 M would each be fresh pages (a page fault costs ~5 us here: issue 36's reopen)
         seg_cls = np.zeros(self.n_segments, np.int64)
-        seg_cls[segs[idx]] = cls[idx]
-        if (seg_cls[segs[idx]] != cls[idx]).any():
-            idx = self._majority_class(segs, cls, keep, idx)
-            seg_cls[segs[idx]] = cls[idx]
+        mixed = False
+        for sl in _chunks(n):
+            s, o, cls = segs[sl], offs[sl], size_classes(lengths[sl])
+            room = table[cls // SLOT_ALIGN_BYTES]
+            c1 = np.maximum(cls, 1)
+            k = (cls > 0) & (o >= 0) & (s >= 0) & (s < self.n_segments) & (room > 0) & (o % c1 == 0) & (o // c1 < room)
+            keep[sl] = k
+            ks, kc = s[k], cls[k]
+            was = seg_cls[ks]
+            seg_cls[ks] = kc
+            mixed = mixed or bool(((was != 0) & (was != kc)).any() or (seg_cls[ks] != kc).any())
+        if not keep.any():
+            return keep
+        if mixed:  # one size class per segment by construction: the majority class heals damage (rare)
+            idx = self._majority_class(segs, size_classes(lengths), keep, np.flatnonzero(keep))
+            seg_cls[:] = 0
+            seg_cls[segs[idx]] = size_classes(lengths[idx])
         # one record per slot, at 4 KiB granularity (slots of every class start on one): a slot
         # named twice keeps its newest record (rare, sorted)
         per_seg = self.segment_bytes // SLOT_ALIGN_BYTES
-        grain = segs[idx] * per_seg + offs[idx] // SLOT_ALIGN_BYTES
         occ = np.zeros(self.n_segments * per_seg, bool)
-        occ[grain] = True
-        if np.count_nonzero(occ) != len(idx):
-            self._newest_per_slot(segs, offs, gens, keep, idx)
-        counts = np.bincount(segs[keep], minlength=self.n_segments)
+        kept = 0
+        for sl in _chunks(n):
+            k = keep[sl]
+            occ[segs[sl][k] * per_seg + offs[sl][k] // SLOT_ALIGN_BYTES] = True
+            kept += int(np.count_nonzero(k))
+        if np.count_nonzero(occ) != kept:
+            self._newest_per_slot(segs, offs, gens, keep, np.flatnonzero(keep))
+        counts = np.zeros(self.n_segments, np.int64)
+        for sl in _chunks(n):
+            counts += np.bincount(segs[sl][keep[sl]], minlength=self.n_segments)
         used_segs = np.flatnonzero(counts)
         for seg in used_segs.tolist():
             c, k = int(seg_cls[seg]), int(counts[seg])
@@ -258,6 +269,17 @@ class SegmentAllocator:
         free[used_segs] = False
         self._free_segs = np.flatnonzero(free).tolist()  # ascending: already a heap
         return keep
+
+    def _class_slots(self, lengths) -> np.ndarray:
+        """Per 4 KiB grain g: the slots a segment of class g * 4 KiB holds (0: none, or no record has it)."""
+        top = int(np.max(lengths)) if len(lengths) else 0  # lengths are u32: at most 2**20 grains
+        seen = np.zeros(-(-top // SLOT_ALIGN_BYTES) + 1, bool)
+        for sl in _chunks(len(lengths)):
+            seen[size_classes(lengths[sl]) // SLOT_ALIGN_BYTES] = True
+        table = np.zeros(len(seen), np.int64)
+        for g in np.flatnonzero(seen).tolist():  # classes are few (one per pool)
+            table[g] = self.slots(g * SLOT_ALIGN_BYTES)
+        return table
 
     def _majority_class(self, segs, cls, keep, idx) -> np.ndarray:
         """Drop (from ``keep``) the records whose class is not their segment's most common one; the kept indices."""
