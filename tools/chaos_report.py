@@ -20,7 +20,8 @@ kill left in doubt and a later acknowledged put replaced, one whose put answered
 every key so checked. The version part (tests/support/version_crash.py) kills a put between its
 data+records and its commit, then deletes, re-puts and clears, then rebuilds the index by every
 route (power loss, deleted, damaged, ``verify --rebuild-index``); the crash part rebuilds by one
-route in turn after its kills.
+route in turn after its kills. The flush part (tests/support/flush_kills.py) kills a relaxed
+flush before and after each of its engine calls; its kills count in ``kills``.
 
 The events part (tests/support/event_chaos.py) runs a node of `bench fleet` over three drives with
 a one-item KV-event queue and our subscriber through clean restarts, SIGKILLs and lost drives
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
     from support.fault_runs import fault_run
     from support.hygiene import hygiene_run
     from support.soak import soak_run
+    from support.flush_kills import flush_kill_run
     from support.version_crash import run_version_cases
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -100,6 +102,7 @@ def main(argv=None) -> int:
         crash, fr, sr, zr, hr = [], _EMPTY_FAULTS, _EMPTY_SOAK, _EMPTY_FUZZ, {"checks": 0, "findings": []}
         er = _EMPTY_EVENTS
         vr = _EMPTY_VERSIONS
+        fk = _EMPTY_FLUSH
         if not a.fuzz_only:
             # 1. crash survival: both durability modes, without and with eviction
             crash = []
@@ -121,6 +124,16 @@ def main(argv=None) -> int:
             print(f"versions: {vr['layouts']} kills x {len(vr['cases']) // max(1, vr['layouts'])} cases, "
                   f"{vr['versions_checked']} checked, wrong={vr['wrong_bytes']} stale={vr['stale_served']} "
                   f"resurrected={vr['resurrected']} lost={vr['lost_acknowledged']} errors={vr['errors']}", flush=True)
+            # 1c. a relaxed flush killed before and after each of its engine calls (quick: the test suite's
+            # tests/reliability/test_flush_kills.py runs the same, so CI does not pay for it twice)
+            if a.quick:
+                print("flush kills: not run in --quick (tests/reliability/test_flush_kills.py runs them)", flush=True)
+            else:
+                fk = flush_kill_run(os.path.join(work, "flush-kills"), log=say)
+                parts["flush_kills"] = {k: v for k, v in fk.items() if k != "examples"}
+                print(f"flush kills: {fk['kills_survived']}/{fk['kills']} survived ({fk['flush_calls']} engine calls), "
+                      f"{fk['versions_checked']} checked, wrong={fk['wrong_bytes']} stale={fk['stale_served']} "
+                      f"resurrected={fk['resurrected']} lost={fk['lost_acknowledged']}", flush=True)
             # 2. faults
             fr = fault_run(os.path.join(work, "faults"), rounds=fault_rounds, seed=a.seed, log=say)
             parts["faults"] = fr
@@ -171,18 +184,22 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
     report = {
-        "kills": sum(r["kills"] for r in crash),
-        "kills_survived": sum(r["kills_survived"] for r in crash),
+        "kills": sum(r["kills"] for r in crash) + fk["kills"],
+        "kills_survived": sum(r["kills_survived"] for r in crash) + fk["kills_survived"],
         "faults_injected": fr["faults_injected"],
         "bad_inputs_tried": zr["bad_inputs_tried"],
-        "wrong_bytes": sum(r["wrong_bytes"] for r in crash) + fr["wrong_bytes"] + sr["wrong_bytes"] + vr["wrong_bytes"],
-        "lost_acknowledged": sum(r["lost_acknowledged"] for r in crash) + vr["lost_acknowledged"],
+        "wrong_bytes": (sum(r["wrong_bytes"] for r in crash) + fr["wrong_bytes"] + sr["wrong_bytes"] + vr["wrong_bytes"]
+                        + fk["wrong_bytes"]),
+        "lost_acknowledged": (sum(r["lost_acknowledged"] for r in crash) + vr["lost_acknowledged"]
+                              + fk["lost_acknowledged"]),
         "hangs": sum(r["hangs"] for r in crash) + fr["hangs"] + sr["hangs"],
         "raised_from_v1": sum(r["raised_from_v1"] for r in crash) + fr["raised_from_v1"] + sr["raised_from_v1"],
         "soak_seconds": sr["soak_seconds"],
-        "versions_checked": sum(r["versions_checked"] for r in crash) + vr["versions_checked"] + sr["versions_checked"],
-        "resurrected": sum(r["resurrected"] for r in crash) + vr["resurrected"],
-        "stale_served": sum(r["stale_served"] for r in crash) + vr["stale_served"] + sr["stale_served"],
+        "versions_checked": (sum(r["versions_checked"] for r in crash) + vr["versions_checked"] + sr["versions_checked"]
+                             + fk["versions_checked"]),
+        "resurrected": sum(r["resurrected"] for r in crash) + vr["resurrected"] + fk["resurrected"],
+        "stale_served": (sum(r["stale_served"] for r in crash) + vr["stale_served"] + sr["stale_served"]
+                         + fk["stale_served"]),
         "phantom_pages": er["phantom_pages"],
         "missing_pages": er["missing_pages"],
     }
@@ -194,12 +211,14 @@ def main(argv=None) -> int:
     extra = {
         "mode": "quick" if a.quick else "full",
         "seconds": round(time.monotonic() - t0, 1),
-        "kills_by_mode": {f"{r['mode']}{'-evicting' if r['evicting'] else ''}": r["kills"] for r in crash},
+        "kills_by_mode": dict({f"{r['mode']}{'-evicting' if r['evicting'] else ''}": r["kills"] for r in crash},
+                              flush=fk["kills"]),
         "kills_by_phase": _sum_dicts(r["phases"] for r in crash),
         "rebuilds_after_kills": _sum_dicts(r["rebuilds"] for r in crash),
         "versions_checked_by_part": {"crash": sum(r["versions_checked"] for r in crash),
-                                     "versions": vr["versions_checked"], "soak": sr["versions_checked"]},
-        "version_mix_ups": [e for r in crash for e in r["examples"]][:8] + vr["examples"][:8],
+                                     "versions": vr["versions_checked"], "soak": sr["versions_checked"],
+                                     "flush_kills": fk["versions_checked"]},
+        "version_mix_ups": [e for r in crash for e in r["examples"]][:8] + vr["examples"][:8] + fk["examples"][:8],
         "unreadable_after_crash": sum(r["unreadable"] for r in crash),
         "over_capacity": sum(r["over_capacity"] for r in crash),
         "fill_after_crash_failed_batches": sum(r["fill_failed_batches"] for r in crash),
@@ -214,7 +233,7 @@ def main(argv=None) -> int:
         "event_drive_events": er["lost_drive_events"],
         "event_pages_lost_at_open": er["pages_lost_at_open"],
         "errors": [e for r in crash for e in r["errors"]][:10] + vr["errors"][:5] + fr["errors"][:5] + sr["errors"][:5]
-        + er["errors"][:5],
+        + er["errors"][:5] + fk["errors"][:5],
         "fuzz_harness": {"ok": fz["harness_ok"], "self_test": fz["harness"],
                          "metadata_control_ok": fz["metadata"]["control_ok"], "archive_control": fz["archive"]["control"]},
         "fuzz_failure_signatures": {f: fz[f]["failure_signatures"] for f in ("metadata", "keys", "archive")},
@@ -237,7 +256,7 @@ def main(argv=None) -> int:
         print(f"the events part saw {er['event_queue_drops']} drops and {er['restarts']} restarts, fewer than "
               f"{EVENT_DROPS_TARGET} and {EVENT_RESTARTS_TARGET}", flush=True)  # fmt: skip
     bad = (report["wrong_bytes"] or report["lost_acknowledged"] or report["hangs"] or report["raised_from_v1"]
-           or report["resurrected"] or report["stale_served"] or vr["errors"]
+           or report["resurrected"] or report["stale_served"] or vr["errors"] or fk["errors"]
            or report["phantom_pages"] or report["missing_pages"] or er["errors"] or few_events
            or report["kills_survived"] != report["kills"] or report["crashes"] or report["isolation_failures"]
            or not fz["harness_ok"] or short or few_versions)
@@ -247,6 +266,8 @@ def main(argv=None) -> int:
 VERSIONS_TARGET = 10_000  # full mode: keys checked against their acknowledged version
 EVENT_DROPS_TARGET = 1_000  # full mode: KV-event queue drops the subscriber must come through
 EVENT_RESTARTS_TARGET = 20  # full mode: restarts (clean and killed) in the events part
+_EMPTY_FLUSH = {"kills": 0, "kills_survived": 0, "versions_checked": 0, "wrong_bytes": 0, "stale_served": 0,
+                "resurrected": 0, "lost_acknowledged": 0, "flush_calls": 0, "errors": [], "examples": []}
 _EMPTY_EVENTS = {"phantom_pages": 0, "missing_pages": 0, "event_queue_drops": 0, "restarts": 0, "kills": 0,
                  "lost_drive_events": {}, "pages_lost_at_open": 0, "checks": 0, "errors": [], "seconds": 0.0}
 _EMPTY_VERSIONS = {"versions_checked": 0, "wrong_bytes": 0, "stale_served": 0, "resurrected": 0, "lost_acknowledged": 0,

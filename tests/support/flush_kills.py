@@ -132,3 +132,43 @@ async def survive(c: FlushKill, path: str, log_path: str) -> Tally:
         finally:
             await st.close()
     return tally
+
+
+def flush_kill_run(work: str, log=None) -> dict:
+    """Every kill point of the flush (before and after each counted call, and after it returned):
+    a child killed there, then ``survive``. Figures in the chaos report's terms."""
+    say = log or (lambda s: None)
+    out = dict(kills=0, kills_survived=0, versions_checked=0, wrong_bytes=0, stale_served=0, resurrected=0,
+               lost_acknowledged=0, flush_calls=0, errors=[], examples=[])  # fmt: skip
+    os.makedirs(work, exist_ok=True)
+
+    def child(c: FlushKill, name: str) -> tuple[str, str, str]:
+        d = os.path.join(work, name)
+        os.makedirs(d)
+        paths = (os.path.join(d, "store"), os.path.join(d, "acks"), os.path.join(d, "count"))
+        run_child(c, *paths)
+        return paths
+
+    whole = child(FlushKill(), "whole")
+    calls, ok = map(int, open(whole[2]).read().split())
+    out["flush_calls"] = calls
+    if not ok:
+        out["errors"].append("the flush that was not killed answered False")
+    for k, after in [(-1, False)] + [(k, a) for k in range(calls) for a in (False, True)]:
+        c = FlushKill(k=k, after=after)
+        try:
+            path, log_path, count = whole if k < 0 else child(c, f"k{k}-{int(after)}")
+            if k >= 0 and os.path.exists(count):
+                raise RuntimeError(f"kill point {k} ({'after' if after else 'before'}) was never reached")
+            t = asyncio.run(survive(c, path, log_path))
+        except Exception as e:  # noqa: BLE001 - counted, the run goes on
+            out["kills"] += 1
+            out["errors"].append(f"flush kill {k}/{after}: {e!r}")
+            continue
+        out["kills"] += 1
+        out["kills_survived"] += 1
+        for f, v in t.figures().items():
+            out[f] += v
+        out["examples"] += t.examples[: 8 - len(out["examples"])]
+        say(f"flush kill {k} {'after' if after else 'before'}: {t.figures()}")
+    return out
