@@ -180,6 +180,8 @@ class PageStore(
                 # the engines before that would let a late completion land in freed memory
                 log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, st.inflight)
                 await st.idle.wait()
+        if w is not None:
+            await self._stop_settles()
         if w is not None and st.index is not None and not self._loading():
             await self._settle_doubts()
             if await self.flush_for_close():

@@ -76,6 +76,8 @@ class PutPublish:
             if b.conf is not None and len(pj):  # their fdatasync completed: the next image of their blocks says so
                 c = pj[b.recorded[pj]]
                 self.writer.areas.confirm_later(b.conf if len(c) == m else b.conf[c])
+            elif not self.strict and len(pj):  # relaxed: confirmed when their segment is settled (flushing.py)
+                self._note_published(b.segs[pj], b.offs[pj], b.nbytes[pj], gen)
         rest = np.flatnonzero(~published)
         if len(rest):
             self._unrecord(b, rest)

@@ -92,6 +92,10 @@ class WriterState:
     late_writes: int = 0  # write batches that outlived io_timeout_s and still hold slots
     admission: Any = None  # admission.Admission, made at the first put (admit_gate.py); None for "all"
     residency: Any = None  # kv_residency.Residency: told which keys became visible / invisible (KV events)
+    # relaxed: per segment, (offsets, lengths, generations) of puts published since its last settle,
+    # and the settles running (flushing.py: a full segment's records confirmed while in memory)
+    unsettled: dict = field(default_factory=dict)
+    settles: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
