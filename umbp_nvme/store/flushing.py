@@ -63,6 +63,8 @@ class FlushSteps:
 
     async def _stop_settles(self) -> None:
         """At close, before its flush (which confirms everything): no settle runs on into it."""
+        if self.writer is None:
+            return
         tasks = list(self.writer.settles.values())
         for t in tasks:
             t.cancel()

@@ -74,8 +74,7 @@ class PageStore(
     """See docs/architecture.md for the contract. Create with ``await PageStore.open(...)``."""
 
     def __init__(self, state: StoreState, writer: WriterState | None) -> None:
-        """The store's whole state (state.py); ``writer`` is None on a read-only opener. The open
-        steps (opening.py) fill it in: create a store with ``await PageStore.open(...)``."""
+        """The store's state (state.py; ``writer`` None on a read-only opener), filled in by opening.py."""
         self.state = state
         self.writer = writer
 
@@ -180,8 +179,7 @@ class PageStore(
                 # the engines before that would let a late completion land in freed memory
                 log.warning("%s: close waits for %d calls whose I/O the kernel still holds", self.path, st.inflight)
                 await st.idle.wait()
-        if w is not None:
-            await self._stop_settles()
+        await self._stop_settles()
         if w is not None and st.index is not None and not self._loading():
             await self._settle_doubts()
             if await self.flush_for_close():
@@ -420,11 +418,7 @@ class PageStore(
                 pinned_slots=w.rows.pinned_count(), late_writes=w.late_writes,
                 puts_in_doubt_bytes=self.put_doubt_bytes(),
                 effective_capacity_bytes=self._effective_capacity(),
-                record_blocks_in_memory=w.areas.blocks_in_memory() if w.areas is not None else 0,  # 4 KiB each
-                # read back after they left memory: through the read engine, and (only when one left
-                # again before its change) by a blocking read on the loop thread
-                record_blocks_read_back=w.areas.fetched if w.areas is not None else 0,
-                record_blocks_read_on_loop=w.areas.read_on_loop if w.areas is not None else 0,
+                **_record_block_stats(w.areas),
             )
         else:
             s.update(objects=self.object_count())
@@ -473,3 +467,12 @@ class PageStore(
 
     async def __aexit__(self, *exc):
         await self.close()
+
+
+def _record_block_stats(areas) -> dict:
+    """The writer's record blocks (4 KiB each): held in memory, and read back after they left it,
+    through the read engine or (only when one left again before its change) on the loop thread."""
+    if areas is None:
+        return dict(record_blocks_in_memory=0, record_blocks_read_back=0, record_blocks_read_on_loop=0)
+    return dict(record_blocks_in_memory=areas.blocks_in_memory(), record_blocks_read_back=areas.fetched,
+                record_blocks_read_on_loop=areas.read_on_loop)  # fmt: skip
