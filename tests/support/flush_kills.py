@@ -9,6 +9,10 @@ calls (read_many, write_many, sync) and kills the process before or after call `
 past the last call it kills itself after the flush returned. ``flush_calls`` is the count the
 wrapper saw in a child that was not killed. The parent checks every key against the version
 oracle (support/versions.py) after a reopen and after a rebuild from the records alone.
+
+``phase="settle"`` kills the same way inside a relaxed writer's settle instead (flushing.py: the
+put batch that fills segment 0, then the settle it starts: sync, confirm, block write), with a
+record cache that holds the segment's blocks, so the settle has records in memory to confirm.
 """
 
 from __future__ import annotations
@@ -39,10 +43,13 @@ class FlushKill:
     k: int = -1  # the counted call to kill at (-1: none: report the count and kill after the flush)
     after: bool = False  # kill after the call returned, not before it was made
     keys: int = 320  # over two segments of 1 MiB at 4 KiB: ~20 record blocks
+    phase: str = "flush"  # or "settle": the put batch that fills segment 0 and the settle it starts
 
     def config(self) -> StoreConfig:
+        # the settle confirms blocks still in memory: a cache that holds a segment's (15 blocks)
+        cache = 0 if self.phase == "flush" else 64 * 4096
         return StoreConfig(ssd_capacity_bytes=16 * MiB, ssd_segment_size_bytes=1 * MiB, ssd_durability_mode="relaxed",
-                           ssd_record_cache_bytes=0, ssd_queue_depth=64, io_timeout_s=20.0)  # fmt: skip
+                           ssd_record_cache_bytes=cache, ssd_queue_depth=64, io_timeout_s=20.0)  # fmt: skip
 
     def names(self) -> list[str]:
         return [f"flush-{i:04d}" for i in range(self.keys)]
@@ -88,12 +95,21 @@ def flush_child(c: FlushKill, path: str, log_path: str, count_path: str) -> None
         st = await PageStore.open(path, c.config(), engine_factory=factory)
         s = Session(st, OBJ, VersionModel(), AckLog(log_path), 1)
         keys = c.names()
+        a = st.writer.alloc
         for lo in range(0, len(keys), 16):
+            if c.phase == "settle" and a.seg_used[0] + 16 >= a.slots(OBJ):  # this batch fills segment 0
+                plan["armed"] = True
+                await s.put(keys[lo : lo + 16])
+                while st.writer.settles:  # the settle it started: sync, confirm, block write
+                    await asyncio.sleep(0.005)
+                ok = True
+                break
             await s.put(keys[lo : lo + 16])
-        await s.reput(keys[::5])  # new versions into freed slots: the old versions' records are dead
-        await s.delete(keys[1::7])  # tombstones in blocks that left memory
-        plan["armed"] = True
-        ok = await st.flush()
+        if c.phase == "flush":
+            await s.reput(keys[::5])  # new versions into freed slots: the old versions' records are dead
+            await s.delete(keys[1::7])  # tombstones in blocks that left memory
+            plan["armed"] = True
+            ok = await st.flush()
         with open(count_path, "w") as f:
             f.write(f"{plan['calls']} {int(ok)}")
         os.kill(os.getpid(), signal.SIGKILL)  # past the last step: killed after the flush
@@ -134,9 +150,10 @@ async def survive(c: FlushKill, path: str, log_path: str) -> Tally:
     return tally
 
 
-def flush_kill_run(work: str, log=None) -> dict:
+def flush_kill_run(work: str, log=None, phase: str = "flush") -> dict:
     """Every kill point of the flush (before and after each counted call, and after it returned):
-    a child killed there, then ``survive``. Figures in the chaos report's terms."""
+    a child killed there, then ``survive``. Figures in the chaos report's terms. ``phase="settle"``:
+    the same for a relaxed writer's settle of a segment (flushing.py) and the put that starts it."""
     say = log or (lambda s: None)
     out = dict(kills=0, kills_survived=0, versions_checked=0, wrong_bytes=0, stale_served=0, resurrected=0,
                lost_acknowledged=0, flush_calls=0, errors=[], examples=[])  # fmt: skip
@@ -149,13 +166,13 @@ def flush_kill_run(work: str, log=None) -> dict:
         run_child(c, *paths)
         return paths
 
-    whole = child(FlushKill(), "whole")
+    whole = child(FlushKill(phase=phase), "whole")
     calls, ok = map(int, open(whole[2]).read().split())
     out["flush_calls"] = calls
     if not ok:
         out["errors"].append("the flush that was not killed answered False")
     for k, after in [(-1, False)] + [(k, a) for k in range(calls) for a in (False, True)]:
-        c = FlushKill(k=k, after=after)
+        c = FlushKill(k=k, after=after, phase=phase)
         try:
             path, log_path, count = whole if k < 0 else child(c, f"k{k}-{int(after)}")
             if k >= 0 and os.path.exists(count):
