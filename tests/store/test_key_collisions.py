@@ -127,12 +127,13 @@ async def test_long_keys_beyond_a_records_inline_bytes_collide_safely(store_dir,
 
 
 @pytest.mark.parametrize("narrow", [2], indirect=True)
-async def test_after_a_reopen_the_records_are_read_in_the_datas_batch_and_the_index_stands_in_for_a_failed_one(
+async def test_after_a_reopen_the_records_are_read_beside_the_data_and_the_index_stands_in_for_a_failed_one(
     store_dir, narrow
 ):
-    """A writer's records are not in memory after an open: a get reads the hits' record blocks in
-    the same engine batch as their data (one batch per get). Where a record block cannot be read,
-    the index confirms the key instead: the same bytes, nothing taken for damage."""
+    """A writer's records are not in memory after an open: a get reads the hits' record blocks as
+    an engine batch of their own, started once the data's batch is in flight (the data's batch is
+    never held up for them). Where a record block cannot be read, the index confirms the key
+    instead: the same bytes, nothing taken for damage."""
     from support.faults import EngineHooks
 
     keys = [f"k{i}" for i in range(12)]  # 4 hash values: every key collides with others
@@ -156,11 +157,12 @@ async def test_after_a_reopen_the_records_are_read_in_the_datas_batch_and_the_in
     assert res == [True] * 12 + [False]
     assert all(bytes(o) == bytes(payload(k, 8 * KiB)) for k, o in zip(keys, outs))
     data_batches = [b for b in batches if 8 * KiB in b]
-    assert len(data_batches) == 1 and data_batches[0].count(4 * KiB) >= 1  # the record blocks rode along
+    assert len(data_batches) == 1 and 4 * KiB not in data_batches[0]
+    assert [b for b in batches if b not in data_batches] == [[4 * KiB] * len(batches[-1])]  # the record blocks
     fail_records = True
     batches.clear()
     res, outs = await read(st, keys + ["absent"], 8 * KiB)
-    assert batches and all(4 * KiB in b for b in batches)  # the failed record reads were really asked for
+    assert any(4 * KiB in b for b in batches)  # the failed record reads were really asked for
     assert res == [True] * 12 + [False]
     assert all(bytes(o) == bytes(payload(k, 8 * KiB)) for k, o in zip(keys, outs))
     assert st.stats()["objects"] == 12 and st.stats()["crc_errors"] == 0

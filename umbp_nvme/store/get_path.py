@@ -167,45 +167,54 @@ class GetPath(DeviceReads, ReadChecks):
             except OSError as e:
                 for j in range(m_host, m):
                     refused.add(keys[int(b.idx[j])], str(e))
-        hits = conf = during = None  # writers: a hash hit is confirmed by its row's record (keymap.py)
+        conf = during = None  # writers: a hash hit is confirmed by its row's record (keymap.py)
         box: list = []
         if self.writer is not None:
-            in_memory = self._records_in_memory(b)
-            one = self._one_host_part(b, m_host, route)
-            if one and not in_memory:
-                hits = Hits(self.writer.keys, b, keys)  # the record blocks ride in the data's engine batch
-            elif one:  # compared while the data is in flight, once its batch is submitted
-                during = lambda: box.append(Hits(self.writer.keys, b, keys).answer())  # noqa: E731
+            if self._one_host_part(b, m_host, route):
+                # the data's batch is submitted first: what confirming its hits takes is found while it is in flight
+                during = lambda: box.append(self._hits_during(b, keys))  # noqa: E731
             else:
-                conf = await self._confirm_begin(b, keys, in_memory)
-        outcome = await self._read(b, m_host, route, None if hits is None else hits.reads, during)
-        if outcome is None:
-            return  # timed out: counted and logged by _await_io
-        good, verified = outcome
-        if self.writer is None:
-            verified &= self._unchanged(b, keys)
-        else:  # another key's row (a hash collision): a miss, neither a hit nor damage
-            if conf is not None:
-                mine = await conf
-            elif hits is not None:
-                mine = hits.answer() if good.any() else np.zeros(m, bool)
-            else:  # none when the comparison failed (logged): nothing is confirmed
-                mine = box[0] if box else np.zeros(m, bool)
-            good &= mine
-            verified &= mine
+                conf = await self._confirm_begin(b, keys, self._records_in_memory(b))
+        try:
+            outcome = await self._read(b, m_host, route, during)
+            if outcome is None:
+                return  # timed out: counted and logged by _await_io
+            good, verified = outcome
+            if self.writer is None:
+                verified &= self._unchanged(b, keys)
+            else:  # another key's row (a hash collision): a miss, neither a hit nor damage
+                if box and isinstance(box[0], asyncio.Future):
+                    conf = box.pop()
+                if conf is not None:
+                    mine = await conf
+                else:  # none when the comparison failed (logged): nothing is confirmed
+                    mine = box[0] if box else np.zeros(m, bool)
+                good &= mine
+                verified &= mine
+        finally:
+            for t in (conf, *box):  # a timed-out or cancelled read: its record reads end too
+                if isinstance(t, asyncio.Future) and not t.done():
+                    t.cancel()
+                    await settle(t)
         await self._account(b, keys, good, verified, results, refused)
+
+    def _hits_during(self, b: ReadBatch, keys):
+        """While the data is in flight: whether each row holds its key, or where a record must be
+        read (after an open), a task reading those blocks as a batch of their own and answering that."""
+        if self._records_in_memory(b):
+            return Hits(self.writer.keys, b, keys).answer()
+        return asyncio.ensure_future(self._confirmed(b, keys))
 
     @staticmethod
     def _one_host_part(b: ReadBatch, m_host: int, route) -> bool:
-        """The whole batch goes to host memory in one engine batch (read_parts makes one part):
-        records that must be read (after an open) then ride in it, one batch and one wait, not two;
-        otherwise _confirm_begin reads them as a batch of their own."""
+        """The whole batch goes to host memory in one engine batch (read_parts makes one part): it is
+        submitted before anything its hits' confirmation needs is looked at (_hits_during); otherwise
+        _confirm_begin starts that confirmation first."""
         return route is None and m_host == len(b) and int(b.lens.sum()) <= PART_BYTES
 
-    async def _read(self, b: ReadBatch, m_host: int, route, extra=None, during=None):
+    async def _read(self, b: ReadBatch, m_host: int, route, during=None):
         """Pin, read, verify, unpin: (complete, verified) per object; None when the read timed out.
-        ``extra``: record blocks (row_keys.RecordReads) read in the same engine batch (one part);
-        ``during``: called once that batch is submitted, while it is in flight (one part)."""
+        ``during``: called once the engine batch is submitted, while it is in flight (one part)."""
         m = len(b)
         rows = b.rows
         if rows is not None:
@@ -219,7 +228,7 @@ class GetPath(DeviceReads, ReadChecks):
                 plan = staging.unbounced(b.dst, b.lens)
             else:
                 plan = staging.plan(self.state.bounce, files.direct[b.segs], files.align[b.segs], b.dst, b.lens, b.devm)
-            jobs = [self._read_parts(b, plan, m_host, good, verified, extra, during)] if m_host else []
+            jobs = [self._read_parts(b, plan, m_host, good, verified, during)] if m_host else []
             if route is not None:
                 jobs.append(self._read_device_part(b, route, m_host, m, good, verified))
             timed_out = False
@@ -249,13 +258,13 @@ class GetPath(DeviceReads, ReadChecks):
                 plan.release(self.state.bounce)
         return good, verified
 
-    async def _read_parts(self, b: ReadBatch, plan, m_host: int, good, verified, extra=None, during=None) -> None:
+    async def _read_parts(self, b: ReadBatch, plan, m_host: int, good, verified, during=None) -> None:
         """Read host ops [0, m_host) in parts (read_parts: how many, how many in flight) and verify
         the objects of each part as soon as its read completes, so the CRC overlaps the rest's I/O.
         Raises the first part's failure (a TimeoutError first) once no part is in flight."""
         bounds, window = read_parts(b.lens[:m_host])
-        if len(bounds) == 2 or extra is not None or during is not None:  # those: _one_host_part said one part
-            return await self._read_one_part(b, plan, m_host, good, verified, extra, during)
+        if len(bounds) == 2 or during is not None:  # during: _one_host_part said one part
+            return await self._read_one_part(b, plan, m_host, good, verified, during)
         todo = list(zip(bounds, bounds[1:]))[::-1]
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         running: dict[asyncio.Future, tuple[int, int, asyncio.Future]] = {}  # wait -> (lo, hi, engine batch)
@@ -302,16 +311,16 @@ class GetPath(DeviceReads, ReadChecks):
         if failures:
             raise next((e for e in failures if isinstance(e, asyncio.TimeoutError)), failures[0])
 
-    async def _read_one_part(self, b: ReadBatch, plan, m: int, good, verified, extra=None, during=None) -> None:
+    async def _read_one_part(self, b: ReadBatch, plan, m: int, good, verified, during=None) -> None:
         """_read_parts for a batch read in one part (the common small batch): its engine batch
         awaited directly, no wait task or asyncio.wait per part (each costs loop turns)."""
         eng = self.state.read_engine
-        args = self._read_args(b, plan, 0, m, extra)
+        args = self._read_args(b, plan, 0, m)
         started = io = None
         if args[1] is not None and hasattr(eng, "start_read_crc"):  # submitted now: no loop pass before the device starts
             started = eng.start_read_crc(*args[0], args[1])
         if started is None:
-            io = self._engine_read(b, plan, 0, m, extra, args)
+            io = self._engine_read(b, plan, 0, m, args)
         if during is not None:
             if io is not None:
                 await asyncio.sleep(0)  # its task's first step submits the batch
@@ -326,40 +335,33 @@ class GetPath(DeviceReads, ReadChecks):
         if res is None:
             raise asyncio.TimeoutError
         res, got = res if type(res) is tuple else (res, None)
-        if extra is not None:
-            extra.res, res, got = res[m:], res[:m], None if got is None else got[:m]
         good[:m] = ok = res >= b.lens[:m]  # the object must come back whole; more is padding
         if got is not None and m == len(b) and got.min(initial=0) >= 0:  # every CRC computed as its read completed
             verified[:] = ok & ((got == b.crcs) | ((b.flags & FLAG_CRC) == 0))
         else:
             verified[:m] = await self._verify(b, plan, np.arange(m), ok, got)
 
-    def _engine_read(self, b: ReadBatch, plan, lo: int, hi: int, extra=None, args=None) -> asyncio.Future:
+    def _engine_read(self, b: ReadBatch, plan, lo: int, hi: int, args=None) -> asyncio.Future:
         """The engine batch reading ops [lo, hi) (``_read_args``), as a task."""
-        (files, offs, addrs, lens), crc_lens = self._read_args(b, plan, lo, hi, extra) if args is None else args
+        (files, offs, addrs, lens), crc_lens = self._read_args(b, plan, lo, hi) if args is None else args
         eng = self.state.read_engine
         if crc_lens is None:
             return asyncio.ensure_future(eng.read_many(files, offs, addrs, lens))
         return asyncio.ensure_future(eng.read_many_crc(files, offs, addrs, lens, crc_lens))
 
-    def _read_args(self, b: ReadBatch, plan, lo: int, hi: int, extra=None):
+    def _read_args(self, b: ReadBatch, plan, lo: int, hi: int):
         """((files, offsets, addresses, lengths), CRC lengths or None) of the engine batch reading
         ops [lo, hi). Where the engine can (io_uring) and nothing is bounced, it also returns each
         object's CRC, computed as its read completes: the checksums run while the rest of the batch
         is in flight instead of after its last completion (on a RAM-backed device that was
         ~0.5-0.8 ms of a 16 MiB batch's ~5 ms, issue 36)."""
         segs, offs, addrs, lens = b.segs[lo:hi], b.offs[lo:hi], plan.io_addr[lo:hi], plan.io_len[lo:hi]
-        if extra is not None:  # ops hi.. of the engine batch
-            segs, offs = np.concatenate([segs, extra.segs]), np.concatenate([offs, extra.offs])
-            addrs, lens = np.concatenate([addrs, extra.addrs]), np.concatenate([lens, extra.lens])
         args = (self.state.files.batch(segs), offs, addrs, lens)
         # a part over INLINE_PART_BYTES is checked on a worker once read (the loop's core stays free)
         if (not hasattr(self.state.read_engine, "read_many_crc") or plan.bounced or not self.verify_crc
                 or int(b.lens[lo:hi].sum()) > INLINE_PART_BYTES):  # fmt: skip
             return args, None
-        crc_lens = np.zeros(len(lens), np.int64)
-        crc_lens[: hi - lo] = np.where((b.flags[lo:hi] & FLAG_CRC) != 0, b.lens[lo:hi], 0)
-        return args, crc_lens
+        return args, np.where((b.flags[lo:hi] & FLAG_CRC) != 0, b.lens[lo:hi], 0).astype(np.int64)
 
     def _start_parts(self, b: ReadBatch, plan, todo: list, running: dict, k: int, deadline: float) -> None:
         """Start up to k parts from ``todo``: their engine batches first, so the next loop step

@@ -223,7 +223,7 @@ class Lookups:
 class Hits:
     """A writer's get hits to confirm (a hash hit is a candidate: keymap.py): keys longer than a
     record holds in memory, the others by their records (row_keys.HitCheck: ``reads`` are the
-    record blocks to read, beside the data or on their own), what neither confirms by the index."""
+    record blocks to read, as a batch of their own), what neither confirms by the index."""
 
     def __init__(self, km, b: ReadBatch, keys):
         rows = b.rows

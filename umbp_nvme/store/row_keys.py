@@ -235,7 +235,7 @@ class RecordReads:
         self.offs = st.segment_bytes - ((pairs & 0xFFFFFFFF) + 1) * SLOT_ALIGN_BYTES  # block_offset, vectorised
         self.raw, self.arr, self.addrs = block_buffer(n)
         self.lens = np.full(n, SLOT_ALIGN_BYTES, np.int64)
-        self.res = None  # the block reads' results, where the caller read them beside its data
+        self.res = None  # the block reads' results (get path: lookups._confirmed reads them)
 
     def records(self, res) -> np.ndarray:
         """Slot i's record where its block came back whole, zeros (no record) where not."""
@@ -248,8 +248,8 @@ class RecordReads:
 
 class HitCheck:
     """Whether each of a get's hash hits (rows) holds its key (enc), by the rows' records: those in
-    memory gathered at once, the others' blocks read (``reads``: by the get path, beside the data or
-    as a batch of their own, which sets ``reads.res``)."""
+    memory gathered at once, the others' blocks read (``reads``: by the get path, as a batch of
+    their own submitted while the data is in flight, which sets ``reads.res``)."""
 
     def __init__(self, src: WriterKeys, enc: list, rows: np.ndarray):
         self.src, self.enc, self.rows = src, enc, rows
