@@ -186,4 +186,7 @@ def test_a_record_that_names_another_key_is_never_an_answer(tmp_path):
     assert got == [recs[i].tobytes() for i in range(3)] + [None, recs[4].tobytes(), recs[5].tobytes(), None]
     assert ix.exists_prefix(keys) == 3 and ix.exists_prefix(keys[4:]) == 2 and ix.exists_prefix(keys[:2]) == 2
     assert ix.exists_prefix([b"absent", *keys]) == 0
+    ix.commit([(b"short", b"x" * 40)])  # a value that is no record among records: the check still sees key 3's
+    assert ix.get_records([keys[3], b"short", keys[2]]) == [None, b"x" * 40, recs[2].tobytes()]
+    assert ix.get_records([b"short"]) == [b"x" * 40]
     ix.close()

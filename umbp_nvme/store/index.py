@@ -91,12 +91,14 @@ def key_crcs(keys: list[bytes]) -> np.ndarray:
 
 def _foreign(keys: list[bytes], vals: list[bytes]) -> np.ndarray:
     """Whether each record's key checksum says it is another key's (one C call for the CRCs)."""
+    if set(map(len, vals)) == {REC_BYTES}:  # the usual lookup: no per-key selection (half a reader's exists)
+        recs = np.frombuffer(b"".join(vals), REC_DTYPE)
+        return ((recs["flags"] & FLAG_KEYCRC) != 0) & (recs["key_crc"] != key_crcs(keys))
     whole = [i for i, v in enumerate(vals) if len(v) == REC_BYTES]  # a shorter value: scan's business
     out = np.zeros(len(vals), bool)
     if whole:
         recs = np.frombuffer(b"".join([vals[i] for i in whole]), REC_DTYPE)
-        crcs = key_crcs([keys[i] for i in whole])
-        out[whole] = ((recs["flags"] & FLAG_KEYCRC) != 0) & (recs["key_crc"] != crcs)
+        out[whole] = ((recs["flags"] & FLAG_KEYCRC) != 0) & (recs["key_crc"] != key_crcs([keys[i] for i in whole]))
     return out
 
 
@@ -319,10 +321,8 @@ class Index:
                  writemap: bool = False):
         """``writemap``: the serving writer's commits write into the map (index_room.py), where the
         file system allows it; handles sharing its environment allocate room the same way."""
-        self.path = path
+        self.path, self.readonly, self.durable = path, readonly, durable
         self._walked: dict = {}  # what the page walk before a writer's open read (scan_walked)
-        self.readonly = readonly
-        self.durable = durable
         # a writer creating the store makes the file, then its meta pages, then its databases:
         # a reader that races it waits that moment instead of failing
         deadline = time.monotonic() + wait_s
