@@ -177,15 +177,35 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _run_trials(template, tmp_path, trials) -> list[dict]:
+def _run_trials(template, tmp_path, trials, children: int = 2) -> list[dict]:
+    """Each trial's answers, in trial order: the trials dealt round-robin to ``children`` child
+    processes that run side by side, each in a directory of its own (CI's second core)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    p = subprocess.run(
-        [sys.executable, "-c", _CHILD, template, str(tmp_path), json.dumps(trials)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert p.returncode == 0, f"child died (exit {p.returncode}; -7 is SIGBUS):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    outs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    assert len(outs) == len(trials), p.stderr[-3000:]
+    runs = []
+    for c in range(children):
+        work = tmp_path / f"child{c}"
+        work.mkdir()
+        out, err = open(work / "stdout", "w+"), open(work / "stderr", "w+")  # files: no pipe fills while we wait on another
+        p = subprocess.Popen([sys.executable, "-c", _CHILD, template, str(work), json.dumps(trials[c::children])],
+                             stdout=out, stderr=err, text=True, env=env)  # fmt: skip
+        runs.append((p, out, err))
+    try:
+        rcs = [p.wait(timeout=600) for p, _, _ in runs]
+    finally:
+        for p, _, _ in runs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    got = []
+    for c, ((_, out, err), rc) in enumerate(zip(runs, rcs)):
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        out.close(), err.close()
+        assert rc == 0, f"child died (exit {rc}; -7 is SIGBUS):\n{stdout[-3000:]}\n{stderr[-3000:]}"
+        got.append([json.loads(line) for line in stdout.splitlines() if line.startswith("{")])
+        assert len(got[c]) == len(trials[c::children]), stderr[-3000:]
+    outs = [got[i % children][i // children] for i in range(len(trials))]
+    assert [o["trial"] for o in outs] == trials
     for o in outs:
         assert o["ro"] in ("ok", "IndexDamagedError", "FileNotFoundError"), o
         # a flipped record is a record verify reports bad (its CRC or extent), never a crash
