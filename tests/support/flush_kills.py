@@ -21,6 +21,7 @@ import asyncio
 import os
 import shutil
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,13 +172,19 @@ def flush_kill_run(work: str, log=None, phase: str = "flush") -> dict:
     out["flush_calls"] = calls
     if not ok:
         out["errors"].append("the flush that was not killed answered False")
-    for k, after in [(-1, False)] + [(k, a) for k in range(calls) for a in (False, True)]:
+    def point(k: int, after: bool) -> Tally:
         c = FlushKill(k=k, after=after, phase=phase)
+        path, log_path, count = whole if k < 0 else child(c, f"k{k}-{int(after)}")
+        if k >= 0 and os.path.exists(count):
+            raise RuntimeError(f"kill point {k} ({'after' if after else 'before'}) was never reached")
+        return asyncio.run(survive(c, path, log_path))
+
+    points = [(-1, False)] + [(k, a) for k in range(calls) for a in (False, True)]
+    with ThreadPoolExecutor(2) as pool:  # two points at a time, each in its own directory (a second core)
+        done = [pool.submit(point, k, after) for k, after in points]
+    for (k, after), f in zip(points, done):
         try:
-            path, log_path, count = whole if k < 0 else child(c, f"k{k}-{int(after)}")
-            if k >= 0 and os.path.exists(count):
-                raise RuntimeError(f"kill point {k} ({'after' if after else 'before'}) was never reached")
-            t = asyncio.run(survive(c, path, log_path))
+            t = f.result()
         except Exception as e:  # noqa: BLE001 - counted, the run goes on
             out["kills"] += 1
             out["errors"].append(f"flush kill {k}/{after}: {e!r}")
