@@ -172,10 +172,12 @@ async def test_transient_segment_open_failure_refuses_and_keeps_the_index(store_
     await st.close()
 
 
-async def test_gone_or_short_segments_drop_only_what_they_lost(store_dir):
+@pytest.mark.parametrize("chunk", [1 << 20, 4])
+async def test_gone_or_short_segments_drop_only_what_they_lost(store_dir, chunk, monkeypatch):
     keys = await filled(store_dir, 8, 3 * PER)  # segments 0, 1, 2 full (PER objects each)
     os.unlink(os.path.join(store_dir, segment_name(0)))
     os.truncate(os.path.join(store_dir, segment_name(1)), 5 * OBJ)  # objects PER..PER+4 intact
+    monkeypatch.setattr(segments_mod, "REBUILD_CHUNK", chunk)  # 4: the open checks records a few at a time (key order)
     st = await PageStore.open(store_dir, cfg(8))
     ok = await check(st, keys)
     assert ok == [PER <= i < PER + 5 or i >= 2 * PER for i in range(3 * PER)]

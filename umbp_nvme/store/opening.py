@@ -26,7 +26,7 @@ from ..engine import apply_io_policy, open_engine
 from ..engine.base import errno_name
 from ..errors import IndexDamagedError, ManifestDamagedError, StoreError, UnsafeStorePathError
 from ..keybytes import encode_key
-from . import layout
+from . import layout, segments
 from .index import INDEX_FILE, REC_BYTES, Index, wrap_lmdb_error
 from .index_check import trim_heap
 from .index_swap import DAMAGED_COPIES_KEPT, damaged_copy_name, prune_damaged, replace_index, settle_leftovers
@@ -401,15 +401,23 @@ class OpenSteps:
         keep = self.writer.alloc.rebuild(segs, offs, lens, recs["generation"])
         # generations count puts: one near 2**64 is damage and would overflow the clock
         keep &= recs["generation"] < GENERATION_MAX
-        kk = np.flatnonzero(keep)
-        ks = segs[kk]
+        # a chunk of records at a time: temporaries reused, where whole arrays of 10 M records
+        # (their selections, sums, gathers) would each be fresh pages (issue 36's reopen)
+        step = segments.REBUILD_CHUNK
+        chunks = [slice(lo, lo + step) for lo in range(0, len(segs), step)]
+        used = np.zeros(n_segments, bool)  # the segments kept records name (rebuild keeps s < n_segments)
+        for c in chunks:
+            used[segs[c][keep[c]]] = True
         sizes = np.full(n_segments, -1, np.int64)  # -1: the file is gone
-        for s in np.flatnonzero(np.bincount(ks, minlength=n_segments)).tolist():  # no sort of a million
+        for s in np.flatnonzero(used).tolist():
             size = self._segment_size(s)
             sizes[s] = -1 if size is None else size
-        ends = offs[kk] + lens[kk]
-        keep[kk] = ends <= sizes[ks]
-        for s in np.flatnonzero(np.bincount(segs[keep], minlength=n_segments)).tolist():
+        used[:] = False
+        for c in chunks:
+            k = keep[c]  # a view: the records whose extent ends past their file's end are dropped in place
+            k &= offs[c] + lens[c] <= sizes[np.minimum(segs[c], n_segments - 1)]  # the others are False already
+            used[segs[c][k]] = True
+        for s in np.flatnonzero(used).tolist():
             self._open_segment_for_load(s)
         if keep.all():
             return keys, recs
