@@ -9,6 +9,7 @@ Reads: writer.keys and writer.rows (writers), state.watch and state.index (reade
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 
@@ -17,6 +18,8 @@ from .checks import plain_keys
 from .row_keys import HitCheck
 from .index import REC_BYTES, REC_DTYPE
 from .rows import OFF_SHIFT
+
+log = logging.getLogger("umbp_nvme.store")
 
 
 class ReadBatch:
@@ -187,8 +190,16 @@ class Lookups:
         if behind:
             await asyncio.sleep(0)  # the data read's task, started after this one, runs (submits) first
         hits = Hits(self.writer.keys, b, keys)
-        if hits.reads is not None:  # the record blocks as a batch of their own
-            hits.reads.res = await self.writer.keys.source.read_blocks(hits.reads)
+        rr = hits.reads
+        if rr is not None:  # the record blocks as a batch of their own; unreadable ones confirm nothing (a miss)
+            read = asyncio.ensure_future(self.state.read_engine.read_many(
+                self.state.files.batch(rr.segs), rr.offs, rr.addrs, rr.lens))  # fmt: skip
+            try:  # None at io_timeout_s; it returns (or raises our caller's cancellation) once the batch has ended
+                rr.res = await self._await_io(read, "read", rr.segs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                log.error("%s: reading %d record blocks failed: %r", self.path, len(rr.lens), e)
         return hits.answer()
 
     def _batch_of_rows(self, rows) -> ReadBatch | None:

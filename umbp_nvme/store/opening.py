@@ -68,6 +68,28 @@ def _crc32c_fn():
     return crc32c, crc32c_many
 
 
+def _on_disk(segs, offs, lens, keep, n_segments: int, size_of) -> list[int]:
+    """Drop from ``keep`` (in place) the kept records whose extent ends past their segment file's
+    end (``size_of(s)``: its size, None when it is gone); the segments the rest name. A chunk of
+    records at a time: temporaries reused, where whole arrays of 10 M records (their selections,
+    sums, gathers) would each be fresh pages (issue 36's reopen)."""
+    step = segments.REBUILD_CHUNK
+    chunks = [slice(lo, lo + step) for lo in range(0, len(segs), step)]
+    used = np.zeros(n_segments, bool)  # the segments kept records name (the allocator keeps s < n_segments)
+    for c in chunks:
+        used[segs[c][keep[c]]] = True
+    sizes = np.full(n_segments, -1, np.int64)  # -1: the file is gone
+    for s in np.flatnonzero(used).tolist():
+        size = size_of(s)
+        sizes[s] = -1 if size is None else size
+    used[:] = False
+    for c in chunks:
+        k = keep[c]  # a view: the check drops in place; records not kept are False already
+        k &= offs[c] + lens[c] <= sizes[np.minimum(segs[c], n_segments - 1)]
+        used[segs[c][k]] = True
+    return np.flatnonzero(used).tolist()
+
+
 class OpenSteps:
     """PageStore's open path (a mixin): these steps fill in the store's state (state.py)."""
 
@@ -401,23 +423,7 @@ class OpenSteps:
         keep = self.writer.alloc.rebuild(segs, offs, lens, recs["generation"])
         # generations count puts: one near 2**64 is damage and would overflow the clock
         keep &= recs["generation"] < GENERATION_MAX
-        # a chunk of records at a time: temporaries reused, where whole arrays of 10 M records
-        # (their selections, sums, gathers) would each be fresh pages (issue 36's reopen)
-        step = segments.REBUILD_CHUNK
-        chunks = [slice(lo, lo + step) for lo in range(0, len(segs), step)]
-        used = np.zeros(n_segments, bool)  # the segments kept records name (rebuild keeps s < n_segments)
-        for c in chunks:
-            used[segs[c][keep[c]]] = True
-        sizes = np.full(n_segments, -1, np.int64)  # -1: the file is gone
-        for s in np.flatnonzero(used).tolist():
-            size = self._segment_size(s)
-            sizes[s] = -1 if size is None else size
-        used[:] = False
-        for c in chunks:
-            k = keep[c]  # a view: the records whose extent ends past their file's end are dropped in place
-            k &= offs[c] + lens[c] <= sizes[np.minimum(segs[c], n_segments - 1)]  # the others are False already
-            used[segs[c][k]] = True
-        for s in np.flatnonzero(used).tolist():
+        for s in _on_disk(segs, offs, lens, keep, n_segments, self._segment_size):
             self._open_segment_for_load(s)
         if keep.all():
             return keys, recs

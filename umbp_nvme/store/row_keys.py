@@ -21,7 +21,6 @@ State: none of its own beyond the references (a writer's is writer.keys.source).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 
@@ -102,21 +101,6 @@ class WriterKeys:
             records_name(recs[j], [storable_bytes(keys[i]) for i in j.tolist()], segs[j], offs[j], gens[j], sub)
             out[j] = sub
         return out == 1
-
-    async def read_blocks(self, rr: "RecordReads") -> np.ndarray:
-        """The engine's results for ``rr``'s block reads, as their own batch; all -5 (an unreadable
-        record confirms nothing: a miss) when it fails or outlives io_timeout_s. Returns, or raises
-        our caller's cancellation, only once the batch has ended (waits._await_io)."""
-        read = asyncio.ensure_future(self.st.state.read_engine.read_many(
-            self.st.state.files.batch(rr.segs), rr.offs, rr.addrs, rr.lens))  # fmt: skip
-        try:
-            res = await self.st._await_io(read, "read", rr.segs)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            log.error("%s: reading %d record blocks failed: %r", self.st.path, len(rr.lens), e)
-            res = None
-        return np.full(len(rr.lens), -5, np.int64) if res is None else res
 
     def keys_of(self, rows: np.ndarray) -> list[bytes | None]:
         """Each row's key from its record: in memory where its block is held, else its 4 KiB block
