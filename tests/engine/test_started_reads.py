@@ -7,6 +7,7 @@ started read hangs times out, counted, and returns only once the read has ended.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 
@@ -106,17 +107,25 @@ async def test_a_cancelled_finish_read_returns_only_after_its_ops_ended():
 
 
 class PipeReads:
-    """The real engine, its started reads read a pipe nobody writes (a drive that hangs)."""
+    """The real engine, reading a pipe nobody writes (a drive that hangs) for its started reads (the
+    get path's data batch) with ``data``, for its other reads (a get's record blocks after an open)
+    with ``records``."""
 
-    def __init__(self, inner, fd: int):
-        self.inner, self.fd = inner, fd
+    def __init__(self, inner, fd: int, *, data: bool = True, records: bool = False):
+        self.inner, self.fd, self.data, self.records = inner, fd, data, records
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def start_read_crc(self, files, offsets, addrs, lengths, crc_lens):
-        n = len(lengths)
-        return self.inner.start_read_crc(self.fd, np.zeros(n, np.int64), addrs, lengths, crc_lens)
+        if not self.data:
+            return self.inner.start_read_crc(files, offsets, addrs, lengths, crc_lens)
+        return self.inner.start_read_crc(self.fd, np.zeros(len(lengths), np.int64), addrs, lengths, crc_lens)
+
+    async def read_many(self, files, offsets, addrs, lengths):
+        if not self.records:
+            return await self.inner.read_many(files, offsets, addrs, lengths)
+        return await self.inner.read_many(self.fd, np.zeros(len(lengths), np.int64), addrs, lengths)
 
 
 class HangingStore:
@@ -183,11 +192,27 @@ async def test_a_get_cancelled_while_its_started_read_hangs_ends_after_the_read_
         assert await h.st.get_many(["k"], [out]) == [True] and out.tobytes() == h.mem.array[:8192].tobytes()
 
 
-class PipeAllReads(PipeReads):
-    """PipeReads whose other reads (a get's record blocks after an open) hang on the pipe too."""
+@contextlib.asynccontextmanager
+async def reopened(store_dir, **hang):
+    """HangingStore's store, reopened on engines whose reads hang as ``hang`` says (PipeReads):
+    (the store, 8 KiB of registered memory, the pipe's write end, the engines)."""
+    r, w = os.pipe()
+    engines: list = []
 
-    async def read_many(self, files, offsets, addrs, lengths):
-        return await self.inner.read_many(self.fd, np.zeros(len(lengths), np.int64), addrs, lengths)
+    async def factory(backend, qd):
+        engines.append(PipeReads(await open_engine(backend, qd), r, **hang))
+        return engines[-1]
+
+    st = await PageStore.open(store_dir, small_config(ssd_io_backend="io_uring", io_timeout_s=0.2),
+                              engine_factory=factory)  # fmt: skip
+    mem = AlignedBuffer(8192)
+    try:
+        st.register_memory(mem.address, mem.nbytes)
+        yield st, mem, w, engines
+    finally:
+        await st.close()
+        mem.close()
+        os.close(r), os.close(w)
 
 
 async def test_a_get_after_an_open_whose_data_and_record_reads_hang_ends_both_and_leaves_no_task(store_dir):
@@ -195,18 +220,7 @@ async def test_a_get_after_an_open_whose_data_and_record_reads_hang_ends_both_an
     # while its data is in flight; a timed-out data read must end that batch too before the get returns
     async with HangingStore(store_dir, 0.2):
         pass  # "k" stored, the store closed
-    r, w = os.pipe()
-    engines: list = []
-
-    async def factory(backend, qd):
-        engines.append(PipeAllReads(await open_engine(backend, qd), r))
-        return engines[-1]
-
-    st = await PageStore.open(store_dir, small_config(ssd_io_backend="io_uring", io_timeout_s=0.2),
-                              engine_factory=factory)  # fmt: skip
-    mem = AlignedBuffer(8192)
-    try:
-        st.register_memory(mem.address, mem.nbytes)
+    async with reopened(store_dir, records=True) as (st, mem, w, engines):
         get = asyncio.ensure_future(st.get_many(["k"], [(mem.address, 8192)]))
         assert await _ended(get, w, 3 * 8192)
         assert get.result() == [False] and st.counters()["timeouts"] >= 1  # the data's; the records' may time out too
@@ -214,24 +228,6 @@ async def test_a_get_after_an_open_whose_data_and_record_reads_hang_ends_both_an
         left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()
                 and "_confirmed" in repr(t.get_coro())]  # fmt: skip
         assert left == []
-    finally:
-        await st.close()
-        mem.close()
-        os.close(r), os.close(w)
-
-
-class PipeRecordReads:
-    """The real engine, its reads other than started ones (a get's record blocks after an open) on a
-    pipe nobody writes: the data comes back, its records never do."""
-
-    def __init__(self, inner, fd: int):
-        self.inner, self.fd = inner, fd
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    async def read_many(self, files, offsets, addrs, lengths):
-        return await self.inner.read_many(self.fd, np.zeros(len(lengths), np.int64), addrs, lengths)
 
 
 async def test_a_get_whose_record_read_hangs_answers_at_the_timeout_from_the_index(store_dir):
@@ -239,25 +235,10 @@ async def test_a_get_whose_record_read_hangs_answers_at_the_timeout_from_the_ind
     # past io_timeout_s, and then the index confirms the key (the same bytes, nothing taken for damage)
     async with HangingStore(store_dir, 0.2) as h:
         want = h.mem.array[:8192].tobytes()
-    r, w = os.pipe()
-    engines: list = []
-
-    async def factory(backend, qd):
-        engines.append(PipeRecordReads(await open_engine(backend, qd), r))
-        return engines[-1]
-
-    st = await PageStore.open(store_dir, small_config(ssd_io_backend="io_uring", io_timeout_s=0.2),
-                              engine_factory=factory)  # fmt: skip
-    mem = AlignedBuffer(8192)
-    try:
-        st.register_memory(mem.address, mem.nbytes)
+    async with reopened(store_dir, data=False, records=True) as (st, mem, w, engines):
         get = asyncio.ensure_future(st.get_many(["k"], [(mem.address, 8192)]))
         assert await _ended(get, w, 4096)  # a get that waited for the records would need the pipe written
         assert get.result() == [True] and mem.array.tobytes() == want
         c = st.counters()
         assert c["timeouts"] == 1 and c["crc_errors"] == 0 and st.stats()["objects"] == 1
         assert all(e.inflight == 0 for e in engines)
-    finally:
-        await st.close()
-        mem.close()
-        os.close(r), os.close(w)
