@@ -193,9 +193,9 @@ async def test_a_get_cancelled_while_its_started_read_hangs_ends_after_the_read_
 
 
 @contextlib.asynccontextmanager
-async def reopened(store_dir, **hang):
-    """HangingStore's store, reopened on engines whose reads hang as ``hang`` says (PipeReads):
-    (the store, 8 KiB of registered memory, the pipe's write end, the engines)."""
+async def reopened(store_dir, timeout_s: float = 0.2, **hang):
+    """HangingStore's store, reopened with ``io_timeout_s=timeout_s`` on engines whose reads hang as
+    ``hang`` says (PipeReads): (the store, 8 KiB of registered memory, the pipe's write end, the engines)."""
     r, w = os.pipe()
     engines: list = []
 
@@ -203,7 +203,7 @@ async def reopened(store_dir, **hang):
         engines.append(PipeReads(await open_engine(backend, qd), r, **hang))
         return engines[-1]
 
-    st = await PageStore.open(store_dir, small_config(ssd_io_backend="io_uring", io_timeout_s=0.2),
+    st = await PageStore.open(store_dir, small_config(ssd_io_backend="io_uring", io_timeout_s=timeout_s),
                               engine_factory=factory)  # fmt: skip
     mem = AlignedBuffer(8192)
     try:
@@ -235,7 +235,8 @@ async def test_a_get_whose_record_read_hangs_answers_at_the_timeout_from_the_ind
     # past io_timeout_s, and then the index confirms the key (the same bytes, nothing taken for damage)
     async with HangingStore(store_dir, 0.2) as h:
         want = h.mem.array[:8192].tobytes()
-    async with reopened(store_dir, data=False, records=True) as (st, mem, w, engines):
+    # the data's real read must end inside io_timeout_s, on a loaded CI machine too: 1 s, not 0.2
+    async with reopened(store_dir, 1.0, data=False, records=True) as (st, mem, w, engines):
         get = asyncio.ensure_future(st.get_many(["k"], [(mem.address, 8192)]))
         assert await _ended(get, w, 4096)  # a get that waited for the records would need the pipe written
         assert get.result() == [True] and mem.array.tobytes() == want
