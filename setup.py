@@ -71,7 +71,8 @@ setup(
         ),
         Extension(
             "umbp_nvme._keyindex",  # the writer's key -> row table (store/keymap.py)
-            sources=["native/keyindex.c"],
+            sources=["native/keyindex.c", "native/hashset.c"],
+            depends=["native/keyhash.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         ),
         Extension(

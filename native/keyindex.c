@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "keyhash.h"
+
 #define EMPTY UINT64_MAX
 #define ROW_MAX (UINT32_MAX - 1)
 #define KEY_MAX 0xffff
@@ -34,69 +36,9 @@ typedef struct {
     uint64_t nrows;         /* rows with room in hv */
 } KeyIndex;
 
-static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-static inline uint64_t fmix(uint64_t h) {
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdULL;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ULL;
-    h ^= h >> 33;
-    return h;
-}
-
-static uint64_t key_hash(const KeyIndex *t, const char *p, size_t n) {
-    const uint64_t k1 = 0x9e3779b97f4a7c15ULL, k2 = 0xc2b2ae3d27d4eb4fULL;
-    uint64_t h = t->seed ^ (n * k1);
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        uint64_t w;
-        memcpy(&w, p + i, 8);
-        h = rotl(h ^ (w * k2), 31) * k1;
-    }
-    uint64_t w = 0;
-    memcpy(&w, p + i, n - i);
-    h = rotl(h ^ (w * k2), 29) * k1;
-    return (fmix(h) & t->hash_mask) | HAS_KEY;
-}
-
-/* The key's bytes: ASCII strs in place, others through surrogateescape with the round trip
- * keybytes.encode_key insists on. 0 with *owner set (or NULL) on success; -1 when the key has no
- * byte form (not a str, or ambiguous): a miss for lookups, an error for inserts (err set). */
-static int key_bytes(PyObject *key, const char **p, Py_ssize_t *n, PyObject **owner, int err) {
-    *owner = NULL;
-    if (PyUnicode_CheckExact(key)) {
-        if (PyUnicode_IS_ASCII(key)) {
-            *p = (const char *)PyUnicode_DATA(key);
-            *n = PyUnicode_GET_LENGTH(key);
-            return *n ? 0 : (err ? (PyErr_SetString(PyExc_ValueError, "empty key"), -1) : -1);
-        }
-        PyObject *b = PyUnicode_AsEncodedString(key, "utf-8", "surrogateescape");
-        if (b == NULL) goto bad;
-        PyObject *back = PyUnicode_DecodeUTF8(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b), "surrogateescape");
-        int same = back != NULL && PyUnicode_Compare(back, key) == 0;
-        Py_XDECREF(back);
-        if (!same) {
-            Py_DECREF(b);
-            goto bad;
-        }
-        *owner = b;
-        *p = PyBytes_AS_STRING(b);
-        *n = PyBytes_GET_SIZE(b);
-        return 0;
-    }
-    if (err && PyBytes_CheckExact(key)) { /* index scans load bytes; a lookup of bytes is a miss (keys are str) */
-        *p = PyBytes_AS_STRING(key);
-        *n = PyBytes_GET_SIZE(key);
-        return *n ? 0 : (err ? (PyErr_SetString(PyExc_ValueError, "empty key"), -1) : -1);
-    }
-bad:
-    if (err) {
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "key %R has no unambiguous byte form", key);
-    } else {
-        PyErr_Clear();
-    }
-    return -1;
+/* key_hash and key_bytes live in keyhash.h (HashSet hashes the same way); this one reads the table's */
+static inline uint64_t ki_hash(const KeyIndex *t, const char *p, size_t n) {
+    return key_hash(t->seed, t->hash_mask, p, n);
 }
 
 static inline uint32_t slot_row(uint64_t s) { return (uint32_t)s; }
@@ -242,7 +184,7 @@ static PyObject *KI_lookup(KeyIndex *t, PyObject *args) {
         PyObject *owner;
         o[k] = -1;
         if (key_bytes(PyList_GET_ITEM(keys, k), &p, &len, &owner, 0) < 0) continue;
-        uint64_t h = key_hash(t, p, len), i = probe_nth(t, h, nth < 0 ? 0 : nth);
+        uint64_t h = ki_hash(t, p, len), i = probe_nth(t, h, nth < 0 ? 0 : nth);
         Py_XDECREF(owner);
         if (i < t->cap) {
             o[k] = nth < 0 && probe_nth(t, h, 1) < t->cap ? -2 : (int64_t)slot_row(t->slots[i]);
@@ -258,7 +200,7 @@ static PyObject *KI_first(KeyIndex *t, PyObject *key) {
     Py_ssize_t len;
     PyObject *owner;
     if (key_bytes(key, &p, &len, &owner, 0) < 0) return PyLong_FromLong(-1);
-    uint64_t i = probe_nth(t, key_hash(t, p, len), 0);
+    uint64_t i = probe_nth(t, ki_hash(t, p, len), 0);
     Py_XDECREF(owner);
     return PyLong_FromLongLong(i < t->cap ? (long long)slot_row(t->slots[i]) : -1);
 }
@@ -271,7 +213,7 @@ static PyObject *KI_prefix(KeyIndex *t, PyObject *keys) {
         Py_ssize_t len;
         PyObject *owner;
         if (key_bytes(PyList_GET_ITEM(keys, k), &p, &len, &owner, 0) < 0) break;
-        uint64_t i = probe_nth(t, key_hash(t, p, len), 0);
+        uint64_t i = probe_nth(t, ki_hash(t, p, len), 0);
         Py_XDECREF(owner);
         if (i >= t->cap) break;
     }
@@ -304,7 +246,7 @@ static PyObject *KI_fresh(KeyIndex *t, PyObject *args) {
             ok = 0;
             break;
         }
-        uint64_t h = key_hash(t, (const char *)PyUnicode_DATA(key), len);
+        uint64_t h = ki_hash(t, (const char *)PyUnicode_DATA(key), len);
         if (probe_nth(t, h, 0) < t->cap) {
             ok = 0;
             break;
@@ -351,7 +293,7 @@ static PyObject *KI_add(KeyIndex *t, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "key of %zd bytes (at most %d)", len, KEY_MAX);
             ret = NULL;
         } else {
-            h[k] = key_hash(t, p, len);
+            h[k] = ki_hash(t, p, len);
             longer += over >= 0 && len > over;
         }
         Py_XDECREF(owner);
@@ -406,7 +348,7 @@ static PyObject *KI_holds(KeyIndex *t, PyObject *args) {
         } else if (key_bytes(key, &p, &len, &owner, 0) < 0) {
             continue;
         }
-        uint64_t h = key_hash(t, p, len), i = slot_of_row(t, (uint32_t)r[k]);
+        uint64_t h = ki_hash(t, p, len), i = slot_of_row(t, (uint32_t)r[k]);
         Py_XDECREF(owner);
         b[k] = t->hv[r[k]] == hi_of(h) && (i >= t->cap || (t->slots[i] >> 32) == (h & 0xffffffffULL));
     }
@@ -569,7 +511,7 @@ static PyObject *KI_take(KeyIndex *t, PyObject *args) {
         Py_ssize_t len;
         PyObject *owner;
         if (key_bytes(PyList_GET_ITEM(keys, k), &p, &len, &owner, 0) < 0) continue;
-        uint64_t h = key_hash(t, p, len), i = probe_nth(t, h, 0);
+        uint64_t h = ki_hash(t, p, len), i = probe_nth(t, h, 0);
         Py_XDECREF(owner);
         if (i >= t->cap) continue;
         if (probe_nth(t, h, 1) < t->cap) {
@@ -685,7 +627,7 @@ static PyObject *KI_load(KeyIndex *t, PyObject *args) {
         goto out;
     }
     for (Py_ssize_t k = 0, at = 0; k < n; at += l[k], k++) {
-        uint64_t h = key_hash(t, b + at, l[k]);
+        uint64_t h = ki_hash(t, b + at, l[k]);
         t->hv[k] = hi_of(h);
         lo[k] = (uint32_t)h;
     }
@@ -930,6 +872,10 @@ PyMODINIT_FUNC PyInit__keyindex(void) {
     Py_INCREF(&KeyIndexType);
     if (PyModule_AddObject(m, "KeyIndex", (PyObject *)&KeyIndexType) < 0) {
         Py_DECREF(&KeyIndexType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (hashset_register(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }
