@@ -1,5 +1,6 @@
 """Which file a path names: (st_dev, st_ino), taken around an LMDB open (index.py) and after
-each lookup of a read-only store (follower.py), so a file replaced by its writer is noticed.
+each lookup of a read-only store (follower.py), so a file replaced by its writer is noticed; and
+the name a damaged or replaced file is kept under.
 
 State: none.
 """
@@ -7,6 +8,7 @@ State: none.
 from __future__ import annotations
 
 import os
+import time
 
 
 def file_id(path: str) -> tuple[int, int] | None:
@@ -25,3 +27,14 @@ def opened_id(path: str, before: tuple[int, int] | None, *, created: bool) -> tu
     process replaced it during the open (the caller closes that environment and tries again)."""
     after = file_id(path)
     return after if before == after or (before is None and created) else None
+
+
+def aside_name(path: str) -> str:
+    """A free name to keep a replaced or damaged file under: ``<path>.corrupt-<timestamp>[.n]``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = f"{path}.corrupt-{stamp}"
+    n = 1
+    while os.path.lexists(dest):
+        dest = f"{path}.corrupt-{stamp}.{n}"
+        n += 1
+    return dest

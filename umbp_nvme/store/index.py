@@ -5,10 +5,11 @@ transaction sees the latest committed snapshot, writers never block readers, and
 atomic, so a record is visible only together with everything committed beside it.
 
 One record (``REC_DTYPE``, 48 bytes little endian) per key in the ``objects`` database; the
-``meta`` database holds the generation high-water mark. The writer keeps its own in-memory view
-(rows.py, keymap.py) built at open from ``scan_walked()``: the records the page walk before the
-open already read (index_check.py), keys packed, no Python object per key; readers query LMDB
-directly.
+``meta`` database holds the generation high-water mark, the ``changes`` database what each commit
+did to ``objects`` (change_log.py). The writer keeps its own in-memory view (rows.py, keymap.py)
+built at open from ``scan_walked()``: the records the page walk before the open already read
+(index_check.py), keys packed, no Python object per key; readers query LMDB directly, and answer
+exists from key sets kept on the change log (follower_keys.py).
 
 LMDB must not be opened twice in one process (closing a second handle drops the first one's
 POSIX locks), so environments are shared per process through ``_ENVS`` with a reference count.
@@ -34,9 +35,11 @@ import numpy as np
 
 from ..errors import IndexDamagedError, StoreError
 from ..keybytes import decode_keys
+from . import change_log
 from .index_check import IndexFileDamage, check_index_file, check_own_file  # noqa: F401 - re-exported
-from .file_ident import file_id, opened_id
+from .file_ident import aside_name, file_id, opened_id
 from .index_room import MapRoom, in_place_fs
+from .key_checks import key_crcs  # noqa: F401 - re-exported
 
 log = logging.getLogger("umbp_nvme.index")  # the name operators know; kept across the move
 
@@ -66,30 +69,11 @@ _META_NEXT_GEN = b"next_generation"
 _META_WRITER_STATE = b"writer_state"
 _META_GEN_BOUND = b"generation_bound"  # no generation handed out reaches it (clock.py)
 _U64 = struct.Struct("<Q")
+_LOG_OPS = 4  # the change log's entry, its trim and the meta records it sets
+_first = operator.itemgetter(0)
 
 
-def key_crcs(keys: list[bytes]) -> np.ndarray:
-    """CRC32C of each key's bytes (uint32), in one C call (each key read in place)."""
-    from .._uring import crc32c_each, crc32c_many
-
-    n = len(keys)
-    out = np.zeros(n, np.uint32)
-    if not n:
-        return out
-    if type(keys) is list:
-        try:  # crc32c_each checks every key before it writes a CRC
-            crc32c_each(keys, out)
-            return out
-        except TypeError:  # a key that is not bytes (bytearray, memoryview): the joined path below
-            pass
-    lens = np.fromiter(map(len, keys), np.int64, n)
-    buf = np.frombuffer(b"".join(keys) or b"\0", np.uint8)
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.uint64)
-    crc32c_many(np.uint64(buf.ctypes.data) + starts, lens, out)
-    return out
-
-
-def _foreign(keys: list[bytes], vals: list[bytes]) -> np.ndarray:
+def foreign_records(keys: list[bytes], vals: list[bytes]) -> np.ndarray:
     """Whether each record's key checksum says it is another key's (one C call for the CRCs)."""
     if set(map(len, vals)) == {REC_BYTES}:  # the usual lookup: no per-key selection (half a reader's exists)
         recs = np.frombuffer(b"".join(vals), REC_DTYPE)
@@ -213,17 +197,6 @@ def wrap_lmdb_error(path: str, e: BaseException, what: str) -> StoreError:
     return StoreError(f"store index {path}: {type(e).__name__}: {e} while {what}; {remedy}")
 
 
-def aside_name(path: str) -> str:
-    """A free name to keep a replaced or damaged file under: ``<path>.corrupt-<timestamp>[.n]``."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest = f"{path}.corrupt-{stamp}"
-    n = 1
-    while os.path.lexists(dest):
-        dest = f"{path}.corrupt-{stamp}.{n}"
-        n += 1
-    return dest
-
-
 def detach(path: str) -> None:
     """The file at ``path`` was moved or replaced: a handle still open in this process (a store
     whose close is finishing on its index thread, a follower) maps the old file, so the next open
@@ -305,15 +278,21 @@ _DBI_LOCK = threading.Lock()  # LMDB: no two transactions of one process may ope
 
 
 def _open_dbs(env: lmdb.Environment, *, create: bool):
-    """The objects and meta databases. On a writable environment (a writer's, or a reader's handle
-    sharing it) inside a write transaction begun as ``begin`` does, without the GIL: ``open_db``
-    alone begins one holding the GIL and waits there for LMDB's writer lock, held by this
-    process's committing thread, which waits for the GIL (a hang of the whole process)."""
+    """The objects, meta and changes databases (change_log.py; None in a read-only file written
+    without it). On a writable environment (a writer's, or a reader's handle sharing it) inside a
+    write transaction begun as ``begin`` does, without the GIL: ``open_db`` alone begins one holding
+    the GIL and waits there for LMDB's writer lock, held by this process's committing thread, which
+    waits for the GIL (a hang of the whole process)."""
     if env.flags()["readonly"]:
         with _DBI_LOCK:
-            return env.open_db(b"objects", create=False), env.open_db(b"meta", create=False)
+            objects, meta = env.open_db(b"objects", create=False), env.open_db(b"meta", create=False)
+            try:
+                return objects, meta, env.open_db(change_log.CHANGES_DB, create=False), None
+            except lmdb.NotFoundError:
+                return objects, meta, None, None
     with env.begin(write=True) as txn, _DBI_LOCK:  # the writer lock first, always: no cycle
-        return env.open_db(b"objects", txn=txn, create=create), env.open_db(b"meta", txn=txn, create=create)
+        dbs = [env.open_db(name, txn=txn, create=create) for name in (b"objects", b"meta", change_log.CHANGES_DB)]
+        return (*dbs, txn.id() if change_log.open_writer(txn, dbs[1], dbs[2]) else None)
 
 
 class Index:
@@ -348,7 +327,7 @@ class Index:
             if readonly:
                 while True:
                     try:
-                        self._objects, self._meta = _open_dbs(self._env, create=False)
+                        self._objects, self._meta, self._changes, _ = _open_dbs(self._env, create=False)
                         break
                     except lmdb.NotFoundError:
                         if time.monotonic() >= deadline:
@@ -357,7 +336,9 @@ class Index:
                             ) from None
                         time.sleep(0.01)
             else:
-                self._objects, self._meta = _open_dbs(self._env, create=True)
+                self._objects, self._meta, self._changes, logged = _open_dbs(self._env, create=True)
+                if logged is not None and self._walked.get("txnid") == logged - 1:
+                    self._walked["txnid"] = logged  # the log's start wrote meta and changes: the walk's objects stand
                 self._env.reader_check()  # clear reader slots of killed follower processes
         except lmdb.Error as e:
             _release_env(self._env)
@@ -488,7 +469,7 @@ class Index:
             get = txn.get
             vals = [get(k) for k in keys]
         found = [i for i, v in enumerate(vals) if v is not None]
-        for i, bad in zip(found, _foreign([keys[i] for i in found], [vals[i] for i in found])):
+        for i, bad in zip(found, foreign_records([keys[i] for i in found], [vals[i] for i in found])):
             if bad:
                 vals[i] = None
         return vals
@@ -502,8 +483,17 @@ class Index:
                 if v is None:
                     break
                 vals.append(v)
-        foreign = _foreign(keys[: len(vals)], vals)
+        foreign = foreign_records(keys[: len(vals)], vals)
         return int(foreign.argmax()) if foreign.any() else len(vals)
+
+    def read_log(self, fn):
+        """``fn(txn, objects, meta, changes)`` in one read transaction (follower_keys.py); changes is None
+        in a file whose databases were made without the change log."""
+        try:
+            with self._read_txn(self._objects) as txn:
+                return fn(txn, self._objects, self._meta, self._changes)
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(self.path, e, "reading the change log") from None
 
     def next_generation(self) -> int:
         try:
@@ -529,6 +519,7 @@ class Index:
         self._make_room(1)
         with self._env.begin(write=True) as txn:
             txn.put(_META_GEN_BOUND, _U64.pack(bound), db=self._meta)
+            change_log.stamp(txn, self._meta)
         self._env.sync(True)
 
     def count(self) -> int:
@@ -539,7 +530,7 @@ class Index:
 
     def commit(self, puts=(), deletes=(), *, next_generation: int | None = None) -> None:
         """One atomic transaction: deletes first, then puts (a key may be in both)."""
-        self._make_room(len(puts) + len(deletes), len(puts))
+        self._make_room(len(puts) + len(deletes) + _LOG_OPS, len(puts))
         with self._env.begin(write=True) as txn:
             for k in deletes:
                 txn.delete(k, db=self._objects)
@@ -547,6 +538,9 @@ class Index:
                 txn.cursor(db=self._objects).putmulti(puts, overwrite=True)
             if next_generation is not None:
                 txn.put(_META_NEXT_GEN, _U64.pack(next_generation), db=self._meta)
+            if puts or deletes:
+                change_log.record(txn, self._meta, self._changes, deletes, list(map(_first, puts)))
+            change_log.stamp(txn, self._meta)
 
     def file_identity(self) -> tuple[int, int] | None:
         """(st_dev, st_ino) of the file this handle's environment maps (follower.py compares it to the path's)."""
@@ -569,6 +563,7 @@ class Index:
         self._make_room(1)
         with self._env.begin(write=True) as txn:
             txn.put(_META_WRITER_STATE, state, db=self._meta)
+            change_log.stamp(txn, self._meta)
         self._env.sync(True)
 
     def drop_all(self, *, next_generation: int) -> None:
@@ -576,6 +571,8 @@ class Index:
         with self._env.begin(write=True) as txn:
             txn.drop(self._objects, delete=False)
             txn.put(_META_NEXT_GEN, _U64.pack(next_generation), db=self._meta)
+            change_log.record(txn, self._meta, self._changes, (), (), clear=True)
+            change_log.stamp(txn, self._meta)
 
     def sync(self) -> None:
         self._env.sync(True)

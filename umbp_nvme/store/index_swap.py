@@ -77,7 +77,7 @@ def damaged_copies(ipath: str) -> list[str]:
 
 
 def damaged_copy_name(ipath: str) -> str:
-    """A free name for the next damaged copy that sorts after every copy there (``index.aside_name``
+    """A free name for the next damaged copy that sorts after every copy there (``file_ident.aside_name``
     would reuse a pruned name of this second, which sorts before its ``.n`` siblings)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     same = [n for (s, n), _ in _copies(ipath) if s == stamp]
