@@ -142,6 +142,19 @@ def payload(key: str, nbytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
+async def key_set_ready(st, wait_s: float = 30.0) -> None:
+    """Until a follower answers exists from its key set (store/follower_keys.py): its first exists
+    starts the build (a follower that never asks builds none). ``wait_s`` guards a hang only."""
+    import asyncio
+    import time
+
+    await st.exists_many(["any"])
+    end = time.monotonic() + wait_s
+    while st.stats()["key_set"] != "ready":
+        assert time.monotonic() < end, f"the follower's key set is still {st.stats()['key_set']}"
+        await asyncio.sleep(0.005)
+
+
 @pytest.fixture
 def store_dir(tmp_path):
     return str(tmp_path / "store")

@@ -78,6 +78,7 @@ FAMILIES = (
     ("umbp_nvme_kv_events_dropped", "counter", "kv_events_dropped", "DISK KV events (pages) dropped because the event queue was full; a re-announcement of what the store holds follows."),
     ("umbp_nvme_loading_misses", "counter", "loading_misses", "Lookups answered as misses while the index loaded in the background."),
     ("umbp_nvme_puts_refused_loading", "counter", "puts_refused_loading", "Objects whose put answered False because the index was still loading after 1 s."),
+    ("umbp_nvme_key_set_builds", "counter", "key_set_builds", "Key sets a follower built from its index to answer exists (once per file; again when it fell behind the change log)."),
     ("umbp_nvme_index_loading", "gauge", "index_loading", "1 while the index loads in the background (or its load failed: the store answers misses)."),
     ("umbp_nvme_io_errors", "counter", None, "I/O ops that failed with an errno (read, write) or syncs that raised."),
     ("umbp_nvme_objects", "gauge", "objects", "Objects stored."),

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, payload, small_config
+from conftest import ROOT, key_set_ready, payload, small_config
 from umbp_nvme.store import PageStore
 from umbp_nvme.store import index
 from umbp_nvme.store.index import INDEX_FILE
@@ -148,6 +148,7 @@ async def test_follower_opened_before_a_rebuild_serves_the_new_index_never_delet
     follower = await PageStore.open(store_dir, small_config(), readonly=True)
     everything = LIVE + REPUT + GONE + NEW
     assert await view(follower, everything) == {k: (None if k in NEW else 1) for k in everything}
+    await key_set_ready(follower)  # its exists answer from a key set of the file it opened
     w = Writer(store_dir)
     if route == "damaged":
         _damage_a_key_in_the_index(store_dir)
@@ -163,6 +164,8 @@ async def test_follower_opened_before_a_rebuild_serves_the_new_index_never_delet
     w.do(delete=GONE + REPUT, put={**{k: 2 for k in REPUT}, **{k: 1 for k in NEW}})
     want = {**{k: 1 for k in LIVE}, **{k: 2 for k in REPUT}, **{k: None for k in GONE}, **{k: 1 for k in NEW}}
     assert await view(follower, everything) == want
+    await key_set_ready(follower)  # a set of the new file: the old one's would answer GONE
+    assert follower.stats()["key_set_builds"] == 2
     assert await follower.exists_many(GONE + NEW) == [False] * len(GONE) + [True] * len(NEW)
     assert await follower.exists_prefix(NEW + GONE) == len(NEW)
     # it goes on following the new file: later puts and deletes show at once

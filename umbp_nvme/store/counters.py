@@ -10,6 +10,7 @@ COUNTERS = (
     "bytes_written", "bytes_read", "timeouts",
     "io_errors_read", "io_errors_write", "io_errors_sync",  # ops that failed with an errno, syncs that raised
     "loading_misses", "puts_refused_loading",  # lookups missed / puts refused while the index loaded (loading.py)
+    "key_set_builds",  # a follower's key sets built from its index (follower_keys.py)
 )  # fmt: skip
 
 

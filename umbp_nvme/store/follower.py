@@ -32,6 +32,7 @@ import time
 
 from ..errors import StoreError
 from .file_ident import file_id
+from .follower_keys import FollowerKeys
 from .index import Index
 
 log = logging.getLogger("umbp_nvme.store")
@@ -66,6 +67,9 @@ class LoadingWatch:
     def records(self, keys: list[bytes]) -> list[bytes | None]:
         return [None] * len(keys)
 
+    def key_set(self) -> str:
+        return "loading"
+
     def close(self) -> None:
         pass
 
@@ -85,6 +89,7 @@ class IndexWatch:
         self._retired: list = []  # replaced handles, closed once no lookup runs on them
         self._pending = None  # (Index, id) on the path's new file until its writer marks it
         self._failed = None  # (path signature, monotonic time) of the last reopen that failed
+        self.keys = FollowerKeys(self, state.counters)  # exists from key hashes in memory (follower_keys.py)
 
     def read(self, fn, miss):
         """``fn(index)`` answered from the file at the path; ``miss`` while that file cannot be read yet."""
@@ -108,6 +113,10 @@ class IndexWatch:
     def records(self, keys: list[bytes]) -> list[bytes | None]:
         """Index.get_records from the file at the path: all None (misses) while it cannot be read."""
         return self.read(lambda ix: ix.get_records(keys), [None] * len(keys))
+
+    def key_set(self) -> str:
+        """What answers exists (follower_keys.py): "ready" (the key set), "building" or "off" (LMDB)."""
+        return self.keys.state(self._state.index)
 
     def _take(self):
         """(current index, its file's identity) with one more lookup on it; None unless it is current and marked."""
@@ -180,6 +189,7 @@ class IndexWatch:
     def close(self) -> None:
         """Close the handles besides ``state.index`` (the store closes that one): the new file's while
         it waits for its mark, old ones a lookup still held."""
+        self.keys.stop()
         with self._lock:
             left = [p[0] for p in (self._pending,) if p is not None] + self._retired
             self._pending, self._retired = None, []

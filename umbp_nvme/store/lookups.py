@@ -54,8 +54,9 @@ class Lookups:
         if self.state.closed:
             self._closed_call("exists_many")
             return [False] * len(keys)
-        if self.writer is None:
-            return [v is not None for v in self._index_lookup(keys)]
+        if self.writer is None:  # from the follower's key set once built (follower_keys.py), else LMDB
+            got = self.state.watch.read(lambda ix: self.state.watch.keys.contains(ix, keys), None)
+            return got.tolist() if got is not None else [v is not None for v in self._index_lookup(keys)]
         if self._loading():  # loading.py: nothing is served before it was loaded and checked
             self._loading_misses(len(keys))
             return [False] * len(keys)
@@ -68,10 +69,7 @@ class Lookups:
             self._closed_call("exists_prefix")
             return 0
         if self.writer is None:
-            enc = self._index_keys(keys)
-            if None in enc:
-                enc = enc[: enc.index(None)]
-            return self.state.watch.read(lambda ix: ix.exists_prefix(enc), 0)
+            return self.state.watch.read(lambda ix: self._follower_prefix(ix, keys), 0)
         if self._loading():
             self._loading_misses(len(keys))
             return 0
@@ -92,6 +90,16 @@ class Lookups:
         the store is closed, or a key cannot be stored. Never raises for a key; reads only the index.
         """
         return self.exists_prefix_nowait(keys)
+
+    def _follower_prefix(self, ix, keys) -> int:
+        """A follower's exists_prefix: from its key set once built (follower_keys.py), else one LMDB get a key."""
+        n = self.state.watch.keys.prefix(ix, keys)
+        if n is not None:
+            return n
+        enc = self._index_keys(keys)
+        if None in enc:
+            enc = enc[: enc.index(None)]
+        return ix.exists_prefix(enc)
 
     def _index_keys(self, keys) -> list[bytes | None]:
         """Index key bytes per key; None for a key no index key can hold (not a str, empty, no

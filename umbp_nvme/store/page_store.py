@@ -382,8 +382,7 @@ class PageStore(
         return None if self.writer is None else self.writer.space_limit_segments
 
     def stats(self) -> dict:
-        """Counters (puts, hits, misses, evictions, errors, ...) and state (capacity, objects, bytes
-        used, engine, O_DIRECT, durability) as one dict of plain values. Never touches the disk."""
+        """Counters (puts, hits, misses, errors, ...) and state (capacity, objects, engine, ...): plain values."""
         w = self.writer
         s = dict(self.state.counters)
         s.update(
@@ -404,6 +403,7 @@ class PageStore(
             late_completions=self.state.late_completions,
             stalled_wait_s=round(self.state.stalled_wait_s, 3),
             loading=self.loading_state(), index_loading=int(self._loading()),  # loading.py; a number for metrics.py
+            key_set=None if self.state.watch is None else self.state.watch.key_set(),  # a follower's (follower_keys.py)
         )
         if w is not None and w.alloc is not None and not self._loading():  # a writer whose open built its allocator
             s.update(
