@@ -20,7 +20,7 @@ Two meta records tell a follower whether the log covers a span of snapshots:
   a writer that kept no log (an older version): the log says nothing about it.
 - ``changes_floor``: the log holds every change of the transactions after it. A writer whose open
   finds the head behind LMDB's last transaction (or no log) drops the log and sets the floor to
-  its own open; trimming to ``RETAIN`` entries raises it, and so does a commit of more than
+  its own open; trimming to the last ``RETAIN`` transactions' entries raises it, and so does a commit of more than
   ``BIG`` keys (a rebuild's, an open's drop of unreadable records), which drops the log instead.
 
 So a follower synced at S brings its set to snapshot T by the entries in (S, T] exactly when
@@ -43,7 +43,7 @@ from .._uring import crc32c
 
 CHANGES_DB = b"changes"
 SEED, HEAD, FLOOR = b"changes_seed", b"changes_head", b"changes_floor"  # meta records
-RETAIN = 4096  # entries kept: a follower more than this many commits behind rebuilds its set
+RETAIN = 4096  # transactions whose entries are kept: a follower further behind rebuilds its set
 BIG = 1 << 16  # a commit of more keys (a rebuild's, a reopen's drop) restarts the log instead
 CLEAR = 1
 
@@ -92,26 +92,35 @@ def seed_of(txn, meta) -> int | None:
     return _u64(txn.get(SEED, db=meta))
 
 
-def record(txn, meta, changes, deletes, put_keys, *, clear: bool = False) -> None:
-    """The entry of this transaction (``deletes`` and ``put_keys``: index key bytes), then the trim."""
-    seed = seed_of(txn, meta)
-    if seed is None:  # open_writer sets it in the writer's first transaction
-        raise ChangeLogDamage("the change log has no seed")
-    if len(deletes) + len(put_keys) > BIG:  # followers rebuild rather than replay megabytes of hashes
-        txn.drop(changes, delete=False)
-        txn.put(FLOOR, _U64.pack(txn.id()), db=meta)
-        return
-    body = hash_keys(seed, list(deletes)) + hash_keys(seed, list(put_keys))
-    rest = _HDR.pack(0, len(deletes), len(put_keys), CLEAR if clear else 0)[4:] + body
-    txn.put(_TXN.pack(txn.id()), struct.pack("<I", crc32c(rest)) + rest, db=changes)
-    n = txn.stat(changes)["entries"]
-    if n > RETAIN:
-        cur = txn.cursor(db=changes)
-        cur.first()
-        for _ in range(n - RETAIN):
-            gone = cur.key()
+class LogWriter:
+    """A writable handle's side of the log: its databases, and the seed read once."""
+
+    def __init__(self, meta, changes):
+        self._meta, self._changes, self._seed = meta, changes, None
+
+    def stamp(self, txn) -> None:
+        stamp(txn, self._meta)
+
+    def record(self, txn, deletes, put_keys, *, clear: bool = False) -> None:
+        """The entry of this transaction (``deletes`` and ``put_keys``: index key bytes), then the trim."""
+        if self._seed is None:
+            self._seed = seed_of(txn, self._meta)
+            if self._seed is None:  # open_writer sets it in the writer's first transaction
+                raise ChangeLogDamage("the change log has no seed")
+        now, changes = txn.id(), self._changes
+        if len(deletes) + len(put_keys) > BIG:  # followers rebuild rather than replay megabytes of hashes
+            txn.drop(changes, delete=False)
+            txn.put(FLOOR, _U64.pack(now), db=self._meta)
+            return
+        rest = _HDR.pack(0, len(deletes), len(put_keys), CLEAR if clear else 0)[4:]
+        rest += hash_keys(self._seed, list(deletes)) + hash_keys(self._seed, list(put_keys))
+        txn.put(_TXN.pack(now), struct.pack("<I", crc32c(rest)) + rest, db=changes)
+        cur, gone = txn.cursor(db=changes), None
+        while cur.first() and len(cur.key()) == _TXN.size and _TXN.unpack(cur.key())[0] <= now - RETAIN:
+            gone = _TXN.unpack(cur.key())[0]  # the last RETAIN transactions' entries are kept
             cur.delete()
-        txn.put(FLOOR, _U64.pack(_TXN.unpack(gone)[0]), db=meta)
+        if gone is not None:
+            txn.put(FLOOR, _U64.pack(gone), db=self._meta)
 
 
 def parse(key: bytes, val: bytes) -> tuple[bool, np.ndarray, np.ndarray]:

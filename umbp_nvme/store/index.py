@@ -348,6 +348,7 @@ class Index:
             raise
         self.max_key_bytes = self._env.max_key_size()
         self._room = _ROOMS.get(self._env)
+        self._log = change_log.LogWriter(self._meta, self._changes)  # writes: every commit's entry and stamp
         self.scan_damage: str | None = None
         self._closed = False
 
@@ -519,7 +520,7 @@ class Index:
         self._make_room(1)
         with self._env.begin(write=True) as txn:
             txn.put(_META_GEN_BOUND, _U64.pack(bound), db=self._meta)
-            change_log.stamp(txn, self._meta)
+            self._log.stamp(txn)
         self._env.sync(True)
 
     def count(self) -> int:
@@ -539,8 +540,8 @@ class Index:
             if next_generation is not None:
                 txn.put(_META_NEXT_GEN, _U64.pack(next_generation), db=self._meta)
             if puts or deletes:
-                change_log.record(txn, self._meta, self._changes, deletes, list(map(_first, puts)))
-            change_log.stamp(txn, self._meta)
+                self._log.record(txn, deletes, list(map(_first, puts)))
+            self._log.stamp(txn)
 
     def file_identity(self) -> tuple[int, int] | None:
         """(st_dev, st_ino) of the file this handle's environment maps (follower.py compares it to the path's)."""
@@ -563,7 +564,7 @@ class Index:
         self._make_room(1)
         with self._env.begin(write=True) as txn:
             txn.put(_META_WRITER_STATE, state, db=self._meta)
-            change_log.stamp(txn, self._meta)
+            self._log.stamp(txn)
         self._env.sync(True)
 
     def drop_all(self, *, next_generation: int) -> None:
@@ -571,8 +572,8 @@ class Index:
         with self._env.begin(write=True) as txn:
             txn.drop(self._objects, delete=False)
             txn.put(_META_NEXT_GEN, _U64.pack(next_generation), db=self._meta)
-            change_log.record(txn, self._meta, self._changes, (), (), clear=True)
-            change_log.stamp(txn, self._meta)
+            self._log.record(txn, (), (), clear=True)
+            self._log.stamp(txn)
 
     def sync(self) -> None:
         self._env.sync(True)
