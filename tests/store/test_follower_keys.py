@@ -79,6 +79,18 @@ def ready(fk: FollowerKeys, ix, universe: list[bytes]) -> list[bool]:
     raise AssertionError("the follower's key set was never built")
 
 
+def built(ix, keys: list[bytes], first: int) -> FollowerKeys:
+    """A follower set on ``ix`` once the first ``first`` keys are stored, checked built and right."""
+    ix.commit(puts=list(zip(keys[:first], rec_for(keys[:first], 1))))
+    fk = FollowerKeys(Watch(ix))
+    try:
+        assert ready(fk, ix, keys) == truth(ix, keys)
+    except BaseException:
+        fk.stop()
+        raise
+    return fk
+
+
 @pytest.fixture
 def ix(tmp_path):
     w = Index(f"{tmp_path}/{INDEX_FILE}", readonly=False, map_size=1 << 28, durable=False)
@@ -112,10 +124,8 @@ def test_a_follower_further_behind_than_the_log_keeps_rebuilds_and_never_answers
     monkeypatch.setattr(change_log, "RETAIN", 4)
     monkeypatch.setattr(follower_keys, "POLL_S", 3600.0)  # only lookups move the set forward
     keys = [f"r{i}".encode() for i in range(40)]
-    fk = FollowerKeys(Watch(ix))
+    fk = built(ix, keys, 10)
     try:
-        ix.commit(puts=list(zip(keys[:10], rec_for(keys[:10], 1))))
-        assert ready(fk, ix, keys) == truth(ix, keys)
         for i in range(10):  # 10 commits: 6 more than the log keeps
             ix.commit(puts=list(zip(keys[10 + i : 11 + i], rec_for(keys[10 + i : 11 + i], 2))), deletes=[keys[i]])
         assert answers(fk, ix, keys) is None  # the log does not reach back: LMDB answers meanwhile
@@ -131,10 +141,8 @@ def test_a_commit_too_big_for_the_log_restarts_it_and_the_follower_rebuilds(ix, 
     monkeypatch.setattr(change_log, "BIG", 5)
     monkeypatch.setattr(follower_keys, "POLL_S", 3600.0)
     keys = [f"b{i}".encode() for i in range(30)]
-    fk = FollowerKeys(Watch(ix))
+    fk = built(ix, keys, 5)
     try:
-        ix.commit(puts=list(zip(keys[:5], rec_for(keys[:5], 1))))
-        assert ready(fk, ix, keys) == truth(ix, keys)
         ix.commit(puts=list(zip(keys[5:], rec_for(keys[5:], 2))), deletes=keys[:2])  # 27 keys: no entry
         assert ix.read_log(lambda txn, o, m, c: txn.stat(c)["entries"]) == 0
         assert answers(fk, ix, keys) is None
@@ -151,10 +159,8 @@ def test_a_commit_too_big_for_the_log_restarts_it_and_the_follower_rebuilds(ix, 
 def test_a_commit_by_a_writer_that_keeps_no_log_drops_the_set_and_the_next_writer_restarts_the_log(tmp_path):
     ix = Index(f"{tmp_path}/{INDEX_FILE}", readonly=False, map_size=1 << 28, durable=False)
     keys = [f"n{i}".encode() for i in range(20)]
-    fk = FollowerKeys(Watch(ix))
+    fk = built(ix, keys, 10)
     try:
-        ix.commit(puts=list(zip(keys[:10], rec_for(keys[:10], 1))))
-        assert ready(fk, ix, keys) == truth(ix, keys)
         # what an older version's commit does: objects only (another process: one environment per process)
         raw_commit(ix.path, f"txn.put({keys[15]!r}, {rec_for([keys[15]], 3)[0]!r}, db=objs); txn.delete({keys[0]!r}, db=objs)")
         assert ix.get_records([keys[15]])[0] is not None
@@ -213,10 +219,8 @@ def _damage_last_entry(ix: Index, how) -> None:
 def test_a_damaged_log_entry_turns_the_set_off_and_lookups_read_the_index(ix, how, monkeypatch):
     monkeypatch.setattr(follower_keys, "POLL_S", 3600.0)
     keys = [f"d{i}".encode() for i in range(12)]
-    fk = FollowerKeys(Watch(ix))
+    fk = built(ix, keys, 6)
     try:
-        ix.commit(puts=list(zip(keys[:6], rec_for(keys[:6], 1))))
-        assert ready(fk, ix, keys) == truth(ix, keys)
         ix.commit(puts=list(zip(keys[6:], rec_for(keys[6:], 2))), deletes=keys[:2])
         _damage_last_entry(ix, how)
         assert answers(fk, ix, keys) is None
