@@ -162,7 +162,8 @@ def test_a_commit_by_a_writer_that_keeps_no_log_drops_the_set_and_the_next_write
     fk = built(ix, keys, 10)
     try:
         # what an older version's commit does: objects only (another process: one environment per process)
-        raw_commit(ix.path, f"txn.put({keys[15]!r}, {rec_for([keys[15]], 3)[0]!r}, db=objs); txn.delete({keys[0]!r}, db=objs)")
+        put = f"txn.put({keys[15]!r}, {rec_for([keys[15]], 3)[0]!r}, db=objs)"
+        raw_commit(ix.path, f"{put}; txn.delete({keys[0]!r}, db=objs)")
         assert ix.get_records([keys[15]])[0] is not None
         assert answers(fk, ix, keys) is None  # the head is not this snapshot: the log says nothing of it
         ix.close()
@@ -365,7 +366,7 @@ async def test_a_writer_killed_in_its_commits_leaves_the_follower_set_equal_to_t
         await st.close()
 
 
-async def test_a_follower_closed_in_the_middle_of_its_build_stops_the_build_and_leaves_no_thread(store_dir, monkeypatch):
+async def test_a_follower_closed_in_the_middle_of_its_build_stops_it_and_leaves_no_thread(store_dir, monkeypatch):
     monkeypatch.setattr(follower_keys, "CHUNK", 1)  # one key a read: the build is long enough to close in
     keys = [f"page-{i:03d}" for i in range(300)]
     w = writer(store_dir)

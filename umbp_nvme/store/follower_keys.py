@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -91,11 +92,15 @@ class FollowerKeys:
         if isinstance(entries, str) or (seed is not None and seed != self._set.seed):
             self._set = self._for = None  # rebuilt on the thread once a logging writer wrote last
             return False
-        for clear, dels, puts in entries:
-            if clear:
-                self._set.clear()
-            self._set.discard(dels)
-            self._set.add(puts)
+        try:
+            for clear, dels, puts in entries:
+                if clear:
+                    self._set.clear()
+                self._set.discard(dels)
+                self._set.add(puts)
+        except MemoryError:  # a set half brought forward answers nothing: rebuilt when there is room
+            self._set = self._for = None
+            return False
         self._synced = now
         return True
 
@@ -153,7 +158,7 @@ class FollowerKeys:
         if seed is None:  # a file whose last writer kept no log: nothing to keep a set on
             return
         new = HashSet(seed)
-        new.reserve(count)
+        new.reserve(min(count, os.path.getsize(ix.path) // 16))  # a count read from the file: no entry is under 16 B
         start = None
         while not self._stop.is_set():
             hashes, start = ix.read_log(lambda txn, o, m, c: read_chunk(txn, o, seed, start))
