@@ -137,13 +137,17 @@ def test_a_follower_further_behind_than_the_log_keeps_rebuilds_and_never_answers
         fk.stop()
 
 
-def test_a_commit_too_big_for_the_log_restarts_it_and_the_follower_rebuilds(ix, monkeypatch):
-    monkeypatch.setattr(change_log, "BIG", 5)
+@pytest.mark.parametrize("why", ["big", "unhashable"])
+def test_a_commit_the_log_cannot_hold_restarts_it_and_the_follower_rebuilds(ix, monkeypatch, why):
+    monkeypatch.setattr(change_log, "BIG", 5 if why == "big" else 1 << 16)
     monkeypatch.setattr(follower_keys, "POLL_S", 3600.0)
     keys = [f"b{i}".encode() for i in range(30)]
     fk = built(ix, keys, 5)
     try:
-        ix.commit(puts=list(zip(keys[5:], rec_for(keys[5:], 2))), deletes=keys[:2])  # 27 keys: no entry
+        if why == "big":  # 27 keys: no entry
+            ix.commit(puts=list(zip(keys[5:], rec_for(keys[5:], 2))), deletes=keys[:2])
+        else:  # a key LMDB takes that hash_keys has no bytes for (not bytes): no entry either
+            ix.commit(puts=[(bytearray(keys[7]), rec_for([keys[7]], 2)[0])], deletes=keys[:2])
         assert ix.read_log(lambda txn, o, m, c: txn.stat(c)["entries"]) == 0
         assert answers(fk, ix, keys) is None
         monkeypatch.setattr(follower_keys, "POLL_S", 0.01)

@@ -108,12 +108,14 @@ class LogWriter:
             if self._seed is None:  # open_writer sets it in the writer's first transaction
                 raise ChangeLogDamage("the change log has no seed")
         now, changes = txn.id(), self._changes
-        if len(deletes) + len(put_keys) > BIG:  # followers rebuild rather than replay megabytes of hashes
+        body = b"" if len(deletes) + len(put_keys) > BIG else (
+            hash_keys(self._seed, list(deletes)) + hash_keys(self._seed, list(put_keys)))
+        if len(body) != 8 * (len(deletes) + len(put_keys)) or not np.frombuffer(body, np.uint64).all():
+            # too many keys to replay (a rebuild's), or one with no bytes to hash: followers rebuild
             txn.drop(changes, delete=False)
             txn.put(FLOOR, _U64.pack(now), db=self._meta)
             return
-        rest = _HDR.pack(0, len(deletes), len(put_keys), CLEAR if clear else 0)[4:]
-        rest += hash_keys(self._seed, list(deletes)) + hash_keys(self._seed, list(put_keys))
+        rest = _HDR.pack(0, len(deletes), len(put_keys), CLEAR if clear else 0)[4:] + body
         txn.put(_TXN.pack(now), struct.pack("<I", crc32c(rest)) + rest, db=changes)
         cur, gone = txn.cursor(db=changes), None
         while cur.first() and len(cur.key()) == _TXN.size and _TXN.unpack(cur.key())[0] <= now - RETAIN:
