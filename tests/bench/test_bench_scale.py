@@ -19,11 +19,12 @@ def test_scale_fills_measures_and_judges(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "fill " in text and "3000 objects" in text
     for what in ("filling writer RSS (anonymous)", "writer RSS (anonymous)", "reader RSS (anonymous)", "writer first answer",
-                 "reopen =", "exists(128)"):
+                 "reopen =", "writer exists(128)", "reader exists(128)"):
         assert f"bench target (issue 36): {what}" in text
     rows = json.loads(out.read_text())
     opened = {r["system"]: r for r in rows if r["op"] == "scale_open"}
     assert set(opened) == {"umbp_store", "umbp_store_ro"}
+    assert opened["umbp_store_ro"]["runs"][0]["key_set"] == "ready"  # the reader measured from its key set
     assert opened["umbp_store"]["objects"] == 3000 and opened["umbp_store"]["reopen_s"] > 0
     assert bench_store.main(args) == 0  # the kept store is reused, not refilled
     assert "scale store: reused" in capsys.readouterr().out
