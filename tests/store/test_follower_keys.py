@@ -23,6 +23,7 @@ import pytest
 
 from conftest import ROOT, key_set_ready, small_config
 from umbp_nvme._uring import crc32c
+from umbp_nvme.keybytes import encode_key
 from umbp_nvme.store import PageStore
 from umbp_nvme.store import change_log, follower_keys
 from umbp_nvme.store.follower_keys import FollowerKeys
@@ -235,6 +236,30 @@ def test_a_damaged_log_entry_turns_the_set_off_and_lookups_read_the_index(ix, ho
         fk.stop()
 
 
+@pytest.mark.parametrize(
+    "record, value",
+    [
+        ("changes_head", "b'1234567'"),  # 7 bytes
+        ("changes_floor", "(2**64 - 1).to_bytes(8, 'little')"),  # past every snapshot
+        ("changes_seed", "b''"),
+    ],
+)
+def test_a_damaged_log_record_in_meta_turns_the_set_off(ix, record, value, monkeypatch):
+    monkeypatch.setattr(follower_keys, "POLL_S", 3600.0)
+    keys = [f"m{i}".encode() for i in range(12)]
+    fk = built(ix, keys, 6)
+    try:
+        ix.commit(deletes=keys[:2])
+        head = "; txn.put(b'changes_head', txn.id().to_bytes(8, 'little'), db=meta)"  # damage in place
+        stamp = "" if record == "changes_head" else head
+        raw_commit(ix.path, f"txn.put({record.encode()!r}, {value}, db=meta){stamp}")
+        assert answers(fk, ix, keys) is None
+        assert fk.state(ix) == "off"
+        assert truth(ix, keys) == [False, False] + [True] * 4 + [False] * 6  # what LMDB answers meanwhile
+    finally:
+        fk.stop()
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 64])
 def test_a_build_whose_chunks_interleave_with_commits_ends_equal_to_the_objects(ix, chunk, monkeypatch):
     monkeypatch.setattr(follower_keys, "CHUNK", chunk)
@@ -278,7 +303,7 @@ async def main(path, mode):
         while True:
             await st.delete_many(rng.sample(keys, 8))
             ks = rng.sample(keys, 16)
-            assert all(await st.put_many(ks, [payload(k, 512) for k in ks]))
+            assert all(await st.put_many(ks, [payload(repr(k), 512) for k in ks]))
             print("c", flush=True)
     for line in sys.stdin:
         step = json.loads(line)
@@ -286,7 +311,7 @@ async def main(path, mode):
             await st.clear()
         await st.delete_many(step.get("delete", []))
         puts = step.get("put", [])
-        assert all(await st.put_many(puts, [payload(k, 512) for k in puts]))
+        assert all(await st.put_many(puts, [payload(repr(k), 512) for k in puts]))
         print("ok", flush=True)
     await st.close()
 
@@ -309,11 +334,12 @@ def step(p: subprocess.Popen, **kw) -> None:
 
 def stored(st, keys: list[str]) -> list[bool]:
     """What LMDB holds (the follower's index read directly): the oracle."""
-    return [r is not None for r in st.state.index.get_records([k.encode() for k in keys])]
+    return [r is not None for r in st.state.index.get_records([encode_key(k) for k in keys])]
 
 
 async def test_a_follower_answers_exists_from_its_set_exactly_as_the_index_says(store_dir):
-    keys = [f"page-{i:03d}" for i in range(120)]
+    keys = [f"page-{i:03d}" for i in range(110)] + [f"ключ-ü-{i}" for i in range(5)]
+    keys += [f"\udcff-raw-{i}" for i in range(5)]  # a lone surrogate: stored through surrogateescape
     w = writer(store_dir)
     try:
         step(w, put=keys[:40])
@@ -331,6 +357,10 @@ async def test_a_follower_answers_exists_from_its_set_exactly_as_the_index_says(
                 assert await st.exists_prefix(keys) == (want + [False]).index(False), i
                 assert st.stats()["key_set"] == "ready"
             assert 0 < sum(want) < len(keys)
+            assert any(want[110:]) and not all(want[110:])  # the odd keys both ways
+            odd = [None, b"page-001", "", "x" * 4096, 7, "page-001\udcff\udcfe"]  # never storable: no answer but False
+            assert await st.exists_many(odd) == [False] * len(odd)
+            assert await st.exists_prefix(odd) == 0
         finally:
             await st.close()
     finally:

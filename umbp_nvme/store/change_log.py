@@ -156,6 +156,8 @@ def since(txn, meta, changes, synced: int):
     seed, head, floor = _u64(txn.get(SEED, db=meta)), _u64(txn.get(HEAD, db=meta)), _u64(txn.get(FLOOR, db=meta))
     if seed is None or head != now:
         return now, seed, UNLOGGED
+    if floor is not None and floor > now:
+        raise ChangeLogDamage(f"the change log's floor {floor} is past its snapshot {now}")
     if floor is None or floor > synced:
         return now, seed, BEHIND
     cur = txn.cursor(db=changes)

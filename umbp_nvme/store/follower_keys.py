@@ -173,8 +173,9 @@ class FollowerKeys:
         with self._lock:
             self._set, self._for, self._synced = new, ix, t0
             self._counters["key_set_builds"] = self._counters.get("key_set_builds", 0) + 1
-            if not self._current(ix):
-                log.info("%s: the change log moved past the key set's build; building again", ix.path)
+            if not self._current(ix) and ix not in self._off:  # the thread backs off: 1, 2, 4 ... 60 s
+                raise RuntimeError(f"{ix.path}: more commits came during the key set's build than the change "
+                                   f"log keeps ({change_log.RETAIN}); building again later")  # fmt: skip
 
     def _watch_moved(self, ix) -> bool:
         return self._watch.read(lambda now: now is not ix, True)
