@@ -40,10 +40,10 @@ def rec_for(keys: list[bytes], version: int) -> list[bytes]:
 
 
 class Watch:
-    """follower.IndexWatch's read, on one handle, with a hook before each read of the log."""
+    """follower.IndexWatch's read, on one handle."""
 
     def __init__(self, ix):
-        self.ix, self.before = ix, None
+        self.ix = ix
 
     def read(self, fn, miss):
         return fn(self.ix)
