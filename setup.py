@@ -77,7 +77,8 @@ setup(
         ),
         Extension(
             "umbp_nvme._lmdbwalk",  # the index file's page walk before LMDB maps it (store/index_check.py)
-            sources=["native/lmdbwalk.c"],
+            sources=["native/lmdbwalk.c", "native/crc32c.c"],  # crc32c: a hashed capture's key checksums
+            depends=["native/keyhash.h", "native/crc32c.h", "native/crc32c_consts.h", "native/uring.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         ),
     ],

@@ -592,6 +592,35 @@ static PyObject *KI_mapped_rows(KeyIndex *t, PyObject *args) {
     return out;
 }
 
+/* room for rows 0..n-1 and a table that holds them at load <= 0.7 */
+static int load_prepare(KeyIndex *t, Py_ssize_t n) {
+    uint64_t cap = t->cap;
+    while ((uint64_t)n * 10 > cap * 7) cap *= 2;
+    return reserve_rows_as(t, n, 1) < 0 || (cap != t->cap && resize_table(t, cap) < 0) ? -1 : 0;
+}
+
+/* rows 0..n-1 (hv set) into their slots; low: each row's low hash half (uint32 items) or its
+ * whole hash (uint64 items, masked by mask) */
+static void load_slots(KeyIndex *t, Py_ssize_t n, const void *low, size_t item, uint64_t mask) {
+    uint64_t m = t->cap - 1;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (k + 16 < n) __builtin_prefetch(&t->slots[t->hv[k + 16] & m], 1);
+        uint64_t i = t->hv[k] & m, lo;
+        if (item == 4) {
+            uint32_t v;
+            memcpy(&v, (const uint8_t *)low + 4 * k, 4);
+            lo = v;
+        } else {
+            uint64_t v;
+            memcpy(&v, (const uint8_t *)low + 8 * k, 8);
+            lo = (uint32_t)(v & mask);
+        }
+        while (t->slots[i] != EMPTY) i = (i + 1) & m;
+        t->slots[i] = lo << 32 | (uint64_t)k;
+    }
+    t->count = n;
+}
+
 /* load(lens, blob): rows 0..n-1 hold the packed keys (uint16 lengths, bytes back to back), each
  * mapped to its row; into an empty table only. No Python object per key. */
 static PyObject *KI_load(KeyIndex *t, PyObject *args) {
@@ -601,7 +630,7 @@ static PyObject *KI_load(KeyIndex *t, PyObject *args) {
     Py_ssize_t n = lv.len / 2;
     const uint16_t *l = lv.buf;
     const char *b = bv.buf;
-    uint64_t total = 0, cap = t->cap;
+    uint64_t total = 0;
     if (t->count) {
         PyErr_SetString(PyExc_ValueError, "load into an empty table only");
         goto out;
@@ -618,8 +647,7 @@ static PyObject *KI_load(KeyIndex *t, PyObject *args) {
                      (unsigned long long)total, bv.len);
         goto out;
     }
-    while ((uint64_t)n * 10 > cap * 7) cap *= 2;
-    if (reserve_rows_as(t, n, 1) < 0 || (cap != t->cap && resize_table(t, cap) < 0)) goto out;
+    if (load_prepare(t, n) < 0) goto out;
     /* hashes first, so the slot of a key further on is prefetched; no key is compared (a multimap) */
     uint32_t *lo = PyMem_RawMalloc((n ? n : 1) * 4);
     if (lo == NULL) {
@@ -631,19 +659,44 @@ static PyObject *KI_load(KeyIndex *t, PyObject *args) {
         t->hv[k] = hi_of(h);
         lo[k] = (uint32_t)h;
     }
-    uint64_t m = t->cap - 1;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (k + 16 < n) __builtin_prefetch(&t->slots[t->hv[k + 16] & m], 1);
-        uint64_t i = t->hv[k] & m;
-        while (t->slots[i] != EMPTY) i = (i + 1) & m;
-        t->slots[i] = (uint64_t)lo[k] << 32 | (uint64_t)k;
-    }
+    load_slots(t, n, lo, sizeof *lo, 0);
     PyMem_RawFree(lo);
-    t->count = n;
     ret = PyLong_FromSsize_t(t->count);
 out:
     PyBuffer_Release(&lv);
     PyBuffer_Release(&bv);
+    return ret;
+}
+
+/* load_hashes(seed, hashes): load's rows from hashes already made with seed (a hashed page walk's,
+ * native/lmdbwalk.c: no key bytes in memory at all); into an empty table only, which takes the seed. */
+static PyObject *KI_load_hashes(KeyIndex *t, PyObject *args) {
+    unsigned long long seed;
+    Py_buffer hv;
+    if (!PyArg_ParseTuple(args, "Ky*", &seed, &hv)) return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t n = hv.len / 8;
+    const uint64_t *h = hv.buf;
+    if (t->count) {
+        PyErr_SetString(PyExc_ValueError, "load into an empty table only");
+        goto out;
+    }
+    if (hv.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "hashes: a whole number of uint64");
+        goto out;
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (!(h[k] & KEYHASH_TOP)) {
+            PyErr_Format(PyExc_ValueError, "hash %zd is not a key hash (top bit clear)", k);
+            goto out;
+        }
+    if (load_prepare(t, n) < 0) goto out;
+    t->seed = seed;
+    for (Py_ssize_t k = 0; k < n; k++) t->hv[k] = hi_of((h[k] & t->hash_mask) | KEYHASH_TOP);
+    load_slots(t, n, h, 8, t->hash_mask);
+    ret = PyLong_FromSsize_t(t->count);
+out:
+    PyBuffer_Release(&hv);
     return ret;
 }
 
@@ -843,6 +896,8 @@ static PyMethodDef KI_methods[] = {
     {"mapped", (PyCFunction)KI_mapped, METH_VARARGS, "mapped(rows, out): out[i] = 1 where rows[i] is mapped"},
     {"mapped_rows", (PyCFunction)KI_mapped_rows, METH_VARARGS, "mapped_rows([limit]): int64 bytes, row order"},
     {"load", (PyCFunction)KI_load, METH_VARARGS, "load(lens, blob): rows 0..n-1 hold and map the packed keys"},
+    {"load_hashes", (PyCFunction)KI_load_hashes, METH_VARARGS,
+     "load_hashes(seed, hashes): rows 0..n-1 hold and map keys whose hashes under seed are given (the table takes seed)"},
     {"nbytes", (PyCFunction)KI_nbytes, METH_NOARGS, "bytes allocated (table, per-row hashes)"},
     {"narrow_hash_for_tests", (PyCFunction)KI_narrow, METH_O, "keep only the low N bits of each hash (tests)"},
     {NULL, NULL, 0, NULL},

@@ -8,9 +8,10 @@
  * because the numpy one costs ~1 s per 1 M keys and this ~0.05 s. The GIL is released: a
  * background open walks while the loop serves.
  *
- * walk(buf, psize, last_pg, free_root, free_depth, main_root, main_depth, capture_db)
+ * walk(buf, psize, last_pg, free_root, free_depth, main_root, main_depth, capture_db, seed=None)
  *   -> str (why the file is not safe) or None, or where a sub-database named capture_db was
- *      walked the tuple (True, klen int64 bytes, keys blob, rec mask uint8 bytes, records blob) */
+ *      walked the tuple (True, klen int64 bytes, keys blob, rec mask uint8 bytes, records blob);
+ *      with a seed, hashes instead of keys (hashed_capture) and node_keys for the few keys needed */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -18,6 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+
+#include "keyhash.h"
+#include "uring.h" /* umbp_crc32c */
 
 #define P_BRANCH 0x01
 #define P_LEAF 0x02
@@ -247,6 +251,47 @@ static void fill_capture(const walker *w, int64_t *klen, uint8_t *keys, uint8_t 
     }
 }
 
+/* The captured leaves without copying their keys (a writer's open, issue 36): per node its
+ * KeyIndex hash under seed, length, CRC32C and whether it breaks LMDB's order (not strictly above
+ * the node before it: a shorter prefix first), the records as fill_capture's. Key bytes stay in
+ * the map: node_keys reads the few an open needs (dropped records, keys longer than a record holds). */
+static void fill_hashed(const walker *w, uint64_t seed, uint64_t *hash, uint16_t *klen, uint32_t *crc, uint8_t *isrec,
+                        uint8_t *recs) {
+    size_t n = w->cap_pages.n / 8, nodes = w->n_nodes, n_recs = w->n_recs;
+    const uint8_t *prev = NULL;
+    uint64_t plen = 0;
+    for (size_t p = 0; p < n; p++) {
+        uint64_t pg;
+        memcpy(&pg, w->cap_pages.p + 8 * p, 8);
+        const uint8_t *page = w->buf + pg * w->psize;
+        uint64_t nk = (rd16(page + 12) - 16) / 2;
+        for (uint64_t i = 0; i < nk; i++) {
+            const uint8_t *node = page + rd16(page + 16 + 2 * i);
+            uint64_t dsize = rd16(node) | ((uint64_t)rd16(node + 2) << 16), ksize = rd16(node + 6);
+            uint8_t rec = !(rd16(node + 4) & F_BIGDATA) && dsize == REC_BYTES;
+            if (!nodes || (rec && !n_recs)) return; /* the counts bound the outputs (fill_capture) */
+            nodes--;
+            n_recs -= rec;
+            const uint8_t *key = node + 8;
+            uint8_t bits = rec;
+            if (prev != NULL) {
+                int c = memcmp(prev, key, plen < ksize ? plen : ksize);
+                bits |= (uint8_t)((c > 0 || (c == 0 && plen >= ksize)) << 1);
+            }
+            prev = key;
+            plen = ksize;
+            *hash++ = key_hash(seed, ~0ULL, (const char *)key, ksize);
+            *klen++ = (uint16_t)ksize;
+            *crc++ = umbp_crc32c(0, key, ksize, 0);
+            *isrec++ = bits;
+            if (rec) {
+                memcpy(recs, node + 8 + ksize, REC_BYTES);
+                recs += REC_BYTES;
+            }
+        }
+    }
+}
+
 static int walk_tree(walker *w, tree *t, tree *subs, int *nsubs, span *sp) {
     if (t->depth < 1 || t->depth > MAX_DEPTH)
         return BAD("%s tree has depth %llu", t->name, (unsigned long long)t->depth);
@@ -277,13 +322,51 @@ static int walk_tree(walker *w, tree *t, tree *subs, int *nsubs, span *sp) {
     return rc;
 }
 
+/* (True, hashes u64, lengths u16, crcs u32, bits u8 (1 record, 2 order break), records, leaf pages u64) */
+static PyObject *hashed_capture(const walker *w, uint64_t seed) {
+    size_t n = w->n_nodes;
+    PyObject *h = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 * n));
+    PyObject *kl = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(2 * n));
+    PyObject *cr = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * n));
+    PyObject *ir = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
+    PyObject *rs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(REC_BYTES * w->n_recs));
+    PyObject *pg = PyBytes_FromStringAndSize((const char *)w->cap_pages.p, (Py_ssize_t)w->cap_pages.n);
+    PyObject *out = NULL;
+    if (h && kl && cr && ir && rs && pg) {
+        Py_BEGIN_ALLOW_THREADS
+        want_huge_pages(PyBytes_AS_STRING(h), PyBytes_GET_SIZE(h));
+        want_huge_pages(PyBytes_AS_STRING(rs), PyBytes_GET_SIZE(rs));
+        fill_hashed(w, seed, (uint64_t *)PyBytes_AS_STRING(h), (uint16_t *)PyBytes_AS_STRING(kl),
+                    (uint32_t *)PyBytes_AS_STRING(cr), (uint8_t *)PyBytes_AS_STRING(ir), (uint8_t *)PyBytes_AS_STRING(rs));
+        Py_END_ALLOW_THREADS
+        out = Py_BuildValue("(OOOOOOO)", Py_True, h, kl, cr, ir, rs, pg);
+    }
+    Py_XDECREF(h);
+    Py_XDECREF(kl);
+    Py_XDECREF(cr);
+    Py_XDECREF(ir);
+    Py_XDECREF(rs);
+    Py_XDECREF(pg);
+    return out;
+}
+
 static PyObject *walk(PyObject *self, PyObject *args) {
     Py_buffer b;
     unsigned long long psize, last_pg, froot, fdepth, mroot, mdepth;
     const char *cap = NULL;
     Py_ssize_t caplen = 0;
-    if (!PyArg_ParseTuple(args, "y*KKKKKK|z#", &b, &psize, &last_pg, &froot, &fdepth, &mroot, &mdepth, &cap, &caplen))
+    PyObject *seed_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*KKKKKK|z#O", &b, &psize, &last_pg, &froot, &fdepth, &mroot, &mdepth, &cap, &caplen,
+                          &seed_obj))
         return NULL;
+    uint64_t seed = 0;
+    if (seed_obj != Py_None) {
+        seed = PyLong_AsUnsignedLongLong(seed_obj);
+        if (seed == (uint64_t)-1 && PyErr_Occurred()) {
+            PyBuffer_Release(&b);
+            return NULL;
+        }
+    }
     if (psize < 512 || psize > 65536 || (psize & (psize - 1)) || last_pg < 1 ||
         (unsigned long long)b.len / psize < last_pg + 1) {
         PyBuffer_Release(&b);
@@ -330,6 +413,8 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     } else if (cap == NULL || !w.captured) {
         Py_INCREF(Py_None);
         out = Py_None;
+    } else if (seed_obj != Py_None) {
+        out = hashed_capture(&w, seed);
     } else {
         PyObject *kl = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 * w.n_nodes));
         PyObject *ks = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)w.n_key_bytes);
@@ -356,10 +441,88 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* node_keys(buf, psize, last_pg, pages, ordinals): the keys of the captured nodes at ordinals
+ * (increasing int64) of the leaf pages (a hashed capture's, in order). Every bound is checked
+ * again: the map is the file now, not necessarily the one walked (ValueError, never a wrong read). */
+static PyObject *node_keys(PyObject *self, PyObject *args) {
+    Py_buffer b, pv, ov;
+    unsigned long long psize, last_pg;
+    if (!PyArg_ParseTuple(args, "y*KKy*y*", &b, &psize, &last_pg, &pv, &ov)) return NULL;
+    PyObject *out = NULL;
+    const char *why = NULL;
+    size_t npages = (size_t)pv.len / 8, nord = (size_t)ov.len / 8;
+    if (psize < 512 || psize > 65536 || (unsigned long long)b.len / psize < last_pg + 1 || pv.len % 8 || ov.len % 8) {
+        why = "node_keys: bad arguments";
+        goto done;
+    }
+    out = PyList_New((Py_ssize_t)nord);
+    if (out == NULL) goto done;
+    const uint8_t *buf = b.buf;
+    size_t p = 0, k = 0;
+    int64_t first = 0, prev = -1; /* ordinal of page p's first node */
+    for (; k < nord && why == NULL; k++) {
+        int64_t want;
+        memcpy(&want, (const uint8_t *)ov.buf + 8 * k, 8);
+        if (want <= prev) {
+            why = "node_keys: ordinals must increase";
+            break;
+        }
+        prev = want;
+        for (;;) {
+            if (p >= npages) {
+                why = "node_keys: an ordinal past the captured nodes";
+                break;
+            }
+            uint64_t pg;
+            memcpy(&pg, (const uint8_t *)pv.buf + 8 * p, 8);
+            if (pg < 2 || pg > last_pg) {
+                why = "node_keys: a page outside the file";
+                break;
+            }
+            const uint8_t *page = buf + pg * psize;
+            uint64_t lower = rd16(page + 12);
+            if (lower < 16 || lower > psize || (rd16(page + 10) & P_TYPES) != P_LEAF) {
+                why = "node_keys: a leaf page changed since the walk";
+                break;
+            }
+            int64_t nk = (int64_t)(lower - 16) / 2;
+            if (want < first + nk) {
+                uint64_t ptr = rd16(page + 16 + 2 * (want - first));
+                uint64_t ksize = ptr + 8 <= psize ? rd16(page + ptr + 6) : 0;
+                if (ptr + 8 > psize || ptr + 8 + ksize > psize) {
+                    why = "node_keys: a node changed since the walk";
+                    break;
+                }
+                PyObject *key = PyBytes_FromStringAndSize((const char *)page + ptr + 8, (Py_ssize_t)ksize);
+                if (key == NULL) {
+                    Py_CLEAR(out);
+                    goto done;
+                }
+                PyList_SET_ITEM(out, (Py_ssize_t)k, key);
+                break;
+            }
+            first += nk;
+            p++;
+        }
+    }
+done:
+    if (why != NULL) {
+        Py_CLEAR(out);
+        PyErr_SetString(PyExc_ValueError, why);
+    }
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&ov);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"node_keys", node_keys, METH_VARARGS,
+     "node_keys(buf, psize, last_pg, pages, ordinals): the keys of a hashed capture's nodes at ordinals (increasing)"},
     {"walk", walk, METH_VARARGS,
-     "walk(buf, psize, last_pg, free_root, free_depth, main_root, main_depth, capture_db=None): why the LMDB "
-     "file in buf is unsafe (str), else None or (True, klen, keys, is_rec, recs) of capture_db's leaves"},
+     "walk(buf, psize, last_pg, free_root, free_depth, main_root, main_depth, capture_db=None, seed=None): why "
+     "the LMDB file in buf is unsafe (str), else None or (True, klen, keys, is_rec, recs) of capture_db's leaves; "
+     "with a seed (True, hashes, lengths, crcs, bits, recs, pages) and no key copied"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -117,6 +117,7 @@ async def test_the_writers_open_reads_the_index_from_its_page_walk_as_a_scan_wou
     import os
 
     from umbp_nvme.store.index import INDEX_FILE, Index
+    from umbp_nvme.store.walked_keys import scan_capture
 
     st = await PageStore.open(store_dir, small_config())
     keys = [f"w{i:03d}" + ("\udcff" if i % 5 == 0 else "") for i in range(300)]
@@ -125,9 +126,10 @@ async def test_the_writers_open_reads_the_index_from_its_page_walk_as_a_scan_wou
     await st.close()
     ipath = os.path.join(store_dir, INDEX_FILE)
     ix = Index(ipath, readonly=False, map_size=1 << 30, durable=False)
-    walked_keys, walked = ix.scan_walked()
+    walked_keys, walked = ix.scan_walked(scan_capture)
     scanned_keys, scanned = ix.scan()
     ix.close()
+    assert type(walked_keys).__name__ == "HashedKeys"  # keys hashed in the walk, read from its map here
     assert [bytes(k).decode("utf-8", "surrogateescape") for k in walked_keys] == scanned_keys
     assert sorted(scanned_keys) == sorted(keys)
     assert walked.tobytes() == scanned.tobytes()
@@ -170,3 +172,33 @@ def test_holds_and_mapped_refuse_an_out_buffer_of_the_wrong_size_or_read_only():
             call()
     t.mapped(rows, out)  # the rows' buffer was released on every failure: the table still answers
     assert out.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("bits", [64, 3, 0])
+def test_a_table_loaded_from_hashes_answers_as_one_loaded_from_keys(bits):
+    """load_hashes (a writer's open from its hashed page walk) maps each row as load does from the
+    key bytes: the same candidate rows for every key, stored or not, even when hashes collide."""
+    from umbp_nvme._keyindex import KeyIndex, hash_keys
+
+    keys = [f"h/{i}".encode() for i in range(2000)] + [b"x" * 300, "\u00e9t\u00e9".encode()]
+    lens = np.array([len(k) for k in keys], np.uint16)
+    a, b = KeyIndex(77), KeyIndex(5)
+    a.narrow_hash_for_tests(bits)
+    b.narrow_hash_for_tests(bits)
+    a.load(lens, b"".join(keys))
+    b.load_hashes(77, hash_keys(77, keys))  # the table takes the hashes' seed
+    probes = [k.decode() for k in keys] + [f"h/{i}" for i in range(2000, 2100)] + ["ete", "nope"]
+    for nth in (0, 1, -1):
+        out_a, out_b = np.zeros(len(probes), np.int64), np.zeros(len(probes), np.int64)
+        a.lookup(probes, out_a, nth)
+        b.lookup(probes, out_b, nth)
+        assert out_a.tolist() == out_b.tolist()
+    assert len(b) == len(keys) and (bits or (out_b[: len(keys)] == -2).all())
+    if bits == 64:
+        assert out_b[: len(keys)].tolist() == list(range(len(keys))) and (out_b[len(keys) :] == -1).all()
+    with pytest.raises(ValueError, match="empty table only"):
+        b.load_hashes(77, hash_keys(77, keys))
+    with pytest.raises(ValueError, match="top bit clear"):
+        KeyIndex(1).load_hashes(77, np.array([1, 2], np.uint64).tobytes())
+    with pytest.raises(ValueError, match="whole number"):
+        KeyIndex(1).load_hashes(77, b"\x80" * 12)

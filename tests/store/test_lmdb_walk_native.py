@@ -49,14 +49,46 @@ _meta = index_check.newest_meta
 P_LEAF = 0x02  # LMDB's leaf page flag
 
 
+SEED = 0x5EED_0F_0A_11_C0DE
+
+
 def _both(buf: bytes):
+    """(verdict, capture) of the numpy walk and of the C walk; the C walk's hashed capture (a
+    writer's open: keys hashed, not copied) must agree with both, checked here every time."""
     psize, last_pg, roots = _meta(buf)
     last_pg = min(last_pg, len(buf) // psize - 1)
-    mm = bytearray(buf[: (last_pg + 1) * psize])
-    cap_np, cap_c = {}, {}
-    why_np = index_check.walk_pages(np.frombuffer(bytes(mm), np.uint8), psize, last_pg, roots, cap_np)
-    why_c = index_check.walk_pages_native(bytes(mm), psize, last_pg, roots, cap_c)
+    mm = bytes(buf[: (last_pg + 1) * psize])
+    cap_np, cap_c, cap_h = {}, {}, {"seed": SEED}
+    why_np = index_check.walk_pages(np.frombuffer(mm, np.uint8), psize, last_pg, roots, cap_np)
+    why_c = index_check.walk_pages_native(mm, psize, last_pg, roots, cap_c)
+    why_h = index_check.walk_pages_native(mm, psize, last_pg, roots, cap_h)
+    assert why_h == why_c
+    assert ("objects" in cap_h) == ("objects" in cap_c)
+    if "objects" in cap_c:
+        _same_hashed(cap_c["objects"], cap_h["objects"], mm)
     return (why_np, cap_np), (why_c, cap_c)
+
+
+def _same_hashed(packed, hashed, mm: bytes) -> None:
+    """A hashed capture holds, per node, what the copied capture's keys give: KeyIndex's hash under
+    the seed, length, CRC32C, record flag, order breaks; the same records; node_keys gives the keys."""
+    from umbp_nvme._keyindex import hash_keys, unordered
+    from umbp_nvme._lmdbwalk import node_keys
+    from umbp_nvme._uring import crc32c
+
+    klen, blob, is_rec, recs = packed
+    tag, buf, psize, last_pg, hashes, lens, crcs, bits, recs_h, pages = hashed
+    assert tag == "hashed" and buf is mm
+    starts = np.concatenate([[0], np.cumsum(klen)]).astype(np.int64)
+    keys = [bytes(blob[starts[i] : starts[i + 1]]) for i in range(len(klen))]
+    assert bytes(hashes) == hash_keys(SEED, keys)
+    assert np.frombuffer(lens, np.uint16).tolist() == klen.tolist()
+    assert np.frombuffer(crcs, np.uint32).tolist() == [crc32c(k) for k in keys]
+    b = np.frombuffer(bits, np.uint8)
+    assert np.array_equal(b & 1, is_rec.astype(np.uint8))
+    assert np.flatnonzero(b & 2).tolist() == list(unordered(bytes(blob), klen))
+    assert bytes(recs_h) == bytes(recs)
+    assert node_keys(buf, psize, last_pg, pages, np.arange(len(keys), dtype=np.int64).tobytes()) == keys
 
 
 def _same_capture(a: dict, b: dict) -> None:
@@ -87,6 +119,7 @@ def test_sound_files_walk_clean_with_the_same_capture(files):
     (_, c), _ = _both(files[2])
     klen, keys, is_rec, recs = c["objects"]
     assert len(klen) == 3000 and is_rec.all() and len(recs) == 3000 * REC_BYTES and len(keys) == int(klen.sum())
+    assert len(set(hash_keys_of(c))) == 3000  # the hashes of the hashed capture were compared: they are real
     (_, c), _ = _both(files[3])
     assert int((~c["objects"][2]).sum()) == 3  # the overflow values are not records
 
@@ -167,3 +200,63 @@ def test_check_index_file_uses_the_native_walk_and_refuses_a_zeroed_leaf(tmp_pat
             f.write(bytes(psize))
     with pytest.raises(index_check.IndexFileDamage, match="stamped as page 0"):
         index_check.check_index_file(p)
+
+
+def hash_keys_of(c: dict) -> list[int]:
+    from umbp_nvme._keyindex import hash_keys
+
+    klen, blob, _, _ = c["objects"]
+    starts = np.concatenate([[0], np.cumsum(klen)]).astype(np.int64)
+    return np.frombuffer(hash_keys(SEED, [blob[starts[i] : starts[i + 1]] for i in range(len(klen))]), np.uint64).tolist()
+
+
+def test_an_order_break_is_flagged_in_the_hashed_capture(files):
+    """Two adjacent keys of a leaf swapped (their node pointers): the hashed capture flags the break
+    where the copied capture's keys say it is, and the store's scan drops both sides of it."""
+    from umbp_nvme.store.walked_keys import scan_capture
+
+    buf = bytearray(files[2])
+    psize, last_pg, roots = _meta(bytes(buf))
+    leaf = next(pg for pg in range(2, last_pg + 1) if struct.unpack_from("<H", buf, pg * psize + 10)[0] & P_LEAF
+                and struct.unpack_from("<H", buf, pg * psize + 12)[0] >= 16 + 2 * 3)  # fmt: skip
+    at = leaf * psize + 16
+    a, b = struct.unpack_from("<HH", buf, at)
+    struct.pack_into("<HH", buf, at, b, a)
+    (w1, c1), (w2, c2) = _both(bytes(buf))
+    assert w1 is None and w2 is None
+    cap = {"seed": SEED}
+    mm = bytes(buf[: (last_pg + 1) * psize])
+    assert index_check.walk_pages_native(mm, psize, last_pg, roots, cap) is None
+    bits = np.frombuffer(cap["objects"][7], np.uint8)
+    assert len(np.flatnonzero(bits & 2)) >= 1
+    keys, recs, damage = scan_capture(cap, "ix")
+    assert damage.startswith("2 keys out of order")  # the records are random bytes: some fail their key CRC too
+    renamed = int(damage.split("; ")[1].split()[0]) if ";" in damage else 0
+    kept = keys.key_bytes(np.arange(len(keys)))
+    assert len(kept) == len(recs) == 3000 - 2 - renamed and kept == sorted(set(kept))
+
+
+def test_node_keys_checks_what_it_reads(files):
+    """node_keys reads the map as it is now: ordinals that do not increase or run past the nodes, a
+    page list naming pages outside the file, and a leaf changed since the walk are ValueErrors."""
+    from umbp_nvme._lmdbwalk import node_keys
+
+    buf = files[2]
+    psize, last_pg, roots = _meta(buf)
+    cap = {"seed": SEED}
+    assert index_check.walk_pages_native(buf, psize, last_pg, roots, cap) is None
+    pages = cap["objects"][-1]
+    ords = lambda *o: np.asarray(o, np.int64).tobytes()  # noqa: E731
+    assert len(node_keys(buf, psize, last_pg, pages, ords(0, 5, 2999))) == 3
+    for bad in (ords(5, 5), ords(7, 3), ords(3000), ords(-1)):
+        with pytest.raises(ValueError):
+            node_keys(buf, psize, last_pg, pages, bad)
+    with pytest.raises(ValueError, match="outside the file"):
+        node_keys(buf, psize, last_pg, np.asarray([last_pg + 1], np.uint64).tobytes(), ords(0))
+    first = int(np.frombuffer(pages, np.uint64)[0])
+    zeroed = bytearray(buf)
+    zeroed[first * psize : (first + 1) * psize] = bytes(psize)
+    with pytest.raises(ValueError, match="changed since the walk"):
+        node_keys(bytes(zeroed), psize, last_pg, pages, ords(0))
+    with pytest.raises(ValueError, match="bad arguments"):
+        node_keys(buf[: psize * last_pg], psize, last_pg, pages, ords(0))

@@ -186,6 +186,40 @@ async def test_gone_or_short_segments_drop_only_what_they_lost(store_dir, chunk,
     await st.close()
 
 
+async def test_long_keys_and_dropped_records_survive_opens_from_hashed_keys(store_dir, caplog):
+    """A writer's open maps its keys from their hashes (walked_keys.py) and reads key bytes from the
+    walked map only where it needs them: keys longer than a record holds (kept in memory), the
+    records it drops (deleted from the index) and, after an unclean close, every key (each record
+    area is rewritten). Each object reads back its own bytes after each of those opens."""
+    from umbp_nvme.store.index import Index
+    from umbp_nvme.store.rebuild import boot_id
+
+    keys = [("L" * 250 + f"/{i}") if i % 3 == 0 else f"s{i}" for i in range(3 * PER)]
+    st = await PageStore.open(store_dir, cfg(8))
+    for lo in range(0, len(keys), 16):
+        assert all(await put(st, keys[lo : lo + 16]))
+    await st.close()
+    os.unlink(os.path.join(store_dir, segment_name(0)))  # objects 0..PER-1
+    want = [i >= PER for i in range(3 * PER)]
+    caplog.set_level(logging.WARNING, logger="umbp_nvme.store")
+    st = await PageStore.open(store_dir, cfg(8))
+    assert await check(st, keys) == want and st.stats()["objects"] == 2 * PER
+    await st.close()
+    assert "dropping %d index records" % PER in caplog.text
+    caplog.clear()
+    st = await PageStore.open(store_dir, cfg(8))  # the drops reached the index: nothing is dropped again
+    assert await check(st, keys) == want and st.stats()["objects"] == 2 * PER
+    await st.close()
+    assert "dropping" not in caplog.text
+    ix = Index(os.path.join(store_dir, INDEX_FILE), readonly=False, map_size=1 << 30, durable=False)
+    ix.set_writer_state(b"open:" + boot_id())  # as a writer killed on this boot leaves it
+    ix.close()
+    st = await PageStore.open(store_dir, cfg(8))
+    assert await check(st, keys) == want and st.stats()["objects"] == 2 * PER
+    await st.close()
+    assert "after a rebuild or unclean close" in caplog.text  # every area was written, from every key
+
+
 # --------------------------------------------------------------------------- 3. damaged index
 
 

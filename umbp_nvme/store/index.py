@@ -8,8 +8,8 @@ One record (``REC_DTYPE``, 48 bytes little endian) per key in the ``objects`` da
 ``meta`` database holds the generation high-water mark, the ``changes`` database what each commit
 did to ``objects`` (change_log.py). The writer keeps its own in-memory view (rows.py, keymap.py)
 built at open from ``scan_walked()``: the records the page walk before the open already read
-(index_check.py), keys packed, no Python object per key; readers query LMDB directly, and answer
-exists from key sets kept on the change log (follower_keys.py).
+(index_check.py, walked_keys.py), keys hashed, no Python object per key; readers query LMDB
+directly, and answer exists from key sets kept on the change log (follower_keys.py).
 
 LMDB must not be opened twice in one process (closing a second handle drops the first one's
 POSIX locks), so environments are shared per process through ``_ENVS`` with a reference count.
@@ -301,7 +301,8 @@ class Index:
         """``writemap``: the serving writer's commits write into the map (index_room.py), where the
         file system allows it; handles sharing its environment allocate room the same way."""
         self.path, self.readonly, self.durable = path, readonly, durable
-        self._walked: dict = {}  # what the page walk before a writer's open read (scan_walked)
+        # what the page walk before a writer's open read (scan_walked): keys hashed with this seed
+        self._walked: dict = {"seed": int.from_bytes(os.urandom(8), "little")}
         # a writer creating the store makes the file, then its meta pages, then its databases:
         # a reader that races it waits that moment instead of failing
         deadline = time.monotonic() + wait_s
@@ -417,52 +418,17 @@ class Index:
             if gc_was_enabled:
                 gc.enable()
 
-    def scan_walked(self):
-        """``scan()`` from what the page walk before this open read (index_check.py), keys packed:
-        no Python object per key. The same checks drop the same damage; falls back to ``scan()``
-        when the walk did not run here (the environment was already open in this process) or the
-        index has changed since it did."""
+    def scan_walked(self, read):
+        """``scan()`` from what the page walk before this open read (index_check.py):
+        ``read(capture, path) -> (keys, records, damage)`` (walked_keys.scan_capture: keys as
+        hashes, no Python object or bytes per key, the same checks dropping the same damage).
+        ``scan()`` instead when the walk did not run here (the environment was already open in
+        this process) or the index has changed since it did."""
         got, self._walked = self._walked, {}
         if "objects" not in got or got.get("txnid") != self._env.info()["last_txnid"]:
             return self.scan()
-        from .._keyindex import gather, unordered
-        from .keymap import PackedKeys
-
-        klen, blob, is_rec, rec_blob = got.pop("objects")
-        self.scan_damage = None
-        n = len(klen)
-        keep = np.ones(n, bool)
-        bad_order = unordered(blob, klen)
-        if bad_order:  # LMDB keeps keys strictly ascending: drop both sides of each break (as scan)
-            bad = np.asarray(bad_order, np.int64)
-            keep[bad] = keep[bad - 1] = False
-            self.scan_damage = f"{int((~keep).sum())} keys out of order (damaged nodes)"
-        if not is_rec.all():
-            log.warning("%s: %d index records have a bad size; ignoring them", self.path, int((~is_rec).sum()))
-        if is_rec.all():  # the usual case: the records as they came, no copy (read-only, as scan()'s)
-            recs = np.frombuffer(rec_blob, REC_DTYPE) if n else np.zeros(0, REC_DTYPE)
-        else:
-            recs = np.zeros(n, REC_DTYPE)
-            recs[is_rec] = np.frombuffer(rec_blob, REC_DTYPE)
-        keep &= is_rec
-        starts = np.concatenate([[0], np.cumsum(klen)[:-1]]).astype(np.int64)
-        has = (recs["flags"] & FLAG_KEYCRC) != 0
-        if has.any():
-            from .._uring import crc32c_many
-
-            crcs = np.zeros(n, np.uint32)
-            base = np.frombuffer(blob or b"\0", np.uint8)
-            crc32c_many(np.uint64(base.ctypes.data) + starts.astype(np.uint64), klen, crcs)
-            renamed = keep & has & (crcs != recs["key_crc"])
-            if renamed.any():
-                why = f"{int(renamed.sum())} keys that do not match their record's key checksum"
-                self.scan_damage = why if self.scan_damage is None else f"{self.scan_damage}; {why}"
-                keep &= ~renamed
-        if keep.all():
-            return PackedKeys(klen.astype(np.uint16), blob), recs
-        idx = np.flatnonzero(keep)
-        return PackedKeys(klen[idx].astype(np.uint16), gather(np.frombuffer(blob or b"\0", np.uint8), starts[idx],
-                                                               klen[idx])), recs[idx]  # fmt: skip
+        keys, recs, self.scan_damage = read(got, self.path)
+        return keys, recs
 
     def get_records(self, keys: list[bytes]) -> list[bytes | None]:
         """Each key's record, None when absent or when the record's key checksum says it is not this key's."""
@@ -595,4 +561,5 @@ class Index:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._walked = {}  # a walk never scanned: its map of the file goes
             _release_env(self._env)

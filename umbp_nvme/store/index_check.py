@@ -165,7 +165,8 @@ def _walk_file(fd: int, psize: int, last_pg: int, roots, capture=None) -> str | 
     finally:
         trim_heap()  # the walk's large temporaries are freed: hand their pages back
         try:
-            mm.close()
+            if capture is None or capture.get("objects", (None, None))[1] is not mm:  # a hashed capture reads keys from it
+                mm.close()
         except BufferError:  # a view is still referenced: the map goes when it does
             pass
 
@@ -188,10 +189,14 @@ except ImportError:  # an extension built before it existed: the numpy walk
 def walk_pages_native(buf, psize: int, last_pg: int, roots, capture=None) -> str | None:
     """``walk_pages`` by native/lmdbwalk.c: the same checks, the same capture."""
     (froot, fdepth), (mroot, mdepth) = roots
+    seed = None if capture is None else capture.get("seed")
     got = _native_walk(buf, psize, last_pg, int(froot), int(fdepth), int(mroot), int(mdepth),
-                       b"objects" if capture is not None else None)  # fmt: skip
+                       b"objects" if capture is not None else None, seed)  # fmt: skip
     if got is None or isinstance(got, str):
         return got
+    if seed is not None:  # keys hashed, not copied: their bytes stay in the map (walked_keys.py)
+        capture["objects"] = ("hashed", buf, psize, last_pg) + got[1:]
+        return None
     _, klen, keys, is_rec, recs = got
     capture["objects"] = (np.frombuffer(klen, np.int64), keys, np.frombuffer(is_rec, np.bool_), recs)
     return None

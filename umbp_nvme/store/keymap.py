@@ -232,12 +232,16 @@ class KeyMap:
                 self._held.pop(r, None)
                 self._recent.pop(r, None)
 
-    def load(self, keys: "PackedKeys") -> None:
-        """Rows 0..n-1 hold ``keys`` and each maps to its row; an empty map only."""
+    def load(self, keys) -> None:
+        """Rows 0..n-1 hold ``keys`` (PackedKeys, or walked_keys.HashedKeys: their hashes, the
+        table taking their seed) and each maps to its row; an empty map only."""
         self.adds += 1
-        self._t.load(keys.lens.tobytes() if not keys.lens.flags.c_contiguous else keys.lens, keys.blob)
-        for i in np.flatnonzero(keys.lens > self.held_over).tolist():
-            self._held[i] = keys[i]
+        if hasattr(keys, "hashes"):
+            self._t.load_hashes(keys.seed, np.ascontiguousarray(keys.hashes, np.uint64))
+        else:
+            self._t.load(np.ascontiguousarray(keys.lens, np.uint16), keys.blob)
+        long = np.flatnonzero(keys.lens > self.held_over)
+        self._held.update(zip(long.tolist(), keys.key_bytes(long)))
 
     def mapped_rows(self, limit: int = -1) -> np.ndarray:
         return np.frombuffer(self._t.mapped_rows(limit), np.int64)
@@ -348,6 +352,11 @@ class PackedKeys:
         s = self._start().tolist()
         blob = self.blob
         return (blob[s[i] : s[i + 1]] for i in range(len(self.lens)))
+
+    def key_bytes(self, idx) -> list[bytes]:
+        """The keys at positions ``idx``."""
+        s = self._start()
+        return [self.blob[int(s[i]) : int(s[i + 1])] for i in np.asarray(idx).reshape(-1).tolist()]
 
     def take(self, idx: np.ndarray) -> "PackedKeys":
         """The keys at ``idx`` (increasing), packed."""

@@ -37,6 +37,7 @@ from .mounts import check_mounted
 from .clock import GenerationClock
 from .fs_room import warn_if_short
 from .keymap import PackedKeys
+from .walked_keys import HashedKeys, scan_capture
 from .rows import RowTable
 from .state import OpenFacts
 from .segments import SegmentAllocator, SegmentFiles, segment_name
@@ -276,7 +277,7 @@ class OpenSteps:
             if readonly:
                 self.state.watch = IndexWatch(self.state, map_size)  # every lookup follows the writer's replacements
                 return
-            o.scan = self.state.index.scan_walked()  # keys packed, from the page walk of this open
+            o.scan = self.state.index.scan_walked(scan_capture)  # keys hashed, from the page walk of this open
             o.scan_next_gen = self.state.index.next_generation()
             state = self.state.index.writer_state()
             if self.state.index.scan_damage is not None:
@@ -379,6 +380,8 @@ class OpenSteps:
         self.writer.low_bytes = int(self.writer.alloc.capacity_bytes * self.config.ssd_low_watermark)
         keys, recs = o.scan
         o.scan = None
+        if isinstance(keys, HashedKeys) and (o.migrate or o.rebuilt or o.unclean):
+            keys = keys.packed()  # every record area is written from every key, after commits (_load_records)
         if len(keys):
             keys, recs = self._drop_unreadable(keys, recs, n_segments, o)
         if o.shrink_from is not None:
@@ -395,6 +398,8 @@ class OpenSteps:
         slots = n_segments * self.writer.alloc.slots(SLOT_ALIGN_BYTES)
         self.writer.rows = RowTable(keys, recs, self.writer.alloc.free, slots)
         self.writer.keys = self.writer.rows.index  # key -> row (the same dict)
+        if isinstance(keys, HashedKeys):
+            keys.release()  # the walk's map of the file goes
         self._load_records(keys, recs, o)
         o.gen_max = int(recs["generation"].max()) if len(keys) else 0  # the clock starts above it (_start_clock)
 
@@ -427,8 +432,13 @@ class OpenSteps:
             self._open_segment_for_load(s)
         if keep.all():
             return keys, recs
-        packed = isinstance(keys, PackedKeys)  # a fast scan's keys are bytes already
-        drop = [keys[i] if packed else encode_key(keys[i]) for i in np.flatnonzero(~keep).tolist()]
+        packed = isinstance(keys, (PackedKeys, HashedKeys))  # a fast scan's keys are bytes already
+        gone = np.flatnonzero(~keep)
+        drop = keys.key_bytes(gone) if packed else [encode_key(keys[i]) for i in gone.tolist()]
+        idx = np.flatnonzero(keep)
+        if isinstance(keys, HashedKeys):  # read before the commit below may free their pages
+            keys = keys.take(idx)
+            keys.release()
         if shrunk:
             log.warning(
                 "%s: shrinking from ssd_capacity_bytes=%d to %d (%d -> %d segments): evicting %d objects "
@@ -445,8 +455,8 @@ class OpenSteps:
             self.state.index.commit(deletes=drop)
         except lmdb.Error as e:
             raise wrap_lmdb_error(self.state.index.path, e, f"deleting {len(drop)} records at open") from None
-        idx = np.flatnonzero(keep)
-        keys = keys.take(idx) if packed else [keys[i] for i in idx.tolist()]
+        if not isinstance(keys, HashedKeys):
+            keys = keys.take(idx) if packed else [keys[i] for i in idx.tolist()]
         recs = recs[idx]
         self.writer.alloc.rebuild(recs["segment"], recs["offset"], recs["length"], recs["generation"])
         return keys, recs

@@ -23,6 +23,7 @@ import numpy as np
 from .._keyindex import add_at, scatter
 from .keymap import KeyMap, PackedKeys, RowKeys
 from .records import KEY_INLINE
+from .walked_keys import HashedKeys
 
 COLUMNS = (
     ("seg", np.int32),  # segment numbers come from capacity // segment bytes: far below 2**31
@@ -77,7 +78,7 @@ class RowTable:
     __slots__ = tuple(name for name, _ in COLUMNS) + ("key", "index", "n", "free", "dead_pinned", "_free_slot")
 
     def __init__(self, keys: list, recs: np.ndarray, free_slot, reserve: int = 0):
-        """Rows for ``keys`` (str, their bytes, or PackedKeys) and their index records ``recs``; ``free_slot(seg,
+        """Rows for ``keys`` (str, their bytes, PackedKeys or HashedKeys) and their index records ``recs``; ``free_slot(seg,
         off)`` gives a slot back. ``reserve``: rows to make room for now (the store's slots: puts
         then never grow the columns; room never written costs no memory, ``zeros``)."""
         n = len(keys)
@@ -98,7 +99,7 @@ class RowTable:
             self.depth[:n] = recs["depth"]
             self.live[:n] = True
         self.index = KeyMap(held_over=KEY_INLINE)  # longer keys than a record holds stay in memory
-        if isinstance(keys, PackedKeys):
+        if isinstance(keys, (PackedKeys, HashedKeys)):
             self.index.load(keys)
         elif n:
             self.index.set_rows(keys, np.arange(n, dtype=np.int64))
