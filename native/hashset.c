@@ -48,9 +48,25 @@ static inline uint64_t find(const HashSet *s, uint64_t h) {
     }
 }
 
+#define PREFAULT_SLOTS (1u << 20) /* 8 MiB of table */
+
 static int rehash(HashSet *s, uint64_t cap) {
     if (cap > MAX_CAP) return PyErr_NoMemory(), -1;
-    uint64_t *t = PyMem_RawCalloc(cap, sizeof(uint64_t));
+    uint64_t *t;
+    if (cap < PREFAULT_SLOTS) {
+        t = PyMem_RawCalloc(cap, sizeof(uint64_t));
+    } else {
+        /* a large table's pages fault in here without the GIL (no one sees it yet), not one by one
+         * under it as the first adds land all over it (~50 ms of the GIL per 128 MB) */
+        Py_BEGIN_ALLOW_THREADS
+        t = PyMem_RawCalloc(cap, sizeof(uint64_t));
+        for (uint64_t i = 0; t != NULL && i < cap; i += 512) ((volatile uint64_t *)t)[i] = 0;
+        Py_END_ALLOW_THREADS
+        if (t != NULL && s->cap >= cap) { /* another thread grew it meanwhile */
+            PyMem_RawFree(t);
+            return 0;
+        }
+    }
     if (t == NULL) return PyErr_NoMemory(), -1;
     for (uint64_t j = 0; j < s->cap; j++) {
         uint64_t h = s->slots[j];

@@ -92,6 +92,41 @@ def test_reserve_makes_room_without_a_rehash():
         s.reserve(-1)
 
 
+def test_a_large_table_made_while_other_threads_use_the_set_holds_everything():
+    """A rehash to a table of 2**20 slots or more builds it without the GIL (its pages fault in there):
+    adds, discards and lookups from other threads meanwhile all land, whatever interleaving."""
+    import threading
+
+    s = HashSet(5)
+    s.add(raw(*(TOP | i for i in range(1, 1001))))
+    model = set(range(1, 1001))
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def churn(base):
+        i = 0
+        while not stop.is_set() or i < 2000:
+            v = base + i % 5000
+            with lock:  # the model and the set change together; the set's own calls need no lock
+                if s.add(raw(TOP | v)):
+                    model.add(v)
+                if i % 3 == 0 and s.discard(raw(TOP | (v - 7))):
+                    model.discard(v - 7)
+            i += 1
+
+    threads = [threading.Thread(target=churn, args=(b,)) for b in (10_000, 20_000)]
+    for t in threads:
+        t.start()
+    for n in (1 << 20, 3 << 20, 4 << 20):  # each grows the table across the threads' calls
+        s.reserve(n)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert s.nbytes() >= (4 << 20) * 8 / 0.7 and len(s) == len(model)
+    vals = np.array(sorted(model), np.uint64) | np.uint64(TOP)
+    assert s.discard(vals) == len(model) and len(s) == 0  # every hash the model holds was held, and no other
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_backward_shift_deletion_keeps_clusters_whole(seed):
     """Hashes with one home make long clusters: at slot 0 ((1<<63)|i) and at the last slot
