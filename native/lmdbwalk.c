@@ -8,10 +8,13 @@
  * because the numpy one costs ~1 s per 1 M keys and this ~0.05 s. The GIL is released: a
  * background open walks while the loop serves.
  *
- * walk(buf, psize, last_pg, free_root, free_depth, main_root, main_depth, capture_db, seed=None)
+ * walk(buf, psize, last_pg, free_root, free_depth, main_root, main_depth, capture_db, seed=None, tree_only=False)
  *   -> str (why the file is not safe) or None, or where a sub-database named capture_db was
  *      walked the tuple (True, klen int64 bytes, keys blob, rec mask uint8 bytes, records blob);
- *      with a seed, hashes instead of keys (hashed_capture) and node_keys for the few keys needed */
+ *      with a seed, hashes instead of keys (hashed_capture) and node_keys for the few keys needed;
+ *      tree_only: main_root is one database's tree (no sub-databases), walked and captured;
+ *      rec_check: records checked against their key's CRC in place (bit 4), none copied;
+ *      stop: a bytearray whose first byte, once set (by another thread), ends the walk: "stopped" */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -34,6 +37,7 @@
 #define MAX_DEPTH 64
 #define MAX_TREES 64 /* sub-databases: ours are two; more is damage we refuse rather than chase */
 #define P_INVALID UINT64_MAX
+#define STOPPED "stopped" /* the answer of a walk its caller's stop flag ended */
 
 typedef struct {
     uint8_t *p;
@@ -64,6 +68,7 @@ typedef struct {
     char why[256];
     int nomem;
     int captured; /* a tree named capture_db was walked */
+    const volatile uint8_t *stop; /* the caller's flag (a follower's close): nonzero ends the walk */
     /* the capture tree's leaf pages in key order, and what they hold: the walk counts, then
      * fill_capture copies into outputs of exactly that size (one touch of fresh memory each) */
     vec cap_pages;
@@ -255,12 +260,20 @@ static void fill_capture(const walker *w, int64_t *klen, uint8_t *keys, uint8_t 
  * KeyIndex hash under seed, length, CRC32C and whether it breaks LMDB's order (not strictly above
  * the node before it: a shorter prefix first), the records as fill_capture's. Key bytes stay in
  * the map: node_keys reads the few an open needs (dropped records, keys longer than a record holds). */
-static void fill_hashed(const walker *w, uint64_t seed, uint64_t *hash, uint16_t *klen, uint32_t *crc, uint8_t *isrec,
-                        uint8_t *recs) {
+/* where a record says its key's CRC32C (a follower's walk keeps no records: fill_hashed checks them in
+ * place and marks a record that is not its key's with FOREIGN); offsets within REC_BYTES */
+typedef struct {
+    uint32_t flags_at, crc_at, flag;
+} rec_check;
+#define FOREIGN 4
+
+static int fill_hashed(const walker *w, uint64_t seed, uint64_t *hash, uint16_t *klen, uint32_t *crc, uint8_t *isrec,
+                       uint8_t *recs, const rec_check *rc) {
     size_t n = w->cap_pages.n / 8, nodes = w->n_nodes, n_recs = w->n_recs;
     const uint8_t *prev = NULL;
     uint64_t plen = 0;
     for (size_t p = 0; p < n; p++) {
+        if (w->stop != NULL && *w->stop) return -1;
         uint64_t pg;
         memcpy(&pg, w->cap_pages.p + 8 * p, 8);
         const uint8_t *page = w->buf + pg * w->psize;
@@ -269,7 +282,7 @@ static void fill_hashed(const walker *w, uint64_t seed, uint64_t *hash, uint16_t
             const uint8_t *node = page + rd16(page + 16 + 2 * i);
             uint64_t dsize = rd16(node) | ((uint64_t)rd16(node + 2) << 16), ksize = rd16(node + 6);
             uint8_t rec = !(rd16(node + 4) & F_BIGDATA) && dsize == REC_BYTES;
-            if (!nodes || (rec && !n_recs)) return; /* the counts bound the outputs (fill_capture) */
+            if (!nodes || (rec && !n_recs)) return 0; /* the counts bound the outputs (fill_capture) */
             nodes--;
             n_recs -= rec;
             const uint8_t *key = node + 8;
@@ -283,13 +296,20 @@ static void fill_hashed(const walker *w, uint64_t seed, uint64_t *hash, uint16_t
             *hash++ = key_hash(seed, ~0ULL, (const char *)key, ksize);
             *klen++ = (uint16_t)ksize;
             *crc++ = umbp_crc32c(0, key, ksize, 0);
-            *isrec++ = bits;
-            if (rec) {
+            if (rec && rc != NULL) {
+                const uint8_t *r = node + 8 + ksize;
+                uint32_t f, kc;
+                memcpy(&f, r + rc->flags_at, 4);
+                memcpy(&kc, r + rc->crc_at, 4);
+                bits |= (uint8_t)(((f & rc->flag) && kc != crc[-1]) ? FOREIGN : 0);
+            } else if (rec) {
                 memcpy(recs, node + 8 + ksize, REC_BYTES);
                 recs += REC_BYTES;
             }
+            *isrec++ = bits;
         }
     }
+    return 0;
 }
 
 static int walk_tree(walker *w, tree *t, tree *subs, int *nsubs, span *sp) {
@@ -311,7 +331,7 @@ static int walk_tree(walker *w, tree *t, tree *subs, int *nsubs, span *sp) {
         for (size_t i = 0; i < n && rc == 0; i++) {
             uint64_t pg;
             memcpy(&pg, cur.p + 8 * i, 8);
-            rc = check_page(w, t, pg, want, &next, subs, nsubs, sp);
+            rc = w->stop != NULL && *w->stop ? BAD(STOPPED) : check_page(w, t, pg, want, &next, subs, nsubs, sp);
         }
         vec tmp = cur;
         cur = next;
@@ -323,23 +343,25 @@ static int walk_tree(walker *w, tree *t, tree *subs, int *nsubs, span *sp) {
 }
 
 /* (True, hashes u64, lengths u16, crcs u32, bits u8 (1 record, 2 order break), records, leaf pages u64) */
-static PyObject *hashed_capture(const walker *w, uint64_t seed) {
+static PyObject *hashed_capture(const walker *w, uint64_t seed, const rec_check *rc) {
     size_t n = w->n_nodes;
     PyObject *h = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 * n));
     PyObject *kl = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(2 * n));
     PyObject *cr = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * n));
     PyObject *ir = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
-    PyObject *rs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(REC_BYTES * w->n_recs));
+    PyObject *rs = PyBytes_FromStringAndSize(NULL, rc != NULL ? 0 : (Py_ssize_t)(REC_BYTES * w->n_recs));
     PyObject *pg = PyBytes_FromStringAndSize((const char *)w->cap_pages.p, (Py_ssize_t)w->cap_pages.n);
     PyObject *out = NULL;
+    int stopped = 0;
     if (h && kl && cr && ir && rs && pg) {
         Py_BEGIN_ALLOW_THREADS
         want_huge_pages(PyBytes_AS_STRING(h), PyBytes_GET_SIZE(h));
         want_huge_pages(PyBytes_AS_STRING(rs), PyBytes_GET_SIZE(rs));
-        fill_hashed(w, seed, (uint64_t *)PyBytes_AS_STRING(h), (uint16_t *)PyBytes_AS_STRING(kl),
-                    (uint32_t *)PyBytes_AS_STRING(cr), (uint8_t *)PyBytes_AS_STRING(ir), (uint8_t *)PyBytes_AS_STRING(rs));
+        stopped = fill_hashed(w, seed, (uint64_t *)PyBytes_AS_STRING(h), (uint16_t *)PyBytes_AS_STRING(kl),
+                              (uint32_t *)PyBytes_AS_STRING(cr), (uint8_t *)PyBytes_AS_STRING(ir),
+                              (uint8_t *)PyBytes_AS_STRING(rs), rc);
         Py_END_ALLOW_THREADS
-        out = Py_BuildValue("(OOOOOOO)", Py_True, h, kl, cr, ir, rs, pg);
+        out = stopped ? PyUnicode_FromString(STOPPED) : Py_BuildValue("(OOOOOOO)", Py_True, h, kl, cr, ir, rs, pg);
     }
     Py_XDECREF(h);
     Py_XDECREF(kl);
@@ -356,9 +378,26 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     const char *cap = NULL;
     Py_ssize_t caplen = 0;
     PyObject *seed_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "y*KKKKKK|z#O", &b, &psize, &last_pg, &froot, &fdepth, &mroot, &mdepth, &cap, &caplen,
-                          &seed_obj))
+    int tree_only = 0;
+    PyObject *check_obj = Py_None, *stop_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*KKKKKK|z#OpOO", &b, &psize, &last_pg, &froot, &fdepth, &mroot, &mdepth, &cap,
+                          &caplen, &seed_obj, &tree_only, &check_obj, &stop_obj))
         return NULL;
+    if (stop_obj != Py_None && !PyByteArray_Check(stop_obj)) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_TypeError, "walk: stop must be a bytearray");
+        return NULL;
+    }
+    rec_check check = {0}, *rcheck = NULL;
+    if (check_obj != Py_None) {
+        if (!PyArg_ParseTuple(check_obj, "III", &check.flags_at, &check.crc_at, &check.flag) ||
+            check.flags_at > REC_BYTES - 4 || check.crc_at > REC_BYTES - 4) {
+            PyBuffer_Release(&b);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "walk: record check offsets outside a record");
+            return NULL;
+        }
+        rcheck = &check;
+    }
     uint64_t seed = 0;
     if (seed_obj != Py_None) {
         seed = PyLong_AsUnsignedLongLong(seed_obj);
@@ -375,6 +414,8 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         return NULL;
     }
     walker w = {.buf = b.buf, .psize = psize, .last_pg = last_pg};
+    if (stop_obj != Py_None && PyByteArray_GET_SIZE(stop_obj) > 0) /* its object outlives the call (args hold it) */
+        w.stop = (const volatile uint8_t *)PyByteArray_AS_STRING(stop_obj);
     w.why[0] = 0;
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -383,7 +424,10 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     tree stack[2 + MAX_TREES];
     int top = 0;
     stack[top++] = (tree){.root = froot, .depth = fdepth, .name = "free-list"};
-    stack[top++] = (tree){.root = mroot, .depth = mdepth, .name = "main", .main = 1};
+    if (tree_only) /* one database's tree from its root (a follower's snapshot of objects): captured */
+        stack[top++] = (tree){.root = mroot, .depth = mdepth, .name = "objects", .capture = 1};
+    else
+        stack[top++] = (tree){.root = mroot, .depth = mdepth, .name = "main", .main = 1};
     if (w.seen == NULL || sp == NULL) {
         w.nomem = 1;
         rc = -1;
@@ -410,11 +454,11 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
     } else if (rc != 0) {
         out = PyUnicode_FromString(w.why);
-    } else if (cap == NULL || !w.captured) {
+    } else if ((cap == NULL && !tree_only) || !w.captured) {
         Py_INCREF(Py_None);
         out = Py_None;
     } else if (seed_obj != Py_None) {
-        out = hashed_capture(&w, seed);
+        out = hashed_capture(&w, seed, rcheck);
     } else {
         PyObject *kl = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 * w.n_nodes));
         PyObject *ks = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)w.n_key_bytes);
@@ -520,9 +564,12 @@ static PyMethodDef methods[] = {
     {"node_keys", node_keys, METH_VARARGS,
      "node_keys(buf, psize, last_pg, pages, ordinals): the keys of a hashed capture's nodes at ordinals (increasing)"},
     {"walk", walk, METH_VARARGS,
-     "walk(buf, psize, last_pg, free_root, free_depth, main_root, main_depth, capture_db=None, seed=None): why "
+     "walk(buf, psize, last_pg, free_root, free_depth, main_root, main_depth, capture_db=None, seed=None, "
+     "tree_only=False, rec_check=None, stop=None): why "
      "the LMDB file in buf is unsafe (str), else None or (True, klen, keys, is_rec, recs) of capture_db's leaves; "
-     "with a seed (True, hashes, lengths, crcs, bits, recs, pages) and no key copied"},
+     "with a seed (True, hashes, lengths, crcs, bits, recs, pages) and no key copied; tree_only: main_root is one "
+     "database's tree, captured; rec_check (flags offset, key CRC offset, flag): records checked in place, not "
+     "copied (bit 4: a record not its key's); stop (bytearray): its first byte set ends the walk (\"stopped\")"},
     {NULL, NULL, 0, NULL},
 };
 

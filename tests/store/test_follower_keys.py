@@ -50,7 +50,8 @@ class Watch:
 
 
 class Hooked:
-    """An Index whose read_log runs ``hook`` first (a writer committing between a build's chunks)."""
+    """An Index whose read_log and page walk run ``hook`` first (a writer committing between a
+    build's reads)."""
 
     def __init__(self, ix, hook):
         self._ix, self._hook, self.path = ix, hook, ix.path
@@ -58,6 +59,10 @@ class Hooked:
     def read_log(self, fn):
         self._hook()
         return self._ix.read_log(fn)
+
+    def walk_objects(self, seed: int, stop: bytearray):
+        self._hook()
+        return self._ix.walk_objects(seed, stop)
 
 
 def truth(ix: Index, universe: list[bytes]) -> list[bool]:
@@ -119,6 +124,69 @@ def test_random_commits_keep_the_set_equal_to_the_objects_database(ix):
         assert any(truth(ix, universe)) and not all(truth(ix, universe))
     finally:
         fk.stop()
+
+
+def test_a_walked_build_leaves_out_records_not_their_keys_and_a_damaged_tree_turns_the_set_off(ix):
+    """The build's page walk checks each record's key CRC in place: a record that is not its key's
+    is not in the set (LMDB's lookups refuse it too). A leaf of the objects tree scribbled under the
+    follower's handle: the walk refuses it, the set turns off and lookups go to LMDB."""
+    keys = [f"w{i:04d}".encode() for i in range(600)]
+    recs = rec_for(keys, 1)
+    bad = set(range(0, 600, 7))
+    recs = [r[:44] + struct.pack("<I", 0xDEAD) if i in bad else r for i, r in enumerate(recs)]  # key_crc at 44
+    assert REC_DTYPE.fields["key_crc"][1] == 44
+    ix.commit(puts=list(zip(keys, recs)))
+    fk = FollowerKeys(Watch(ix))
+    try:
+        got = ready(fk, ix, keys)
+        assert got == truth(ix, keys) and got.count(False) == len(bad)
+    finally:
+        fk.stop()
+    with open(ix.path, "rb") as f:
+        data = f.read()
+    at = data.index(b"w0300")  # a key's bytes in its leaf
+    page = at - at % 4096
+    with open(ix.path, "r+b") as f:
+        f.seek(page + 8)
+        f.write(b"\xff" * 8)  # its header scribbled: flags and bounds
+    fk = FollowerKeys(Watch(ix))
+    try:
+        end = time.monotonic() + WAIT_S
+        while fk.state(ix) != "off" and time.monotonic() < end:
+            assert answers(fk, ix, keys[:3]) is None
+            time.sleep(0.005)
+        assert fk.state(ix) == "off" and answers(fk, ix, keys[:3]) is None
+    finally:
+        fk.stop()
+
+
+def test_a_walk_its_stop_flag_ends_builds_no_set_and_is_not_damage(ix, caplog):
+    """close() sets the walk's stop flag (the C walk reads it without the GIL): a walk ended that way
+    answers "stopped", and the build leaves no set, neither ready nor off."""
+    keys = [f"s{i:03d}".encode() for i in range(50)]
+    ix.commit(puts=list(zip(keys, rec_for(keys, 1))))
+    walks = []
+
+    class Closing(Hooked):
+        def walk_objects(self, seed, stop):
+            stop[0] = 1  # as close() does while the walk runs
+            got = self._ix.walk_objects(seed, stop)
+            walks.append(got[1])
+            return got
+
+    hooked = Closing(ix, lambda: None)
+    fk = FollowerKeys(Watch(hooked))
+    try:
+        assert answers(fk, hooked, keys) is None
+        end = time.monotonic() + WAIT_S
+        while not walks and time.monotonic() < end:
+            time.sleep(0.005)
+        assert walks[:1] == ["stopped"]
+        assert fk.state(hooked) == "building" and answers(fk, hooked, keys) is None
+    finally:
+        fk.stop()
+    assert not [t for t in threading.enumerate() if t.name == "umbp-follower-keys"]
+    assert "follower key set" not in caplog.text and "damaged" not in caplog.text  # no failure, no turning off
 
 
 def test_a_follower_further_behind_than_the_log_keeps_rebuilds_and_never_answers_from_the_old_set(ix, monkeypatch):
@@ -260,8 +328,12 @@ def test_a_damaged_log_record_in_meta_turns_the_set_off(ix, record, value, monke
         fk.stop()
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("chunk", [1, 3, 64, "walk"])
 def test_a_build_whose_chunks_interleave_with_commits_ends_equal_to_the_objects(ix, chunk, monkeypatch):
+    """Commits land between the build's reads: its chunks from LMDB, or around its page walk (the
+    start point, the walk, then the replay of the log), and the set ends equal to LMDB."""
+    monkeypatch.setattr(follower_keys, "PAGE_WALK", chunk == "walk")
+    chunk = 64 if chunk == "walk" else chunk
     monkeypatch.setattr(follower_keys, "CHUNK", chunk)
     rng = random.Random(chunk)
     universe = [f"c{i:03d}".encode() for i in range(60)]
@@ -402,6 +474,7 @@ async def test_a_writer_killed_in_its_commits_leaves_the_follower_set_equal_to_t
 
 async def test_a_follower_closed_in_the_middle_of_its_build_stops_it_and_leaves_no_thread(store_dir, monkeypatch):
     monkeypatch.setattr(follower_keys, "CHUNK", 1)  # one key a read: the build is long enough to close in
+    monkeypatch.setattr(follower_keys, "PAGE_WALK", False)  # the chunks from LMDB (the walk's stop: below)
     keys = [f"page-{i:03d}" for i in range(300)]
     w = writer(store_dir)
     step(w, put=keys)

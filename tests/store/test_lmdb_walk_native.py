@@ -260,3 +260,44 @@ def test_node_keys_checks_what_it_reads(files):
         node_keys(bytes(zeroed), psize, last_pg, pages, ords(0))
     with pytest.raises(ValueError, match="bad arguments"):
         node_keys(buf[: psize * last_pg], psize, last_pg, pages, ords(0))
+
+
+def test_a_followers_walk_of_one_tree_checks_records_in_place_and_stops_when_asked(files, tmp_path):
+    """The objects tree alone from its root (a follower's snapshot): the same hashes, lengths, CRCs
+    and order breaks as the whole file's walk, no records copied, bit 4 on each record that is not
+    its key's (flags and key CRC read in place); a stop flag already set ends it: "stopped"."""
+    from umbp_nvme._lmdbwalk import walk
+    from umbp_nvme.store.index import FLAG_KEYCRC, REC_DTYPE
+
+    check = (REC_DTYPE.fields["flags"][1], REC_DTYPE.fields["key_crc"][1], FLAG_KEYCRC)
+    seen = []  # foreign and own records per file: the random records give both
+    for i, buf in enumerate(files[1:]):
+        p = str(tmp_path / f"f{i}.lmdb")
+        with open(p, "wb") as f:
+            f.write(buf)
+        env = lmdb.open(p, subdir=False, readonly=True, lock=False, max_dbs=4)
+        with env.begin() as txn:
+            raw = txn.get(b"objects")
+        env.close()
+        depth, root = struct.unpack_from("<H", raw, 6)[0], struct.unpack_from("<Q", raw, 40)[0]
+        psize, last_pg, roots = _meta(buf)
+        full = {"seed": SEED}
+        assert index_check.walk_pages_native(buf, psize, last_pg, roots, full) is None
+        _, _, _, _, hashes, lens, crcs, bits, recs, _ = full["objects"]
+        got = walk(buf, psize, last_pg, (1 << 64) - 1, 0, root, depth, None, SEED, True, check)
+        assert got[1:4] == (hashes, lens, crcs) and got[5] == b""
+        b_full, b_tree = np.frombuffer(bits, np.uint8), np.frombuffer(got[4], np.uint8)
+        assert np.array_equal(b_tree & 3, b_full)
+        r = np.frombuffer(recs, REC_DTYPE)
+        at = np.flatnonzero(b_full & 1)
+        foreign = ((r["flags"] & FLAG_KEYCRC) != 0) & (np.frombuffer(crcs, np.uint32)[at] != r["key_crc"])
+        assert np.array_equal((b_tree[at] & 4) != 0, foreign)
+        seen += [int(foreign.sum()), int((~foreign).sum())]
+        assert not (b_tree[np.flatnonzero(~b_full & 1)] & 4).any()
+        assert walk(buf, psize, last_pg, (1 << 64) - 1, 0, root, depth, None, SEED, True, check,
+                    bytearray(b"\x01")) == "stopped"  # fmt: skip
+    assert sum(seen[0::2]) > 100 and sum(seen[1::2]) > 100
+    with pytest.raises(ValueError, match="outside a record"):
+        walk(files[2], psize, last_pg, (1 << 64) - 1, 0, root, depth, None, SEED, True, (46, 0, 2))
+    with pytest.raises(TypeError, match="bytearray"):
+        walk(files[2], psize, last_pg, (1 << 64) - 1, 0, root, depth, None, SEED, True, None, b"\x01")

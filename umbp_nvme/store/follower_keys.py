@@ -5,12 +5,17 @@ objects, most of it py-lmdb's call cost). Here it holds the set of its index's k
 (``HashSet``: 8 bytes a slot, ~11-15 per key) and answers from the hash alone, as the writer does
 (keymap.py): a false positive, at N / 2**63 per absent key, is a miss on get, which reads LMDB.
 
-The set is built from the objects database in chunks, on a thread of its own, while lookups read
-LMDB as before; then kept on the writer's change log (change_log.py). Each chunk is read in its
-own read transaction (no snapshot held for seconds): the build notes the snapshot T0 it started
-from and replays the log after T0 once the chunks are in. A key no write touched after T0 is in
-every chunk's snapshot as it was at T0; for one that was, the replay's last operation on it
-decides, so the set ends equal to the snapshot the replay reaches.
+The set is built on a thread of its own while lookups read LMDB as before, then kept on the
+writer's change log (change_log.py). The build walks the objects tree of one read snapshot T0 in C
+(``Index.walk_objects``: every page checked as the writer's open checks it, keys hashed, records
+checked against their key's CRC in place, all without the GIL; ~1.5 s at 10 M keys), holding T0
+for the walk so the writer reuses none of its pages, and replays the log after T0. A damaged page
+turns the set off for that file; close() stops a walk through its stop flag. Without the C walk
+(or the file at the path no longer the handle's) it reads chunks from LMDB, each in its own read
+transaction (no snapshot held for seconds): the build notes the snapshot T0 it started from and
+replays the log after T0 once the chunks are in. A key no write touched after T0 is in every
+chunk's snapshot as it was at T0; for one that was, the replay's last operation on it decides, so
+the set ends equal to the snapshot the replay reaches.
 
 Every lookup first brings the set to a read snapshot it takes (nothing to do when no commit came
 since), under the set's lock, so an answer is never older than the call. The thread also syncs it
@@ -39,11 +44,15 @@ from ..errors import StoreError
 from . import change_log
 from .change_log import ChangeLogDamage
 from .index import REC_BYTES, foreign_records
+from .index_check import STOPPED
+from .walked_keys import walked_hashes
 
 log = logging.getLogger("umbp_nvme.store")
 
 POLL_S = 0.05  # the thread's sync of an idle follower
 CHUNK = 1 << 13  # keys read per read transaction while building (~2 ms of the GIL, then a yield)
+ADD_STEP = 1 << 15  # walked hashes added per call (<= ~10 ms of the GIL as the set's pages first fault, then a yield)
+PAGE_WALK = True  # build from a page walk of a snapshot (index_check.walk_tree); False: chunks from LMDB
 RETRY_S, RETRY_MAX_S = 1.0, 60.0  # after a failed build or sync, doubling
 
 
@@ -57,6 +66,7 @@ class FollowerKeys:
         self._synced = 0  # the snapshot the set equals
         self._off = weakref.WeakSet()  # handles whose log is damaged: LMDB only
         self._stop = threading.Event()
+        self._halt = bytearray(1)  # the page walk's stop flag (native: read without the GIL)
         self._thread: threading.Thread | None = None
 
     # --- lookups (any thread, inside the watch's read of ``ix``) ---
@@ -153,22 +163,34 @@ class FollowerKeys:
                 self._turn_off(ix, str(e))
 
     def _build(self, ix) -> None:
-        """Chunks of ``ix``'s keys into a new set, then the log replayed from where they began."""
+        """``ix``'s keys into a new set (a page walk, else chunks), then the log replayed from where they began."""
         t0, seed, count = ix.read_log(_start_point)
         if seed is None:  # a file whose last writer kept no log: nothing to keep a set on
             return
         new = HashSet(seed)
         new.reserve(min(count, os.path.getsize(ix.path) // 16))  # a count read from the file: no entry is under 16 B
+        t1, walked = ix.walk_objects(seed, self._halt) if PAGE_WALK else (t0, None)
+        if walked == STOPPED:
+            return
+        if isinstance(walked, str):  # a damaged page: LMDB's own reads of it are not safe to run whole
+            raise ChangeLogDamage(f"the index's objects tree is damaged ({walked})")
+        if walked is not None:
+            t0, (hashes, keep) = t1, walked_hashes(walked)
+            for lo in range(0, len(hashes), ADD_STEP):
+                new.add(hashes[lo : lo + ADD_STEP][keep[lo : lo + ADD_STEP]])
+                time.sleep(0)  # lookups waiting for the GIL go first
+                if self._stop.is_set():
+                    return
         start = None
-        while not self._stop.is_set():
+        while walked is None and not self._stop.is_set():
             hashes, start = ix.read_log(lambda txn, o, m, c: read_chunk(txn, o, seed, start))
             new.add(hashes)
             if start is None:
                 break
-            time.sleep(0)  # lookups waiting for the GIL go first
+            time.sleep(0)
             if self._watch_moved(ix):
                 return
-        else:
+        if self._stop.is_set():
             return
         with self._lock:
             self._set, self._for, self._synced = new, ix, t0
@@ -183,6 +205,7 @@ class FollowerKeys:
     def stop(self) -> None:
         """Stop the thread and wait for it (before the watch closes its handles)."""
         self._stop.set()
+        self._halt[0] = 1
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join()

@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import IndexDamagedError, StoreError
 from ..keybytes import decode_keys
 from . import change_log
-from .index_check import IndexFileDamage, check_index_file, check_own_file  # noqa: F401 - re-exported
+from .index_check import IndexFileDamage, check_index_file, check_own_file, walk_tree  # noqa: F401 - re-exported
 from .file_ident import aside_name, file_id, opened_id
 from .index_room import MapRoom, in_place_fs
 from .key_checks import key_crcs  # noqa: F401 - re-exported
@@ -69,6 +69,7 @@ _META_NEXT_GEN = b"next_generation"
 _META_WRITER_STATE = b"writer_state"
 _META_GEN_BOUND = b"generation_bound"  # no generation handed out reaches it (clock.py)
 _U64 = struct.Struct("<Q")
+_U16 = struct.Struct("<H")
 _LOG_OPS = 4  # the change log's entry, its trim and the meta records it sets
 _first = operator.itemgetter(0)
 
@@ -461,6 +462,21 @@ class Index:
                 return fn(txn, self._objects, self._meta, self._changes)
         except lmdb.Error as e:
             raise wrap_lmdb_error(self.path, e, "reading the change log") from None
+
+    def walk_objects(self, seed: int, stop: bytearray):
+        """(snapshot id, ``index_check.walk_tree`` of ``objects`` at that snapshot): its keys hashed
+        with ``seed`` by the C page walk, holding the snapshot while it walks (follower_keys.py)."""
+        flags_at, crc_at = REC_DTYPE.fields["flags"][1], REC_DTYPE.fields["key_crc"][1]
+        try:
+            with self._read_txn(None) as txn:
+                raw = txn.get(b"objects")  # the main database's record of it: MDB_db, root and depth
+                if raw is None or len(raw) != 48:
+                    return txn.id(), "the objects database's record is missing or damaged"
+                depth, root = _U16.unpack_from(raw, 6)[0], _U64.unpack_from(raw, 40)[0]
+                return txn.id(), walk_tree(self.path, self.file_identity(), txn.stat(self._objects)["psize"], root,
+                                           depth, seed, (flags_at, crc_at, FLAG_KEYCRC), stop)  # fmt: skip
+        except lmdb.Error as e:
+            raise wrap_lmdb_error(self.path, e, "walking its objects") from None
 
     def next_generation(self) -> int:
         try:

@@ -202,6 +202,41 @@ def walk_pages_native(buf, psize: int, last_pg: int, roots, capture=None) -> str
     return None
 
 
+STOPPED = "stopped"  # walk_tree's answer when its caller's stop flag ended it (native/lmdbwalk.c)
+
+
+def walk_tree(path: str, ident, psize: int, root: int, depth: int, seed: int, rec_check, stop: bytearray):
+    """A follower's snapshot of one database: the C walk of the tree at ``root`` in the file at
+    ``path``, its keys hashed with ``seed`` and its records checked in place (``rec_check``: flags
+    offset, key CRC offset, flag), none copied: (hashes, lengths, CRCs, bits) as bytes, or why the
+    tree is unsafe (str). None when the C walk is missing or the file at ``path`` is not ``ident``
+    (st_dev, st_ino), the one the caller's read snapshot names. That snapshot, held for the call,
+    keeps the file's writer from reusing any page of the tree meanwhile. ``stop[0]`` set by another
+    thread ends the walk early: STOPPED."""
+    import mmap
+
+    if _native_walk is None or ident is None:
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != tuple(ident):
+            return None
+        last_pg = st.st_size // psize - 1
+        if last_pg < 1:
+            return "the file is shorter than two pages"
+        mm = mmap.mmap(fd, (last_pg + 1) * psize, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        got = _native_walk(mm, psize, last_pg, _P_INVALID, 0, root, depth, None, seed, True, rec_check, stop)
+    finally:
+        mm.close()
+    if got is None:  # an empty database has no tree
+        return b"", b"", b"", b""
+    return got if isinstance(got, str) else got[1:5]
+
+
 class _Bad(Exception):
     """Why the walk stops: the message is ``walk_pages``'s answer."""
 

@@ -26,7 +26,23 @@ from .records import KEY_INLINE
 
 log = logging.getLogger("umbp_nvme.store")
 
-ORDER_BREAK = 2  # the walk's bits: 1 the value is record-sized, 2 the key is not above the one before
+# the walk's bits per node: the value is record-sized, the key is not above the one before, the
+# record is not its key's (a follower's walk, which checks records in place: Index.walk_objects)
+RECORD, ORDER_BREAK, FOREIGN = 1, 2, 4
+
+
+def drop_breaks(keep: np.ndarray, breaks: np.ndarray) -> None:
+    """LMDB keeps keys strictly ascending: both sides of each break are dropped (as Index.scan)."""
+    keep[breaks] = keep[breaks - 1] = False
+
+
+def walked_hashes(got) -> tuple[np.ndarray, np.ndarray]:
+    """(hashes, keep) of a follower's walk (index_check.walk_tree): keep says whose keys ``Index.scan`` would keep."""
+    hashes, _, _, bits = got
+    bits = np.frombuffer(bits, np.uint8)
+    keep = (bits & (RECORD | FOREIGN)) == RECORD
+    drop_breaks(keep, np.flatnonzero(bits & ORDER_BREAK))
+    return np.frombuffer(hashes, np.uint64), keep
 
 
 class HashedKeys:
@@ -99,7 +115,7 @@ def scan_capture(got: dict, path: str):
         hashes, klen = np.frombuffer(hashes, np.uint64), np.frombuffer(klen, np.uint16)
         bits = np.frombuffer(bits, np.uint8)
         breaks = np.flatnonzero(bits & ORDER_BREAK)
-        is_rec = (bits & 1).astype(bool)
+        is_rec = (bits & RECORD).astype(bool)
         crcs = np.frombuffer(crcs, np.uint32)
         keys = HashedKeys(hashes, klen, got["seed"], (mm, psize, last_pg, pages))
     else:
@@ -116,8 +132,8 @@ def scan_capture(got: dict, path: str):
         packed = (base, starts, klen)
     n, damage = len(keys), None
     keep = np.ones(n, bool)
-    if len(breaks):  # LMDB keeps keys strictly ascending: drop both sides of each break (as scan)
-        keep[breaks] = keep[breaks - 1] = False
+    if len(breaks):
+        drop_breaks(keep, breaks)
         damage = f"{int((~keep).sum())} keys out of order (damaged nodes)"
     if not is_rec.all():
         log.warning("%s: %d index records have a bad size; ignoring them", path, int((~is_rec).sum()))
