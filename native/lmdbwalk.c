@@ -224,42 +224,56 @@ static void want_huge_pages(void *p, size_t n) {
 #endif
 }
 
+/* The captured leaves' nodes in key order, one at a time: pages the walk checked, so no bound is
+ * re-checked (fill_capture, fill_hashed). NULL at the end. */
+typedef struct {
+    size_t p;
+    uint64_t i, nk;
+    const uint8_t *page;
+} leaf_cursor;
+
+static inline const uint8_t *next_leaf_node(const walker *w, leaf_cursor *c, uint64_t *ksize, uint8_t *rec) {
+    while (c->i >= c->nk) {
+        if (c->p >= w->cap_pages.n / 8) return NULL;
+        uint64_t pg;
+        memcpy(&pg, w->cap_pages.p + 8 * c->p++, 8);
+        c->page = w->buf + pg * w->psize;
+        c->nk = (rd16(c->page + 12) - 16) / 2;
+        c->i = 0;
+    }
+    const uint8_t *node = c->page + rd16(c->page + 16 + 2 * c->i++);
+    uint64_t dsize = rd16(node) | ((uint64_t)rd16(node + 2) << 16);
+    *ksize = rd16(node + 6);
+    *rec = !(rd16(node + 4) & F_BIGDATA) && dsize == REC_BYTES;
+    return node;
+}
+
 /* The captured leaves into klen (int64 per node), keys (back to back), isrec (uint8 per node),
- * recs (48 bytes per record-sized value): pages the walk checked, so no bound is re-checked. */
+ * recs (48 bytes per record-sized value). */
 static void fill_capture(const walker *w, int64_t *klen, uint8_t *keys, uint8_t *isrec, uint8_t *recs) {
-    size_t n = w->cap_pages.n / 8;
     /* the counts bound every copy: pages that changed since the walk (they cannot while this
      * process holds the writer lock) could only come out short, never write past the outputs */
     size_t nodes = w->n_nodes, key_bytes = w->n_key_bytes, n_recs = w->n_recs;
-    for (size_t p = 0; p < n; p++) {
-        uint64_t pg;
-        memcpy(&pg, w->cap_pages.p + 8 * p, 8);
-        const uint8_t *page = w->buf + pg * w->psize;
-        uint64_t nk = (rd16(page + 12) - 16) / 2;
-        for (uint64_t i = 0; i < nk; i++) {
-            const uint8_t *node = page + rd16(page + 16 + 2 * i);
-            uint64_t dsize = rd16(node) | ((uint64_t)rd16(node + 2) << 16), ksize = rd16(node + 6);
-            uint8_t rec = !(rd16(node + 4) & F_BIGDATA) && dsize == REC_BYTES;
-            if (!nodes || ksize > key_bytes || (rec && !n_recs)) return;
-            nodes--;
-            key_bytes -= ksize;
-            n_recs -= rec;
-            *klen++ = (int64_t)ksize;
-            memcpy(keys, node + 8, ksize);
-            keys += ksize;
-            *isrec++ = rec;
-            if (rec) {
-                memcpy(recs, node + 8 + ksize, REC_BYTES);
-                recs += REC_BYTES;
-            }
+    leaf_cursor c = {0};
+    uint64_t ksize;
+    uint8_t rec;
+    const uint8_t *node;
+    while ((node = next_leaf_node(w, &c, &ksize, &rec)) != NULL) {
+        if (!nodes || ksize > key_bytes || (rec && !n_recs)) return;
+        nodes--;
+        key_bytes -= ksize;
+        n_recs -= rec;
+        *klen++ = (int64_t)ksize;
+        memcpy(keys, node + 8, ksize);
+        keys += ksize;
+        *isrec++ = rec;
+        if (rec) {
+            memcpy(recs, node + 8 + ksize, REC_BYTES);
+            recs += REC_BYTES;
         }
     }
 }
 
-/* The captured leaves without copying their keys (a writer's open, issue 36): per node its
- * KeyIndex hash under seed, length, CRC32C and whether it breaks LMDB's order (not strictly above
- * the node before it: a shorter prefix first), the records as fill_capture's. Key bytes stay in
- * the map: node_keys reads the few an open needs (dropped records, keys longer than a record holds). */
 /* where a record says its key's CRC32C (a follower's walk keeps no records: fill_hashed checks them in
  * place and marks a record that is not its key's with FOREIGN); offsets within REC_BYTES */
 typedef struct {
@@ -267,47 +281,46 @@ typedef struct {
 } rec_check;
 #define FOREIGN 4
 
+/* The captured leaves without copying their keys (a writer's open, issue 36): per node its
+ * KeyIndex hash under seed, length, CRC32C and whether it breaks LMDB's order (not strictly above
+ * the node before it: a shorter prefix first), the records as fill_capture's (or, with rc, checked
+ * in place). Key bytes stay in the map: node_keys reads the few an open needs (dropped records,
+ * keys longer than a record holds). -1 when the caller's stop flag ended it. */
 static int fill_hashed(const walker *w, uint64_t seed, uint64_t *hash, uint16_t *klen, uint32_t *crc, uint8_t *isrec,
                        uint8_t *recs, const rec_check *rc) {
-    size_t n = w->cap_pages.n / 8, nodes = w->n_nodes, n_recs = w->n_recs;
+    size_t nodes = w->n_nodes, n_recs = w->n_recs;
     const uint8_t *prev = NULL;
-    uint64_t plen = 0;
-    for (size_t p = 0; p < n; p++) {
-        if (w->stop != NULL && *w->stop) return -1;
-        uint64_t pg;
-        memcpy(&pg, w->cap_pages.p + 8 * p, 8);
-        const uint8_t *page = w->buf + pg * w->psize;
-        uint64_t nk = (rd16(page + 12) - 16) / 2;
-        for (uint64_t i = 0; i < nk; i++) {
-            const uint8_t *node = page + rd16(page + 16 + 2 * i);
-            uint64_t dsize = rd16(node) | ((uint64_t)rd16(node + 2) << 16), ksize = rd16(node + 6);
-            uint8_t rec = !(rd16(node + 4) & F_BIGDATA) && dsize == REC_BYTES;
-            if (!nodes || (rec && !n_recs)) return 0; /* the counts bound the outputs (fill_capture) */
-            nodes--;
-            n_recs -= rec;
-            const uint8_t *key = node + 8;
-            uint8_t bits = rec;
-            if (prev != NULL) {
-                int c = memcmp(prev, key, plen < ksize ? plen : ksize);
-                bits |= (uint8_t)((c > 0 || (c == 0 && plen >= ksize)) << 1);
-            }
-            prev = key;
-            plen = ksize;
-            *hash++ = key_hash(seed, ~0ULL, (const char *)key, ksize);
-            *klen++ = (uint16_t)ksize;
-            *crc++ = umbp_crc32c(0, key, ksize, 0);
-            if (rec && rc != NULL) {
-                const uint8_t *r = node + 8 + ksize;
-                uint32_t f, kc;
-                memcpy(&f, r + rc->flags_at, 4);
-                memcpy(&kc, r + rc->crc_at, 4);
-                bits |= (uint8_t)(((f & rc->flag) && kc != crc[-1]) ? FOREIGN : 0);
-            } else if (rec) {
-                memcpy(recs, node + 8 + ksize, REC_BYTES);
-                recs += REC_BYTES;
-            }
-            *isrec++ = bits;
+    uint64_t plen = 0, ksize;
+    uint8_t rec;
+    leaf_cursor c = {0};
+    const uint8_t *node;
+    while ((node = next_leaf_node(w, &c, &ksize, &rec)) != NULL) {
+        if ((nodes & 4095) == 0 && w->stop != NULL && *w->stop) return -1;
+        if (!nodes || (rec && !n_recs)) return 0; /* the counts bound the outputs (fill_capture) */
+        nodes--;
+        n_recs -= rec;
+        const uint8_t *key = node + 8;
+        uint8_t bits = rec;
+        if (prev != NULL) {
+            int cmp = memcmp(prev, key, plen < ksize ? plen : ksize);
+            bits |= (uint8_t)((cmp > 0 || (cmp == 0 && plen >= ksize)) << 1);
         }
+        prev = key;
+        plen = ksize;
+        *hash++ = key_hash(seed, ~0ULL, (const char *)key, ksize);
+        *klen++ = (uint16_t)ksize;
+        *crc++ = umbp_crc32c(0, key, ksize, 0);
+        if (rec && rc != NULL) {
+            const uint8_t *r = key + ksize;
+            uint32_t f, kc;
+            memcpy(&f, r + rc->flags_at, 4);
+            memcpy(&kc, r + rc->crc_at, 4);
+            bits |= (uint8_t)(((f & rc->flag) && kc != crc[-1]) ? FOREIGN : 0);
+        } else if (rec) {
+            memcpy(recs, key + ksize, REC_BYTES);
+            recs += REC_BYTES;
+        }
+        *isrec++ = bits;
     }
     return 0;
 }
@@ -342,7 +355,8 @@ static int walk_tree(walker *w, tree *t, tree *subs, int *nsubs, span *sp) {
     return rc;
 }
 
-/* (True, hashes u64, lengths u16, crcs u32, bits u8 (1 record, 2 order break), records, leaf pages u64) */
+/* (True, hashes u64, lengths u16, crcs u32, bits u8 (1 record, 2 order break, 4 foreign), records, leaf
+ * pages u64), or STOPPED */
 static PyObject *hashed_capture(const walker *w, uint64_t seed, const rec_check *rc) {
     size_t n = w->n_nodes;
     PyObject *h = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 * n));

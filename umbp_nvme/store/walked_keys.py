@@ -1,4 +1,4 @@
-"""A writer's open scan from its page walk (index_check.py): the records and keys the walk read.
+"""What the C page walk read of ``objects`` (index_check.py): a writer's open scan, a follower's key set.
 
 The walk before a writer's open reads every leaf of the ``objects`` database already, so the
 open scans nothing twice. Given the key table's seed, the walk (native/lmdbwalk.c) hands over
@@ -11,7 +11,9 @@ from the walk's map of the file. The map shows what was walked until the open's 
 changes its tree. So the open reads those bytes first and then ``release``s the map.
 
 Without the native walk (an extension built before it) the capture holds the keys' bytes
-(``PackedKeys``), checked the same way.
+(``PackedKeys``), checked the same way. A follower's key set (follower_keys.py) walks one read
+snapshot's tree the same way and keeps only the hashes of the keys a scan would keep
+(``walked_hashes``).
 """
 
 from __future__ import annotations
